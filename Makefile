@@ -1,0 +1,49 @@
+# pd-proxy: the two commands are `make demo` and `make test`; everything they need is set up here.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
+MODEL_DIR ?= .cache/tiny-llama
+PY := $(VENV)/bin/python
+export PD_VLLM_VENV := $(abspath $(VLLM_VENV))
+export PD_MODEL_DIR := $(abspath $(MODEL_DIR))
+
+.PHONY: all venv vllm model lint test test-fast demo up clean
+
+all: test
+
+# The project's own environment (editable install with the dev extras). Redone only when
+# pyproject.toml changes.
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check --upgrade pip
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+# The real vLLM runtime (CPU build + NIXL), apart from the project's environment. The script is
+# idempotent: a second run sees the finished environment and does nothing.
+vllm:
+	bash workers/install_vllm.sh $(VLLM_VENV)
+
+# The tiny local Llama (tokenizer + random weights), built deterministically; skipped when present.
+model: venv
+	$(PY) -m workers.model build --out $(MODEL_DIR)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy .
+
+# Everything: lint, unit, simulator-backed and real-vLLM end-to-end tests.
+test: venv vllm model lint
+	$(PY) -m pytest
+
+# Without the real-vLLM end-to-end tests.
+test-fast: venv lint
+	$(PY) -m pytest -m 'not vllm'
+
+demo: venv vllm model
+	$(PY) -m workers.demo --model $(MODEL_DIR)
+
+clean:
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache
