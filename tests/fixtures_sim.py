@@ -1,0 +1,1 @@
+"""Fixtures that run pd-sim workers on loopback (filled in by the pd-sim work)."""
