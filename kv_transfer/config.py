@@ -1,0 +1,159 @@
+"""Launch-time configuration of P/D workers: the ``--kv-transfer-config`` JSON and the worker environment.
+
+One function per concern, both pure (no I/O), so a launcher, a compose file generator and tests share them:
+
+- :func:`kv_transfer_config` gives the NixlConnector config for a worker role (``None`` for an
+  aggregated worker, which runs without a KV connector). Its :meth:`NixlConfig.to_json` is the
+  ``--kv-transfer-config`` argument, e.g. ``{"kv_connector":"NixlConnector","kv_role":"kv_producer",
+  "kv_buffer_device":"cpu"}`` (SPEC.md section 3; the traces' exact shape).
+- :func:`worker_env` gives the environment variables a worker needs on top of the inherited ones:
+  the NIXL side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, unique per worker on a host) for
+  P/D roles, and either CPU settings (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``) or
+  ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+
+WorkerRole = Literal["prefill", "decode", "aggregated"]
+KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+Device = Literal["cpu", "cuda"]
+
+NIXL_CONNECTOR: Final = "NixlConnector"
+# vLLM's NixlConnector default lease on KV blocks held for a decode that has not pulled them yet.
+DEFAULT_LEASE_SECONDS: Final = 30
+ROLE_TO_KV_ROLE: Final[Mapping[str, KvRole]] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+class NixlConfig(BaseModel):
+    """A NixlConnector ``--kv-transfer-config``. Immutable; unknown fields are rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kv_role: KvRole
+    kv_buffer_device: Device = "cpu"
+    kv_lease_duration: int | None = Field(default=None, gt=0)
+    """Seconds P keeps KV blocks pinned for a decode that has not pulled them (vLLM's default is 30)."""
+    extra: dict[str, JsonValue] = Field(default_factory=dict)
+    """More ``kv_connector_extra_config`` entries, passed through unchanged."""
+
+    @model_validator(mode="after")
+    def _lease_not_twice(self) -> NixlConfig:
+        if self.kv_lease_duration is not None and "kv_lease_duration" in self.extra:
+            raise ValueError("kv_lease_duration given both as a field and in extra")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """vLLM's ``KVTransferConfig`` fields; ``kv_connector_extra_config`` only when non-empty."""
+        out: dict[str, Any] = {
+            "kv_connector": NIXL_CONNECTOR,
+            "kv_role": self.kv_role,
+            "kv_buffer_device": self.kv_buffer_device,
+        }
+        extra: dict[str, Any] = dict(self.extra)
+        if self.kv_lease_duration is not None:
+            extra["kv_lease_duration"] = self.kv_lease_duration
+        if extra:
+            out["kv_connector_extra_config"] = extra
+        return out
+
+    def to_json(self) -> str:
+        """The value of ``vllm serve --kv-transfer-config`` (compact JSON)."""
+        return json.dumps(self.as_dict(), separators=(",", ":"))
+
+    def cli_args(self) -> list[str]:
+        return ["--kv-transfer-config", self.to_json()]
+
+
+def kv_transfer_config(
+    role: WorkerRole,
+    *,
+    device: Device = "cpu",
+    lease_seconds: int | None = None,
+    kv_both: bool = False,
+    extra: Mapping[str, JsonValue] | None = None,
+) -> NixlConfig | None:
+    """The NixlConnector config for a worker ``role``: producer for prefill, consumer for decode.
+
+    ``kv_both`` gives both P/D roles ``kv_role: "kv_both"`` (works, deprecated in vLLM 0.33).
+    An aggregated worker gets ``None``: it runs without a KV connector.
+    """
+    if role == "aggregated":
+        return None
+    kv_role: KvRole = "kv_both" if kv_both else ROLE_TO_KV_ROLE[role]
+    return NixlConfig(
+        kv_role=kv_role, kv_buffer_device=device, kv_lease_duration=lease_seconds, extra=dict(extra or {})
+    )
+
+
+class WorkerEnv(BaseModel):
+    """What :func:`worker_env` needs to know about one worker."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: WorkerRole
+    device: Device = "cpu"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int | None = Field(default=None, ge=1, le=65535)
+    cpu_cores: tuple[int, ...] | None = None
+    """CPU: cores this worker's OpenMP threads are bound to; None lets vLLM choose ("auto")."""
+    kvcache_gib: int = Field(default=1, gt=0)
+    """CPU: GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``); without it start-up fails on memory here."""
+    cuda_devices: tuple[int, ...] | None = None
+    """GPU: the devices this worker sees (``CUDA_VISIBLE_DEVICES``); None leaves the variable alone."""
+
+    @field_validator("cpu_cores", "cuda_devices")
+    @classmethod
+    def _ids(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("must name at least one id (or be None)")
+            if any(i < 0 for i in value) or len(set(value)) != len(value):
+                raise ValueError("ids must be distinct and non-negative")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkerEnv:
+        if self.role != "aggregated" and self.side_channel_port is None:
+            raise ValueError(f"a {self.role} worker needs its own NIXL side-channel port")
+        if self.device == "cpu" and self.cuda_devices is not None:
+            raise ValueError("cuda_devices given for a CPU worker")
+        if self.device == "cuda" and self.cpu_cores is not None:
+            raise ValueError("cpu_cores given for a CUDA worker")
+        if not self.side_channel_host:
+            raise ValueError("side_channel_host must not be empty")
+        return self
+
+
+def worker_env(spec: WorkerEnv) -> dict[str, str]:
+    """The environment variables to add to the inherited environment for one worker."""
+    env: dict[str, str] = {}
+    if spec.role != "aggregated":
+        assert spec.side_channel_port is not None  # checked by WorkerEnv
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.side_channel_host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
+    if spec.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kvcache_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = (
+            "auto" if spec.cpu_cores is None else ",".join(str(c) for c in spec.cpu_cores)
+        )
+    elif spec.cuda_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.cuda_devices)
+    return env
+
+
+def round_robin_cores(index: int, cores: Sequence[int], per_worker: int = 1) -> tuple[int, ...]:
+    """Cores for the ``index``-th worker when workers take ``per_worker`` cores each, wrapping around."""
+    if not cores:
+        raise ValueError("no cores to assign")
+    if not 0 < per_worker <= len(cores):
+        raise ValueError(f"per_worker must be between 1 and {len(cores)}")
+    if index < 0:
+        raise ValueError("index must be non-negative")
+    start = index * per_worker
+    return tuple(cores[(start + k) % len(cores)] for k in range(per_worker))
