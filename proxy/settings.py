@@ -1,0 +1,66 @@
+"""``ProxySettings``: every knob of pd-proxy in one frozen dataclass (the CLI fills it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+PrefillFailurePolicy = Literal["fail", "decode-only"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """Guards ``/inference/*`` (and ``/debug/*``, and by default the legacy abort path)."""
+    upstream_api_key: str | None = None
+    """Sent to the workers as ``Authorization: Bearer``."""
+    decode_tokens_only: bool = False
+    """The decode pool runs ``--tokens-only``: text mode and stop strings are rejected up front."""
+    max_num_seqs: int | None = None
+    """When set, ``sampling_params.n`` above it is rejected up front (vLLM's message)."""
+    prefill_failure_policy: PrefillFailurePolicy = "fail"
+    """What to do when the prefill hop fails or returns no usable ``kv_transfer_params``:
+    ``fail`` with a 502 naming the worker, or run the request on a decode worker alone."""
+    rewrite_remote_host: bool = True
+    """Replace a loopback/unspecified ``remote_host`` advertised by a prefill worker with the
+    host the proxy reached that worker at (when that host is not loopback itself)."""
+    report_cached_tokens: bool = True
+    """Non-stream: put the prefill worker's cached prompt tokens into
+    ``usage.prompt_tokens_details`` when the decode worker reports none."""
+    connect_timeout: float = 5.0
+    prefill_timeout: float = 300.0
+    """Whole prefill hop (a non-streaming call)."""
+    decode_timeout: float = 600.0
+    """Whole non-streaming decode hop."""
+    stream_idle_timeout: float = 120.0
+    """Longest gap between two reads of a decode stream."""
+    control_timeout: float = 5.0
+    """Abort calls, KV releases and health probes."""
+    abort_grace: float = 2.0
+    """After forwarding an abort to a decode worker, how long its stream may take to send
+    its final ``abort`` chunk before the proxy ends the client's stream itself."""
+    drain_timeout: float = 30.0
+    """On shutdown, how long in-flight requests may take before they are ended."""
+    slow_reader_max_bytes: int = 8 * 1024 * 1024
+    """Bytes that may queue for one slow streaming client before its stream is aborted."""
+    abort_unknown_broadcast: bool = True
+    """An abort naming an id this proxy does not know goes to every worker of both pools."""
+    legacy_abort_mirror_vllm: bool = False
+    """Serve ``POST /abort_requests`` WITHOUT checking the API key, as vLLM's --tokens-only
+    server does. Unsafe: anyone who can reach the proxy can then abort any request by id
+    (ids are often predictable or logged), a denial of service on every tenant."""
+    lease_duration: float = 30.0
+    """The prefill workers' ``kv_lease_duration`` (ledger expiry when nothing else closes it)."""
+    ledger_recent: int = 512
+    hold_between_hops: float = 0.0
+    """TEST ONLY: wait this long in the KV_HELD state (prefill done, decode not sent) so that
+    tests can open that window reliably. Never set it in production."""
+    extra_health_info: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError("at least one prefill and one decode URL are required")

@@ -1,0 +1,128 @@
+"""The transport seam: every byte the proxy exchanges with a worker goes through ``Upstream``.
+
+One pooled keep-alive ``aiohttp.ClientSession`` per process (created and closed by the app's
+``cleanup_ctx``), a timeout on every call, and transport errors translated once into the
+``proxy.errors.UpstreamError`` tree, naming the hop and the worker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from proxy.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, *, api_key: str | None,
+                 connect_timeout: float) -> None:
+        self.session = session
+        self.connect_timeout = connect_timeout
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def _timeout(self, total: float | None, sock_read: float | None = None) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout,
+                                     connect=self.connect_timeout, sock_read=sock_read)
+
+    async def open(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
+                   total: float | None, sock_read: float | None = None) -> aiohttp.ClientResponse:
+        """POST a generate body and return the response once its headers arrived (status 2xx).
+
+        The caller owns the response (``close()`` it). Error statuses are read and raised.
+        """
+        headers = dict(self._headers)
+        headers["X-Request-Id"] = request_id
+        try:
+            resp = await self.session.post(
+                worker + GENERATE_PATH, data=_dumps(body), headers=headers,
+                timeout=self._timeout(total, sock_read),
+            )
+        except TimeoutError:
+            raise UpstreamTimeout(hop, worker, "timed out before answering") from None
+        except aiohttp.ClientError as e:
+            raise UpstreamUnavailable(hop, worker, f"unreachable ({type(e).__name__})") from None
+        if resp.status >= 400:
+            try:
+                payload = await resp.read()
+            except (TimeoutError, aiohttp.ClientError):
+                payload = b""
+            finally:
+                resp.release()
+            raise UpstreamStatusError(hop, worker, resp.status, payload,
+                                      resp.headers.get("Content-Type", "application/json"))
+        return resp
+
+    async def read_json(self, hop: str, worker: str, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        try:
+            raw = await resp.read()
+        except TimeoutError:
+            raise UpstreamTimeout(hop, worker, "timed out while answering") from None
+        except aiohttp.ClientError as e:
+            raise UpstreamUnavailable(hop, worker, f"connection lost ({type(e).__name__})") from None
+        finally:
+            resp.release()
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            raise UpstreamProtocolError(hop, worker, "answered a body that is not JSON") from None
+        if not isinstance(obj, dict):
+            raise UpstreamProtocolError(hop, worker, "answered JSON that is not an object")
+        return obj
+
+    async def post_generate(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
+                            total: float) -> dict[str, Any]:
+        resp = await self.open(hop, worker, body, request_id=request_id, total=total)
+        return await self.read_json(hop, worker, resp)
+
+    async def iter_chunks(self, hop: str, worker: str,
+                          resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The body of a streaming response as it arrives, errors translated."""
+        try:
+            async for chunk in resp.content.iter_any():
+                yield chunk
+        except TimeoutError:
+            raise UpstreamTimeout(hop, worker, "stream stalled") from None
+        except aiohttp.ClientError as e:
+            raise UpstreamUnavailable(hop, worker, f"stream broken ({type(e).__name__})") from None
+
+    async def abort(self, worker: str, request_ids: list[str], *, limit: float) -> bool:
+        """Tell a worker to abort ids; True when it answered 200."""
+        try:
+            async with self.session.post(
+                worker + ABORT_PATH, data=_dumps({"request_ids": request_ids}),
+                headers=self._headers, timeout=self._timeout(limit),
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def health(self, worker: str, *, limit: float) -> bool:
+        try:
+            async with self.session.get(worker + "/health", headers=self._headers,
+                                        timeout=self._timeout(limit)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+
+__all__ = ["ABORT_PATH", "GENERATE_PATH", "Upstream", "UpstreamError"]
