@@ -1,0 +1,47 @@
+"""pd-bench: TTFT/ITL benchmarks for ``POST /inference/v1/generate`` (vLLM or pd-proxy).
+
+Python API (what ``pd-bench`` and ``make demo`` use)::
+
+    from benchmarks import BenchConfig, DatasetConfig, run_benchmark, summary_text
+    result = run_benchmark(BenchConfig(url="http://127.0.0.1:8000", max_concurrency=2,
+                                       dataset=DatasetConfig(num_requests=20, input_len=128, output_len=16),
+                                       result_dir="results/demo"))
+    print(summary_text(result))
+
+pd-bench speaks HTTP only; it imports nothing of ``proxy`` or ``workers``.
+"""
+
+from benchmarks.datasets import DatasetConfig, RequestSpec
+from benchmarks.records import RequestRecord
+from benchmarks.runner import (
+    BenchConfig,
+    BenchResult,
+    CompareResult,
+    ConfigError,
+    SweepResult,
+    arun_benchmark,
+    arun_compare,
+    arun_sweep,
+    run_benchmark,
+    run_compare,
+    run_sweep,
+    summary_text,
+)
+
+__all__ = [
+    "BenchConfig",
+    "BenchResult",
+    "CompareResult",
+    "ConfigError",
+    "DatasetConfig",
+    "RequestRecord",
+    "RequestSpec",
+    "SweepResult",
+    "arun_benchmark",
+    "arun_compare",
+    "arun_sweep",
+    "run_benchmark",
+    "run_compare",
+    "run_sweep",
+    "summary_text",
+]

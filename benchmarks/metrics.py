@@ -1,0 +1,207 @@
+"""The metric arithmetic, pure: records in, numbers out. Definitions (also in benchmarks/README.md):
+
+- TTFT: time from sending the request to the arrival of the first chunk that carries an output token.
+- ITL (``itl``): the gap between the arrival of consecutive token-bearing chunks (vllm bench serve's ITL).
+- Per-token ITL (``itl_token``): each chunk after the first contributes its gap divided by its token
+  count, once per token (tokens of the first chunk contribute nothing).
+- TPOT: (E2E - TTFT) / (output tokens - 1), for requests with at least two output tokens.
+- E2E (``e2el``): time from sending the request to the end of the answer (``data: [DONE]`` or body end).
+- request/output/total-token throughput: completed requests, their output tokens, their prompt plus
+  output tokens, each divided by the run's duration (first send to last answer).
+- goodput: completed requests that met every given SLO, divided by the duration.
+
+Statistics follow vllm bench serve: ``numpy.mean``, ``numpy.median``, population ``numpy.std`` and
+``numpy.percentile`` (linear interpolation); a metric with no values reports ``null``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any, Final
+
+import numpy as np
+
+from benchmarks.records import FAILURE_KINDS, RequestRecord
+
+DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
+LATENCY_METRICS: Final = ("ttft", "tpot", "itl", "itl_token", "e2el")
+GOODPUT_KEYS: Final = ("ttft", "tpot", "e2el")
+HOP_ORDER: Final = ("queue", "prefill", "handoff", "decode_ttft")
+
+
+class GoodputSpecError(ValueError):
+    pass
+
+
+def chunk_itls(chunk_times: Sequence[float]) -> list[float]:
+    """Gaps between consecutive token-bearing chunks."""
+    return [b - a for a, b in pairwise(chunk_times)]
+
+
+def token_itls(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
+    """Each later chunk's gap spread evenly over the tokens it carries."""
+    if len(chunk_times) != len(chunk_tokens):
+        raise ValueError("chunk_times and chunk_tokens differ in length")
+    out: list[float] = []
+    for i in range(1, len(chunk_times)):
+        k = chunk_tokens[i]
+        if k > 0:
+            out.extend([(chunk_times[i] - chunk_times[i - 1]) / k] * k)
+    return out
+
+
+def tpot(e2e: float | None, ttft: float | None, output_tokens: int) -> float | None:
+    if e2e is None or ttft is None or output_tokens < 2:
+        return None
+    return (e2e - ttft) / (output_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    mean: float
+    median: float
+    std: float
+    percentiles: dict[float, float]
+
+
+def stats(values: Sequence[float], percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> Stats | None:
+    if not values:
+        return None
+    arr = np.asarray(values, dtype=np.float64)
+    return Stats(
+        mean=float(np.mean(arr)),
+        median=float(np.median(arr)),
+        std=float(np.std(arr)),
+        percentiles={p: float(np.percentile(arr, p)) for p in percentiles},
+    )
+
+
+def percentile_word(p: float) -> str:
+    """99.0 -> "99", 99.9 -> "99.9" (vllm's key spelling)."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def stats_keys(
+    name: str, st: Stats | None, percentiles: Sequence[float], scale: float = 1000.0
+) -> dict[str, Any]:
+    """``mean_<name>_ms``, ``median_``, ``std_``, ``p<P>_`` (values ``None`` when there are none)."""
+    out: dict[str, Any] = {
+        f"mean_{name}_ms": None if st is None else st.mean * scale,
+        f"median_{name}_ms": None if st is None else st.median * scale,
+        f"std_{name}_ms": None if st is None else st.std * scale,
+    }
+    for p in percentiles:
+        out[f"p{percentile_word(p)}_{name}_ms"] = None if st is None else st.percentiles[p] * scale
+    return out
+
+
+def parse_goodput(spec: str | None) -> dict[str, float]:
+    """``"ttft:500,tpot:50,e2el:2000"`` (milliseconds) -> {"ttft": 500.0, ...}."""
+    out: dict[str, float] = {}
+    if not spec:
+        return out
+    for part in spec.replace(" ", ",").split(","):
+        if not part:
+            continue
+        key, sep, raw = part.partition(":")
+        key = key.strip().lower()
+        if not sep or key not in GOODPUT_KEYS:
+            raise GoodputSpecError(
+                f"goodput entries are KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)}: {part!r}"
+            )
+        try:
+            value = float(raw)
+        except ValueError:
+            raise GoodputSpecError(f"goodput value is not a number: {part!r}") from None
+        if value <= 0:
+            raise GoodputSpecError(f"goodput value must be positive: {part!r}")
+        out[key] = value
+    return out
+
+
+def meets_slo(rec: RequestRecord, slo_ms: dict[str, float]) -> bool:
+    """A completed request meets the SLOs. Like vllm, TPOT counts as 0 below two tokens. Without a
+    stream there is no TTFT of its own: E2E stands in for it and TPOT is not checked."""
+    e2e = rec.e2e_s or 0.0
+    ttft = rec.ttft_s if rec.ttft_s is not None else e2e
+    t = tpot(rec.e2e_s, rec.ttft_s, rec.output_tokens) or 0.0
+    values = {"ttft": ttft, "tpot": t, "e2el": e2e}
+    return all(values[k] * 1000.0 <= limit for k, limit in slo_ms.items())
+
+
+def hop_names(records: Iterable[RequestRecord]) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in records:
+        for name in r.server_timing or {}:
+            seen.setdefault(name, None)
+    known = [h for h in HOP_ORDER if h in seen]
+    return known + [h for h in seen if h not in known]
+
+
+def ttft_unattributed(rec: RequestRecord) -> float | None:
+    """Client TTFT minus the proxy's queue+prefill+handoff+decode_ttft (network and relay), seconds."""
+    st = rec.server_timing
+    if rec.ttft_s is None or not st or not all(h in st for h in HOP_ORDER):
+        return None
+    return rec.ttft_s - sum(st[h] for h in HOP_ORDER) / 1000.0
+
+
+def compute_metrics(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+    goodput_ms: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The aggregate keys of the result JSON (vllm bench serve names plus pd-bench's own)."""
+    ok = [r for r in records if r.success]
+    failed = [r for r in records if not r.success]
+    per_metric: dict[str, list[float]] = {m: [] for m in LATENCY_METRICS}
+    for r in ok:
+        if r.ttft_s is not None:
+            per_metric["ttft"].append(r.ttft_s)
+        t = tpot(r.e2e_s, r.ttft_s, r.output_tokens)
+        if t is not None:
+            per_metric["tpot"].append(t)
+        if r.ttft_s is not None:
+            per_metric["itl"].extend(chunk_itls(r.chunk_times_s))
+            per_metric["itl_token"].extend(token_itls(r.chunk_times_s, r.chunk_tokens))
+        if r.e2e_s is not None:
+            per_metric["e2el"].append(r.e2e_s)
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    dur = duration_s if duration_s > 0 else float("nan")
+    counts = Counter(r.failure for r in failed)
+    out: dict[str, Any] = {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(failed),
+        "failures": {k: counts.get(k, 0) for k in FAILURE_KINDS},
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / dur,
+        "request_goodput": None,
+        "output_throughput": total_out / dur,
+        "total_token_throughput": (total_in + total_out) / dur,
+        "num_output_len_mismatch": sum(1 for r in ok if r.output_tokens != r.requested_output_len),
+    }
+    if goodput_ms:
+        good = sum(1 for r in ok if meets_slo(r, goodput_ms))
+        out["request_goodput"] = good / dur
+        out["goodput_fraction"] = good / len(records) if records else None
+        out["goodput_slos_ms"] = dict(goodput_ms)
+    for m in LATENCY_METRICS:
+        out.update(stats_keys(m, stats(per_metric[m], percentiles), percentiles))
+    # Per-hop breakdown reported by pd-proxy (already milliseconds).
+    hops = hop_names(ok)
+    out["server_timing_requests"] = sum(1 for r in ok if r.server_timing)
+    out["hops"] = hops
+    for h in hops:
+        vals = [r.server_timing[h] for r in ok if r.server_timing and h in r.server_timing]
+        out.update(stats_keys(f"hop_{h}", stats(vals, percentiles), percentiles, scale=1.0))
+    if hops:
+        un = [u for u in (ttft_unattributed(r) for r in ok) if u is not None]
+        out.update(stats_keys("ttft_unattributed", stats(un, percentiles), percentiles))
+    return out

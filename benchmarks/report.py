@@ -1,0 +1,162 @@
+"""Result files (a JSON like vllm bench serve's, a JSONL of per-request records) and text tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from benchmarks.metrics import LATENCY_METRICS, chunk_itls, percentile_word
+from benchmarks.records import RequestRecord
+
+METRIC_TITLES: Final = {
+    "ttft": "TTFT",
+    "tpot": "TPOT",
+    "itl": "ITL (per chunk)",
+    "itl_token": "ITL (per token)",
+    "e2el": "E2E latency",
+}
+# Keys whose ratio target/baseline the compare mode reports.
+COMPARE_KEYS: Final = (
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "request_throughput",
+    "output_throughput",
+    "failed",
+)
+
+
+def detailed_fields(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """vllm's --save-detailed lists (seconds, one entry per request, failures included)."""
+    return {
+        "input_lens": [r.prompt_len for r in records],
+        "output_lens": [r.output_tokens if r.success else 0 for r in records],
+        "ttfts": [r.ttft_s if r.ttft_s is not None else 0.0 for r in records],
+        "itls": [chunk_itls(r.chunk_times_s) for r in records],
+        "latencies": [r.e2e_s if r.e2e_s is not None else 0.0 for r in records],
+        "start_times": [r.start_s for r in records],
+        "errors": [r.error or "" for r in records],
+    }
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else "inf"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def safe_stem(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
+
+
+def write_result(
+    result_dir: str | Path, stem: str, data: dict[str, Any], records: Sequence[RequestRecord]
+) -> tuple[Path, Path]:
+    """Write ``<stem>.json`` and ``<stem>.jsonl``; returns both paths."""
+    d = Path(result_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    jpath = d / f"{stem}.json"
+    lpath = d / f"{stem}.jsonl"
+    jpath.write_text(json.dumps(_json_safe(data), indent=2) + "\n", encoding="utf-8")
+    with lpath.open("w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(_json_safe(r.to_json())) + "\n")
+    return jpath, lpath
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf"
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def summary_table(data: dict[str, Any], title: str = "pd-bench result") -> str:
+    """The terminal summary of one result JSON."""
+    lines: list[str] = [f"{' ' + title + ' ':=^72}"]
+
+    def row(name: str, value: Any, digits: int = 2) -> None:
+        lines.append(f"{name:<42}{_fmt(value, digits)}")
+
+    row("Target:", data.get("base_url"))
+    row("Successful requests:", data.get("completed"))
+    row("Failed requests:", data.get("failed"))
+    fails = {k: v for k, v in (data.get("failures") or {}).items() if v}
+    if fails:
+        row("  by kind:", ", ".join(f"{k} {v}" for k, v in fails.items()))
+    if data.get("max_concurrency") is not None:
+        row("Maximum request concurrency:", data.get("max_concurrency"))
+    row("Request rate configured (RPS):", data.get("request_rate"))
+    row("Benchmark duration (s):", data.get("duration"))
+    row("Total input tokens:", data.get("total_input_tokens"))
+    row("Total generated tokens:", data.get("total_output_tokens"))
+    row("Request throughput (req/s):", data.get("request_throughput"))
+    if data.get("request_goodput") is not None:
+        row("Request goodput (req/s):", data.get("request_goodput"))
+    row("Output token throughput (tok/s):", data.get("output_throughput"))
+    row("Total token throughput (tok/s):", data.get("total_token_throughput"))
+    if data.get("num_output_len_mismatch"):
+        row("Outputs not of the asked length:", data.get("num_output_len_mismatch"))
+    pct = [percentile_word(p) for p in data.get("percentiles", [])]
+    head = f"{'(ms)':<17}{'mean':>9}{'median':>9}{'std':>9}" + "".join(f"{'p' + p:>9}" for p in pct)
+    lines.append("-" * 72)
+    lines.append(head)
+    names = [(METRIC_TITLES[m], m) for m in LATENCY_METRICS]
+    for hop in data.get("hops") or []:
+        names.append((f"  hop {hop}", f"hop_{hop}"))
+    if data.get("hops"):
+        names.append(("  TTFT unattrib.", "ttft_unattributed"))
+    for title_, key in names:
+        vals = [data.get(f"{s}_{key}_ms") for s in ("mean", "median", "std")]
+        vals += [data.get(f"p{p}_{key}_ms") for p in pct]
+        lines.append(f"{title_:<17}" + "".join(f"{_fmt(v):>9}" for v in vals))
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    if not isinstance(a, int | float) or not isinstance(b, int | float) or a == 0:
+        return None
+    return float(b) / float(a)
+
+
+def compare_ratios(baseline: dict[str, Any], other: dict[str, Any]) -> dict[str, float | None]:
+    """other / baseline for each of COMPARE_KEYS."""
+    return {k: ratio(baseline.get(k), other.get(k)) for k in COMPARE_KEYS}
+
+
+def compare_table(urls: Sequence[str], results: Sequence[dict[str, Any]]) -> str:
+    base = results[0]
+    lines = [f"{' pd-bench compare ':=^72}"]
+    lines.append(
+        f"{'metric':<20}" + "".join(f"{'target ' + str(i):>14}" for i in range(len(urls))) + f"{'ratio':>10}"
+    )
+    for i, u in enumerate(urls):
+        lines.append(f"  target {i}: {u}")
+    for k in COMPARE_KEYS:
+        vals = [r.get(k) for r in results]
+        rt = [ratio(base.get(k), r.get(k)) for r in results[1:]]
+        lines.append(
+            f"{k:<20}" + "".join(f"{_fmt(v):>14}" for v in vals) + "".join(f"{_fmt(x, 3):>10}" for x in rt)
+        )
+    lines.append("ratio = target 1 / target 0")
+    lines.append("=" * 72)
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""The metric arithmetic against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.metrics import (
+    GoodputSpecError,
+    chunk_itls,
+    compute_metrics,
+    parse_goodput,
+    stats,
+    token_itls,
+    tpot,
+)
+from benchmarks.records import FAIL_HTTP_STATUS, RequestRecord
+
+
+def rec(
+    i: int,
+    prompt_len: int,
+    chunk_times: list[float],
+    chunk_tokens: list[int],
+    e2e: float,
+    ok: bool = True,
+    timing: dict[str, float] | None = None,
+) -> RequestRecord:
+    r = RequestRecord(i, f"r{i}", "t", prompt_len, sum(chunk_tokens) or 1)
+    r.chunk_times_s = chunk_times
+    r.chunk_tokens = chunk_tokens
+    r.output_tokens = sum(chunk_tokens)
+    r.ttft_s = chunk_times[0] if chunk_times else None
+    r.e2e_s = e2e
+    r.success = ok
+    r.server_timing = timing
+    if not ok:
+        r.failure = FAIL_HTTP_STATUS
+    return r
+
+
+TIMING_A = {"queue": 1.0, "prefill": 60.0, "handoff": 10.0, "decode_ttft": 25.0, "total": 250.0}
+# A: 5 tokens in chunks of 1,1,2,1; B: 3 tokens in chunks of 2,1; C failed; D: one token.
+A = rec(0, 10, [0.10, 0.13, 0.19, 0.25], [1, 1, 2, 1], 0.26, timing=TIMING_A)
+B = rec(1, 20, [0.20, 0.22], [2, 1], 0.30)
+C = rec(2, 7, [0.05], [1], 0.5, ok=False)
+D = rec(3, 5, [0.05], [1], 0.06)
+RECORDS = [A, B, C, D]
+
+
+def test_per_request_definitions() -> None:
+    assert chunk_itls(A.chunk_times_s) == pytest.approx([0.03, 0.06, 0.06])
+    # the third chunk's 60 ms gap is spread over its two tokens
+    assert token_itls(A.chunk_times_s, A.chunk_tokens) == pytest.approx([0.03, 0.03, 0.03, 0.06])
+    assert tpot(0.26, 0.10, 5) == pytest.approx(0.04)
+    assert tpot(0.06, 0.05, 1) is None
+    assert tpot(0.06, None, 3) is None
+    # tokens of the first chunk contribute no per-token ITL
+    assert token_itls(B.chunk_times_s, B.chunk_tokens) == pytest.approx([0.02])
+    with pytest.raises(ValueError):
+        token_itls([0.1, 0.2], [1])
+
+
+def test_stats_match_hand_computation() -> None:
+    st = stats([0.1, 0.2, 0.05], (50.0, 90.0, 99.0))
+    assert st is not None
+    assert st.mean == pytest.approx(0.116667, abs=1e-6)
+    assert st.median == pytest.approx(0.1)
+    assert st.std == pytest.approx(math.sqrt(((-1 / 60) ** 2 + (1 / 12) ** 2 + (1 / 15) ** 2) / 3))
+    assert st.percentiles[90.0] == pytest.approx(0.18)  # linear between 100 and 200 ms
+    assert st.percentiles[99.0] == pytest.approx(0.198)
+    assert stats([]) is None
+
+
+def test_aggregate_result() -> None:
+    m = compute_metrics(RECORDS, duration_s=2.0, percentiles=(50.0, 90.0, 99.0))
+    assert m["completed"] == 3
+    assert m["failed"] == 1
+    assert m["failures"][FAIL_HTTP_STATUS] == 1
+    assert sum(m["failures"].values()) == 1
+    assert m["total_input_tokens"] == 35  # the failed request's prompt does not count
+    assert m["total_output_tokens"] == 9
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(4.5)
+    assert m["total_token_throughput"] == pytest.approx(22.0)
+    assert m["mean_ttft_ms"] == pytest.approx(116.6667, abs=1e-3)
+    assert m["median_ttft_ms"] == pytest.approx(100.0)
+    assert m["p90_ttft_ms"] == pytest.approx(180.0)
+    assert m["std_ttft_ms"] == pytest.approx(62.3610, abs=1e-3)
+    assert m["mean_itl_ms"] == pytest.approx(42.5)  # 30, 60, 60, 20
+    assert m["median_itl_ms"] == pytest.approx(45.0)
+    assert m["mean_itl_token_ms"] == pytest.approx(34.0)  # 30, 30, 30, 60, 20
+    assert m["median_itl_token_ms"] == pytest.approx(30.0)
+    assert m["mean_tpot_ms"] == pytest.approx(45.0)  # 40 and 50; D has one token
+    assert m["p90_tpot_ms"] == pytest.approx(49.0)
+    assert m["mean_e2el_ms"] == pytest.approx(206.6667, abs=1e-3)
+    assert m["median_e2el_ms"] == pytest.approx(260.0)
+    assert m["request_goodput"] is None
+    # only A carries pd-proxy timings: 100 ms TTFT - (1 + 60 + 10 + 25) = 4 ms unattributed
+    assert m["hops"] == ["queue", "prefill", "handoff", "decode_ttft", "total"]
+    assert m["mean_hop_prefill_ms"] == pytest.approx(60.0)
+    assert m["mean_ttft_unattributed_ms"] == pytest.approx(4.0)
+    assert m["server_timing_requests"] == 1
+
+
+def test_goodput() -> None:
+    m = compute_metrics(RECORDS, 2.0, goodput_ms={"ttft": 150.0})
+    assert m["request_goodput"] == pytest.approx(1.0)  # A (100 ms) and D (50 ms); B is 200 ms
+    m = compute_metrics(RECORDS, 2.0, goodput_ms={"ttft": 150.0, "tpot": 35.0})
+    assert m["request_goodput"] == pytest.approx(0.5)  # A's TPOT is 40 ms; D's counts as 0
+    assert m["goodput_fraction"] == pytest.approx(0.25)  # 1 of 4 sent
+    m = compute_metrics(RECORDS, 2.0, goodput_ms={"e2el": 300.0})
+    assert m["request_goodput"] == pytest.approx(1.5)
+
+
+def test_empty_metrics_are_null_not_zero() -> None:
+    m = compute_metrics([C], 1.0)
+    assert m["completed"] == 0
+    assert m["mean_ttft_ms"] is None
+    assert m["p99_itl_ms"] is None
+    assert m["request_throughput"] == 0.0
+
+
+def test_parse_goodput() -> None:
+    assert parse_goodput("ttft:500,tpot:50,e2el:2000") == {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
+    assert parse_goodput(None) == {}
+    for bad in ("ttft", "itl:5", "ttft:x", "ttft:-1", "ttft:0"):
+        with pytest.raises(GoodputSpecError):
+            parse_goodput(bad)
