@@ -1,0 +1,1168 @@
+"""Side-by-side comparison of P/D routers on the same machine, in one run.
+
+    python -m benchmarks.compare_routers [--quick]
+
+Starts a pd-sim prefill worker and a pd-sim decode worker at zero latency on loopback, then drives
+the same closed-loop load through three targets:
+
+* ``floor``: the client doing the two hops itself (prefill hop non-stream with ``max_tokens: 1``
+  and ``kv_transfer_params: {do_remote_decode: true, do_remote_prefill: false}``, then the decode
+  hop with the returned params; SPEC section 3). No proxy: the best any proxy can do.
+* ``pd-proxy``: this project's proxy (``pd-proxy --prefill URL --decode URL --port P``).
+* ``vllm-router``: the vLLM project's Rust router in P/D mode, installed into its own virtual
+  environment by ``benchmarks/router_env.sh``.
+
+Every point (stream or not x output tokens x concurrency) is repeated; within a point the targets
+take turns, their order rotated on every repetition so that machine drift hits all alike. The
+medians over the repetitions are reported. Both proxies are pinned (taskset) to the same CPU cores;
+the workers and this client run on the others. The run ends with the memory per open stream: the
+proxies' RSS growth over N idle streams held open by a decode worker with a long inter-token gap.
+
+Outputs go to ``results/compare_routers-<UTC time>/``: ``result.json``, ``result.png`` and each
+process's log. A table of ratios pd-proxy / vllm-router is printed. Every process started here is
+killed at the end, also on Ctrl-C, SIGTERM or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import Any, Final, TextIO
+
+import aiohttp
+import uvloop
+
+REPO_ROOT: Final = Path(__file__).resolve().parent.parent
+GENERATE_PATH: Final = "/inference/v1/generate"
+FLOOR: Final = "floor"
+PD_PROXY: Final = "pd-proxy"
+VLLM_ROUTER: Final = "vllm-router"
+TARGETS: Final = (FLOOR, PD_PROXY, VLLM_ROUTER)
+PROXIES: Final = (PD_PROXY, VLLM_ROUTER)
+
+RESULT_KEYS: Final = ("meta", "points", "ratios", "memory")
+POINT_KEYS: Final = ("label", "stream", "max_tokens", "concurrency", "targets")
+TARGET_KEYS: Final = ("median", "reps")
+METRIC_KEYS: Final = (
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "added_ttft_p50_ms",
+    "added_ttft_p99_ms",
+    "tokens_per_s",
+    "requests_per_s",
+    "tokens_per_proxy_cpu_s",
+    "proxy_cpu_util",
+    "ok",
+    "errors",
+    "timed_out",
+)
+RATIO_KEYS: Final = (
+    "label",
+    "tokens_per_s",
+    "requests_per_s",
+    "tokens_per_proxy_cpu_s",
+    "added_ttft_p50_ms",
+    "added_ttft_p99_ms",
+)
+
+# Command templates; {bin} is this interpreter's bin directory, {router_bin} the router venv's.
+DEFAULT_SIM_CMD: Final = "{bin}/pd-sim --host 127.0.0.1 --port {port} --role {role} --zero-latency"
+DEFAULT_SLOW_DECODE_CMD: Final = (
+    "{bin}/pd-sim --host 127.0.0.1 --port {port} --role decode --ttft-ms 0 --itl-ms 600000"
+)
+DEFAULT_PD_PROXY_CMD: Final = (
+    "{bin}/pd-proxy --host 127.0.0.1 --port {port} --prefill {prefill} --decode {decode}"
+)
+DEFAULT_ROUTER_CMD: Final = (
+    "{router_bin}/vllm-router --host 127.0.0.1 --port {port} --vllm-pd-disaggregation"
+    " --prefill {prefill} --decode {decode} --policy round_robin --log-level warning"
+    " --prometheus-port {aux_port}"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Plan: points, repetitions and the order the targets take turns in.
+
+
+@dataclass(frozen=True)
+class Point:
+    stream: bool
+    max_tokens: int
+    concurrency: int
+
+    @property
+    def label(self) -> str:
+        kind = "stream" if self.stream else "nonstream"
+        return f"{kind}-out{self.max_tokens}-c{self.concurrency}"
+
+
+def build_points(
+    concurrencies: Sequence[int], max_tokens: Sequence[int], streams: Sequence[bool]
+) -> list[Point]:
+    """Every combination, stream points first, then by output length and concurrency."""
+    return [
+        Point(stream=s, max_tokens=m, concurrency=c)
+        for s in streams
+        for m in max_tokens
+        for c in concurrencies
+    ]
+
+
+def target_order(targets: Sequence[str], rep: int) -> list[str]:
+    """The targets rotated by the repetition number: every target runs first, second, ... in turn."""
+    if not targets:
+        return []
+    k = rep % len(targets)
+    return [*targets[k:], *targets[:k]]
+
+
+def schedule(points: Sequence[Point], targets: Sequence[str], reps: int) -> Iterator[tuple[Point, int, str]]:
+    """(point, repetition, target) in run order: point by point, targets alternating within each."""
+    for point in points:
+        for rep in range(reps):
+            for target in target_order(targets, rep):
+                yield point, rep, target
+
+
+def requests_per_run(concurrency: int, rounds: int, min_requests: int) -> int:
+    return max(concurrency * rounds, min_requests)
+
+
+# --------------------------------------------------------------------------------------------
+# Arithmetic: percentiles, medians, added TTFT, ratios.
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between closest ranks; NaN when empty."""
+    if not values:
+        return math.nan
+    if len(values) == 1:
+        return float(values[0])
+    if q <= 0:
+        return float(min(values))
+    if q >= 100:
+        return float(max(values))
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    lo = math.floor(q)
+    if lo == q:
+        return cuts[lo - 1]
+    # statistics.quantiles only gives integer cut points; interpolate between them.
+    a = cuts[lo - 1] if lo >= 1 else float(min(values))
+    b = cuts[lo]
+    return a + (b - a) * (q - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of the finite values; NaN when there are none."""
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, NaN when either is NaN or the denominator is not positive."""
+    if math.isnan(numerator) or math.isnan(denominator) or denominator <= 0:
+        return math.nan
+    return numerator / denominator
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request: time to first token (seconds; the whole answer when not streaming), tokens."""
+
+    ok: bool
+    ttft_s: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """One target at one point in one repetition."""
+
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tokens_per_s: float
+    requests_per_s: float
+    ok: int
+    errors: int
+    timed_out: bool
+    wall_s: float
+    # The proxy process tree's CPU time during the run (NaN for the floor): tokens per proxy
+    # CPU-second is the relay cost per core, and holds up when other load shares the machine.
+    proxy_cpu_s: float = math.nan
+    tokens_per_proxy_cpu_s: float = math.nan
+    proxy_cpu_util: float = math.nan
+
+
+def run_stats(
+    samples: Sequence[Sample], wall_s: float, timed_out: bool = False, proxy_cpu_s: float = math.nan
+) -> RunStats:
+    good = [s for s in samples if s.ok]
+    ttfts_ms = [s.ttft_s * 1000.0 for s in good]
+    tokens = sum(s.tokens for s in good)
+    return RunStats(
+        proxy_cpu_s=proxy_cpu_s,
+        tokens_per_proxy_cpu_s=ratio(float(tokens), proxy_cpu_s),
+        proxy_cpu_util=ratio(proxy_cpu_s, wall_s),
+        ttft_p50_ms=percentile(ttfts_ms, 50),
+        ttft_p99_ms=percentile(ttfts_ms, 99),
+        tokens_per_s=tokens / wall_s if wall_s > 0 else math.nan,
+        requests_per_s=len(good) / wall_s if wall_s > 0 else math.nan,
+        ok=len(good),
+        errors=len(samples) - len(good),
+        timed_out=timed_out,
+        wall_s=wall_s,
+    )
+
+
+def summarise_point(runs: Mapping[str, Sequence[RunStats]]) -> dict[str, dict[str, float | int | bool]]:
+    """Medians over repetitions per target. Added TTFT is paired: the target's percentile minus the
+    floor's in the same repetition, then the median over repetitions (NaN without a floor)."""
+    floor_runs = runs.get(FLOOR, ())
+    out: dict[str, dict[str, float | int | bool]] = {}
+    for target, reps in runs.items():
+        added50 = [r.ttft_p50_ms - f.ttft_p50_ms for r, f in zip(reps, floor_runs, strict=False)]
+        added99 = [r.ttft_p99_ms - f.ttft_p99_ms for r, f in zip(reps, floor_runs, strict=False)]
+        out[target] = {
+            "ttft_p50_ms": median([r.ttft_p50_ms for r in reps]),
+            "ttft_p99_ms": median([r.ttft_p99_ms for r in reps]),
+            "added_ttft_p50_ms": median(added50),
+            "added_ttft_p99_ms": median(added99),
+            "tokens_per_s": median([r.tokens_per_s for r in reps]),
+            "requests_per_s": median([r.requests_per_s for r in reps]),
+            "tokens_per_proxy_cpu_s": median([r.tokens_per_proxy_cpu_s for r in reps]),
+            "proxy_cpu_util": median([r.proxy_cpu_util for r in reps]),
+            "ok": sum(r.ok for r in reps),
+            "errors": sum(r.errors for r in reps),
+            "timed_out": any(r.timed_out for r in reps),
+        }
+    return out
+
+
+def point_ratios(label: str, medians: Mapping[str, Mapping[str, float | int | bool]]) -> dict[str, Any]:
+    """pd-proxy / vllm-router for one point: above 1 is better for throughput, below 1 for added TTFT."""
+    a = medians.get(PD_PROXY, {})
+    b = medians.get(VLLM_ROUTER, {})
+    row: dict[str, Any] = {"label": label}
+    for key in RATIO_KEYS[1:]:
+        row[key] = ratio(float(a.get(key, math.nan)), float(b.get(key, math.nan)))
+    return row
+
+
+def jsonable(value: Any) -> Any:
+    """NaN and infinities become null (JSON has no NaN); containers are walked."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def build_result(
+    meta: Mapping[str, Any],
+    points: Sequence[Point],
+    runs: Mapping[Point, Mapping[str, Sequence[RunStats]]],
+    memory: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The result document (keys RESULT_KEYS), JSON-safe."""
+    point_docs: list[dict[str, Any]] = []
+    ratio_rows: list[dict[str, Any]] = []
+    for point in points:
+        per_target = runs.get(point)
+        if not per_target:
+            continue
+        medians = summarise_point(per_target)
+        point_docs.append(
+            {
+                "label": point.label,
+                "stream": point.stream,
+                "max_tokens": point.max_tokens,
+                "concurrency": point.concurrency,
+                "targets": {
+                    t: {"median": medians[t], "reps": [asdict(r) for r in reps]}
+                    for t, reps in per_target.items()
+                },
+            }
+        )
+        ratio_rows.append(point_ratios(point.label, medians))
+    doc = {"meta": dict(meta), "points": point_docs, "ratios": ratio_rows, "memory": dict(memory)}
+    result: dict[str, Any] = jsonable(doc)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# SSE: count generated tokens while parsing only the token_ids arrays.
+
+_TOKEN_IDS_KEY: Final = b'"token_ids":'
+
+
+def count_token_ids(payload: bytes) -> int:
+    """Tokens in every ``"token_ids": [...]`` array of one JSON event (not ``prompt_token_ids``)."""
+    total = 0
+    start = payload.find(_TOKEN_IDS_KEY)
+    while start >= 0:
+        open_at = payload.find(b"[", start + len(_TOKEN_IDS_KEY))
+        between = payload[start + len(_TOKEN_IDS_KEY) : open_at] if open_at >= 0 else b"x"
+        if open_at < 0 or between.strip():
+            # null or something other than a list
+            start = payload.find(_TOKEN_IDS_KEY, start + len(_TOKEN_IDS_KEY))
+            continue
+        close_at = payload.find(b"]", open_at)
+        if close_at < 0:
+            break
+        inner = payload[open_at + 1 : close_at].strip()
+        if inner:
+            total += inner.count(b",") + 1
+        start = payload.find(_TOKEN_IDS_KEY, close_at)
+    return total
+
+
+@dataclass
+class SseTokenCounter:
+    """Feeds on raw body chunks; counts tokens in complete ``data:`` events, notes errors and [DONE]."""
+
+    tokens: int = 0
+    done: bool = False
+    error: bool = False
+    _buf: bytes = field(default=b"", repr=False)
+
+    def feed(self, chunk: bytes) -> int:
+        """Tokens found in the events completed by this chunk."""
+        data = self._buf + chunk if self._buf else chunk
+        if b"\n\n" not in data:
+            self._buf = data
+            return 0
+        *events, self._buf = data.split(b"\n\n")
+        found = 0
+        for event in events:
+            if not event.startswith(b"data:"):
+                continue  # SSE comments (": ...") and blank keep-alives
+            payload = event[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+            elif payload.startswith(b'{"error"'):
+                self.error = True
+            else:
+                found += count_token_ids(payload)
+        self.tokens += found
+        return found
+
+
+# --------------------------------------------------------------------------------------------
+# The load client: one small aiohttp client doing what the targets' users would do.
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str = ""  # proxies: their base URL
+    prefill_url: str = ""  # floor: the two workers
+    decode_url: str = ""
+
+
+def request_body(point: Point, prompt: Sequence[int]) -> dict[str, Any]:
+    return {
+        "token_ids": list(prompt),
+        "sampling_params": {"max_tokens": point.max_tokens, "temperature": 0.0, "ignore_eos": True},
+        "stream": point.stream,
+    }
+
+
+def prefill_hop_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """SPEC section 3.1: non-stream, one token, no min_tokens/stream_options, tokens mode, remote decode."""
+    sampling = {k: v for k, v in dict(body["sampling_params"]).items() if k != "min_tokens"}
+    sampling["max_tokens"] = 1
+    hop = {k: v for k, v in body.items() if k != "stream_options"}
+    hop.update(
+        sampling_params=sampling,
+        stream=False,
+        output_mode="tokens",
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+    )
+    return hop
+
+
+class LoadClient:
+    """Sends one generate call (or the floor's two hops) and times it."""
+
+    def __init__(self, session: aiohttp.ClientSession, point: Point, prompt: Sequence[int]) -> None:
+        self._session = session
+        self._point = point
+        self._body = request_body(point, prompt)
+        self._encoded = json.dumps(self._body, separators=(",", ":")).encode()
+        self._prefill_encoded = json.dumps(prefill_hop_body(self._body), separators=(",", ":")).encode()
+
+    async def one(self, target: Target) -> Sample:
+        rid = uuid.uuid4().hex
+        headers = {"Content-Type": "application/json", "X-Request-Id": rid}
+        t0 = time.perf_counter()
+        try:
+            if target.name == FLOOR:
+                async with self._session.post(
+                    target.prefill_url + GENERATE_PATH, data=self._prefill_encoded, headers=headers
+                ) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        return Sample(False, math.nan, 0)
+                kv = json.loads(raw).get("kv_transfer_params")
+                decode_body = dict(self._body, kv_transfer_params=kv)
+                data = json.dumps(decode_body, separators=(",", ":")).encode()
+                url = target.decode_url + GENERATE_PATH
+            else:
+                data = self._encoded
+                url = target.url + GENERATE_PATH
+            async with self._session.post(url, data=data, headers=headers) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return Sample(False, math.nan, 0)
+                if not self._point.stream:
+                    doc = json.loads(await resp.read())
+                    ttft = time.perf_counter() - t0
+                    tokens = sum(len(c.get("token_ids") or ()) for c in doc.get("choices", ()))
+                    return Sample(tokens > 0, ttft, tokens)
+                counter = SseTokenCounter()
+                ttft = math.nan
+                async for chunk in resp.content.iter_any():
+                    if counter.feed(chunk) and math.isnan(ttft):
+                        ttft = time.perf_counter() - t0
+                ok = counter.done and not counter.error and counter.tokens > 0
+                return Sample(ok, ttft, counter.tokens)
+        except (aiohttp.ClientError, ValueError, TimeoutError):
+            return Sample(False, math.nan, 0)
+
+
+def new_session(concurrency: int, request_timeout_s: float) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=request_timeout_s),
+        auto_decompress=False,
+    )
+
+
+async def run_load(
+    target: Target,
+    point: Point,
+    *,
+    prompt: Sequence[int],
+    n_requests: int,
+    time_limit_s: float,
+    request_timeout_s: float,
+    proxy_pid: int | None = None,
+) -> RunStats:
+    """Closed loop: `concurrency` workers send back to back until n_requests are sent or time is up."""
+    samples: list[Sample] = []
+    timed_out = False
+    async with new_session(point.concurrency, request_timeout_s) as session:
+        client = LoadClient(session, point, prompt)
+        # Warm-up (not recorded): a few requests so that first-use costs are off the clock.
+        await asyncio.gather(*(client.one(target) for _ in range(min(point.concurrency, 8))))
+        tickets = iter(range(n_requests))
+        stop_at = time.monotonic() + time_limit_s
+
+        async def worker() -> None:
+            for _ in tickets:
+                if time.monotonic() > stop_at:
+                    return
+                samples.append(await client.one(target))
+
+        cpu0 = tree_cpu_seconds(proxy_pid) if proxy_pid else math.nan
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(time_limit_s + request_timeout_s):
+                await asyncio.gather(*(worker() for _ in range(point.concurrency)))
+        except TimeoutError:
+            timed_out = True
+        wall = time.perf_counter() - t0
+        cpu = tree_cpu_seconds(proxy_pid) - cpu0 if proxy_pid else math.nan
+    timed_out = timed_out or len(samples) < n_requests
+    return run_stats(samples, wall, timed_out, cpu)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory per open stream.
+
+
+def parse_vmrss_kib(status_text: str) -> int:
+    """VmRSS in KiB from the text of /proc/<pid>/status (0 when absent, e.g. a zombie)."""
+    for line in status_text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (via /proc/<pid>/task/*/children)."""
+    seen: list[int] = []
+    stack = [pid]
+    while stack and len(seen) < 4096:
+        p = stack.pop()
+        if p in seen:
+            continue
+        seen.append(p)
+        task_dir = Path(f"/proc/{p}/task")
+        with contextlib.suppress(OSError):
+            for task in task_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    stack.extend(int(c) for c in (task / "children").read_text().split())
+    return seen
+
+
+def parse_stat_cpu_ticks(stat_text: str) -> int:
+    """utime + stime (clock ticks) from the text of /proc/<pid>/stat; the command name may hold spaces."""
+    fields = stat_text[stat_text.rindex(")") + 2 :].split()
+    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
+    return int(fields[11]) + int(fields[12])
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    ticks = 0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ticks += parse_stat_cpu_ticks(Path(f"/proc/{p}/stat").read_text())
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def tree_rss_kib(pid: int) -> int:
+    total = 0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            total += parse_vmrss_kib(Path(f"/proc/{p}/status").read_text())
+    return total
+
+
+def per_stream_kib(rss_before_kib: int, rss_after_kib: int, streams: int) -> float:
+    return (rss_after_kib - rss_before_kib) / streams if streams > 0 else math.nan
+
+
+async def hold_streams(
+    url: str, n: int, prompt: Sequence[int], settle_s: float, limit_s: float
+) -> tuple[int, list[asyncio.Task[None]], aiohttp.ClientSession]:
+    """Opens n streams and waits (bounded) until each has delivered its first token.
+    Returns how many did, the tasks holding them, and the session (caller closes both)."""
+    session = new_session(n, limit_s + 600)
+    point = Point(stream=True, max_tokens=4096, concurrency=n)
+    body = json.dumps(request_body(point, prompt), separators=(",", ":")).encode()
+    opened = 0
+    all_open = asyncio.Event()
+
+    async def one() -> None:
+        nonlocal opened
+        headers = {"Content-Type": "application/json", "X-Request-Id": uuid.uuid4().hex}
+        with contextlib.suppress(aiohttp.ClientError, ValueError):
+            async with session.post(url + GENERATE_PATH, data=body, headers=headers) as resp:
+                counter = SseTokenCounter()
+                first = True
+                async for chunk in resp.content.iter_any():
+                    if counter.feed(chunk) and first:
+                        first = False
+                        opened += 1
+                        if opened >= n:
+                            all_open.set()
+
+    tasks = [asyncio.create_task(one()) for _ in range(n)]
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(limit_s):
+            await all_open.wait()
+    await asyncio.sleep(settle_s)
+    return opened, tasks, session
+
+
+async def measure_stream_memory(
+    name: str, url: str, *, pid: int, n: int, prompt: Sequence[int], limit_s: float
+) -> dict[str, Any]:
+    # Warm-up: a handful of held streams, released, so lazily built state is off the books.
+    opened_w, tasks_w, session_w = await hold_streams(url, 16, prompt, 0.5, min(limit_s, 30))
+    for t in tasks_w:
+        t.cancel()
+    await asyncio.gather(*tasks_w, return_exceptions=True)
+    await session_w.close()
+    await asyncio.sleep(1.0)
+    before = tree_rss_kib(pid)
+    t0 = time.perf_counter()
+    opened, tasks, session = await hold_streams(url, n, prompt, 1.0, limit_s)
+    after = tree_rss_kib(pid)
+    elapsed = time.perf_counter() - t0
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await session.close()
+    return {
+        "target": name,
+        "streams_requested": n,
+        "streams_open": opened,
+        "warmup_streams_open": opened_w,
+        "rss_before_kib": before,
+        "rss_after_kib": after,
+        "per_stream_kib": per_stream_kib(before, after, opened),
+        "open_seconds": elapsed,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Processes: started in their own session, killed (group) at the end whatever happens.
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Processes:
+    """Children started for the comparison; close() kills every one of them (their process group)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log_dir = log_dir
+        self._procs: list[tuple[subprocess.Popen[bytes], TextIO]] = []
+
+    def start(self, name: str, argv: Sequence[str], cpus: str | None) -> subprocess.Popen[bytes]:
+        full = ["taskset", "-c", cpus, *argv] if cpus else list(argv)
+        log = (self._log_dir / f"{name}.log").open("w")
+        log.write("$ " + shlex.join(full) + "\n")
+        log.flush()
+        env = dict(os.environ, PYTHONUNBUFFERED="1", NO_COLOR="1")
+        proc = subprocess.Popen(
+            full,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env=env,
+            start_new_session=True,
+        )
+        self._procs.append((proc, log))
+        return proc
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        for i, (p, log) in enumerate(self._procs):
+            if p is proc:
+                self._kill(p)
+                log.close()
+                del self._procs[i]
+                return
+
+    def close(self) -> None:
+        while self._procs:
+            proc, log = self._procs.pop()
+            try:
+                self._kill(proc)
+            finally:
+                log.close()
+
+
+async def wait_ready(
+    name: str,
+    proc: subprocess.Popen[bytes],
+    probe: Target,
+    prompt: Sequence[int],
+    limit_s: float,
+) -> None:
+    """Bounded: until one small non-stream generate through the target succeeds."""
+    point = Point(stream=False, max_tokens=2, concurrency=1)
+    deadline = time.monotonic() + limit_s
+    last = "no answer"
+    async with new_session(1, 5.0) as session:
+        client = LoadClient(session, point, prompt)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with code {proc.returncode} before it was ready (see its log)"
+                )
+            sample = await client.one(probe)
+            if sample.ok:
+                return
+            last = "request failed"
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{name} not ready after {limit_s:.0f} s ({last}; see its log)")
+
+
+async def wait_port(proc: subprocess.Popen[bytes], name: str, port: int, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode} (see its log)")
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+    raise RuntimeError(f"{name} did not listen on port {port} within {limit_s:.0f} s")
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and the run.
+
+
+@dataclass(frozen=True)
+class Config:
+    targets: tuple[str, ...]
+    concurrencies: tuple[int, ...]
+    max_tokens: tuple[int, ...]
+    streams: tuple[bool, ...]
+    reps: int
+    rounds: int
+    min_requests: int
+    prompt_len: int
+    run_time_limit_s: float
+    request_timeout_s: float
+    memory_streams: int
+    proxy_cpus: str | None
+    worker_cpus: str | None
+    client_cpus: str | None
+    sim_cmd: str
+    slow_decode_cmd: str
+    pd_proxy_cmd: str
+    router_cmd: str
+    router_venv: Path
+    out_dir: Path
+    quick: bool
+
+
+def default_cpu_split() -> tuple[str | None, str | None]:
+    """(proxy cpus, worker+client cpus): the proxies get the last allowed core, the rest the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return str(cpus[-1]), ",".join(str(c) for c in cpus[:-1])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.compare_routers",
+        description="Floor vs pd-proxy vs vllm-router on pd-sim workers; writes results/compare_routers-*/",
+    )
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and requests (a few minutes)")
+    p.add_argument(
+        "--targets", default=",".join(TARGETS), help="comma list out of floor,pd-proxy,vllm-router"
+    )
+    p.add_argument("--concurrency", default="1,64,256")
+    p.add_argument("--max-tokens", default="32,256")
+    p.add_argument("--modes", default="stream,nonstream")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per point (default 3, quick 2)")
+    p.add_argument(
+        "--rounds", type=int, default=None, help="requests per run = concurrency x rounds (4; quick 2)"
+    )
+    p.add_argument("--min-requests", type=int, default=None, help="at least this many per run (32; quick 16)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--run-time-limit", type=float, default=None, help="seconds per run (120; quick 60)")
+    p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--memory-streams", type=int, default=1000, help="0 skips the memory measurement")
+    proxy_cpus, worker_cpus = default_cpu_split()
+    p.add_argument("--proxy-cpus", default=proxy_cpus, help="taskset list for both proxies ('' = no pinning)")
+    p.add_argument("--worker-cpus", default=worker_cpus, help="taskset list for the pd-sim workers")
+    p.add_argument("--client-cpus", default=worker_cpus, help="CPU list this client process pins itself to")
+    p.add_argument("--sim-cmd", default=DEFAULT_SIM_CMD)
+    p.add_argument("--slow-decode-cmd", default=DEFAULT_SLOW_DECODE_CMD)
+    p.add_argument("--pd-proxy-cmd", default=DEFAULT_PD_PROXY_CMD)
+    p.add_argument("--router-cmd", default=DEFAULT_ROUTER_CMD)
+    p.add_argument("--router-venv", type=Path, default=REPO_ROOT / ".venv-router")
+    p.add_argument(
+        "--out", type=Path, default=None, help="output folder (default results/compare_routers-<time>)"
+    )
+    a = p.parse_args(argv)
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+
+    targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        p.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+    modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
+    if any(m not in ("stream", "nonstream") for m in modes):
+        p.error("--modes takes stream and/or nonstream")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    return Config(
+        targets=targets,
+        concurrencies=ints(a.concurrency),
+        max_tokens=ints(a.max_tokens),
+        streams=tuple(m == "stream" for m in modes),
+        reps=a.reps if a.reps is not None else (2 if a.quick else 3),
+        rounds=a.rounds if a.rounds is not None else (2 if a.quick else 4),
+        min_requests=a.min_requests if a.min_requests is not None else (16 if a.quick else 32),
+        prompt_len=a.prompt_len,
+        run_time_limit_s=a.run_time_limit if a.run_time_limit is not None else (60.0 if a.quick else 120.0),
+        request_timeout_s=a.request_timeout,
+        memory_streams=a.memory_streams,
+        proxy_cpus=a.proxy_cpus or None,
+        worker_cpus=a.worker_cpus or None,
+        client_cpus=a.client_cpus or None,
+        sim_cmd=a.sim_cmd,
+        slow_decode_cmd=a.slow_decode_cmd,
+        pd_proxy_cmd=a.pd_proxy_cmd,
+        router_cmd=a.router_cmd,
+        router_venv=a.router_venv.resolve(),
+        out_dir=a.out if a.out is not None else REPO_ROOT / "results" / f"compare_routers-{stamp}",
+        quick=a.quick,
+    )
+
+
+def render(template: str, cfg: Config, **values: object) -> list[str]:
+    fields = {
+        "bin": str(Path(sys.executable).parent),
+        "router_bin": str(cfg.router_venv / "bin"),
+        **{k: str(v) for k, v in values.items()},
+    }
+    return shlex.split(template.format(**fields))
+
+
+def ensure_router(cfg: Config) -> None:
+    subprocess.run(
+        ["bash", str(REPO_ROOT / "benchmarks" / "router_env.sh"), str(cfg.router_venv)],
+        check=True,
+        cwd=REPO_ROOT,
+        timeout=900,
+    )
+
+
+def make_prompt(length: int) -> list[int]:
+    return [(i * 7919) % 250 + 3 for i in range(length)]
+
+
+def proxy_argv(name: str, cfg: Config, port: int, prefill: str, decode: str) -> list[str]:
+    template = cfg.pd_proxy_cmd if name == PD_PROXY else cfg.router_cmd
+    return render(template, cfg, port=port, prefill=prefill, decode=decode, aux_port=free_port())
+
+
+async def start_proxy(
+    procs: Processes,
+    name: str,
+    cfg: Config,
+    *,
+    prefill: str,
+    decode: str,
+    prompt: Sequence[int],
+    log_name: str,
+) -> tuple[Target, subprocess.Popen[bytes]]:
+    port = free_port()
+    proc = procs.start(log_name, proxy_argv(name, cfg, port, prefill, decode), cfg.proxy_cpus)
+    target = Target(name=name, url=f"http://127.0.0.1:{port}")
+    await wait_port(proc, log_name, port, 60)
+    await wait_ready(log_name, proc, target, prompt, 60)
+    return target, proc
+
+
+async def start_sim(
+    procs: Processes, cfg: Config, role: str, template: str, log_name: str
+) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    proc = procs.start(log_name, render(template, cfg, port=port, role=role), cfg.worker_cpus)
+    await wait_port(proc, log_name, port, 60)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def versions(cfg: Config) -> dict[str, str]:
+    out = {"python": platform.python_version(), "aiohttp": aiohttp.__version__}
+    with contextlib.suppress(Exception):
+        out["vllm-router"] = subprocess.run(
+            [
+                str(cfg.router_venv / "bin" / "python"),
+                "-c",
+                "import importlib.metadata as m; print(m.version('vllm-router'))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+    with contextlib.suppress(Exception):
+        out["git"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=REPO_ROOT,
+            check=True,
+        ).stdout.strip()
+    return out
+
+
+async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
+    prompt = make_prompt(cfg.prompt_len)
+    points = build_points(cfg.concurrencies, cfg.max_tokens, cfg.streams)
+    meta: dict[str, Any] = {
+        "started_utc": dt.datetime.now(dt.UTC).isoformat(),
+        "quick": cfg.quick,
+        "targets": list(cfg.targets),
+        "reps": cfg.reps,
+        "rounds": cfg.rounds,
+        "min_requests": cfg.min_requests,
+        "prompt_len": cfg.prompt_len,
+        "proxy_cpus": cfg.proxy_cpus,
+        "worker_cpus": cfg.worker_cpus,
+        "client_cpus": cfg.client_cpus,
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()),
+        "commands": {"sim": cfg.sim_cmd, "pd-proxy": cfg.pd_proxy_cmd, "vllm-router": cfg.router_cmd},
+        "versions": versions(cfg),
+    }
+    prefill_url, _ = await start_sim(procs, cfg, "prefill", cfg.sim_cmd, "sim-prefill")
+    decode_url, decode_proc = await start_sim(procs, cfg, "decode", cfg.sim_cmd, "sim-decode")
+    targets: dict[str, Target] = {}
+    proxy_pids: dict[str, int] = {}
+    floor = Target(name=FLOOR, prefill_url=prefill_url, decode_url=decode_url)
+    await wait_ready("pd-sim workers", decode_proc, floor, prompt, 60)
+    for name in cfg.targets:
+        if name == FLOOR:
+            targets[name] = floor
+        else:
+            target, proc = await start_proxy(
+                procs, name, cfg, prefill=prefill_url, decode=decode_url, prompt=prompt, log_name=name
+            )
+            targets[name] = target
+            proxy_pids[name] = proc.pid
+    meta["proxy_idle_rss_kib"] = {n: tree_rss_kib(pid) for n, pid in proxy_pids.items()}
+
+    runs: dict[Point, dict[str, list[RunStats]]] = {}
+    plan = list(schedule(points, cfg.targets, cfg.reps))
+    for i, (point, rep, name) in enumerate(plan, 1):
+        n = requests_per_run(point.concurrency, cfg.rounds, cfg.min_requests)
+        stats = await run_load(
+            targets[name],
+            point,
+            prompt=prompt,
+            n_requests=n,
+            time_limit_s=cfg.run_time_limit_s,
+            request_timeout_s=cfg.request_timeout_s,
+            proxy_pid=proxy_pids.get(name),
+        )
+        runs.setdefault(point, {t: [] for t in cfg.targets})[name].append(stats)
+        print(
+            f"[{i:3d}/{len(plan)}] {point.label:<22} rep {rep} {name:<12} "
+            f"ttft p50 {stats.ttft_p50_ms:8.2f} ms  p99 {stats.ttft_p99_ms:8.2f} ms  "
+            f"{stats.tokens_per_s:9.0f} tok/s  {stats.requests_per_s:8.1f} req/s  "
+            f"proxy cpu {stats.proxy_cpu_util:4.2f}  ok {stats.ok} err {stats.errors}"
+            f"{'  TIMED OUT' if stats.timed_out else ''}",
+            flush=True,
+        )
+
+    memory: dict[str, Any] = {"streams": cfg.memory_streams, "results": []}
+    if cfg.memory_streams > 0 and any(t in PROXIES for t in cfg.targets):
+        slow_url, slow_proc = await start_sim(procs, cfg, "decode", cfg.slow_decode_cmd, "sim-decode-slow")
+        for name in (t for t in cfg.targets if t in PROXIES):
+            # A fresh proxy wired to the slow decode worker: the streams stay open, idle.
+            target, proc = await start_proxy(
+                procs,
+                name,
+                cfg,
+                prefill=prefill_url,
+                decode=slow_url,
+                prompt=prompt,
+                log_name=f"{name}-memory",
+            )
+            try:
+                res = await measure_stream_memory(
+                    name,
+                    target.url,
+                    pid=proc.pid,
+                    n=cfg.memory_streams,
+                    prompt=prompt,
+                    limit_s=cfg.run_time_limit_s,
+                )
+            finally:
+                procs.stop(proc)
+            memory["results"].append(res)
+            print(
+                f"memory {name:<12} {res['streams_open']}/{cfg.memory_streams} streams open: "
+                f"RSS {res['rss_before_kib']} -> {res['rss_after_kib']} KiB, "
+                f"{res['per_stream_kib']:.1f} KiB per open stream",
+                flush=True,
+            )
+        procs.stop(slow_proc)
+    meta["loadavg_end"] = list(os.getloadavg())
+    meta["finished_utc"] = dt.datetime.now(dt.UTC).isoformat()
+    return build_result(meta, points, runs, memory)
+
+
+# --------------------------------------------------------------------------------------------
+# Report: table and plot.
+
+
+def _fmt(value: Any, spec: str, width: int = 0) -> str:
+    text = "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+    return text.rjust(width)
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """Ratios pd-proxy / vllm-router per point, then the absolute numbers behind them."""
+    ratio_cols = (
+        ("tokens_per_s", "tok/s"),
+        ("requests_per_s", "req/s"),
+        ("tokens_per_proxy_cpu_s", "tok/cpu-s"),
+        ("added_ttft_p50_ms", "+ttft50"),
+        ("added_ttft_p99_ms", "+ttft99"),
+    )
+    lines = [
+        "pd-proxy / vllm-router (throughput ratios: >= 1 meets the target; added-TTFT ratios: <= 1 does)",
+        f"{'point':<22}" + "".join(f"{title:>10}" for _, title in ratio_cols),
+    ]
+    for row in result["ratios"]:
+        lines.append(f"{row['label']:<22}" + "".join(_fmt(row[key], ".2f", 10) for key, _ in ratio_cols))
+    lines.append("")
+    lines.append(
+        "medians per target: added TTFT p50/p99 over the floor (ms) | tokens/s | tokens per proxy CPU-s "
+        "| proxy CPU use (1.0 = one core busy)"
+    )
+    for point in result["points"]:
+        cells = []
+        for name, doc in point["targets"].items():
+            m = doc["median"]
+            cell = f"{name}: "
+            if name != FLOOR:
+                cell += f"+{_fmt(m['added_ttft_p50_ms'], '.2f')}/{_fmt(m['added_ttft_p99_ms'], '.2f')} ms "
+            cell += f"{_fmt(m['tokens_per_s'], '.0f')} tok/s"
+            if name != FLOOR:
+                cell += f" {_fmt(m['tokens_per_proxy_cpu_s'], '.0f')} tok/cpu-s"
+                cell += f" cpu {_fmt(m['proxy_cpu_util'], '.2f')}"
+            if m["errors"] or m["timed_out"]:
+                cell += f" [errors {m['errors']}{', timed out' if m['timed_out'] else ''}]"
+            cells.append(cell)
+        lines.append(f"{point['label']:<22} " + " | ".join(cells))
+    for res in result["memory"].get("results", []):
+        lines.append(
+            f"memory per open stream {res['target']}: {_fmt(res['per_stream_kib'], '.1f')} KiB "
+            f"(RSS {res['rss_before_kib']} -> {res['rss_after_kib']} KiB, "
+            f"{res['streams_open']}/{res['streams_requested']} streams open)"
+        )
+    return "\n".join(lines)
+
+
+def make_plot(result: Mapping[str, Any], path: Path) -> None:
+    # Imported here: plotting is the last step and matplotlib is slow to import.
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    combos = sorted(
+        {(p["stream"], p["max_tokens"]) for p in result["points"]}, key=lambda c: (not c[0], c[1])
+    )
+    rows = (
+        ("tokens_per_s", "tokens/s"),
+        ("requests_per_s", "requests/s"),
+        ("added_ttft_p50_ms", "added TTFT p50 (ms)"),
+        ("added_ttft_p99_ms", "added TTFT p99 (ms)"),
+    )
+    if not combos:
+        return
+    fig, axes = plt.subplots(
+        len(rows), len(combos), figsize=(4.2 * len(combos), 3.0 * len(rows)), squeeze=False
+    )
+    for j, (stream, max_tokens) in enumerate(combos):
+        pts = sorted(
+            (p for p in result["points"] if p["stream"] == stream and p["max_tokens"] == max_tokens),
+            key=lambda p: p["concurrency"],
+        )
+        names = sorted({t for p in pts for t in p["targets"]}, key=TARGETS.index)
+        for i, (key, title) in enumerate(rows):
+            ax = axes[i][j]
+            for name in names:
+                if key.startswith("added") and name == FLOOR:
+                    continue
+                xs = [p["concurrency"] for p in pts if name in p["targets"]]
+                ys = [p["targets"][name]["median"][key] for p in pts if name in p["targets"]]
+                ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent streams")
+            ax.set_ylabel(title)
+            ax.grid(True, alpha=0.3)
+            if i == 0:
+                ax.set_title(f"{'stream' if stream else 'non-stream'}, {max_tokens} output tokens")
+            if i == 0 and j == 0:
+                ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point.
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def resolve_targets(cfg: Config) -> tuple[Config, list[str]]:
+    """Drops pd-proxy when its command is not installed (said loudly and recorded)."""
+    skipped: list[str] = []
+    targets = list(cfg.targets)
+    if PD_PROXY in targets:
+        exe = render(cfg.pd_proxy_cmd, cfg, port=0, prefill="x", decode="x", aux_port=0)[0]
+        if shutil.which(exe) is None:
+            print(f"WARNING: {exe} not found: pd-proxy is left out of this run", file=sys.stderr)
+            targets.remove(PD_PROXY)
+            skipped.append(PD_PROXY)
+    return replace(cfg, targets=tuple(targets)), skipped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    if VLLM_ROUTER in cfg.targets:
+        ensure_router(cfg)
+    cfg, skipped = resolve_targets(cfg)
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.client_cpus:
+        os.sched_setaffinity(0, {int(c) for c in cfg.client_cpus.split(",")})
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    procs = Processes(cfg.out_dir)
+    try:
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        result = asyncio.run(run_comparison(cfg, procs))
+    except KeyboardInterrupt:
+        print("interrupted: stopping every process started here", file=sys.stderr)
+        return 130
+    finally:
+        procs.close()
+        signal.signal(signal.SIGTERM, previous)
+    result["meta"]["skipped_targets"] = skipped
+    json_path = cfg.out_dir / "result.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    png_path = cfg.out_dir / "result.png"
+    make_plot(result, png_path)
+    print(format_table(result))
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
