@@ -1,0 +1,165 @@
+"""The Grafana dashboards and the Prometheus scrape config: every PromQL expression names only metrics
+the proxy (agreed list) or a real vLLM worker (the traces' scrapes) exposes, with labels they carry."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.targets import SCRAPE_CONFIG, Endpoints, write_targets
+from tests.deploy import dashboards as dash
+from tests.deploy import metric_catalog as cat
+from tests.deploy.tools import find, run
+
+FILES = dash.dashboard_files()
+QUERIES = [q for f in FILES for q in dash.queries(f)]
+KNOWN = cat.catalog()
+
+
+def test_dashboards_exist_with_unique_uids() -> None:
+    uids = [dash.load(f)["uid"] for f in FILES]
+    assert len(FILES) >= 4
+    assert len(set(uids)) == len(uids)
+    assert all(f.stem == uid for f, uid in zip(FILES, uids, strict=True))
+
+
+@pytest.mark.parametrize("query", QUERIES, ids=str)
+def test_expression_names_only_exposed_metrics_and_labels(query: dash.Query) -> None:
+    assert dash.problems(query.expr, KNOWN) == []
+
+
+@pytest.mark.parametrize(
+    ("expr", "expected"),
+    [
+        ("rate(pd_proxy_ttft_second_bucket[5m])", "exposed by neither"),  # typo in the name
+        ("pd_proxy_ttft_seconds", "exposed by neither"),  # a histogram's bare name is no series
+        ("rate(vllm:nixl_num_kv_expired_reqs[5m])", "exposed by neither"),  # counter without _total
+        ('pd_proxy_requests_total{result="ok"}', "no label 'result'"),
+        ('pd_proxy_stage_seconds_count{stage="transfer"}', "never 'transfer'"),
+        ('pd_proxy_aborts_total{source=~"client_call|timeout"}', "never 'timeout'"),
+        ("sum by (pool) (rate(pd_proxy_requests_total[$__rate_interval]))", "has no ['pool']"),
+        ("sum by (le) (rate(pd_proxy_ttft_seconds_sum[5m]))", "has no ['le']"),
+        ("sum(rate(pd_proxy_requests_total[5m])", "does not parse"),
+    ],
+)
+def test_checker_reports_mistakes(expr: str, expected: str) -> None:
+    found = dash.problems(expr, KNOWN)
+    assert any(expected in p for p in found), found
+
+
+def test_checker_accepts_grafana_variables_and_target_labels() -> None:
+    expr = 'sum by (pool, instance) (rate(vllm:num_preemptions_total{pool=~"$pool"}[$__rate_interval]))'
+    assert dash.problems(expr, KNOWN) == []
+
+
+def test_dashboards_cover_every_required_view() -> None:
+    """Issue 7 item 5: TTFT/ITL percentiles, TTFT by stage, KV leases and aborts, errors and health by
+    pool and worker, and the workers' queue, KV usage, NIXL transfer time and expired KV."""
+    named = {s.name for q in QUERIES for s in dash.selectors(dash.parse(q.expr))}
+    required = {
+        "pd_proxy_ttft_seconds_bucket",
+        "pd_proxy_itl_seconds_bucket",
+        "pd_proxy_tpot_seconds_bucket",
+        "pd_proxy_e2e_seconds_bucket",
+        "pd_proxy_stage_seconds_bucket",
+        "pd_proxy_stage_seconds_sum",
+        "pd_proxy_kv_leases_open",
+        "pd_proxy_kv_lease_duration_seconds_bucket",
+        "pd_proxy_kv_leases_closed_total",
+        "pd_proxy_aborts_total",
+        "pd_proxy_abort_fanout_total",
+        "pd_proxy_worker_healthy",
+        "pd_proxy_circuit_state",
+        "pd_proxy_upstream_errors_total",
+        "pd_proxy_upstream_requests_total",
+        "pd_proxy_inflight_requests",
+        "pd_proxy_prefill_missing_kv_params_total",
+        "pd_proxy_decode_only_total",
+        "pd_proxy_suspect_no_transfer_total",
+        "pd_proxy_retries_total",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:nixl_xfer_time_seconds_bucket",
+        "vllm:nixl_num_kv_expired_reqs_total",
+        "vllm:nixl_num_failed_transfers_total",
+    }
+    assert required - named == set()
+
+
+def test_panels_are_well_formed() -> None:
+    for f in FILES:
+        d = dash.load(f)
+        names = [v["name"] for v in d["templating"]["list"]]
+        assert names[0] == "datasource", f.name
+        assert d["templating"]["list"][0]["query"] == "prometheus"
+        ids = []
+        for panel in d["panels"]:
+            ids.append(panel["id"])
+            grid = panel["gridPos"]
+            assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, (f.name, panel["title"])
+            if panel["type"] == "row":
+                continue
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            refs = [t["refId"] for t in panel["targets"]]
+            assert panel["targets"] and len(set(refs)) == len(refs), (f.name, panel["title"])
+            assert all(t["datasource"] == panel["datasource"] for t in panel["targets"])
+        assert len(set(ids)) == len(ids), f.name
+
+
+def test_provisioning_points_at_the_dashboards() -> None:
+    base = dash.DASHBOARDS.parent / "provisioning"
+    providers = yaml.safe_load((base / "dashboards" / "pd-proxy.yml").read_text())["providers"]
+    assert [p["options"]["path"] for p in providers] == ["/var/lib/grafana/dashboards/pd-proxy"]
+    sources = yaml.safe_load((base / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert [(s["type"], s["url"]) for s in sources] == [("prometheus", "${PROMETHEUS_URL}")]
+    compose = (cat.REPO / "deploy" / "compose" / "docker-compose.yml").read_text()
+    assert "../grafana/dashboards:/var/lib/grafana/dashboards/pd-proxy:ro" in compose
+
+
+def test_vendored_worker_metrics_match_the_traces() -> None:
+    traces = cat.traces_dir()
+    if traces is None:
+        pytest.skip("shared/traces not reachable: the vendored copy is used as is")
+    vendored = cat.VENDORED_VLLM.read_text(encoding="utf-8")
+    assert vendored == cat.format_vendored(cat.metrics_from_traces(traces))
+
+
+def test_scrape_config_discovers_proxy_and_workers_from_files() -> None:
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {"pd-proxy", "vllm"}
+    assert jobs["pd-proxy"]["file_sd_configs"][0]["files"] == ["targets/proxy.json"]
+    assert jobs["vllm"]["file_sd_configs"][0]["files"] == ["targets/workers.json"]
+    assert all(j["metrics_path"] == "/metrics" for j in jobs.values())
+
+
+PROMTOOL = find("promtool")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")
+def test_promtool_accepts_scrape_config_and_targets(tmp_path: Path) -> None:
+    assert PROMTOOL is not None
+    shutil.copy(SCRAPE_CONFIG, tmp_path / "prometheus.yml")
+    write_targets(
+        tmp_path / "targets",
+        Endpoints(["http://127.0.0.1:8000"], ["http://127.0.0.1:8100"], ["http://127.0.0.1:8200"]),
+    )
+    result = run([PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" not in result.stdout + result.stderr  # both targets files found
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")
+def test_promtool_parses_every_dashboard_expression(tmp_path: Path) -> None:
+    """Prometheus's own parser agrees with promql-parser on every expression."""
+    assert PROMTOOL is not None
+    rules = [{"record": f"dashboard:e{i}", "expr": dash.substitute(q.expr)} for i, q in enumerate(QUERIES)]
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    result = run([PROMTOOL, "check", "rules", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{len(rules)} rules found" in result.stdout
