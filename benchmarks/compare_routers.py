@@ -49,6 +49,7 @@ from types import FrameType
 from typing import Any, Final, TextIO
 
 import aiohttp
+import numpy as np
 import uvloop
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
@@ -152,23 +153,10 @@ def requests_per_run(concurrency: int, rounds: int, min_requests: int) -> int:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between closest ranks; NaN when empty."""
+    """The q-th percentile (0..100), numpy's linear interpolation; NaN when empty."""
     if not values:
         return math.nan
-    if len(values) == 1:
-        return float(values[0])
-    if q <= 0:
-        return float(min(values))
-    if q >= 100:
-        return float(max(values))
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    lo = math.floor(q)
-    if lo == q:
-        return cuts[lo - 1]
-    # statistics.quantiles only gives integer cut points; interpolate between them.
-    a = cuts[lo - 1] if lo >= 1 else float(min(values))
-    b = cuts[lo]
-    return a + (b - a) * (q - lo)
+    return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
 def median(values: Sequence[float]) -> float:
@@ -1048,7 +1036,8 @@ def format_table(result: Mapping[str, Any]) -> str:
             m = doc["median"]
             cell = f"{name}: "
             if name != FLOOR:
-                cell += f"+{_fmt(m['added_ttft_p50_ms'], '.2f')}/{_fmt(m['added_ttft_p99_ms'], '.2f')} ms "
+                added = f"{_fmt(m['added_ttft_p50_ms'], '.2f')}/{_fmt(m['added_ttft_p99_ms'], '.2f')}"
+                cell += f"added {added} ms "
             cell += f"{_fmt(m['tokens_per_s'], '.0f')} tok/s"
             if name != FLOOR:
                 cell += f" {_fmt(m['tokens_per_proxy_cpu_s'], '.0f')} tok/cpu-s"

@@ -1,0 +1,366 @@
+"""The router comparison's pure parts: plan order, arithmetic, parsing, result shape, clean-up.
+
+No timing assertions: the numbers themselves come from `python -m benchmarks.compare_routers`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from benchmarks import compare_routers as cr
+from benchmarks.compare_routers import FLOOR, PD_PROXY, TARGETS, VLLM_ROUTER, Point, RunStats, Sample
+
+# --- plan ---------------------------------------------------------------------------------
+
+
+def test_target_order_rotates_so_every_target_leads_once() -> None:
+    orders = [cr.target_order(TARGETS, rep) for rep in range(3)]
+    assert orders == [
+        [FLOOR, PD_PROXY, VLLM_ROUTER],
+        [PD_PROXY, VLLM_ROUTER, FLOOR],
+        [VLLM_ROUTER, FLOOR, PD_PROXY],
+    ]
+    # each position is held by each target exactly once over len(targets) repetitions
+    for position in range(3):
+        assert sorted(o[position] for o in orders) == sorted(TARGETS)
+    assert cr.target_order(TARGETS, 3) == orders[0]
+    assert cr.target_order([], 5) == []
+
+
+def test_schedule_runs_every_point_rep_target_once_point_by_point() -> None:
+    points = cr.build_points([1, 64], [32], [True, False])
+    plan = list(cr.schedule(points, TARGETS, reps=2))
+    assert len(plan) == len(points) * 2 * len(TARGETS)
+    assert len(set(plan)) == len(plan)
+    # all runs of one point are contiguous, so drift within a point hits every target
+    seen_points = [p for p, _, _ in plan]
+    firsts = [seen_points.index(p) for p in points]
+    assert firsts == sorted(firsts)
+    for p in points:
+        idx = [i for i, q in enumerate(seen_points) if q == p]
+        assert idx == list(range(idx[0], idx[0] + 2 * len(TARGETS)))
+    # within a point, repetition 1 starts with a different target than repetition 0
+    first_point = [(rep, t) for p, rep, t in plan if p == points[0]]
+    assert first_point[0] == (0, FLOOR)
+    assert first_point[3] == (1, PD_PROXY)
+
+
+def test_build_points_is_the_full_grid_with_labels() -> None:
+    points = cr.build_points([1, 64, 256], [32, 256], [True, False])
+    assert len(points) == 12
+    assert len({p.label for p in points}) == 12
+    assert Point(stream=False, max_tokens=256, concurrency=64).label == "nonstream-out256-c64"
+
+
+def test_requests_per_run() -> None:
+    assert cr.requests_per_run(256, 2, 16) == 512
+    assert cr.requests_per_run(1, 2, 16) == 16
+
+
+# --- arithmetic ---------------------------------------------------------------------------
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=2, max_size=200))
+def test_percentile_matches_numpy_linear(values: list[float]) -> None:
+    for q in (0, 1, 50, 90, 99, 99.5, 100):
+        assert cr.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-9)
+
+
+def test_percentile_edges() -> None:
+    assert math.isnan(cr.percentile([], 50))
+    assert cr.percentile([3.0], 99) == 3.0
+
+
+def test_median_ignores_nan_and_is_nan_when_empty() -> None:
+    assert cr.median([1.0, math.nan, 3.0, 10.0]) == 3.0
+    assert math.isnan(cr.median([math.nan]))
+    assert math.isnan(cr.median([]))
+
+
+def test_ratio_guards() -> None:
+    assert cr.ratio(3.0, 2.0) == 1.5
+    assert math.isnan(cr.ratio(1.0, 0.0))
+    assert math.isnan(cr.ratio(1.0, -2.0))
+    assert math.isnan(cr.ratio(math.nan, 2.0))
+    assert math.isnan(cr.ratio(2.0, math.nan))
+
+
+def test_run_stats_counts_only_good_samples() -> None:
+    samples = [Sample(True, 0.010, 32), Sample(True, 0.020, 32), Sample(False, math.nan, 0)]
+    stats = cr.run_stats(samples, wall_s=2.0, proxy_cpu_s=0.5)
+    assert stats.ok == 2
+    assert stats.errors == 1
+    assert stats.tokens_per_s == 32.0
+    assert stats.requests_per_s == 1.0
+    assert stats.ttft_p50_ms == pytest.approx(15.0)
+    assert stats.tokens_per_proxy_cpu_s == 128.0
+    assert stats.proxy_cpu_util == 0.25
+    floor_stats = cr.run_stats(samples, wall_s=2.0)
+    assert math.isnan(floor_stats.tokens_per_proxy_cpu_s)
+
+
+def _rs(p50: float, p99: float, tps: float) -> RunStats:
+    return RunStats(
+        ttft_p50_ms=p50,
+        ttft_p99_ms=p99,
+        tokens_per_s=tps,
+        requests_per_s=tps / 10,
+        ok=10,
+        errors=0,
+        timed_out=False,
+        wall_s=1.0,
+    )
+
+
+def test_added_ttft_is_paired_per_repetition_then_median() -> None:
+    # floor drifts between repetitions; pairing removes the drift
+    runs = {
+        FLOOR: [_rs(1.0, 2.0, 1000), _rs(5.0, 9.0, 900), _rs(2.0, 3.0, 950)],
+        PD_PROXY: [_rs(1.5, 3.0, 500), _rs(5.5, 10.0, 400), _rs(2.5, 4.0, 450)],
+        VLLM_ROUTER: [_rs(2.0, 4.0, 400), _rs(7.0, 12.0, 410), _rs(3.0, 5.0, 380)],
+    }
+    med = cr.summarise_point(runs)
+    assert med[PD_PROXY]["added_ttft_p50_ms"] == pytest.approx(0.5)
+    assert med[PD_PROXY]["added_ttft_p99_ms"] == pytest.approx(1.0)
+    assert med[VLLM_ROUTER]["added_ttft_p50_ms"] == pytest.approx(1.0)  # median of 1, 2, 1
+    assert med[VLLM_ROUTER]["added_ttft_p99_ms"] == pytest.approx(2.0)  # median of 2, 3, 2
+    assert med[FLOOR]["added_ttft_p50_ms"] == 0.0
+    assert med[PD_PROXY]["tokens_per_s"] == 450
+    assert med[PD_PROXY]["ok"] == 30
+    ratios = cr.point_ratios("x", med)
+    assert ratios["tokens_per_s"] == pytest.approx(450 / 400)
+    assert ratios["added_ttft_p50_ms"] == pytest.approx(0.5)
+    assert math.isnan(ratios["tokens_per_proxy_cpu_s"])  # no CPU figures in these runs
+
+
+def test_added_ttft_is_nan_without_a_floor() -> None:
+    med = cr.summarise_point({VLLM_ROUTER: [_rs(2.0, 4.0, 400)]})
+    assert math.isnan(float(med[VLLM_ROUTER]["added_ttft_p50_ms"]))
+    assert math.isnan(cr.point_ratios("x", med)["tokens_per_s"])
+
+
+# --- result document ----------------------------------------------------------------------
+
+
+def _result() -> dict[str, object]:
+    points = cr.build_points([1, 64], [32], [True])
+    runs = {
+        p: {
+            FLOOR: [_rs(1.0, 2.0, 1000), _rs(1.1, 2.2, 1001)],
+            PD_PROXY: [_rs(1.5, 3.0, 500), _rs(1.6, 3.1, 505)],
+            VLLM_ROUTER: [_rs(2.0, 4.0, 400), _rs(2.1, 4.1, 405)],
+        }
+        for p in points
+    }
+    memory = {
+        "streams": 1000,
+        "results": [
+            {
+                "target": PD_PROXY,
+                "streams_requested": 1000,
+                "streams_open": 0,
+                "rss_before_kib": 100,
+                "rss_after_kib": 100,
+                "per_stream_kib": math.nan,
+            }
+        ],
+    }
+    return cr.build_result({"quick": True}, points, runs, memory)
+
+
+def test_result_json_has_the_documented_keys_and_is_strict_json() -> None:
+    result = _result()
+    assert tuple(result) == cr.RESULT_KEYS
+    text = json.dumps(result, allow_nan=False)  # NaN became null
+    doc = json.loads(text)
+    assert len(doc["points"]) == 2
+    for point in doc["points"]:
+        assert tuple(point) == cr.POINT_KEYS
+        assert set(point["targets"]) == set(TARGETS)
+        for target in point["targets"].values():
+            assert tuple(target) == cr.TARGET_KEYS
+            assert set(cr.METRIC_KEYS) <= set(target["median"])
+            assert len(target["reps"]) == 2
+    for row in doc["ratios"]:
+        assert tuple(row) == cr.RATIO_KEYS
+    assert doc["memory"]["results"][0]["per_stream_kib"] is None
+
+
+def test_table_and_plot_are_written(tmp_path: Path) -> None:
+    result = _result()
+    table = cr.format_table(result)
+    assert "stream-out32-c64" in table
+    assert "1.25" in table  # tokens/s ratio 502.5 / 402.5
+    png = tmp_path / "r.png"
+    cr.make_plot(result, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- parsing ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "tokens"),
+    [
+        (b'{"choices":[{"index":0,"token_ids":[5,6,7],"finish_reason":null}]}', 3),
+        (b'{"choices": [{"index": 0, "token_ids": [5], "text": "a"}]}', 1),
+        (b'{"choices":[{"token_ids":[]}]}', 0),
+        (b'{"choices":[{"token_ids":null}]}', 0),
+        (b'{"prompt_token_ids":[1,2,3,4],"choices":[{"token_ids":[9,9]}]}', 2),
+        (b'{"choices":[{"index":0,"token_ids":[1,2]},{"index":1,"token_ids":[3]}]}', 3),
+        (b'{"choices":[],"usage":{"completion_tokens":7}}', 0),
+    ],
+)
+def test_count_token_ids(payload: bytes, tokens: int) -> None:
+    assert cr.count_token_ids(payload) == tokens
+
+
+_STREAM = (
+    b'data: {"choices":[{"index":0,"token_ids":[1,2],"finish_reason":null}]}\n\n'
+    b": server-timing queue;dur=0.1\n\n"
+    b'data: {"choices":[{"index":0,"token_ids":[3],"finish_reason":"length"}]}\n\n'
+    b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(_STREAM)), max_size=12))
+def test_sse_counter_is_independent_of_chunking(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(_STREAM)]
+    counter = cr.SseTokenCounter()
+    for a, b in itertools.pairwise(bounds):
+        counter.feed(_STREAM[a:b])
+    assert counter.tokens == 3
+    assert counter.done
+    assert not counter.error
+
+
+def test_sse_counter_reports_first_tokens_and_errors() -> None:
+    counter = cr.SseTokenCounter()
+    assert counter.feed(b'data: {"choices":[{"token_ids":[1]') == 0  # incomplete event
+    assert counter.feed(b"]}\n\n") == 1
+    counter.feed(b'data: {"error": {"message": "boom", "type": "x", "param": null, "code": 500}}\n\n')
+    assert counter.error
+    assert not counter.done
+
+
+def test_prefill_hop_body_follows_spec_section_3() -> None:
+    body = cr.request_body(Point(stream=True, max_tokens=256, concurrency=1), [1, 2, 3])
+    body["sampling_params"]["min_tokens"] = 4
+    body["stream_options"] = {"include_usage": True}
+    hop = cr.prefill_hop_body(body)
+    assert hop["stream"] is False
+    assert hop["sampling_params"]["max_tokens"] == 1
+    assert "min_tokens" not in hop["sampling_params"]
+    assert "stream_options" not in hop
+    assert hop["output_mode"] == "tokens"
+    assert hop["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert hop["token_ids"] == [1, 2, 3]
+    # the original is untouched (the decode hop sends it)
+    assert body["sampling_params"]["max_tokens"] == 256
+    assert body["stream"] is True
+
+
+def test_proc_parsers() -> None:
+    status = "Name:\tpython\nVmPeak:\t  9000 kB\nVmRSS:\t   81564 kB\nThreads:\t4\n"
+    assert cr.parse_vmrss_kib(status) == 81564
+    assert cr.parse_vmrss_kib("Name:\tzombie\n") == 0
+    stat = "1234 (tricky (name) x) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 37 0 0 20 0 4 0 500"
+    assert cr.parse_stat_cpu_ticks(stat) == 287
+    assert cr.per_stream_kib(1000, 65000, 1000) == 64.0
+    assert math.isnan(cr.per_stream_kib(1000, 2000, 0))
+
+
+def test_tree_measurements_of_this_process() -> None:
+    assert cr.tree_rss_kib(os.getpid()) > 0
+    assert cr.tree_cpu_seconds(os.getpid()) > 0
+    assert os.getpid() in cr.process_tree(os.getpid())
+
+
+# --- configuration ------------------------------------------------------------------------
+
+
+def test_quick_defaults_and_overrides() -> None:
+    quick = cr.parse_args(["--quick", "--proxy-cpus", "", "--worker-cpus", "", "--client-cpus", ""])
+    full = cr.parse_args([])
+    assert (quick.reps, quick.rounds) == (2, 2)
+    assert (full.reps, full.rounds) == (3, 4)
+    assert quick.concurrencies == (1, 64, 256)
+    assert quick.max_tokens == (32, 256)
+    assert quick.streams == (True, False)
+    assert quick.proxy_cpus is None
+    custom = cr.parse_args(["--targets", "floor,vllm-router", "--modes", "nonstream", "--reps", "5"])
+    assert custom.targets == (FLOOR, VLLM_ROUTER)
+    assert custom.streams == (False,)
+    assert custom.reps == 5
+
+
+def test_unknown_target_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        cr.parse_args(["--targets", "floor,nginx"])
+
+
+def test_commands_render_with_ports_and_urls() -> None:
+    cfg = cr.parse_args([])
+    argv = cr.proxy_argv(VLLM_ROUTER, cfg, 4321, "http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert argv[0].endswith("/vllm-router")
+    assert "--vllm-pd-disaggregation" in argv
+    assert argv[argv.index("--prefill") + 1] == "http://127.0.0.1:1"
+    assert argv[argv.index("--decode") + 1] == "http://127.0.0.1:2"
+    assert argv[argv.index("--port") + 1] == "4321"
+    assert argv[argv.index("--prometheus-port") + 1].isdigit()
+
+
+# --- clean-up -----------------------------------------------------------------------------
+
+
+def _gone(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "State:\tZ" in status.read_text()
+    except OSError:
+        return True
+
+
+def test_processes_close_kills_the_whole_group(tmp_path: Path) -> None:
+    procs = cr.Processes(tmp_path)
+    pid_file = tmp_path / "grandchild.pid"
+    # a shell that starts a grandchild: killing by process group must reach both
+    proc = procs.start("shell", ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], None)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        assert not _gone(grandchild)
+    finally:
+        procs.close()
+    assert proc.poll() is not None
+    deadline = time.monotonic() + 5
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(grandchild)
+    assert (tmp_path / "shell.log").read_text().startswith("$ sh -c")
+
+
+def test_processes_stop_one_leaves_the_others(tmp_path: Path) -> None:
+    procs = cr.Processes(tmp_path)
+    try:
+        a = procs.start("a", ["sleep", "300"], None)
+        b = procs.start("b", ["sleep", "300"], None)
+        procs.stop(a)
+        assert a.poll() is not None
+        assert b.poll() is None
+    finally:
+        procs.close()
+    assert b.poll() is not None
