@@ -1,0 +1,963 @@
+"""The pd-sim aiohttp application: vLLM 0.32's generate/abort/health/metrics surface plus
+the simulator's own ``/sim/*`` endpoints (state, faults, KV side channel)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .engine import Inflight, KvPool, Lease, LeaseTable, Registry, Scheduler
+from .errors import (
+    BadRequest,
+    Forbidden,
+    InjectedFailure,
+    InternalError,
+    RequestValidation,
+    SimError,
+)
+from .metrics import SimMetrics
+from .model import EOS_TOKEN_ID, choice_seed, fold, fold_all, next_token, redraw
+from .protocol import GenerateRequest, parse_generate_request, parse_json_body, unsupported_media_type
+from .settings import Faults, SimSettings
+
+log = logging.getLogger("pd_sim")
+
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_KV_BYTES_PER_TOKEN = 4096
+_YIELD_EVERY = 16
+
+
+@dataclass
+class SimState:
+    settings: SimSettings
+    engine_id: str
+    metrics: SimMetrics
+    pool: KvPool
+    leases: LeaseTable
+    scheduler: Scheduler
+    registry: Registry = field(default_factory=Registry)
+    session: aiohttp.ClientSession | None = None
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def faults(self) -> Faults:
+        return self.settings.faults
+
+    def client_session(self) -> aiohttp.ClientSession:
+        if self.session is None or self.session.closed:
+            self.session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.settings.pull_timeout_s)
+            )
+        return self.session
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+
+SIM = web.AppKey("pd_sim_state", SimState)
+
+
+def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=_DUMPS(body).encode(), status=status, content_type="application/json", headers=headers
+    )
+
+
+def _error_response(err: SimError, headers: dict[str, str] | None = None) -> web.Response:
+    return _json_response(err.body(), err.status, headers)
+
+
+def _request_id_header(request: web.Request) -> dict[str, str] | None:
+    if not request.app[SIM].settings.enable_request_id_headers:
+        return None
+    return {"x-request-id": request.headers.get("X-Request-Id") or uuid.uuid4().hex}
+
+
+def _api_key_ok(request: web.Request, api_key: str) -> bool:
+    value = request.headers.get("Authorization")
+    if not value:
+        return False
+    scheme, _, param = value.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(param.encode(), api_key.encode())
+
+
+@web.middleware
+async def _middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    st = request.app[SIM]
+    key = st.settings.api_key
+    if (
+        key is not None
+        and request.method != "OPTIONS"
+        and request.path.startswith(GUARDED_PREFIX)
+        and not _api_key_ok(request, key)
+    ):
+        return _json_response({"error": "Unauthorized"}, 401)
+    try:
+        return await handler(request)
+    except SimError as e:
+        return _error_response(e, _request_id_header(request))
+    except web.HTTPNotFound:
+        return _json_response({"detail": "Not Found"}, 404)
+    except web.HTTPMethodNotAllowed:
+        return _json_response({"detail": "Method Not Allowed"}, 405)
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+@dataclass
+class _Choice:
+    index: int
+    salt: int
+    h: int
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class _Run:
+    """One generate call from validation to the last byte."""
+
+    def __init__(self, request: web.Request, st: SimState, req: GenerateRequest, request_id: str) -> None:
+        self.request = request
+        self.st = st
+        self.req = req
+        self.sp = req.sampling_params
+        self.request_id = request_id
+        self.settings = st.settings
+        self.prompt = req.token_ids
+        self.stream = bool(req.stream)
+        opts = req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = self.include_usage and bool(opts and opts.continuous_usage_stats)
+        kv = req.kv_transfer_params or {}
+        role = self.settings.role
+        self.kv_producer = role == "prefill" and bool(kv.get("do_remote_decode"))
+        self.kv_consumer = role == "decode" and bool(kv.get("do_remote_prefill"))
+        self.remote = kv if self.kv_consumer else None
+        self.inflight = Inflight(request_id, len(self.prompt))
+        self.acquired = False
+        self.pulled = False
+        self.freed_remote = False
+        self.lease: Lease | None = None
+        self.cached_tokens = 0
+        self.created = int(time.time())
+        self.max_tokens = 0
+        self.stop_ids: frozenset[int] = frozenset()
+        self.choices: list[_Choice] = []
+        self.resp: web.StreamResponse | None = None
+        self.t_arrival = time.monotonic()
+        self.t_first: float | None = None
+
+    # -- validation (vLLM's order of checks) --------------------------------------------------
+
+    def validate(self) -> None:
+        s = self.settings
+        sp = self.sp
+        if sp.n > s.max_num_seqs:
+            raise BadRequest(
+                f"sampling_params.n must be at most the server's max_num_seqs ({s.max_num_seqs}), got {sp.n}."
+            )
+        if self.stream and sp.prompt_logprob_token_ids is not None:
+            raise BadRequest("prompt_logprob_token_ids are not available when stream=true.")
+        if s.tokens_only and sp.stop_strings():
+            raise BadRequest(
+                "stop strings are not supported on a --tokens-only server because detokenization "
+                "is disabled. Check stop strings on the coordinator, or use stop_token_ids."
+            )
+        if self.req.output_mode != "tokens" and not s.has_tokenizer:
+            raise BadRequest(
+                f"output_mode={self.req.output_mode!r} requires a tokenizer, but this server does not "
+                "load one (--tokens-only or --skip-tokenizer-init). Send the request to a server that "
+                "loads a tokenizer, or use output_mode='tokens'."
+            )
+        if sp.prompt_logprob_token_ids is not None:
+            raise BadRequest(
+                "prompt_logprob_token_ids requires the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1). "
+                "(parameter=prompt_logprob_token_ids)",
+                param="prompt_logprob_token_ids",
+            )
+        for t in self.prompt:
+            if t >= s.vocab_size:
+                raise BadRequest(f"Token id {t} is out of vocabulary")
+        if len(self.prompt) > s.max_model_len:
+            raise BadRequest(
+                f"The decoder prompt (length {len(self.prompt)}) is longer than the maximum model length of "
+                f"{s.max_model_len}. Make sure that `max_model_len` is no smaller than the number of "
+                "text tokens."
+            )
+        room = s.max_model_len - len(self.prompt)
+        if sp.max_tokens is None:
+            max_tokens = room
+        else:
+            if sp.max_tokens < 1:
+                raise BadRequest(
+                    f"max_tokens must be at least 1, got {sp.max_tokens}. "
+                    f"(parameter=max_tokens, value={sp.max_tokens})",
+                    param="max_tokens",
+                )
+            max_tokens = min(sp.max_tokens, room)
+        if sp.n > 1 and sp.temperature < 1e-5:
+            raise BadRequest(f"n must be 1 when using greedy sampling, got {sp.n}.")
+        if sp.min_tokens > (sp.max_tokens if sp.max_tokens is not None else max_tokens):
+            raise BadRequest(
+                f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got {sp.min_tokens}."
+            )
+        self.max_tokens = max(max_tokens, 1) if room > 0 else 0
+        stop_ids = set(sp.stop_token_ids or ())
+        self.stop_ids = frozenset(stop_ids)
+        seed = 0 if sp.temperature < 1e-05 else sp.seed if sp.seed is not None else random.getrandbits(63)
+        h = fold_all(self.prompt)
+        self.choices = [_Choice(i, choice_seed(seed, i), h) for i in range(sp.n)]
+
+    # -- the response ---------------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str] | None:
+        return _request_id_header(self.request)
+
+    async def run(self) -> web.StreamResponse:
+        st = self.st
+        faults = st.faults
+        if faults.fail_next > 0:
+            faults.fail_next -= 1
+            raise InjectedFailure(faults.fail_status)
+        if faults.hang_before_headers:
+            await asyncio.Event().wait()
+        st.registry.add(self.inflight)
+        try:
+            if self.stream:
+                return await self._run_stream()
+            return await self._run_full()
+        except asyncio.CancelledError:
+            # Client disconnect (handler cancellation): vLLM aborts the request in the engine.
+            self.inflight.abort()
+            raise
+        finally:
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        st = self.st
+        st.registry.remove(self.inflight)
+        if self.remote is not None and not self.pulled and not self.freed_remote:
+            self._free_remote()
+        if self.inflight.blocks:
+            st.pool.free(self.inflight.blocks)
+            self.inflight.blocks = []
+        if self.acquired:
+            self.acquired = False
+            st.scheduler.release()
+
+    def _free_remote(self) -> None:
+        """D aborted before pulling: tell P to free its blocks at once."""
+        self.freed_remote = True
+        remote = self.remote
+        if remote is None:
+            return
+        url = _side_channel_url(remote, "free")
+        rrid = remote.get("remote_request_id")
+        if url is None or not isinstance(rrid, str):
+            return
+        st = self.st
+
+        async def notify() -> None:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                async with st.client_session().post(url, json={"remote_request_id": rrid}) as r:
+                    await r.read()
+
+        st.spawn(notify())
+
+    async def _schedule(self) -> bool:
+        """Wait for a running slot, take the KV blocks, pull remote KV, prefill. False if aborted."""
+        st = self.st
+        s = self.settings
+        inflight = self.inflight
+        t0 = time.monotonic()
+        needed = st.pool.blocks_needed(len(self.prompt))
+        if not await st.scheduler.acquire(inflight, needed):
+            return False
+        self.acquired = True
+        if inflight.aborted:
+            return False
+        st.metrics.queue_time.observe(time.monotonic() - t0)
+        inflight.state = "prefilling"
+        t_prefill = time.monotonic()
+        alloc = st.pool.allocate_prompt(self.prompt, self.req.cache_salt)
+        if alloc is not None:
+            inflight.blocks, self.cached_tokens = alloc
+        st.metrics.prefix_queries.inc(len(self.prompt))
+        st.metrics.prefix_hits.inc(self.cached_tokens)
+        if self.remote is not None:
+            inflight.state = "pulling"
+            ok = await self._pull()
+            if not ok:
+                return False
+            uncached = 1
+        else:
+            uncached = len(self.prompt) - self.cached_tokens
+        if not s.zero_latency:
+            delay = (s.prefill_base_ms + s.prefill_per_token_ms * uncached) / 1000.0
+            if not await inflight.sleep(delay):
+                return False
+        st.metrics.prompt_tokens.inc(len(self.prompt))
+        st.metrics.prefill_time.observe(time.monotonic() - t_prefill)
+        inflight.state = "decoding"
+        return True
+
+    async def _pull(self) -> bool:
+        """Pull the prompt's KV from the prefill worker's side channel."""
+        st = self.st
+        remote = self.remote
+        assert remote is not None
+        url = _side_channel_url(remote, "pull")
+        t0 = time.monotonic()
+        nblocks = sum(len(g) for g in remote.get("remote_block_ids") or [] if isinstance(g, list))
+        ok = False
+        if url is not None:
+            body = {
+                "remote_request_id": remote.get("remote_request_id"),
+                "remote_engine_id": remote.get("remote_engine_id"),
+                "remote_block_ids": remote.get("remote_block_ids"),
+                "remote_num_tokens": remote.get("remote_num_tokens"),
+            }
+            task = asyncio.ensure_future(self._post_pull(url, body))
+
+            def cancel_pull() -> None:
+                task.cancel()
+
+            self.inflight.on_abort.append(cancel_pull)
+            try:
+                ok = await task
+            except asyncio.CancelledError:
+                if not self.inflight.aborted:
+                    raise
+                return False
+            finally:
+                with contextlib.suppress(ValueError):
+                    self.inflight.on_abort.remove(cancel_pull)
+        if not ok:
+            st.metrics.failed_transfers.inc()
+            self.pulled = True  # nothing left to free remotely: the pull itself failed
+            raise _KvLoadFailed
+        self.pulled = True
+        st.metrics.xfer_time.observe(time.monotonic() - t0)
+        st.metrics.xfer_bytes.observe(nblocks * self.settings.block_size * _KV_BYTES_PER_TOKEN)
+        return not self.inflight.aborted
+
+    async def _post_pull(self, url: str, body: dict[str, Any]) -> bool:
+        try:
+            async with self.st.client_session().post(url, json=body) as r:
+                await r.read()
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    def _itl(self) -> float:
+        s = self.settings
+        if s.zero_latency:
+            return 0.0
+        running = max(self.st.scheduler.running - 1, 0)
+        d = s.itl_ms * (1.0 + s.slowdown_per_running * running)
+        if s.itl_jitter_ms > 0:
+            d += random.uniform(0.0, s.itl_jitter_ms)
+        return d / 1000.0
+
+    def _step(self, c: _Choice) -> None:
+        """Generate one token for choice ``c`` and decide whether it finishes."""
+        s = self.settings
+        sp = self.sp
+        allowed = sp.allowed_token_ids
+        tok = next_token(c.h, c.salt, s.vocab_size, allowed)
+        if len(c.tokens) < sp.min_tokens:
+            banned = set(self.stop_ids)
+            if not sp.ignore_eos:
+                banned.add(EOS_TOKEN_ID)
+            if tok in banned:
+                tok = redraw(c.h, c.salt, s.vocab_size, banned, allowed)
+        c.tokens.append(tok)
+        c.h = fold(c.h, tok)
+        if tok in self.stop_ids and len(c.tokens) > sp.min_tokens - 1:
+            c.finish_reason, c.stop_reason = "stop", tok
+        elif tok == EOS_TOKEN_ID and not sp.ignore_eos:
+            c.finish_reason = "stop"
+        elif len(c.tokens) >= self.max_tokens:
+            c.finish_reason = "length"
+
+    def _client_gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def _generate(self, emit: Callable[[_Choice, list[int]], Awaitable[bool]] | None) -> None:
+        """The decode loop; ``emit`` (streams) writes each new token, False when the client left."""
+        st = self.st
+        inflight = self.inflight
+        faults = st.faults
+        n_total = 0
+        active = [c for c in self.choices if c.finish_reason is None]
+        while active:
+            delay = self._itl() if n_total else 0.0
+            if faults.chunk_delay_ms > 0:
+                delay += faults.chunk_delay_ms / 1000.0
+            if delay > 0:
+                if not await inflight.sleep(delay):
+                    break
+            elif n_total % _YIELD_EVERY == _YIELD_EVERY - 1:
+                await asyncio.sleep(0)
+            if inflight.aborted:
+                break
+            if emit is None and self._client_gone():
+                inflight.abort()
+                break
+            for c in active:
+                self._step(c)
+                inflight.num_output += 1
+                n_total += 1
+                if self.t_first is None:
+                    self.t_first = time.monotonic()
+                    st.metrics.ttft.observe(self.t_first - self.t_arrival)
+                if inflight.num_output % self.settings.block_size == 0:
+                    b = st.pool.allocate_one()
+                    if b is not None:
+                        inflight.blocks.append(b)
+                if emit is not None:
+                    if faults.reset_after_tokens is not None and n_total > faults.reset_after_tokens:
+                        raise _ResetConnection
+                    if faults.error_after_tokens is not None and n_total > faults.error_after_tokens:
+                        raise _InBandError
+                    if c.finish_reason is None:
+                        new = c.tokens[c.sent :]
+                        c.sent = len(c.tokens)
+                        if not await emit(c, new):
+                            inflight.abort()
+                            return
+            active = [c for c in active if c.finish_reason is None]
+
+    def _finish(self) -> None:
+        """Mark unfinished choices aborted; account the request."""
+        st = self.st
+        aborted = self.inflight.aborted
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "abort" if aborted else "length"
+        generated = sum(len(c.tokens) for c in self.choices)
+        st.metrics.generation_tokens.inc(generated)
+        now = time.monotonic()
+        if not aborted:
+            for c in self.choices:
+                st.metrics.success[str(c.finish_reason)].inc()
+            st.metrics.e2e.observe(now - self.t_arrival)
+            if self.t_first is not None:
+                st.metrics.decode_time.observe(now - self.t_first)
+                if generated > 1:
+                    st.metrics.itl.observe((now - self.t_first) / (generated - 1))
+
+    def _kv_params(self, host: str, port: int) -> dict[str, Any] | None:
+        """Hand the prompt's blocks to a lease and describe them (prefill role only)."""
+        if not self.kv_producer or self.inflight.aborted:
+            return None
+        st = self.st
+        s = self.settings
+        num_prompt_blocks = st.pool.blocks_needed(len(self.prompt))
+        blocks = self.inflight.blocks
+        held, rest = blocks[:num_prompt_blocks], blocks[num_prompt_blocks:]
+        st.pool.free(rest)
+        self.inflight.blocks = []
+        remote_request_id = f"{self.request_id}-{secrets.token_hex(4)}"
+        self.lease = st.leases.hold(
+            remote_request_id, self.request_id, held, len(self.prompt), s.lease_seconds
+        )
+        if self.stream or st.faults.drop_kv_params:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [held],
+            "remote_engine_id": st.engine_id,
+            "remote_request_id": remote_request_id,
+            "remote_host": s.kv_host or host,
+            "remote_port": s.kv_port or port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": len(self.prompt),
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": self.cached_tokens,
+        }
+
+    def _local_address(self) -> tuple[str, int]:
+        transport = self.request.transport
+        sock = transport.get_extra_info("sockname") if transport is not None else None
+        if isinstance(sock, tuple) and len(sock) >= 2:
+            return str(sock[0]), int(sock[1])
+        return "127.0.0.1", 0
+
+    def _weight_versions(self, c: _Choice) -> list[dict[str, Any]]:
+        return [{"version": "default", "start": 0, "end": len(c.tokens)}]
+
+    async def _run_full(self) -> web.StreamResponse:
+        host, port = self._local_address()
+        try:
+            if await self._schedule():
+                await self._generate(None)
+        except _KvLoadFailed:
+            raise InternalError() from None
+        self._finish()
+        if self.st.faults.hang_after_headers:
+            # A non-stream response has no "after headers"; hang before answering instead.
+            await asyncio.Event().wait()
+        kv_params = self._kv_params(host, port)
+        n_prompt = len(self.prompt)
+        n_out = sum(len(c.tokens) for c in self.choices)
+        body = {
+            "request_id": self.request_id,
+            "model": self.settings.model_name,
+            "created": self.created,
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "total_tokens": n_prompt + n_out,
+                "completion_tokens": n_out,
+                "prompt_tokens_details": None,
+                "completion_tokens_details": None,
+            },
+            "prompt_logprobs": None,
+            "prompt_token_id_logprobs": None,
+            "prompt_token_ids": list(self.prompt) if self.req.return_token_ids else None,
+            "mm_placeholders": None,
+            "metrics": None,
+            "kv_transfer_params": kv_params,
+            "ec_transfer_params": None,
+            "output_mode": self.req.output_mode,
+            "choices": [
+                {
+                    "index": c.index,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "token_ids": c.tokens,
+                    "routed_experts": None,
+                    "sampling_mask": None,
+                    "weight_versions": self._weight_versions(c),
+                    "logprobs": None,
+                }
+                for c in self.choices
+            ],
+        }
+        return _json_response(body, headers=self._headers())
+
+    async def _run_stream(self) -> web.StreamResponse:
+        host, port = self._local_address()
+        resp = web.StreamResponse(headers=self._headers())
+        resp.content_type = "text/event-stream"
+        resp.charset = "utf-8"
+        resp.enable_chunked_encoding()
+        await resp.prepare(self.request)
+        self.resp = resp
+        faults = self.st.faults
+        if faults.hang_after_headers:
+            await asyncio.Event().wait()
+        n_prompt = len(self.prompt)
+        rid = _DUMPS(self.request_id)
+        mode = _DUMPS(self.req.output_mode)
+        head = f'data: {{"request_id":{rid},"usage":null,"output_mode":{mode},"choices":[{{"index":'.encode()
+        mid = b',"finish_reason":null,"stop_reason":null,"token_ids":['
+        tail = b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":null}]}\n\n'
+        continuous = self.continuous_usage
+
+        async def write(data: bytes) -> bool:
+            try:
+                await resp.write(data)
+            except (ConnectionResetError, ConnectionError, RuntimeError):
+                return False
+            return True
+
+        async def emit(c: _Choice, new: list[int]) -> bool:
+            if continuous:
+                n_out = len(c.tokens)
+                usage = (
+                    f'{{"prompt_tokens":{n_prompt},"total_tokens":{n_prompt + n_out},'
+                    f'"completion_tokens":{n_out},"prompt_tokens_details":null,'
+                    f'"completion_tokens_details":null}}'
+                )
+                data = (
+                    (
+                        f'data: {{"request_id":{rid},"usage":{usage},"output_mode":{mode},'
+                        '"choices":[{"index":'
+                        f"{c.index}"
+                    ).encode()
+                    + mid
+                    + ",".join(map(str, new)).encode()
+                    + tail
+                )
+            else:
+                data = head + str(c.index).encode() + mid + ",".join(map(str, new)).encode() + tail
+            return await write(data)
+
+        error: SimError | None = None
+        try:
+            if await self._schedule():
+                await self._generate(emit)
+        except _KvLoadFailed:
+            error = InternalError()
+        except _ResetConnection:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()
+            self.inflight.abort()
+            return resp
+        except _InBandError:
+            error = InternalError()
+            self.inflight.abort()
+        if error is not None:
+            await write(f"data: {json.dumps(error.body())}\n\n".encode())
+            await write(b"data: [DONE]\n\n")
+            self._finish()
+            return resp
+        gone = self.inflight.aborted and self._client_gone()
+        self._finish()
+        self._kv_params(host, port)
+        if gone:
+            return resp
+        for c in self.choices:
+            new = c.tokens[c.sent :]
+            c.sent = len(c.tokens)
+            chunk: dict[str, Any] = {
+                "request_id": self.request_id,
+                "usage": None,
+                "output_mode": self.req.output_mode,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                        "token_ids": new,
+                        "routed_experts": None,
+                        "sampling_mask": None,
+                        "weight_versions": self._weight_versions(c),
+                        "logprobs": None,
+                    }
+                ],
+            }
+            if continuous:
+                n_out = len(c.tokens)
+                chunk["usage"] = {
+                    "prompt_tokens": n_prompt,
+                    "total_tokens": n_prompt + n_out,
+                    "completion_tokens": n_out,
+                    "prompt_tokens_details": None,
+                    "completion_tokens_details": None,
+                }
+            if not await write(b"data: " + _DUMPS(chunk).encode() + b"\n\n"):
+                return resp
+        if self.include_usage:
+            n_out = sum(len(c.tokens) for c in self.choices)
+            final = {
+                "request_id": self.request_id,
+                "usage": {
+                    "prompt_tokens": n_prompt,
+                    "total_tokens": n_prompt + n_out,
+                    "completion_tokens": n_out,
+                },
+                "output_mode": self.req.output_mode,
+                "choices": [],
+            }
+            if not await write(b"data: " + _DUMPS(final).encode() + b"\n\n"):
+                return resp
+        await write(b"data: [DONE]\n\n")
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await resp.write_eof()
+        return resp
+
+
+class _KvLoadFailed(Exception):
+    pass
+
+
+class _ResetConnection(Exception):
+    pass
+
+
+class _InBandError(Exception):
+    pass
+
+
+def _side_channel_url(remote: dict[str, Any], what: str) -> str | None:
+    host = remote.get("remote_host")
+    port = remote.get("remote_port")
+    if not isinstance(host, str) or not host or not isinstance(port, int) or isinstance(port, bool):
+        return None
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}/sim/kv/{what}"
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    return parse_json_body(raw)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    st = request.app[SIM]
+    if not st.settings.generate_enabled:
+        raise Forbidden(
+            "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+        )
+    content_type = request.headers.get("Content-Type", "").lower().split(";", 1)[0].strip()
+    if content_type != "application/json":
+        raise unsupported_media_type()
+    body = await _read_json(request)
+    req = parse_generate_request(body)
+    base = request.headers.get("X-Request-Id")
+    if base is None:
+        base = req.request_id if req.request_id is not None else f"{uuid.uuid4().int & ((1 << 64) - 1):016x}"
+    run = _Run(request, st, req, f"generate-tokens-{base}")
+    run.validate()
+    return await run.run()
+
+
+# ---------------------------------------------------------------------------------------------
+# abort, health, metrics, models
+
+
+async def abort_requests(request: web.Request) -> web.Response:
+    st = request.app[SIM]
+    if not st.settings.generate_enabled:
+        raise Forbidden(
+            "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+        )
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestValidation(f"JSON decode error: {e}") from None
+    if not isinstance(body, dict):
+        raise InternalError()
+    ids = body.get("request_ids")
+    if ids is None:
+        raise RequestValidation("Missing 'request_ids' in request body")
+    id_list = [ids] if isinstance(ids, str) else list(ids) if isinstance(ids, list) else []
+    # vLLM aborts in a background task; the engine has registered every request we know of.
+    asyncio.get_running_loop().call_soon(st.registry.abort, id_list)
+    return web.Response(status=200, headers=_request_id_header(request))
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[SIM]
+    st.metrics.kv_usage.set(st.pool.usage)
+    data = generate_latest(st.metrics.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def models(request: web.Request) -> web.Response:
+    st = request.app[SIM]
+    s = st.settings
+    return _json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "vllm",
+                    "root": s.model_name,
+                    "parent": None,
+                    "max_model_len": s.max_model_len,
+                    "permission": [
+                        {
+                            "id": f"modelperm-{uuid.uuid4().hex[:16]}",
+                            "object": "model_permission",
+                            "created": int(time.time()),
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+            ],
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# simulator endpoints
+
+
+def state_snapshot(st: SimState) -> dict[str, Any]:
+    now = time.monotonic()
+    return {
+        "role": st.settings.role,
+        "engine_id": st.engine_id,
+        "running": st.scheduler.running,
+        "waiting": st.scheduler.waiting,
+        "kv_blocks_used": st.pool.used,
+        "kv_cache_usage_perc": st.pool.usage,
+        "inflight": [
+            {
+                "request_id": r.external_id,
+                "state": r.state,
+                "prompt_tokens": r.num_prompt,
+                "output_tokens": r.num_output,
+                "blocks": len(r.blocks),
+                "age_s": now - r.created,
+            }
+            for r in st.registry.all()
+        ],
+        "kv_held": [
+            {
+                "remote_request_id": lease.remote_request_id,
+                "request_id": lease.request_id,
+                "blocks": len(lease.blocks),
+                "block_ids": lease.blocks,
+                "num_tokens": lease.num_tokens,
+                "age_s": now - lease.created,
+                "expires_in_s": lease.expires - now,
+            }
+            for lease in st.leases.leases.values()
+        ],
+        "releases": dict(st.leases.releases),
+        "faults": st.faults.to_dict(),
+    }
+
+
+async def sim_state(request: web.Request) -> web.Response:
+    return _json_response(state_snapshot(request.app[SIM]))
+
+
+async def sim_faults(request: web.Request) -> web.Response:
+    st = request.app[SIM]
+    if request.method == "POST":
+        body = await _read_json(request)
+        if not isinstance(body, dict):
+            raise BadRequest("faults must be a JSON object")
+        if body.pop("exit", None) is not None:
+            if not st.settings.allow_exit:
+                raise BadRequest("exit is only allowed for a pd-sim process started from the command line")
+            asyncio.get_running_loop().call_later(0.05, os._exit, 3)
+        if body.pop("reset", False):
+            body = {**Faults().to_dict(), **body}
+        try:
+            st.faults.update(body)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+    return _json_response(st.faults.to_dict())
+
+
+async def kv_pull(request: web.Request) -> web.Response:
+    """The prefill side channel: a decode worker pulls (and thereby frees) a lease's blocks."""
+    st = request.app[SIM]
+    body = await _read_json(request)
+    rrid = body.get("remote_request_id") if isinstance(body, dict) else None
+    if not isinstance(rrid, str):
+        raise BadRequest("remote_request_id is required")
+    if st.faults.refuse_kv_pulls:
+        raise InjectedFailure(503)
+    lease = st.leases.leases.get(rrid)
+    if lease is None:
+        # Like NIXL: reading blocks that were already released "works" (P logs a warning).
+        log.warning("KV pull for unknown or released request %s", rrid)
+        return _json_response({"found": False, "blocks": 0})
+    lease.pulling = True
+    s = st.settings
+    delay = 0.0 if s.zero_latency else s.transfer_per_block_ms * len(lease.blocks) / 1000.0
+    if delay > 0:
+        await asyncio.sleep(delay)
+    n = len(lease.blocks)
+    st.leases.release(rrid, "pulled")
+    return _json_response({"found": True, "blocks": n})
+
+
+async def kv_free(request: web.Request) -> web.Response:
+    st = request.app[SIM]
+    body = await _read_json(request)
+    rrid = body.get("remote_request_id") if isinstance(body, dict) else None
+    if not isinstance(rrid, str):
+        raise BadRequest("remote_request_id is required")
+    return _json_response({"freed": st.leases.release(rrid, "aborted")})
+
+
+async def kv_heartbeat(request: web.Request) -> web.Response:
+    st = request.app[SIM]
+    body = await _read_json(request)
+    rrid = body.get("remote_request_id") if isinstance(body, dict) else None
+    if not isinstance(rrid, str):
+        raise BadRequest("remote_request_id is required")
+    return _json_response({"extended": st.leases.extend(rrid, st.settings.lease_seconds)})
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    st = app[SIM]
+    st.leases.close()
+    for task in list(st.background):
+        task.cancel()
+    if st.background:
+        await asyncio.gather(*st.background, return_exceptions=True)
+    if st.session is not None:
+        await st.session.close()
+
+
+def build_app(settings: SimSettings | None = None) -> web.Application:
+    """The pd-sim application. Run it with ``handler_cancellation=True`` (as ``pd-sim`` and the test
+    fixtures do) so that a client disconnect aborts a non-streaming request at once; without it the
+    disconnect is noticed at the next token."""
+    settings = settings or SimSettings()
+    metrics_ = SimMetrics(settings.model_name)
+    pool = KvPool(settings.num_kv_blocks, settings.block_size, metrics_.kv_usage.set)
+    st = SimState(
+        settings=settings,
+        engine_id=settings.engine_id or str(uuid.uuid4()),
+        metrics=metrics_,
+        pool=pool,
+        leases=LeaseTable(pool, metrics_),
+        scheduler=Scheduler(settings.max_running, pool, metrics_),
+    )
+    app = web.Application(middlewares=[_middleware], client_max_size=64 * 1024 * 1024)
+    app[SIM] = st
+    app.router.add_post("/inference/v1/generate", generate)
+    app.router.add_post("/inference/v1/abort_requests", abort_requests)
+    if settings.tokens_only:
+        app.router.add_post("/abort_requests", abort_requests)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/sim/state", sim_state)
+    app.router.add_get("/sim/faults", sim_faults)
+    app.router.add_post("/sim/faults", sim_faults)
+    app.router.add_post("/sim/kv/pull", kv_pull)
+    app.router.add_post("/sim/kv/free", kv_free)
+    app.router.add_post("/sim/kv/heartbeat", kv_heartbeat)
+    app.on_cleanup.append(_on_cleanup)
+    return app
