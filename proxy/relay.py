@@ -147,15 +147,17 @@ class StreamBuffer:
     def closed(self) -> bool:
         return self._closed
 
-    async def take(self) -> tuple[list[bytes], bool]:
-        """Wait for something; return the bytes to write (merged when several chunks queued)
-        and whether the producer is finished."""
+    async def take(self, *, merge: bool) -> tuple[list[bytes], bool]:
+        """Wait for something; return the bytes to write and whether the producer is finished.
+
+        With ``merge`` (the client is lagging) several queued chunks become one per choice;
+        without it the events go out untouched."""
         while not self._items and not self._closed:
             self._event.clear()
             await self._event.wait()
         raws, datas = self._raw, self._items
         self._raw, self._items, self._size = [], [], 0
-        if len(raws) == 1:
+        if len(raws) == 1 or not merge:
             out = raws
         elif raws:
             out = [data_event(d) for d in merge_chunks(datas)]

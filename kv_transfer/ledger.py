@@ -1,0 +1,106 @@
+"""The KV-lease ledger: every interval during which a prefill worker holds KV for a request.
+
+A lease opens when a prefill hop returns usable ``kv_transfer_params`` (the blocks are now
+pinned on that worker) and closes when the proxy knows they were freed:
+
+* ``pulled``   the decode worker started answering (it pulled the blocks, P freed them),
+* ``aborted``  the proxy freed them on purpose (a release decode after an abort/disconnect),
+* ``expired``  nothing freed them: the worker's lease ran out (its own timer frees them),
+* ``unknown``  the decode hop failed in a way that does not tell whether D pulled.
+
+The open table and a bounded list of recent closed leases are the proof that nothing leaks.
+No I/O and no clock of its own: callers pass ``now`` (monotonic seconds), which keeps it
+deterministic to test.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+CloseReason = Literal["pulled", "aborted", "expired", "unknown"]
+CLOSE_REASONS: tuple[CloseReason, ...] = ("pulled", "aborted", "expired", "unknown")
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    request_id: str
+    worker: str
+    start: float
+    expires: float
+    blocks: int
+    end: float | None = None
+    reason: CloseReason | None = None
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "lease_id": self.lease_id,
+            "request_id": self.request_id,
+            "worker": self.worker,
+            "start": self.start,
+            "end": self.end,
+            "age_s": (self.end if self.end is not None else now) - self.start,
+            "expires_in_s": None if self.end is not None else max(0.0, self.expires - now),
+            "blocks": self.blocks,
+            "reason": self.reason,
+        }
+
+
+class KVLeaseLedger:
+    def __init__(self, *, lease_duration: float, keep_closed: int = 512,
+                 on_close: Callable[[Lease], None] | None = None) -> None:
+        self.lease_duration = lease_duration
+        self._open: dict[int, Lease] = {}
+        self._closed: deque[Lease] = deque(maxlen=keep_closed)
+        self._next_id = 1
+        self._on_close = on_close
+
+    def open(self, request_id: str, worker: str, now: float, *, blocks: int = 0,
+             expires_at: float | None = None) -> Lease:
+        lease = Lease(self._next_id, request_id, worker, now,
+                      expires_at if expires_at is not None else now + self.lease_duration, blocks)
+        self._next_id += 1
+        self._open[lease.lease_id] = lease
+        return lease
+
+    def close(self, lease: Lease, reason: CloseReason, now: float) -> bool:
+        """Close ``lease``; False when it was already closed (the first reason wins)."""
+        if self._open.pop(lease.lease_id, None) is None:
+            return False
+        lease.end = now
+        lease.reason = reason
+        self._closed.append(lease)
+        if self._on_close is not None:
+            self._on_close(lease)
+        return True
+
+    def expire(self, now: float) -> int:
+        """Close every open lease whose worker-side lease has run out."""
+        due = [lease for lease in self._open.values() if lease.expires <= now]
+        for lease in due:
+            self.close(lease, "expired", lease.expires)
+        return len(due)
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def open_leases(self) -> list[Lease]:
+        return sorted(self._open.values(), key=lambda lease: lease.start)
+
+    def recent_closed(self) -> list[Lease]:
+        return list(self._closed)
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        return {
+            "open": [lease.as_dict(now) for lease in self.open_leases()],
+            "closed": [lease.as_dict(now) for lease in reversed(self._closed)],
+            "lease_duration_s": self.lease_duration,
+        }

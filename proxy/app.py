@@ -1,0 +1,204 @@
+"""The aiohttp application: routes, typed app state, start-up and shutdown.
+
+Routes (``/inference/*`` and ``/debug/*`` behind ``--api-key`` when set, as vLLM guards its
+``/inference`` prefix):
+
+* ``POST /inference/v1/generate``         the P/D walk (``proxy.serving``)
+* ``POST /inference/v1/abort_requests``   vLLM's abort contract, routed by request state
+* ``POST /abort_requests``                legacy alias (key required unless mirroring vLLM)
+* ``GET  /health``                        the proxy and its pools
+* ``GET  /metrics``                       Prometheus text (no key)
+* ``GET  /debug/kv-leases``               the KV-lease ledger (open + recent closed)
+* ``GET  /debug/requests``                the request table (state and holders of each request)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from proxy.errors import ProxyError, Unauthorized
+from proxy.metrics import CONTENT_TYPE, ProxyMetrics
+from proxy.protocol import error_body
+from proxy.serving import Serving
+from proxy.settings import ProxySettings
+from proxy.upstream import Upstream
+
+SETTINGS = web.AppKey("settings", ProxySettings)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+SERVING = web.AppKey("serving", Serving)
+DRAINING = web.AppKey("draining", asyncio.Event)
+
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/debug")
+LEGACY_ABORT_PATH = "/abort_requests"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _key_ok(request: web.Request, key_hash: bytes) -> bool:
+    value = request.headers.get("Authorization")
+    if not value:
+        return False
+    scheme, _, param = value.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(hashlib.sha256(param.encode()).digest(), key_hash)
+
+
+def _auth_middleware(settings: ProxySettings) -> Middleware:
+    assert settings.api_key is not None
+    key_hash = hashlib.sha256(settings.api_key.encode()).digest()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method != "OPTIONS":
+            path = request.path
+            guarded = path.startswith(GUARDED_PREFIXES) or (
+                path == LEGACY_ABORT_PATH and not settings.legacy_abort_mirror_vllm)
+            if guarded and not _key_ok(request, key_hash):
+                return Unauthorized("Unauthorized").to_response()
+        return await handler(request)
+
+    return auth
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    if app[DRAINING].is_set():
+        app[METRICS].requests.labels(outcome="rejected").inc()
+        return web.json_response(
+            error_body("the proxy is shutting down", "ServiceUnavailableError", 503), status=503)
+    return await app[SERVING].generate(request)
+
+
+async def abort_requests(request: web.Request) -> web.Response:
+    body = await request.read()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return web.json_response(error_body(f"JSON decode error: {e}", "Bad Request", 400), status=400)
+    except UnicodeDecodeError:
+        return web.json_response(error_body("JSON decode error: invalid UTF-8", "Bad Request", 400),
+                                 status=400)
+    ids = obj.get("request_ids") if isinstance(obj, dict) else None
+    if ids is None:
+        return web.json_response(
+            error_body("Missing 'request_ids' in request body", "Bad Request", 400), status=400)
+    if isinstance(ids, str):
+        ids = [ids]
+    if isinstance(ids, list):
+        request.app[SERVING].abort_ids([i for i in ids if isinstance(i, str)])
+    return web.Response(status=200)
+
+
+async def health(request: web.Request) -> web.Response:
+    serving = request.app[SERVING]
+    metrics = request.app[METRICS]
+    settings = request.app[SETTINGS]
+    workers = [*serving.prefill_pool, *serving.decode_pool]
+    results = await asyncio.gather(*(serving.upstream.health(w.url, limit=min(2.0, settings.control_timeout))
+                                     for w in workers))
+    for w, ok in zip(workers, results, strict=True):
+        w.healthy = ok
+        metrics.worker_healthy.labels(pool=w.pool, worker=w.url).set(1 if ok else 0)
+    pools = {
+        pool.name: [{"url": w.url, "healthy": w.healthy, "inflight": w.inflight} for w in pool]
+        for pool in (serving.prefill_pool, serving.decode_pool)
+    }
+    ready = all(any(w.healthy for w in pool) for pool in (serving.prefill_pool, serving.decode_pool))
+    draining = request.app[DRAINING].is_set()
+    body = {
+        "status": "draining" if draining else ("ok" if ready else "degraded"),
+        "pools": pools,
+        "requests_in_flight": len(serving.table),
+        "kv_leases_open": serving.ledger.open_count,
+    }
+    return web.json_response(body, status=200 if ready and not draining else 503)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    request.app[SERVING].expire_leases()
+    resp = web.Response(body=request.app[METRICS].render())
+    resp.headers["Content-Type"] = CONTENT_TYPE
+    return resp
+
+
+async def kv_leases(request: web.Request) -> web.Response:
+    serving = request.app[SERVING]
+    serving.expire_leases()
+    return web.json_response(serving.ledger.snapshot(serving.clock()))
+
+
+async def requests_table(request: web.Request) -> web.Response:
+    serving = request.app[SERVING]
+    return web.json_response({
+        "requests": [r.as_dict() for r in serving.table.all()],
+        "background_tasks": len(serving.tracker),
+    })
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    serving = app[SERVING]
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60,
+                                     enable_cleanup_closed=True)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                    json_serialize=json.dumps)
+    serving.attach(Upstream(session, api_key=settings.upstream_api_key,
+                            connect_timeout=settings.connect_timeout))
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            serving.expire_leases()
+
+    sweeper = asyncio.get_running_loop().create_task(sweep())
+    try:
+        yield
+    finally:
+        app[DRAINING].set()
+        # Handlers are drained by the runner (shutdown_timeout); what is left are clean-ups.
+        for record in serving.table.all():
+            serving.abort_record(record, "shutdown")
+        await serving.tracker.wait(settings.drain_timeout)
+        serving.tracker.cancel_all()
+        await serving.tracker.wait(1.0)
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+        await session.close()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    app[DRAINING].set()
+
+
+def build_app(settings: ProxySettings) -> web.Application:
+    middlewares = [_auth_middleware(settings)] if settings.api_key else []
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    metrics = ProxyMetrics()
+    app[SETTINGS] = settings
+    app[METRICS] = metrics
+    app[SERVING] = Serving(settings, metrics)
+    app[DRAINING] = asyncio.Event()
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_post("/inference/v1/generate", generate)
+    app.router.add_post("/inference/v1/abort_requests", abort_requests)
+    app.router.add_post(LEGACY_ABORT_PATH, abort_requests)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/debug/kv-leases", kv_leases)
+    app.router.add_get("/debug/requests", requests_table)
+    return app
+
+
+__all__ = ["METRICS", "SERVING", "SETTINGS", "ProxyError", "build_app"]

@@ -1,0 +1,81 @@
+"""``pd-proxy``: run the proxy in front of prefill and decode pools."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.settings import ProxySettings
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
+    p = argparse.ArgumentParser(prog="pd-proxy", description=__doc__)
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill worker URLs")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode worker URLs")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PD_PROXY_API_KEY"),
+                   help="guard /inference/* (and /debug/*) like vLLM's --api-key")
+    p.add_argument("--upstream-api-key", default=os.environ.get("PD_PROXY_UPSTREAM_API_KEY"),
+                   help="API key sent to the workers")
+    p.add_argument("--decode-tokens-only", action="store_true",
+                   help="the decode pool runs --tokens-only (reject text mode and stop strings)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--prefill-failure", choices=["fail", "decode-only"], default="fail",
+                   help="when the prefill hop gives no usable KV: 502, or run on decode alone")
+    p.add_argument("--no-rewrite-remote-host", action="store_true")
+    p.add_argument("--no-abort-broadcast", action="store_true",
+                   help="do not send aborts for unknown ids to every worker")
+    p.add_argument("--legacy-abort-mirror-vllm", action="store_true",
+                   help="UNSAFE: serve /abort_requests without the API key, as vLLM does")
+    p.add_argument("--prefill-timeout", type=float, default=300.0)
+    p.add_argument("--decode-timeout", type=float, default=600.0)
+    p.add_argument("--stream-idle-timeout", type=float, default=120.0)
+    p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--lease-duration", type=float, default=30.0,
+                   help="the prefill workers' kv_lease_duration")
+    p.add_argument("--slow-reader-max-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return ProxySettings(
+        prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode), host=a.host, port=a.port,
+        api_key=a.api_key, upstream_api_key=a.upstream_api_key,
+        decode_tokens_only=a.decode_tokens_only, max_num_seqs=a.max_num_seqs,
+        prefill_failure_policy=a.prefill_failure, rewrite_remote_host=not a.no_rewrite_remote_host,
+        abort_unknown_broadcast=not a.no_abort_broadcast,
+        legacy_abort_mirror_vllm=a.legacy_abort_mirror_vllm, prefill_timeout=a.prefill_timeout,
+        decode_timeout=a.decode_timeout, stream_idle_timeout=a.stream_idle_timeout,
+        connect_timeout=a.connect_timeout, drain_timeout=a.drain_timeout,
+        lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
+    )
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed, else the default loop."""
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_args(argv)
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    web.run_app(build_app(settings), host=settings.host, port=settings.port,
+                shutdown_timeout=settings.drain_timeout, handler_cancellation=True,
+                access_log=None, loop=loop)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The proxy's Prometheus metrics (names agreed in the observability issue), on a registry
+owned by one app: no module-level collectors, so several apps can live in one process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from proxy import __version__ as _version
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                    0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+                0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+_LEASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("pd_proxy_requests", "Generate requests by outcome", ["outcome"],
+                                registry=r)
+        self.ttft = Histogram("pd_proxy_ttft_seconds", "Client-side time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pd_proxy_itl_seconds", "Client-side gap between streamed writes",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("pd_proxy_tpot_seconds", "Client-side time per output token after the first",
+                              buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pd_proxy_e2e_seconds", "Client-side request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.stage = Histogram("pd_proxy_stage_seconds", "Time per stage of the P/D walk", ["stage"],
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.upstream_requests = Counter("pd_proxy_upstream_requests", "Calls to workers",
+                                         ["pool", "worker"], registry=r)
+        self.upstream_errors = Counter("pd_proxy_upstream_errors", "Failed calls to workers",
+                                       ["pool", "worker", "error"], registry=r)
+        self.inflight = Gauge("pd_proxy_inflight_requests", "Requests in flight per pool", ["pool"],
+                              registry=r)
+        self.worker_healthy = Gauge("pd_proxy_worker_healthy", "Last health probe (1 ok)",
+                                    ["pool", "worker"], registry=r)
+        self.aborts = Counter("pd_proxy_aborts", "Aborts by source and state", ["source", "state"],
+                              registry=r)
+        self.abort_fanout = Counter("pd_proxy_abort_fanout", "Abort calls sent to workers",
+                                    ["pool", "result"], registry=r)
+        self.kv_leases_open = Gauge("pd_proxy_kv_leases_open", "KV leases open on prefill workers",
+                                    registry=r)
+        self.kv_lease_duration = Histogram("pd_proxy_kv_lease_duration_seconds",
+                                           "How long prefill workers held KV", buckets=_LEASE_BUCKETS,
+                                           registry=r)
+        self.kv_leases_closed = Counter("pd_proxy_kv_leases_closed", "KV leases closed by reason",
+                                        ["reason"], registry=r)
+        self.prefill_missing_kv = Counter("pd_proxy_prefill_missing_kv_params",
+                                          "Prefill replies without usable kv_transfer_params",
+                                          registry=r)
+        self.decode_only = Counter("pd_proxy_decode_only", "Requests run on a decode worker alone",
+                                   ["reason"], registry=r)
+        self.build_info = Gauge("pd_proxy_build_info", "Build information", ["version"], registry=r)
+        self.build_info.labels(version=_version).set(1)
+        for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
+            self.requests.labels(outcome=outcome)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

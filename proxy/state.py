@@ -1,0 +1,150 @@
+"""Per-request state of the P/D walk, the table of requests in flight, and the worker pools.
+
+Each state has a cleanup owner (see ``proxy.serving.Serving.cleanup``):
+
+==============  =====================================  =========================================
+state           who holds something                    what frees it
+==============  =====================================  =========================================
+PREFILLING      the prefill worker P (computing)       abort on P; if P had already finished,
+                                                       the KV_HELD rule below on its reply
+KV_HELD         P (KV blocks pinned under a lease)     a decode request carrying P's params,
+                                                       completed at once (D pulls, P frees)
+DECODING        the decode worker D                    abort on D (and closing its connection)
+DONE            nobody                                 nothing
+==============  =====================================  =========================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_transfer.ledger import Lease
+
+
+class Phase(enum.Enum):
+    PREFILLING = "prefilling"
+    KV_HELD = "kv_held"
+    DECODING = "decoding"
+    DONE = "done"
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    url: str
+    pool: str
+    inflight: int = 0
+    healthy: bool = True
+
+
+class Pool:
+    """Workers of one role; picks the least-loaded healthy worker (round robin on ties)."""
+
+    def __init__(self, name: str, urls: tuple[str, ...]) -> None:
+        self.name = name
+        self.workers = [Worker(url.rstrip("/"), name) for url in urls]
+        self._rr = itertools.count()
+
+    def pick(self) -> Worker:
+        candidates = [w for w in self.workers if w.healthy] or self.workers
+        start = next(self._rr) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda w: w.inflight)
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self.workers)
+
+
+@dataclass(eq=False, slots=True)
+class RequestRecord:
+    base_id: str
+    engine_id: str
+    stream: bool
+    phase: Phase = Phase.PREFILLING
+    prefill_worker: Worker | None = None
+    decode_worker: Worker | None = None
+    kv_params: dict[str, Any] | None = None
+    lease: Lease | None = None
+    abort_source: str | None = None
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def is_aborted(self) -> bool:
+        return self.abort_source is not None
+
+    def holders(self) -> list[Worker]:
+        if self.phase is Phase.PREFILLING and self.prefill_worker is not None:
+            return [self.prefill_worker]
+        if self.phase is Phase.KV_HELD and self.prefill_worker is not None:
+            return [self.prefill_worker]
+        if self.phase is Phase.DECODING and self.decode_worker is not None:
+            return [self.decode_worker]
+        return []
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.engine_id,
+            "state": self.phase.value,
+            "stream": self.stream,
+            "prefill_worker": self.prefill_worker.url if self.prefill_worker else None,
+            "decode_worker": self.decode_worker.url if self.decode_worker else None,
+            "holders": [w.url for w in self.holders()],
+            "aborted": self.abort_source,
+        }
+
+
+class RequestTable:
+    """Requests in flight by the id vLLM knows (several may share an id: vLLM allows it)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, list[RequestRecord]] = {}
+
+    def add(self, record: RequestRecord) -> None:
+        self._by_id.setdefault(record.engine_id, []).append(record)
+
+    def remove(self, record: RequestRecord) -> None:
+        records = self._by_id.get(record.engine_id)
+        if records is None:
+            return
+        if record in records:
+            records.remove(record)
+        if not records:
+            del self._by_id[record.engine_id]
+
+    def get(self, engine_id: str) -> list[RequestRecord]:
+        return list(self._by_id.get(engine_id, ()))
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_id.values())
+
+    def all(self) -> list[RequestRecord]:
+        return [r for records in self._by_id.values() for r in records]
+
+
+class TaskTracker:
+    """Background tasks the app must finish (cleanups, abort fan-outs) before it closes."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Any, name: str | None = None) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait(self, limit: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=limit)
+
+    def cancel_all(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
