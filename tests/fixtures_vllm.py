@@ -1,1 +1,113 @@
-"""Fixtures that run real vLLM workers on CPU (filled in by the foundation work)."""
+"""Real vLLM workers on CPU for end-to-end tests (loaded by the root conftest).
+
+``vllm_cluster`` (session scope) — one prefill, one decode and one aggregated worker serving the tiny
+model, started once per test session on first use and stopped at the end::
+
+    @pytest.mark.vllm
+    @pytest.mark.timeout(900)          # start-up (1-2 min on 2 cores) counts towards the first test
+    def test_x(vllm_cluster):
+        vllm_cluster.prefill_urls[0]     # "http://127.0.0.1:<port>" (kv_producer, --enable-scale-out)
+        vllm_cluster.decode_urls[0]      # kv_consumer
+        vllm_cluster.aggregated_urls[0]  # no KV connector: the single-server reference
+        vllm_cluster.model_dir           # absolute Path of the model folder
+        vllm_cluster.served_model_name   # "tiny-llama"
+        vllm_cluster.workers             # workers.launcher.Worker records: ports, PIDs, log paths
+
+  It is a :class:`workers.launcher.Cluster`. Workers use the NIXL side channel on 127.0.0.1 and
+  vLLM's default 30 s KV lease. Do not stop it or change it; start your own cluster with
+  ``workers.launcher.start_cluster`` when a test needs other settings.
+
+``tiny_model_dir`` (session scope) — the model folder (``$PD_MODEL_DIR``, else ``.cache/tiny-llama``),
+built with :mod:`workers.model` when missing.
+
+Availability: when ``PD_VLLM_VENV`` is set (``make test`` sets it) a missing vLLM is an error; when it
+is not set and the repository's ``.venv-vllm`` is missing, the tests using these fixtures are skipped.
+
+Helpers for worker metrics (Prometheus text from ``GET /metrics``)::
+
+    text = scrape_metrics(vllm_cluster.decode_urls[0])
+    metric_value(text, "vllm:nixl_xfer_time_seconds_count")             # sum over matching samples
+    metric_value(text, "vllm:num_requests_running", {"engine": "0"})    # only samples with these labels
+
+``metric_value`` returns None when no sample matches (vLLM creates some series on first use).
+``scrape_metrics`` is blocking (urllib): fine for worker processes, do not point it at a server running
+in the test's own event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from workers import model as tiny_model
+from workers.launcher import REPO_ROOT, Cluster, ClusterSettings, LaunchError, start_cluster
+
+STARTUP_TIMEOUT_S = 420.0
+
+
+def scrape_metrics(url: str, timeout: float = 10.0) -> str:
+    """The Prometheus text a worker serves at ``{url}/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+        body: bytes = resp.read()
+    return body.decode()
+
+
+def metric_value(text: str, sample: str, labels: Mapping[str, str] | None = None) -> float | None:
+    """Sum of the samples named ``sample`` whose labels include ``labels``; None when none match."""
+    wanted = dict(labels or {})
+    values = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in wanted.items())
+    ]
+    return float(sum(values)) if values else None
+
+
+def _vllm_bin() -> Path:
+    venv = os.environ.get("PD_VLLM_VENV")
+    if venv:
+        path = Path(venv) / "bin" / "vllm"
+        if not path.is_file():
+            pytest.fail(
+                f"PD_VLLM_VENV={venv} but {path} does not exist: run `make vllm` "
+                "(real-vLLM tests never skip when PD_VLLM_VENV is set)",
+                pytrace=False,
+            )
+        return path
+    path = REPO_ROOT / ".venv-vllm" / "bin" / "vllm"
+    if not path.is_file():
+        pytest.skip(f"real vLLM not installed ({path} missing; run `make vllm` or set PD_VLLM_VENV)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    out = Path(os.environ.get("PD_MODEL_DIR") or REPO_ROOT / ".cache" / "tiny-llama")
+    tiny_model.build_model(out)
+    return out.absolute()
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    vllm_bin = _vllm_bin()
+    settings = ClusterSettings(
+        model=tiny_model_dir,
+        prefill=1,
+        decode=1,
+        aggregated=1,
+        vllm_bin=vllm_bin,
+        log_dir=tmp_path_factory.mktemp("vllm-logs"),
+        startup_timeout=STARTUP_TIMEOUT_S,
+    )
+    try:
+        cluster = start_cluster(settings)
+    except LaunchError as exc:
+        pytest.fail(f"could not start the real vLLM cluster: {exc}", pytrace=False)
+    with cluster:
+        yield cluster
