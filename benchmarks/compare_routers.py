@@ -83,12 +83,21 @@ RATIO_KEYS: Final = (
     "tokens_per_proxy_cpu_s",
     "added_ttft_p50_ms",
     "added_ttft_p99_ms",
+    "added_ttft_p50_diff_ms",
+    "added_ttft_p99_diff_ms",
 )
+_RATIOS: Final = RATIO_KEYS[1:6]
 
 # Command templates; {bin} is this interpreter's bin directory, {router_bin} the router venv's.
-DEFAULT_SIM_CMD: Final = "{bin}/pd-sim --host 127.0.0.1 --port {port} --role {role} --zero-latency"
+# The workers never queue nor run out of KV blocks at these concurrencies.
+_SIM_ROOM: Final = "--max-running 100000 --max-num-seqs 100000 --num-kv-blocks 400000"
+DEFAULT_SIM_CMD: Final = (
+    "{bin}/pd-sim --host 127.0.0.1 --port {port} --role {role} --zero-latency " + _SIM_ROOM
+)
+# A decode worker that sends its first token at once and the next after ten minutes.
 DEFAULT_SLOW_DECODE_CMD: Final = (
-    "{bin}/pd-sim --host 127.0.0.1 --port {port} --role decode --ttft-ms 0 --itl-ms 600000"
+    "{bin}/pd-sim --host 127.0.0.1 --port {port} --role decode --prefill-base-ms 0"
+    " --prefill-per-token-ms 0 --itl-ms 600000 " + _SIM_ROOM
 )
 DEFAULT_PD_PROXY_CMD: Final = (
     "{bin}/pd-proxy --host 127.0.0.1 --port {port} --prefill {prefill} --decode {decode}"
@@ -246,12 +255,17 @@ def summarise_point(runs: Mapping[str, Sequence[RunStats]]) -> dict[str, dict[st
 
 
 def point_ratios(label: str, medians: Mapping[str, Mapping[str, float | int | bool]]) -> dict[str, Any]:
-    """pd-proxy / vllm-router for one point: above 1 is better for throughput, below 1 for added TTFT."""
+    """pd-proxy / vllm-router for one point: above 1 is better for throughput, below 1 for added TTFT.
+    Added TTFT near zero makes its ratio meaningless, so the difference (pd-proxy minus vllm-router,
+    ms; below 0 is better) is given too."""
     a = medians.get(PD_PROXY, {})
     b = medians.get(VLLM_ROUTER, {})
     row: dict[str, Any] = {"label": label}
-    for key in RATIO_KEYS[1:]:
+    for key in _RATIOS:
         row[key] = ratio(float(a.get(key, math.nan)), float(b.get(key, math.nan)))
+    for q in ("p50", "p99"):
+        key = f"added_ttft_{q}_ms"
+        row[f"added_ttft_{q}_diff_ms"] = float(a.get(key, math.nan)) - float(b.get(key, math.nan))
     return row
 
 
@@ -400,7 +414,8 @@ class LoadClient:
         self._encoded = json.dumps(self._body, separators=(",", ":")).encode()
         self._prefill_encoded = json.dumps(prefill_hop_body(self._body), separators=(",", ":")).encode()
 
-    async def one(self, target: Target) -> Sample:
+    async def one(self, target: Target, first_token_only: bool = False) -> Sample:
+        """One request; with first_token_only a stream is closed (ok) as soon as a token arrives."""
         rid = uuid.uuid4().hex
         headers = {"Content-Type": "application/json", "X-Request-Id": rid}
         t0 = time.perf_counter()
@@ -433,6 +448,8 @@ class LoadClient:
                 async for chunk in resp.content.iter_any():
                     if counter.feed(chunk) and math.isnan(ttft):
                         ttft = time.perf_counter() - t0
+                        if first_token_only:
+                            return Sample(True, ttft, counter.tokens)
                 ok = counter.done and not counter.error and counter.tokens > 0
                 return Sample(ok, ttft, counter.tokens)
         except (aiohttp.ClientError, ValueError, TimeoutError):
@@ -549,7 +566,7 @@ async def hold_streams(
     """Opens n streams and waits (bounded) until each has delivered its first token.
     Returns how many did, the tasks holding them, and the session (caller closes both)."""
     session = new_session(n, limit_s + 600)
-    point = Point(stream=True, max_tokens=4096, concurrency=n)
+    point = Point(stream=True, max_tokens=64, concurrency=n)
     body = json.dumps(request_body(point, prompt), separators=(",", ":")).encode()
     opened = 0
     all_open = asyncio.Event()
@@ -680,8 +697,9 @@ async def wait_ready(
     prompt: Sequence[int],
     limit_s: float,
 ) -> None:
-    """Bounded: until one small non-stream generate through the target succeeds."""
-    point = Point(stream=False, max_tokens=2, concurrency=1)
+    """Bounded: until a small stream through the target delivers a token (the stream is then closed,
+    so this also works in front of a decode worker that takes minutes per token)."""
+    point = Point(stream=True, max_tokens=2, concurrency=1)
     deadline = time.monotonic() + limit_s
     last = "no answer"
     async with new_session(1, 5.0) as session:
@@ -691,7 +709,7 @@ async def wait_ready(
                 raise RuntimeError(
                     f"{name} exited with code {proc.returncode} before it was ready (see its log)"
                 )
-            sample = await client.one(probe)
+            sample = await client.one(probe, first_token_only=True)
             if sample.ok:
                 return
             last = "request failed"
@@ -929,19 +947,28 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
     proxy_pids: dict[str, int] = {}
     floor = Target(name=FLOOR, prefill_url=prefill_url, decode_url=decode_url)
     await wait_ready("pd-sim workers", decode_proc, floor, prompt, 60)
+    failed: dict[str, str] = {}
     for name in cfg.targets:
         if name == FLOOR:
             targets[name] = floor
-        else:
+            continue
+        try:
             target, proc = await start_proxy(
                 procs, name, cfg, prefill=prefill_url, decode=decode_url, prompt=prompt, log_name=name
             )
-            targets[name] = target
-            proxy_pids[name] = proc.pid
+        except RuntimeError as e:
+            # One target that cannot start must not cost the others their run: say so, go on.
+            print(f"WARNING: {e}; {name} is left out of this run", file=sys.stderr, flush=True)
+            failed[name] = str(e)
+            continue
+        targets[name] = target
+        proxy_pids[name] = proc.pid
+    meta["failed_targets"] = failed
     meta["proxy_idle_rss_kib"] = {n: tree_rss_kib(pid) for n, pid in proxy_pids.items()}
+    names = [t for t in cfg.targets if t in targets]
 
     runs: dict[Point, dict[str, list[RunStats]]] = {}
-    plan = list(schedule(points, cfg.targets, cfg.reps))
+    plan = list(schedule(points, names, cfg.reps))
     for i, (point, rep, name) in enumerate(plan, 1):
         n = requests_per_run(point.concurrency, cfg.rounds, cfg.min_requests)
         stats = await run_load(
@@ -953,7 +980,7 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
             request_timeout_s=cfg.request_timeout_s,
             proxy_pid=proxy_pids.get(name),
         )
-        runs.setdefault(point, {t: [] for t in cfg.targets})[name].append(stats)
+        runs.setdefault(point, {t: [] for t in names})[name].append(stats)
         print(
             f"[{i:3d}/{len(plan)}] {point.label:<22} rep {rep} {name:<12} "
             f"ttft p50 {stats.ttft_p50_ms:8.2f} ms  p99 {stats.ttft_p99_ms:8.2f} ms  "
@@ -964,9 +991,9 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
         )
 
     memory: dict[str, Any] = {"streams": cfg.memory_streams, "results": []}
-    if cfg.memory_streams > 0 and any(t in PROXIES for t in cfg.targets):
+    if cfg.memory_streams > 0 and any(t in PROXIES for t in names):
         slow_url, slow_proc = await start_sim(procs, cfg, "decode", cfg.slow_decode_cmd, "sim-decode-slow")
-        for name in (t for t in cfg.targets if t in PROXIES):
+        for name in (t for t in names if t in PROXIES):
             # A fresh proxy wired to the slow decode worker: the streams stay open, idle.
             target, proc = await start_proxy(
                 procs,
@@ -1018,9 +1045,12 @@ def format_table(result: Mapping[str, Any]) -> str:
         ("tokens_per_proxy_cpu_s", "tok/cpu-s"),
         ("added_ttft_p50_ms", "+ttft50"),
         ("added_ttft_p99_ms", "+ttft99"),
+        ("added_ttft_p50_diff_ms", "d50 ms"),
+        ("added_ttft_p99_diff_ms", "d99 ms"),
     )
     lines = [
-        "pd-proxy / vllm-router (throughput ratios: >= 1 meets the target; added-TTFT ratios: <= 1 does)",
+        "pd-proxy / vllm-router (throughput ratios: >= 1 meets the target; added-TTFT ratios: <= 1 does;"
+        " d50/d99: pd-proxy's added TTFT minus vllm-router's, <= 0 meets the target)",
         f"{'point':<22}" + "".join(f"{title:>10}" for _, title in ratio_cols),
     ]
     for row in result["ratios"]:

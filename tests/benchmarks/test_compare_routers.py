@@ -140,6 +140,8 @@ def test_added_ttft_is_paired_per_repetition_then_median() -> None:
     ratios = cr.point_ratios("x", med)
     assert ratios["tokens_per_s"] == pytest.approx(450 / 400)
     assert ratios["added_ttft_p50_ms"] == pytest.approx(0.5)
+    assert ratios["added_ttft_p50_diff_ms"] == pytest.approx(-0.5)
+    assert ratios["added_ttft_p99_diff_ms"] == pytest.approx(-1.0)
     assert math.isnan(ratios["tokens_per_proxy_cpu_s"])  # no CPU figures in these runs
 
 
