@@ -432,7 +432,8 @@ class Serving:
             p_usage = prefill_reply.get("usage")
             details = p_usage.get("prompt_tokens_details") if isinstance(p_usage, dict) else None
             if details is None:
-                cached = (f.record.kv_params or {}).get("remote_prefill_cached_tokens")
+                p_params = prefill_reply.get("kv_transfer_params")
+                cached = p_params.get("remote_prefill_cached_tokens") if isinstance(p_params, dict) else None
                 if isinstance(cached, int) and cached > 0:
                     details = {"cached_tokens": cached}
             if details is not None:

@@ -16,6 +16,7 @@ from proxy.app import SERVING, build_app
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
 from tests.fixtures_sim import SimWorker
+from tests.proxy.scripted import scripted_factory  # noqa: F401  (fixture)
 
 
 @dataclass
@@ -37,14 +38,14 @@ class PD:
     def serving(self) -> Serving:
         return self.app[SERVING]
 
-    async def gen(self, body: dict[str, Any], **kw: Any) -> tuple[int, Any, dict[str, str]]:
+    async def gen(self, body: dict[str, Any], **kw: Any) -> tuple[int, Any, Any]:
         r = await self.client.post("/inference/v1/generate", json=body, **kw)
         raw = await r.read()
         try:
             payload: Any = json.loads(raw)
         except ValueError:
             payload = raw
-        return r.status, payload, dict(r.headers)
+        return r.status, payload, r.headers
 
     async def stream(self, body: dict[str, Any], **kw: Any) -> tuple[int, list[Any], bytes]:
         """Returns status, the parsed data events ("[DONE]" kept as a string), raw bytes."""
@@ -57,10 +58,10 @@ class PD:
                 events.append("[DONE]" if d == b"[DONE]" else json.loads(d))
         return r.status, events, raw
 
-    async def quiet(self, timeout: float = 3.0) -> None:
+    async def quiet(self, limit: float = 3.0) -> None:
         """Wait until nothing is held or running anywhere (bounded), then assert it."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + limit
         while True:
             states = [await w.state() for w in (*self.prefill, *self.decode)]
             busy = any(s["kv_held"] or s["inflight"] or s["kv_blocks_used"] for s in states)
@@ -99,3 +100,25 @@ def req(**kw: Any) -> dict[str, Any]:
     sp = {"temperature": 0, "max_tokens": 8}
     sp.update(kw.pop("sp", {}))
     return {"token_ids": kw.pop("token_ids", PROMPT), "sampling_params": sp, **kw}
+
+
+ProxyFactory = Callable[..., Awaitable[tuple[TestClient[web.Request, web.Application], web.Application]]]
+
+
+@pytest.fixture
+def proxy_factory(aiohttp_client: Any) -> ProxyFactory:
+    async def make(prefill: list[str], decode: list[str], **settings: Any) -> Any:
+        app = build_app(ProxySettings(prefill_urls=tuple(prefill), decode_urls=tuple(decode), **settings))
+        client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+        return client, app
+
+    return make
+
+
+def sse_datas(raw: bytes) -> list[Any]:
+    out: list[Any] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            d = block[6:]
+            out.append("[DONE]" if d == b"[DONE]" else json.loads(d))
+    return out

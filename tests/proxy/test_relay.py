@@ -1,0 +1,116 @@
+"""Slow-reader merging: what the client gets always concatenates to what decode sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.relay import StreamBuffer, merge_chunks
+from proxy.sse import data_event
+
+
+def chunk(index: int, toks: list[int], text: str | None, finish: str | None = None,
+          lp: bool = False) -> dict[str, Any]:
+    c: dict[str, Any] = {"index": index, "finish_reason": finish, "stop_reason": None, "token_ids": toks,
+                         "routed_experts": None, "sampling_mask": None,
+                         "weight_versions": None if finish is None else [{"version": "default"}]}
+    if text is not None:
+        c["text"] = text
+    c["logprobs"] = {"content": [{"token_id": t, "logprob": -1.0} for t in toks]} if lp else None
+    return {"request_id": "generate-tokens-x", "usage": None, "output_mode": "text" if text is not None
+            else "tokens", "choices": [c]}
+
+
+def concat(chunks: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            acc = out.setdefault(c["index"], {"token_ids": [], "text": "", "lp": [], "finish": None})
+            acc["token_ids"] += c["token_ids"]
+            acc["text"] += c.get("text") or ""
+            acc["lp"] += (c["logprobs"] or {}).get("content", [])
+            if c["finish_reason"] is not None:
+                acc["finish"] = (c["finish_reason"], c["stop_reason"])
+    return out
+
+
+chunk_st = st.builds(
+    chunk, st.integers(0, 2), st.lists(st.integers(3, 500), max_size=3),
+    st.one_of(st.none(), st.text(max_size=4)), st.sampled_from([None, None, "stop", "length", "abort"]),
+    st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(chunk_st, min_size=1, max_size=20))
+def test_merge_preserves_concatenation(chunks: list[dict[str, Any]]) -> None:
+    raws = [json.dumps(c).encode() for c in chunks]
+    merged = [json.loads(m) for m in merge_chunks(raws)]
+    assert concat(merged) == concat(chunks)
+    indexes = [m["choices"][0]["index"] for m in merged]
+    assert len(indexes) == len(set(indexes))  # one chunk per choice
+
+
+def test_merge_keeps_usage_chunk_last_and_errors_after() -> None:
+    usage = {"request_id": "r", "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "choices": []}
+    err = {"error": {"message": "boom", "type": "x", "param": None, "code": 500}}
+    raws = [json.dumps(c).encode() for c in (chunk(0, [5], None), chunk(0, [6], None, "length"), usage)]
+    raws.append(json.dumps(err).encode())
+    merged = [json.loads(m) for m in merge_chunks(raws)]
+    assert merged[0]["choices"][0]["token_ids"] == [5, 6]
+    assert merged[0]["choices"][0]["finish_reason"] == "length"
+    assert merged[0]["choices"][0]["weight_versions"] == [{"version": "default"}]
+    assert merged[1] == usage
+    assert merged[2] == err
+
+
+def test_single_chunk_is_untouched() -> None:
+    raw = b'{"choices": [ ], "spacing": "kept"}'
+    assert merge_chunks([raw]) == [raw]
+
+
+async def test_buffer_passes_events_untouched_when_not_lagging() -> None:
+    buf = StreamBuffer(max_bytes=10_000)
+    datas = [json.dumps(chunk(0, [i], None)).encode() for i in range(3)]
+    for d in datas:
+        buf.put(data_event(d), d)
+    out, finished = await buf.take(merge=False)
+    assert out == [data_event(d) for d in datas]
+    assert not finished
+
+
+async def test_buffer_merges_when_lagging_and_reports_finish() -> None:
+    buf = StreamBuffer(max_bytes=10_000)
+    for i in range(3):
+        d = json.dumps(chunk(0, [i], None, "length" if i == 2 else None)).encode()
+        buf.put(data_event(d), d)
+    buf.finish(done=True)
+    out, finished = await buf.take(merge=True)
+    assert finished and buf.ended_with_done
+    assert len(out) == 1
+    merged = json.loads(out[0][len(b"data: "):])
+    assert merged["choices"][0]["token_ids"] == [0, 1, 2]
+    assert merged["choices"][0]["finish_reason"] == "length"
+
+
+async def test_buffer_cap_closes_it() -> None:
+    buf = StreamBuffer(max_bytes=100)
+    d = json.dumps(chunk(0, list(range(30)), None)).encode()
+    buf.put(data_event(d), d)
+    assert buf.overflowed and buf.closed
+    buf.put(data_event(d), d)  # ignored once closed
+    out, finished = await buf.take(merge=True)
+    assert finished and len(out) == 1
+
+
+async def test_take_waits_for_data() -> None:
+    buf = StreamBuffer(max_bytes=100)
+    task = asyncio.create_task(buf.take(merge=False))
+    await asyncio.sleep(0)
+    assert not task.done()
+    buf.put(b"data: 1\n\n", b"1")
+    out, _ = await asyncio.wait_for(task, 1)
+    assert out == [b"data: 1\n\n"]
