@@ -72,6 +72,8 @@ METRIC_KEYS: Final = (
     "requests_per_s",
     "tokens_per_proxy_cpu_s",
     "proxy_cpu_util",
+    "workers_cpu_util",
+    "client_cpu_util",
     "ok",
     "errors",
     "timed_out",
@@ -207,10 +209,20 @@ class RunStats:
     proxy_cpu_s: float = math.nan
     tokens_per_proxy_cpu_s: float = math.nan
     proxy_cpu_util: float = math.nan
+    # Where else the CPU went (in cores busy): the pd-sim workers and this load client. When either
+    # is near the cores it has, it (not the proxy) bounds the throughput of the run.
+    workers_cpu_util: float = math.nan
+    client_cpu_util: float = math.nan
 
 
 def run_stats(
-    samples: Sequence[Sample], wall_s: float, timed_out: bool = False, proxy_cpu_s: float = math.nan
+    samples: Sequence[Sample],
+    wall_s: float,
+    *,
+    timed_out: bool = False,
+    proxy_cpu_s: float = math.nan,
+    workers_cpu_s: float = math.nan,
+    client_cpu_s: float = math.nan,
 ) -> RunStats:
     good = [s for s in samples if s.ok]
     ttfts_ms = [s.ttft_s * 1000.0 for s in good]
@@ -219,6 +231,8 @@ def run_stats(
         proxy_cpu_s=proxy_cpu_s,
         tokens_per_proxy_cpu_s=ratio(float(tokens), proxy_cpu_s),
         proxy_cpu_util=ratio(proxy_cpu_s, wall_s),
+        workers_cpu_util=ratio(workers_cpu_s, wall_s),
+        client_cpu_util=ratio(client_cpu_s, wall_s),
         ttft_p50_ms=percentile(ttfts_ms, 50),
         ttft_p99_ms=percentile(ttfts_ms, 99),
         tokens_per_s=tokens / wall_s if wall_s > 0 else math.nan,
@@ -247,6 +261,8 @@ def summarise_point(runs: Mapping[str, Sequence[RunStats]]) -> dict[str, dict[st
             "requests_per_s": median([r.requests_per_s for r in reps]),
             "tokens_per_proxy_cpu_s": median([r.tokens_per_proxy_cpu_s for r in reps]),
             "proxy_cpu_util": median([r.proxy_cpu_util for r in reps]),
+            "workers_cpu_util": median([r.workers_cpu_util for r in reps]),
+            "client_cpu_util": median([r.client_cpu_util for r in reps]),
             "ok": sum(r.ok for r in reps),
             "errors": sum(r.errors for r in reps),
             "timed_out": any(r.timed_out for r in reps),
@@ -474,6 +490,7 @@ async def run_load(
     time_limit_s: float,
     request_timeout_s: float,
     proxy_pid: int | None = None,
+    worker_pids: Sequence[int] = (),
 ) -> RunStats:
     """Closed loop: `concurrency` workers send back to back until n_requests are sent or time is up."""
     samples: list[Sample] = []
@@ -492,6 +509,8 @@ async def run_load(
                 samples.append(await client.one(target))
 
         cpu0 = tree_cpu_seconds(proxy_pid) if proxy_pid else math.nan
+        workers0 = sum(tree_cpu_seconds(p) for p in worker_pids) if worker_pids else math.nan
+        client0 = time.process_time()
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(time_limit_s + request_timeout_s):
@@ -500,8 +519,12 @@ async def run_load(
             timed_out = True
         wall = time.perf_counter() - t0
         cpu = tree_cpu_seconds(proxy_pid) - cpu0 if proxy_pid else math.nan
+        workers = sum(tree_cpu_seconds(p) for p in worker_pids) - workers0 if worker_pids else math.nan
+        client_cpu = time.process_time() - client0
     timed_out = timed_out or len(samples) < n_requests
-    return run_stats(samples, wall, timed_out, cpu)
+    return run_stats(
+        samples, wall, timed_out=timed_out, proxy_cpu_s=cpu, workers_cpu_s=workers, client_cpu_s=client_cpu
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -941,7 +964,7 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
         "commands": {"sim": cfg.sim_cmd, "pd-proxy": cfg.pd_proxy_cmd, "vllm-router": cfg.router_cmd},
         "versions": versions(cfg),
     }
-    prefill_url, _ = await start_sim(procs, cfg, "prefill", cfg.sim_cmd, "sim-prefill")
+    prefill_url, prefill_proc = await start_sim(procs, cfg, "prefill", cfg.sim_cmd, "sim-prefill")
     decode_url, decode_proc = await start_sim(procs, cfg, "decode", cfg.sim_cmd, "sim-decode")
     targets: dict[str, Target] = {}
     proxy_pids: dict[str, int] = {}
@@ -979,13 +1002,15 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
             time_limit_s=cfg.run_time_limit_s,
             request_timeout_s=cfg.request_timeout_s,
             proxy_pid=proxy_pids.get(name),
+            worker_pids=(prefill_proc.pid, decode_proc.pid),
         )
         runs.setdefault(point, {t: [] for t in names})[name].append(stats)
         print(
             f"[{i:3d}/{len(plan)}] {point.label:<22} rep {rep} {name:<12} "
             f"ttft p50 {stats.ttft_p50_ms:8.2f} ms  p99 {stats.ttft_p99_ms:8.2f} ms  "
             f"{stats.tokens_per_s:9.0f} tok/s  {stats.requests_per_s:8.1f} req/s  "
-            f"proxy cpu {stats.proxy_cpu_util:4.2f}  ok {stats.ok} err {stats.errors}"
+            f"cpu proxy {stats.proxy_cpu_util:4.2f} workers {stats.workers_cpu_util:4.2f} "
+            f"client {stats.client_cpu_util:4.2f}  ok {stats.ok} err {stats.errors}"
             f"{'  TIMED OUT' if stats.timed_out else ''}",
             flush=True,
         )
@@ -1058,7 +1083,7 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines.append("")
     lines.append(
         "medians per target: added TTFT p50/p99 over the floor (ms) | tokens/s | tokens per proxy CPU-s "
-        "| proxy CPU use (1.0 = one core busy)"
+        "| CPU use in cores busy (proxy; pd-sim workers and load client in brackets)"
     )
     for point in result["points"]:
         cells = []
@@ -1072,6 +1097,8 @@ def format_table(result: Mapping[str, Any]) -> str:
             if name != FLOOR:
                 cell += f" {_fmt(m['tokens_per_proxy_cpu_s'], '.0f')} tok/cpu-s"
                 cell += f" cpu {_fmt(m['proxy_cpu_util'], '.2f')}"
+            cell += f" (cpu: workers {_fmt(m['workers_cpu_util'], '.2f')}"
+            cell += f" client {_fmt(m['client_cpu_util'], '.2f')})"
             if m["errors"] or m["timed_out"]:
                 cell += f" [errors {m['errors']}{', timed out' if m['timed_out'] else ''}]"
             cells.append(cell)
@@ -1098,6 +1125,7 @@ def make_plot(result: Mapping[str, Any], path: Path) -> None:
     rows = (
         ("tokens_per_s", "tokens/s"),
         ("requests_per_s", "requests/s"),
+        ("tokens_per_proxy_cpu_s", "tokens per proxy CPU-second"),
         ("added_ttft_p50_ms", "added TTFT p50 (ms)"),
         ("added_ttft_p99_ms", "added TTFT p99 (ms)"),
     )
@@ -1115,11 +1143,16 @@ def make_plot(result: Mapping[str, Any], path: Path) -> None:
         for i, (key, title) in enumerate(rows):
             ax = axes[i][j]
             for name in names:
-                if key.startswith("added") and name == FLOOR:
+                if name == FLOOR and key in {
+                    "added_ttft_p50_ms",
+                    "added_ttft_p99_ms",
+                    "tokens_per_proxy_cpu_s",
+                }:
                     continue
                 xs = [p["concurrency"] for p in pts if name in p["targets"]]
                 ys = [p["targets"][name]["median"][key] for p in pts if name in p["targets"]]
-                ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=name)
+                color = f"C{TARGETS.index(name)}"  # one colour per target in every panel
+                ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=name, color=color)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrent streams")
             ax.set_ylabel(title)

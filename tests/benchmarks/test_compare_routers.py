@@ -97,7 +97,7 @@ def test_ratio_guards() -> None:
 
 def test_run_stats_counts_only_good_samples() -> None:
     samples = [Sample(True, 0.010, 32), Sample(True, 0.020, 32), Sample(False, math.nan, 0)]
-    stats = cr.run_stats(samples, wall_s=2.0, proxy_cpu_s=0.5)
+    stats = cr.run_stats(samples, wall_s=2.0, proxy_cpu_s=0.5, workers_cpu_s=1.0, client_cpu_s=1.5)
     assert stats.ok == 2
     assert stats.errors == 1
     assert stats.tokens_per_s == 32.0
@@ -105,6 +105,8 @@ def test_run_stats_counts_only_good_samples() -> None:
     assert stats.ttft_p50_ms == pytest.approx(15.0)
     assert stats.tokens_per_proxy_cpu_s == 128.0
     assert stats.proxy_cpu_util == 0.25
+    assert stats.workers_cpu_util == 0.5
+    assert stats.client_cpu_util == 0.75
     floor_stats = cr.run_stats(samples, wall_s=2.0)
     assert math.isnan(floor_stats.tokens_per_proxy_cpu_s)
 
