@@ -144,7 +144,11 @@ async def send_request(
     except TimeoutError:
         record.fail(FAIL_TIMEOUT, f"no complete answer within {opts.request_timeout_s:g} s")
     except aiohttp.ClientError as exc:
-        record.fail(FAIL_TRANSPORT, f"{type(exc).__name__}: {exc}")
+        if record.http_status == 200 and opts.stream:
+            # The connection broke after a 200 stream had begun: a stream without [DONE].
+            record.fail(FAIL_NO_DONE, f"stream cut: {type(exc).__name__}: {exc}")
+        else:
+            record.fail(FAIL_TRANSPORT, f"{type(exc).__name__}: {exc}")
     if end is not None:
         record.e2e_s = end - start
     if record.failure is None and record.finish_reason == "abort":

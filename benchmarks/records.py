@@ -8,11 +8,11 @@ from typing import Any, Final
 # Failure kinds (the result JSON counts each under ``failures``).
 FAIL_HTTP_STATUS: Final = "http_status"  # answered with a status other than 200
 FAIL_ERROR_EVENT: Final = "error_event"  # an in-band ``{"error": ...}`` event or body
-FAIL_NO_DONE: Final = "no_done"  # the stream ended without ``data: [DONE]``
+FAIL_NO_DONE: Final = "no_done"  # a 200 stream ended or broke without ``data: [DONE]``
 FAIL_OUTPUT_MODE: Final = "output_mode"  # ``output_mode`` echo missing or not what was asked
 FAIL_ABORTED: Final = "aborted"  # ``finish_reason: "abort"``
 FAIL_INVALID: Final = "invalid_response"  # unparsable JSON, wrong content type, no choices
-FAIL_TRANSPORT: Final = "transport"  # connection refused/reset
+FAIL_TRANSPORT: Final = "transport"  # no answer: connection refused, or broken before a 200 stream
 FAIL_TIMEOUT: Final = "timeout"  # the per-request timeout passed
 FAILURE_KINDS: Final = (
     FAIL_HTTP_STATUS,
