@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from proxy.errors import ProxyError, Unauthorized
+from proxy.errors import ProxyError, Unauthorized, json_response
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.protocol import error_body
 from proxy.serving import Serving
@@ -74,7 +74,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     app = request.app
     if app[DRAINING].is_set():
         app[METRICS].requests.labels(outcome="rejected").inc()
-        return web.json_response(
+        return json_response(
             error_body("the proxy is shutting down", "ServiceUnavailableError", 503), status=503)
     return await app[SERVING].generate(request)
 
@@ -84,13 +84,13 @@ async def abort_requests(request: web.Request) -> web.Response:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
-        return web.json_response(error_body(f"JSON decode error: {e}", "Bad Request", 400), status=400)
+        return json_response(error_body(f"JSON decode error: {e}", "Bad Request", 400), status=400)
     except UnicodeDecodeError:
-        return web.json_response(error_body("JSON decode error: invalid UTF-8", "Bad Request", 400),
+        return json_response(error_body("JSON decode error: invalid UTF-8", "Bad Request", 400),
                                  status=400)
     ids = obj.get("request_ids") if isinstance(obj, dict) else None
     if ids is None:
-        return web.json_response(
+        return json_response(
             error_body("Missing 'request_ids' in request body", "Bad Request", 400), status=400)
     if isinstance(ids, str):
         ids = [ids]
@@ -121,7 +121,7 @@ async def health(request: web.Request) -> web.Response:
         "requests_in_flight": len(serving.table),
         "kv_leases_open": serving.ledger.open_count,
     }
-    return web.json_response(body, status=200 if ready and not draining else 503)
+    return json_response(body, status=200 if ready and not draining else 503)
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
@@ -134,12 +134,12 @@ async def metrics_handler(request: web.Request) -> web.Response:
 async def kv_leases(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
     serving.expire_leases()
-    return web.json_response(serving.ledger.snapshot(serving.clock()))
+    return json_response(serving.ledger.snapshot(serving.clock()))
 
 
 async def requests_table(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
-    return web.json_response({
+    return json_response({
         "requests": [r.as_dict() for r in serving.table.all()],
         "background_tasks": len(serving.tracker),
     })

@@ -24,6 +24,12 @@ from aiohttp import web
 from proxy.protocol import RequestValidationError, VLLMValidationError, error_body
 
 
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """JSON as vLLM (starlette) writes it: compact, UTF-8 unescaped."""
+    return web.Response(body=json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
+                        status=status, headers=headers, content_type="application/json")
+
+
 class ProxyError(Exception):
     status: int = 500
     err_type: str = "InternalServerError"
@@ -37,7 +43,7 @@ class ProxyError(Exception):
         return error_body(self.message, self.err_type, self.status, self.param)
 
     def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        return json_response(self.body(), self.status, headers)
 
     def sse_event(self) -> bytes:
         """The in-band error event vLLM sends once a stream has started."""

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import pytest
+
+from proxy.pools.breaker import BreakerConfig, CircuitBreaker, CircuitState
+from tests.proxy.pools.helpers import FakeClock
+
+
+def make(clock: FakeClock, **kw: object) -> CircuitBreaker:
+    cfg = BreakerConfig(**{"failure_threshold": 3, "open_seconds": 5.0, "max_open_seconds": 20.0, **kw})  # type: ignore[arg-type]
+    return CircuitBreaker(cfg, clock)
+
+
+def test_opens_after_consecutive_failures_only() -> None:
+    clock = FakeClock()
+    b = make(clock)
+    b.record_failure()
+    b.record_failure()
+    b.record_success()  # resets the run of failures
+    b.record_failure()
+    b.record_failure()
+    assert b.state is CircuitState.CLOSED and b.can_take()
+    b.record_failure()
+    assert b.state is CircuitState.OPEN and not b.can_take()
+    assert b.retry_in() == pytest.approx(5.0)
+
+
+def test_half_open_after_wait_then_closes_on_success() -> None:
+    clock = FakeClock()
+    b = make(clock)
+    for _ in range(3):
+        b.record_failure()
+    clock.advance(4.9)
+    assert b.state is CircuitState.OPEN
+    clock.advance(0.2)
+    assert b.state is CircuitState.HALF_OPEN
+    assert b.can_take()
+    b.begin()
+    assert not b.can_take()  # one trial at a time
+    b.record_success()
+    assert b.state is CircuitState.CLOSED
+
+
+def test_half_open_failure_reopens_with_doubled_wait_capped() -> None:
+    clock = FakeClock()
+    b = make(clock)
+    for _ in range(3):
+        b.record_failure()
+    waits = []
+    for _ in range(4):
+        clock.advance(b.retry_in())
+        assert b.state is CircuitState.HALF_OPEN
+        b.begin()
+        b.record_failure()
+        assert b.state is CircuitState.OPEN
+        waits.append(b.retry_in())
+    assert waits == [10.0, 20.0, 20.0, 20.0]
+    clock.advance(20.0)
+    b.begin()
+    b.record_success()
+    assert b.state is CircuitState.CLOSED
+    for _ in range(3):
+        b.record_failure()
+    assert b.retry_in() == 5.0  # back to the base wait after closing
+
+
+def test_neutral_outcome_frees_the_trial_slot() -> None:
+    clock = FakeClock()
+    b = make(clock, failure_threshold=1)
+    b.record_failure()
+    clock.advance(5.0)
+    b.begin()
+    assert not b.can_take()
+    b.record_neutral()
+    assert b.can_take() and b.state is CircuitState.HALF_OPEN
+
+
+def test_trip_and_reset() -> None:
+    clock = FakeClock()
+    b = make(clock)
+    b.trip()
+    assert b.state is CircuitState.OPEN
+    b.reset()
+    assert b.state is CircuitState.CLOSED
+
+
+@pytest.mark.parametrize("kw", [{"failure_threshold": 0}, {"open_seconds": 0}, {"max_open_seconds": 1.0}])
+def test_bad_config(kw: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        BreakerConfig(**kw)  # type: ignore[arg-type]

@@ -1,0 +1,225 @@
+"""Upstream failures, the prefill-failure policy, the output_mode echo, keys and health."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+from tests.proxy.conftest import PDFactory, ProxyFactory, req, sse_datas
+from tests.proxy.scripted import Scripted, ScriptedFactory, SSEBytes, prefill_reply
+
+
+def dead_url() -> str:
+    """A loopback port nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_prefill_5xx_is_a_502_naming_the_prefill_worker(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    await pd.p.set_faults(fail_next=1, fail_status=503)
+    status, body, _ = await pd.gen(req())
+    assert status == 502
+    assert body["error"]["message"].startswith(f"prefill worker {pd.p.url}: answered HTTP 503")
+    assert body["error"]["code"] == 502
+    await pd.quiet()
+
+
+async def test_prefill_4xx_passes_through_unchanged(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    await pd.p.set_faults(fail_next=1, fail_status=429)
+    r = await pd.client.post("/inference/v1/generate", json=req())
+    raw = await r.read()
+    await pd.p.set_faults(fail_next=1, fail_status=429)
+    direct = await pd.p.session.post(pd.p.url + "/inference/v1/generate", json=req())
+    assert r.status == 429 == direct.status
+    assert raw == await direct.read()
+    await pd.quiet()
+
+
+async def test_prefill_timeout_is_a_504(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(prefill_timeout=0.3)
+    await pd.p.set_faults(hang_before_headers=True)
+    status, body, _ = await pd.gen(req())
+    assert status == 504
+    assert body["error"]["type"] == "GatewayTimeoutError"
+    assert f"prefill worker {pd.p.url}" in body["error"]["message"]
+    await pd.p.set_faults(hang_before_headers=False)
+    await pd.quiet()
+
+
+async def test_unreachable_prefill_is_a_502(proxy_factory: ProxyFactory, sim_factory: Any) -> None:
+    d = await sim_factory(role="decode", zero_latency=True)
+    url = dead_url()
+    client, _ = await proxy_factory([url], [d.url])
+    r = await client.post("/inference/v1/generate", json=req())
+    body = await r.json()
+    assert r.status == 502 and f"prefill worker {url}: unreachable" in body["error"]["message"]
+
+
+async def test_missing_kv_params_fails_by_default(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    await pd.p.set_faults(drop_kv_params=True)
+    status, body, _ = await pd.gen(req())
+    assert status == 502
+    assert "kv_transfer_params is null" in body["error"]["message"]
+    assert pd.p.url in body["error"]["message"]
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert "pd_proxy_prefill_missing_kv_params_total 1.0" in metrics
+
+
+@pytest.mark.parametrize("fault", ["drop_kv_params", "fail"])
+async def test_decode_only_fallback_is_counted_and_visible(pd_factory: PDFactory, sim_factory: Any,
+                                                           fault: str) -> None:
+    # Without params the proxy cannot free what P holds: it waits for P's (short) lease.
+    pd = await pd_factory(prefill_failure_policy="decode-only", prefill={"lease_seconds": 0.5})
+    if fault == "fail":
+        await pd.p.set_faults(fail_next=1, fail_status=500)
+    else:
+        await pd.p.set_faults(drop_kv_params=True)
+    status, body, headers = await pd.gen(req(request_id="fb"))
+    assert status == 200
+    reason = "missing_kv_params" if fault == "drop_kv_params" else "prefill_error"
+    assert headers["X-PD-Decode-Only"] == reason
+    agg = await sim_factory(role="aggregated", zero_latency=True)
+    resp = await agg.session.post(agg.url + "/inference/v1/generate", json=req(request_id="fb"))
+    direct = await resp.json()
+    assert body["choices"] == direct["choices"]
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert f'pd_proxy_decode_only_total{{reason="{reason}"}} 1.0' in metrics
+    await pd.quiet()
+
+
+async def test_decode_5xx_is_a_502_naming_the_decode_worker(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(prefill={"lease_seconds": 0.3})
+    await pd.d.set_faults(fail_next=1, fail_status=500)
+    status, body, _ = await pd.gen(req())
+    assert status == 502 and f"decode worker {pd.d.url}" in body["error"]["message"]
+
+
+async def test_decode_4xx_passes_through_unchanged(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(prefill={"lease_seconds": 0.3})
+    await pd.d.set_faults(fail_next=1, fail_status=400)
+    r = await pd.client.post("/inference/v1/generate", json={**req(), "stream": True})
+    assert r.status == 400
+    assert (await r.json())["error"]["code"] == 400
+
+
+async def test_decode_stream_reset_becomes_in_band_error(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    await pd.d.set_faults(reset_after_tokens=3)
+    status, events, _ = await pd.stream(req(sp={"max_tokens": 10}))
+    assert status == 200
+    tokens = [t for e in events[:-2] for t in e["choices"][0]["token_ids"]]
+    assert len(tokens) == 3
+    assert "error" in events[-2] and f"decode worker {pd.d.url}" in events[-2]["error"]["message"]
+    assert events[-1] == "[DONE]"
+    await pd.d.set_faults(reset_after_tokens=None)
+    await pd.quiet()
+
+
+async def test_decode_in_band_error_is_relayed(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    await pd.d.set_faults(error_after_tokens=2)
+    status, events, _ = await pd.stream(req(sp={"max_tokens": 10}))
+    direct_err = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert status == 200 and len(direct_err) == 1
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict) and "choices" in e]
+    assert sum(len(e["choices"][0]["token_ids"]) for e in chunks) == 2
+    await pd.d.set_faults(error_after_tokens=None)
+    await pd.quiet()
+
+
+async def test_stream_without_done_becomes_in_band_error(scripted_factory: ScriptedFactory,
+                                                         proxy_factory: ProxyFactory) -> None:
+    chunk = b'data: {"request_id":"generate-tokens-x","usage":null,"output_mode":"tokens","choices":' \
+            b'[{"index":0,"finish_reason":null,"stop_reason":null,"token_ids":[5],"logprobs":null}]}\n\n'
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted = await scripted_factory(lambda b, r: SSEBytes([chunk, b"data: {\"trunc"]))
+    client, _ = await proxy_factory([p.url], [d.url])
+    r = await client.post("/inference/v1/generate", json={**req(), "stream": True})
+    events = sse_datas(await r.read())
+    assert events[0]["choices"][0]["token_ids"] == [5]
+    assert "stream ended without [DONE]" in events[1]["error"]["message"]
+    assert events[2] == "[DONE]" and len(events) == 3
+
+
+async def test_stream_idle_timeout_becomes_in_band_error(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(stream_idle_timeout=0.3)
+    await pd.d.set_faults(hang_after_headers=True)
+    status, events, _ = await pd.stream(req())
+    assert status == 200
+    assert events[0]["error"]["type"] == "GatewayTimeoutError" and events[-1] == "[DONE]"
+    await pd.d.set_faults(hang_after_headers=False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_output_mode_echo_is_checked(scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory,
+                                           stream: bool) -> None:
+    """A decode server that predates output_mode answers tokens with no echo."""
+    old = prefill_reply({"request_id": "x", "token_ids": [1]})
+    old.pop("output_mode")
+    old_chunk = b'data: {"request_id":"generate-tokens-x","choices":[{"index":0,"token_ids":[5]}]}\n\n'
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted = await scripted_factory(
+        lambda b, r: SSEBytes([old_chunk, b"data: [DONE]\n\n"]) if b.get("stream") else old)
+    client, _ = await proxy_factory([p.url], [d.url])
+    r = await client.post("/inference/v1/generate", json={**req(output_mode="text"), "stream": stream})
+    if stream:
+        events = sse_datas(await r.read())
+        assert r.status == 200
+        assert "output_mode" in events[0]["error"]["message"] and events[-1] == "[DONE]"
+        assert not any("choices" in e for e in events if isinstance(e, dict))
+    else:
+        body = await r.json()
+        assert r.status == 502 and "output_mode None for a 'text' request" in body["error"]["message"]
+
+
+async def test_api_key_guards_inference_like_vllm(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(api_key="k1")
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
+        r = await pd.client.post("/inference/v1/generate", json=req(), headers=headers)
+        assert r.status == 401 and await r.read() == b'{"error":"Unauthorized"}'
+        r = await pd.client.get("/debug/kv-leases", headers=headers)
+        assert r.status == 401
+    r = await pd.client.post("/inference/v1/generate", json=req(), headers={"Authorization": "bearer k1"})
+    assert r.status == 200
+    assert (await pd.client.get("/health")).status == 200
+    assert (await pd.client.get("/metrics")).status == 200
+    assert (await pd.client.get("/debug/kv-leases", headers={"Authorization": "Bearer k1"})).status == 200
+
+
+async def test_upstream_api_key_is_sent(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(prefill={"api_key": "up"}, decode={"api_key": "up"}, upstream_api_key="up")
+    status, _, _ = await pd.gen(req())
+    assert status == 200
+    pd2 = await pd_factory(prefill={"api_key": "up"}, decode={"api_key": "up"})
+    r = await pd2.client.post("/inference/v1/generate", json=req())
+    assert r.status == 401  # the prefill worker's 401 passes through
+
+
+async def test_health_reports_pools(pd_factory: PDFactory, proxy_factory: ProxyFactory) -> None:
+    pd = await pd_factory()
+    r = await pd.client.get("/health")
+    body = await r.json()
+    assert r.status == 200 and body["status"] == "ok"
+    assert body["pools"]["prefill"][0]["url"] == pd.p.url and body["pools"]["decode"][0]["healthy"]
+    client, _ = await proxy_factory([pd.p.url], [dead_url()])
+    r = await client.get("/health")
+    body = await r.json()
+    assert r.status == 503 and body["status"] == "degraded"
+    assert body["pools"]["decode"][0]["healthy"] is False
+
+
+async def test_one_client_session_per_app(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    session = pd.serving.upstream.session
+    for _ in range(3):
+        await pd.gen(req())
+    assert pd.serving.upstream.session is session
+    assert not session.closed
