@@ -821,8 +821,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--client-cpus", default=worker_cpus, help="CPU list this client process pins itself to")
     p.add_argument("--sim-cmd", default=DEFAULT_SIM_CMD)
     p.add_argument("--slow-decode-cmd", default=DEFAULT_SLOW_DECODE_CMD)
-    p.add_argument("--pd-proxy-cmd", default=DEFAULT_PD_PROXY_CMD)
+    p.add_argument(
+        "--pd-proxy-cmd", default=DEFAULT_PD_PROXY_CMD, help="template: {bin} {port} {prefill} {decode}"
+    )
     p.add_argument("--router-cmd", default=DEFAULT_ROUTER_CMD)
+    p.add_argument("--pd-proxy-args", default="", help="appended to the pd-proxy command, e.g. '--workers 2'")
+    p.add_argument("--router-args", default="", help="appended to the vllm-router command")
     p.add_argument("--router-venv", type=Path, default=REPO_ROOT / ".venv-router")
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default results/compare_routers-<time>)"
@@ -857,8 +861,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         client_cpus=a.client_cpus or None,
         sim_cmd=a.sim_cmd,
         slow_decode_cmd=a.slow_decode_cmd,
-        pd_proxy_cmd=a.pd_proxy_cmd,
-        router_cmd=a.router_cmd,
+        pd_proxy_cmd=f"{a.pd_proxy_cmd} {a.pd_proxy_args}".strip(),
+        router_cmd=f"{a.router_cmd} {a.router_args}".strip(),
         router_venv=a.router_venv.resolve(),
         out_dir=a.out if a.out is not None else REPO_ROOT / "results" / f"compare_routers-{stamp}",
         quick=a.quick,

@@ -323,6 +323,10 @@ def test_commands_render_with_ports_and_urls() -> None:
     assert argv[argv.index("--decode") + 1] == "http://127.0.0.1:2"
     assert argv[argv.index("--port") + 1] == "4321"
     assert argv[argv.index("--prometheus-port") + 1].isdigit()
+    extra = cr.parse_args(["--pd-proxy-args", "--workers 2"])
+    argv = cr.proxy_argv(PD_PROXY, extra, 4321, "http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert argv[0].endswith("/pd-proxy")
+    assert argv[-2:] == ["--workers", "2"]
 
 
 # --- clean-up -----------------------------------------------------------------------------
