@@ -1,0 +1,131 @@
+"""A circuit breaker per worker: passive ejection on errors (closed -> open -> half-open).
+
+* closed: requests flow; ``failure_threshold`` consecutive failures open the circuit.
+* open: the worker is ejected (never picked) for ``open_seconds``; each time it re-opens
+  without having closed in between, the wait doubles up to ``max_open_seconds``.
+* half-open: up to ``half_open_trials`` requests at a time are let through as trials;
+  ``success_threshold`` successes close the circuit, one failure opens it again.
+
+The breaker reads time only from the clock it is given (tests pass a fake one).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class CircuitState(enum.IntEnum):
+    """Values are the ``pd_proxy_circuit_state`` gauge's: 0 closed, 1 half-open, 2 open."""
+
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failure_threshold: int = 5
+    success_threshold: int = 1
+    open_seconds: float = 5.0
+    max_open_seconds: float = 60.0
+    half_open_trials: int = 1
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1 or self.success_threshold < 1 or self.half_open_trials < 1:
+            raise ValueError("breaker thresholds and trials must be at least 1")
+        if self.open_seconds <= 0 or self.max_open_seconds < self.open_seconds:
+            raise ValueError("breaker open time must be positive and at most max_open_seconds")
+
+
+class CircuitBreaker:
+    def __init__(self, config: BreakerConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self._clock = clock
+        self._state = CircuitState.CLOSED
+        self._failures = 0
+        self._successes = 0
+        self._trials = 0
+        self._opened_at = 0.0
+        self._open_for = config.open_seconds
+        self.opened_count = 0
+
+    @property
+    def state(self) -> CircuitState:
+        if self._state is CircuitState.OPEN and self._clock() >= self._opened_at + self._open_for:
+            self._state = CircuitState.HALF_OPEN
+            self._successes = 0
+            self._trials = 0
+        return self._state
+
+    def retry_in(self) -> float:
+        """Seconds until an open circuit lets a trial through (0 when it is not open)."""
+        if self.state is not CircuitState.OPEN:
+            return 0.0
+        return max(0.0, self._opened_at + self._open_for - self._clock())
+
+    def can_take(self) -> bool:
+        state = self.state
+        if state is CircuitState.CLOSED:
+            return True
+        if state is CircuitState.HALF_OPEN:
+            return self._trials < self.config.half_open_trials
+        return False
+
+    def begin(self) -> None:
+        """A request was sent to the worker (counts as a trial when half-open)."""
+        if self.state is CircuitState.HALF_OPEN:
+            self._trials += 1
+
+    def record_success(self) -> None:
+        state = self.state
+        if state is CircuitState.HALF_OPEN:
+            self._trials = max(0, self._trials - 1)
+            self._successes += 1
+            if self._successes >= self.config.success_threshold:
+                self._close()
+        elif state is CircuitState.CLOSED:
+            self._failures = 0
+
+    def record_failure(self) -> None:
+        state = self.state
+        if state is CircuitState.HALF_OPEN:
+            self._trials = max(0, self._trials - 1)
+            self._open(backoff=True)
+        elif state is CircuitState.CLOSED:
+            self._failures += 1
+            if self._failures >= self.config.failure_threshold:
+                self._open(backoff=False)
+
+    def record_neutral(self) -> None:
+        """A request ended without telling anything about the worker (e.g. client went away)."""
+        if self._state is CircuitState.HALF_OPEN:
+            self._trials = max(0, self._trials - 1)
+
+    def trip(self) -> None:
+        """Open at once (e.g. the active health probe declared the worker dead)."""
+        if self.state is not CircuitState.OPEN:
+            self._open(backoff=self._state is CircuitState.HALF_OPEN)
+
+    def reset(self) -> None:
+        self._close()
+
+    def _open(self, *, backoff: bool) -> None:
+        if backoff:
+            self._open_for = min(self.config.max_open_seconds, self._open_for * 2)
+        else:
+            self._open_for = self.config.open_seconds
+        self._state = CircuitState.OPEN
+        self._opened_at = self._clock()
+        self._failures = 0
+        self._successes = 0
+        self._trials = 0
+        self.opened_count += 1
+
+    def _close(self) -> None:
+        self._state = CircuitState.CLOSED
+        self._failures = 0
+        self._successes = 0
+        self._trials = 0
+        self._open_for = self.config.open_seconds

@@ -1,0 +1,175 @@
+"""A pool of workers of one role: membership by source, routing policy, per-worker limits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from proxy.pools.admission import WaitQueue
+from proxy.pools.breaker import BreakerConfig, CircuitBreaker
+from proxy.pools.errors import NoWorkerAvailable
+from proxy.pools.policies import LeastLoaded, PickContext, Policy
+from proxy.pools.worker import Outcome, Worker
+
+STATIC_SOURCE = "static"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWeights:
+    """How scraped worker metrics add to the load a policy sees (``use_scraped`` off: ignored)."""
+
+    use_scraped: bool = False
+    waiting: float = 1.0
+    """Added per request waiting in the worker's own queue (``vllm:num_requests_waiting``)."""
+    kv_usage: float = 4.0
+    """Added per unit of KV cache usage (``vllm:kv_cache_usage_perc``, 0..1)."""
+    max_age: float = 10.0
+    """Scrapes older than this (seconds) are ignored."""
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
+    return url
+
+
+class Pool:
+    def __init__(self, name: str, urls: Iterable[str] = (), *, policy: Policy | None = None,
+                 breaker: BreakerConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_inflight_per_worker: int | None = None, max_waiters: int = 64,
+                 retry_after: float = 1.0, weights: LoadWeights | None = None) -> None:
+        self.name = name
+        self.policy: Policy = policy or LeastLoaded()
+        self.breaker_config = breaker or BreakerConfig()
+        self.clock = clock
+        self.max_inflight_per_worker = max_inflight_per_worker
+        self.retry_after = retry_after
+        self.weights = weights or LoadWeights()
+        self.queue = WaitQueue(max_waiters, retry_after=retry_after, what=f"{name} pool")
+        self._workers: dict[str, Worker] = {}
+        self.on_change: list[Callable[[Pool], None]] = []
+        for url in urls:
+            self.add(url, STATIC_SOURCE)
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(normalize_url(url))
+
+    def add(self, url: str, source: str) -> Worker:
+        url = normalize_url(url)
+        worker = self._workers.get(url)
+        if worker is None:
+            worker = Worker(url, self.name, CircuitBreaker(self.breaker_config, self.clock),
+                            max_inflight=self.max_inflight_per_worker)
+            self._workers[url] = worker
+            worker.sources.add(source)
+            self._changed()
+            self.queue.wake()
+        else:
+            worker.sources.add(source)
+        return worker
+
+    def discard(self, url: str, source: str) -> bool:
+        """``source`` no longer declares ``url``; the worker leaves when no source does.
+        Requests already on it finish (they hold the ``Worker``). True if it left."""
+        url = normalize_url(url)
+        worker = self._workers.get(url)
+        if worker is None:
+            return False
+        worker.sources.discard(source)
+        if worker.sources:
+            return False
+        del self._workers[url]
+        self._changed()
+        return True
+
+    def remove(self, url: str) -> bool:
+        """Remove ``url`` whatever declared it (an admin's DELETE)."""
+        worker = self._workers.pop(normalize_url(url), None)
+        if worker is None:
+            return False
+        worker.sources.clear()
+        self._changed()
+        return True
+
+    def replace_source(self, source: str, urls: Iterable[str]) -> None:
+        """Make ``source`` declare exactly ``urls`` (a reloaded file, an EndpointSlice update)."""
+        wanted = {normalize_url(u) for u in urls}
+        for worker in self.workers:
+            if source in worker.sources and worker.url not in wanted:
+                self.discard(worker.url, source)
+        for url in sorted(wanted):
+            self.add(url, source)
+
+    def _changed(self) -> None:
+        for callback in list(self.on_change):
+            callback(self)
+
+    # ------------------------------------------------------------------ choosing
+
+    def load(self, worker: Worker) -> float:
+        value = float(worker.inflight)
+        w = self.weights
+        scraped = worker.load
+        if w.use_scraped and scraped is not None and self.clock() - scraped.at <= w.max_age:
+            value += w.waiting * scraped.waiting + w.kv_usage * scraped.kv_usage
+        return value
+
+    def candidates(self, exclude: Iterable[Worker] = ()) -> list[Worker]:
+        skip = {id(w) for w in exclude}
+        return [w for w in self._workers.values() if w.available and id(w) not in skip]
+
+    def admissible(self, exclude: Iterable[Worker] = ()) -> list[Worker]:
+        """Workers that could take a request if they had room (saturated ones included)."""
+        skip = {id(w) for w in exclude}
+        return [w for w in self._workers.values() if w.admissible and id(w) not in skip]
+
+    def retry_in(self) -> float:
+        """A hint for ``Retry-After`` when nothing is available: the soonest circuit trial."""
+        waits = [w.breaker.retry_in() for w in self._workers.values() if w.healthy and not w.draining]
+        positive = [x for x in waits if x > 0]
+        return min(positive) if positive else self.retry_after
+
+    def pick(self, ctx: PickContext | None = None, exclude: Iterable[Worker] = ()) -> Worker:
+        """Choose a worker now (no waiting, no accounting); ``NoWorkerAvailable`` if none can."""
+        candidates = self.candidates(exclude)
+        if not candidates:
+            raise NoWorkerAvailable(self.name, retry_after=self.retry_in())
+        return self.policy.choose(candidates, ctx or PickContext(), self.load)
+
+    async def acquire(self, ctx: PickContext | None = None, exclude: Iterable[Worker] = (),
+                      limit: float | None = None) -> Worker:
+        """Choose a worker and count the request on it. When every admissible worker is at its
+        in-flight cap, wait in the pool's bounded queue (``Overloaded`` on overflow/timeout);
+        when none is admissible at all, ``NoWorkerAvailable`` at once."""
+        ctx = ctx or PickContext()
+        excluded = list(exclude)
+        loop = asyncio.get_running_loop()
+        end = None if limit is None else loop.time() + limit
+        while True:
+            candidates = self.candidates(excluded)
+            if candidates:
+                worker = self.policy.choose(candidates, ctx, self.load)
+                worker.begin(ctx.tokens)
+                return worker
+            if not self.admissible(excluded):
+                raise NoWorkerAvailable(self.name, retry_after=self.retry_in())
+            await self.queue.wait(None if end is None else end - loop.time())
+
+    def release(self, worker: Worker, outcome: Outcome, tokens: int = 0) -> None:
+        worker.end(tokens, outcome)
+        self.queue.wake()

@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.pools.breaker import BreakerConfig, CircuitState
+from proxy.pools.errors import NoWorkerAvailable, Overloaded
+from proxy.pools.policies import PickContext, RoundRobin
+from proxy.pools.pool import Pool
+from proxy.pools.worker import Outcome
+from tests.proxy.pools.helpers import FakeClock
+
+A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
+
+
+def test_membership_by_source() -> None:
+    changes: list[int] = []
+    p = Pool("decode", [A + "/"])
+    p.on_change.append(lambda pool: changes.append(len(pool)))
+    assert [w.url for w in p] == [A]
+    p.add(B, "file")
+    p.add(B, "admin")
+    assert p.get(B) is not None and p.get(B).sources == {"file", "admin"}  # type: ignore[union-attr]
+    assert p.discard(B, "file") is False  # still declared by admin
+    assert p.discard(B, "admin") is True
+    p.replace_source("k8s", [B, C])
+    p.replace_source("k8s", [C])
+    assert sorted(w.url for w in p) == [A, C]
+    assert p.remove(A) and not p.remove(A)
+    assert changes == [2, 1, 2, 3, 2, 1]
+    with pytest.raises(ValueError):
+        p.add("127.0.0.1:9000", "x")
+
+
+def test_worker_leaving_keeps_its_inflight_count_on_the_object() -> None:
+    p = Pool("decode", [A, B])
+    w = p.get(A)
+    assert w is not None
+    w.begin(10)
+    p.remove(A)
+    p.release(w, Outcome.SUCCESS, 10)
+    assert w.inflight == 0 and w.outstanding_tokens == 0
+
+
+def test_unavailable_workers_are_never_picked() -> None:
+    clock = FakeClock()
+    p = Pool("prefill", [A, B, C], policy=RoundRobin(), clock=clock,
+             breaker=BreakerConfig(failure_threshold=1, open_seconds=3))
+    a, b, c = p.workers
+    a.healthy = False
+    b.draining = True
+    assert {p.pick().url for _ in range(5)} == {C}
+    c.begin()
+    p.release(c, Outcome.FAILURE)
+    assert c.circuit is CircuitState.OPEN
+    with pytest.raises(NoWorkerAvailable) as e:
+        p.pick()
+    assert e.value.status == 503
+    assert e.value.retry_after == pytest.approx(3.0)
+    assert e.value.to_response().headers["Retry-After"] == "3"
+    clock.advance(3)
+    assert p.pick() is c  # half-open trial
+
+
+def test_pick_excludes_tried_workers() -> None:
+    p = Pool("prefill", [A, B])
+    a = p.get(A)
+    assert a is not None
+    assert p.pick(exclude=[a]).url == B
+
+
+async def test_acquire_waits_for_room_then_gets_the_freed_worker() -> None:
+    p = Pool("decode", [A, B], max_inflight_per_worker=1, max_waiters=4)
+    w1 = await p.acquire(PickContext(tokens=5))
+    w2 = await p.acquire()
+    assert {w1.url, w2.url} == {A, B} and w1.outstanding_tokens == 5
+    waiter = asyncio.create_task(p.acquire(limit=30))
+    await asyncio.sleep(0)
+    assert not waiter.done() and len(p.queue) == 1
+    p.release(w1, Outcome.SUCCESS, 5)
+    got = await waiter
+    assert got is w1 and got.inflight == 1 and got.outstanding_tokens == 0
+
+
+async def test_acquire_overflow_and_timeout_are_429() -> None:
+    p = Pool("decode", [A], max_inflight_per_worker=1, max_waiters=1, retry_after=2)
+    await p.acquire()
+    waiter = asyncio.create_task(p.acquire(limit=30))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded) as full:
+        await p.acquire(limit=30)
+    assert full.value.reason == "queue_full" and full.value.status == 429
+    assert full.value.to_response().headers["Retry-After"] == "2"
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert len(p.queue) == 0  # the cancelled waiter left the queue
+    with pytest.raises(Overloaded) as late:
+        await p.acquire(limit=0.01)
+    assert late.value.reason == "queue_timeout"
+
+
+async def test_acquire_with_nothing_admissible_fails_fast() -> None:
+    p = Pool("decode", [A], max_inflight_per_worker=1)
+    p.workers[0].healthy = False
+    with pytest.raises(NoWorkerAvailable):
+        await p.acquire(limit=30)
+
+
+async def test_cancelled_woken_waiter_passes_its_turn_on() -> None:
+    p = Pool("decode", [A], max_inflight_per_worker=1, max_waiters=4)
+    w = await p.acquire()
+    first = asyncio.create_task(p.acquire(limit=30))
+    second = asyncio.create_task(p.acquire(limit=30))
+    await asyncio.sleep(0)
+    p.release(w, Outcome.SUCCESS)  # wakes `first`...
+    first.cancel()                  # ...which leaves before it runs
+    assert (await second) is w
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert w.inflight == 1
