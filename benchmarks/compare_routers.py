@@ -18,9 +18,24 @@ medians over the repetitions are reported. Both proxies are pinned (taskset) to 
 the workers and this client run on the others. The run ends with the memory per open stream: the
 proxies' RSS growth over N idle streams held open by a decode worker with a long inter-token gap.
 
+Metrics per target and point (medians over the repetitions):
+
+* TTFT: from sending the request to the first token-bearing SSE event; for non-stream requests,
+  to the whole answer. Added TTFT is the target's percentile minus the floor's in the same
+  repetition (p50 and p99).
+* tokens/s and requests/s of completed requests over the run's wall time.
+* tokens per proxy CPU-second (utime + stime of the proxy's process tree during the run): the
+  relay cost per core. Unlike tokens/s it holds when the proxy is not the bottleneck or other load
+  shares the machine. The CPU used by the workers and by this client is recorded too: when either
+  is near the cores it has, it, not the proxy, bounds the run's throughput.
+
+vllm-router runs with ``--policy round_robin`` (one prefill and one decode worker: routing has
+nothing to decide; its default cache_aware policy only adds work) and ``--log-level warning``.
+
 Outputs go to ``results/compare_routers-<UTC time>/``: ``result.json``, ``result.png`` and each
 process's log. A table of ratios pd-proxy / vllm-router is printed. Every process started here is
-killed at the end, also on Ctrl-C, SIGTERM or an error.
+killed at the end, also on Ctrl-C, SIGTERM or an error. A target that cannot start is left out
+(said on stderr and in ``meta.failed_targets``); the others still run.
 """
 
 from __future__ import annotations
