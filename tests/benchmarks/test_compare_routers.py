@@ -200,11 +200,40 @@ def test_result_json_has_the_documented_keys_and_is_strict_json() -> None:
     assert doc["memory"]["results"][0]["per_stream_kib"] is None
 
 
+def test_issue_checks_judge_each_target() -> None:
+    checks = _result()["checks"]
+    assert isinstance(checks, dict)
+    assert tuple(checks) == cr.CHECK_KEYS
+    # c64 only: pd-proxy 502.5 tok/s vs 402.5; added TTFT 0.55/1.05 ms vs 1.05/2.05 ms
+    assert checks["relay_throughput"] == {"met": True, "judged": 1, "failing": []}
+    assert checks["added_ttft"] == {"met": True, "judged": 2, "failing": []}
+    assert checks["memory_per_stream"]["met"] is None  # no figure: nothing judged
+    assert checks["floor_headroom"]["met"] is True  # 1000.5 >= 1.2 x 502.5
+
+    points = cr.build_points([1, 256], [256], [False])
+    runs = {
+        p: {
+            FLOOR: [_rs(1.0, 2.0, 450)],
+            PD_PROXY: [_rs(1.5, 3.0, 390)],
+            VLLM_ROUTER: [_rs(2.0, 2.5, 400)],
+        }
+        for p in points
+    }
+    memory = {"results": [{"target": PD_PROXY, "per_stream_kib": 70.0}]}
+    checks = cr.build_result({}, points, runs, memory)["checks"]
+    assert checks["relay_throughput"] == {"met": False, "judged": 1, "failing": ["nonstream-out256-c256"]}
+    # p50 better, p99 worse (2.0 vs 1.5 added ms): a miss at every concurrency
+    assert checks["added_ttft"]["failing"] == ["nonstream-out256-c1", "nonstream-out256-c256"]
+    assert checks["memory_per_stream"] == {"met": False, "judged": 1, "failing": [PD_PROXY]}
+    assert checks["floor_headroom"]["met"] is False  # 450 < 1.2 x 400
+
+
 def test_table_and_plot_are_written(tmp_path: Path) -> None:
     result = _result()
     table = cr.format_table(result)
     assert "stream-out32-c64" in table
     assert "1.25" in table  # tokens/s ratio 502.5 / 402.5
+    assert "relay_throughput" in table
     png = tmp_path / "r.png"
     cr.make_plot(result, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -166,7 +166,13 @@ async def test_compare_interleaves_the_same_requests(aiohttp_server: ServerFacto
     assert len(prompts_a) == 5
     assert [r.data["completed"] for r in res.results] == [5, 5]
     assert res.ratios["failed"] is None  # 0 failures on the baseline: no ratio
-    assert res.ratios["request_throughput"] == pytest.approx(1.0)  # the run's duration is shared
+    for r in res.results:  # each target's duration is its own first send to last answer
+        assert r.data["duration"] == pytest.approx(
+            max(x.start_s + (x.e2e_s or 0.0) for x in r.records) - min(x.start_s for x in r.records)
+        )
+    assert res.ratios["request_throughput"] == pytest.approx(
+        res.results[1].data["request_throughput"] / res.results[0].data["request_throughput"]
+    )
     assert res.files["compare_cdf_png"].exists()
     assert "ratio" in summary_text(res)
     with pytest.raises(ConfigError):

@@ -1,0 +1,169 @@
+"""A pd-bench walk-through on the simulated stack: pd-sim prefill + decode behind pd-proxy.
+
+    python -m benchmarks.sim_stack --result-dir results/pd-bench-sim
+
+Starts three processes on 127.0.0.1 (``pd-sim`` twice and ``pd-proxy``, through their command
+lines, so pd-bench still imports nothing of theirs), runs a concurrency sweep through the proxy
+and a comparison of the proxy against the decode worker alone, prints the summaries and the
+plot paths, and stops every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+import aiohttp
+
+from benchmarks.datasets import DatasetConfig
+from benchmarks.runner import BenchConfig, arun_compare, arun_sweep, summary_text
+
+_READY_TIMEOUT_S = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _start_sim(role: str, timing: Sequence[str]) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "workers.sim.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--role",
+            role,
+            *timing,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"pd-sim {role} did not start")
+    return proc, str(json.loads(line)["url"])
+
+
+def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def _wait_ready(url: str) -> None:
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with s.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {_READY_TIMEOUT_S:g} s")
+
+
+@contextlib.contextmanager
+def _stack(timing: Sequence[str]) -> Iterator[tuple[str, str]]:
+    """(proxy URL, decode worker URL); all three processes are stopped on exit."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        p, p_url = _start_sim("prefill", timing)
+        procs.append(p)
+        d, d_url = _start_sim("decode", timing)
+        procs.append(d)
+        x, x_url = _start_proxy(p_url, d_url)
+        procs.append(x)
+        yield x_url, d_url
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _main(args: argparse.Namespace) -> None:
+    timing = [
+        "--prefill-base-ms",
+        str(args.prefill_ms),
+        "--prefill-per-token-ms",
+        "0",
+        "--itl-ms",
+        str(args.itl_ms),
+    ]
+    with _stack(timing) as (proxy_url, decode_url):
+        await _wait_ready(proxy_url)
+        base = BenchConfig(
+            url=proxy_url,
+            dataset=DatasetConfig(
+                num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len
+            ),
+            result_dir=args.result_dir,
+            label="sim-proxy",
+            warmup=2,
+            goodput_ms={"ttft": 4.0 * args.prefill_ms, "tpot": 2.0 * args.itl_ms},
+        )
+        sweep = await arun_sweep(base, concurrencies=args.concurrencies)
+        print(summary_text(sweep))
+        comp = await arun_compare(
+            replace(base, label="sim-compare", max_concurrency=2, request_rate=math.inf),
+            [decode_url, proxy_url],
+        )
+        print(summary_text(comp))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim_stack", description=__doc__.split("\n")[0])
+    p.add_argument("--result-dir", default="results/pd-bench-sim")
+    p.add_argument("--concurrencies", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--input-len", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--prefill-ms", type=float, default=50.0)
+    p.add_argument("--itl-ms", type=float, default=10.0)
+    asyncio.run(_main(p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
