@@ -75,7 +75,10 @@ VLLM_ROUTER: Final = "vllm-router"
 TARGETS: Final = (FLOOR, PD_PROXY, VLLM_ROUTER)
 PROXIES: Final = (PD_PROXY, VLLM_ROUTER)
 
-RESULT_KEYS: Final = ("meta", "points", "ratios", "memory")
+RESULT_KEYS: Final = ("meta", "points", "ratios", "memory", "checks")
+CHECK_KEYS: Final = ("relay_throughput", "added_ttft", "memory_per_stream", "floor_headroom")
+MEMORY_TARGET_KIB: Final = 64.0
+FLOOR_HEADROOM: Final = 1.2  # "well above": the floor relays at least 1.2x either proxy's tokens/s
 POINT_KEYS: Final = ("label", "stream", "max_tokens", "concurrency", "targets")
 TARGET_KEYS: Final = ("median", "reps")
 METRIC_KEYS: Final = (
@@ -311,6 +314,60 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def _check(failing: list[str], judged: int) -> dict[str, Any]:
+    return {"met": (not failing) if judged else None, "judged": judged, "failing": failing}
+
+
+def issue_checks(
+    point_docs: Sequence[Mapping[str, Any]],
+    ratio_rows: Sequence[Mapping[str, Any]],
+    memory: Mapping[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """The issue's targets, judged on this run. ``met`` is None when the run has nothing to judge
+    (e.g. a target missing); ``failing`` lists the points (or targets) that miss."""
+    by_label = {p["label"]: p for p in point_docs}
+    tput_fail: list[str] = []
+    tput_judged = 0
+    ttft_fail: list[str] = []
+    ttft_judged = 0
+    for row in ratio_rows:
+        point = by_label[row["label"]]
+        if point["concurrency"] >= 64:
+            values = [row["tokens_per_s"], row["requests_per_s"]]
+            if not any(math.isnan(v) for v in values):
+                tput_judged += 1
+                if any(v < 1.0 for v in values):
+                    tput_fail.append(row["label"])
+        diffs = [row["added_ttft_p50_diff_ms"], row["added_ttft_p99_diff_ms"]]
+        if not any(math.isnan(v) for v in diffs):
+            ttft_judged += 1
+            if any(v > 0.0 for v in diffs):
+                ttft_fail.append(row["label"])
+    mem_fail: list[str] = []
+    mem_judged = 0
+    for res in memory.get("results", ()):
+        if res.get("target") == PD_PROXY and not math.isnan(float(res.get("per_stream_kib", math.nan))):
+            mem_judged += 1
+            if res["per_stream_kib"] > MEMORY_TARGET_KIB:
+                mem_fail.append(PD_PROXY)
+    floor_fail: list[str] = []
+    floor_judged = 0
+    for point in point_docs:
+        medians = {t: d["median"] for t, d in point["targets"].items()}
+        proxies = [float(medians[t]["tokens_per_s"]) for t in PROXIES if t in medians]
+        if FLOOR not in medians or not proxies:
+            continue
+        floor_judged += 1
+        if not float(medians[FLOOR]["tokens_per_s"]) >= FLOOR_HEADROOM * max(proxies):
+            floor_fail.append(point["label"])
+    return {
+        "relay_throughput": _check(tput_fail, tput_judged),
+        "added_ttft": _check(ttft_fail, ttft_judged),
+        "memory_per_stream": _check(mem_fail, mem_judged),
+        "floor_headroom": _check(floor_fail, floor_judged),
+    }
+
+
 def build_result(
     meta: Mapping[str, Any],
     points: Sequence[Point],
@@ -338,7 +395,13 @@ def build_result(
             }
         )
         ratio_rows.append(point_ratios(point.label, medians))
-    doc = {"meta": dict(meta), "points": point_docs, "ratios": ratio_rows, "memory": dict(memory)}
+    doc = {
+        "meta": dict(meta),
+        "points": point_docs,
+        "ratios": ratio_rows,
+        "memory": dict(memory),
+        "checks": issue_checks(point_docs, ratio_rows, memory),
+    }
     result: dict[str, Any] = jsonable(doc)
     return result
 
@@ -1122,6 +1185,13 @@ def format_table(result: Mapping[str, Any]) -> str:
                 cell += f" [errors {m['errors']}{', timed out' if m['timed_out'] else ''}]"
             cells.append(cell)
         lines.append(f"{point['label']:<22} " + " | ".join(cells))
+    checks = result.get("checks", {})
+    if checks:
+        lines.append("")
+        lines.append("issue targets on this run (met / failing points):")
+        for key, check in checks.items():
+            met = {True: "met", False: "MISSED", None: "not judged"}[check["met"]]
+            lines.append(f"  {key:<18} {met:<10} {', '.join(check['failing'])}")
     for res in result["memory"].get("results", []):
         lines.append(
             f"memory per open stream {res['target']}: {_fmt(res['per_stream_kib'], '.1f')} KiB "
