@@ -1,0 +1,269 @@
+"""Issue 5: aborts and disconnects in every state; nothing stays held anywhere afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import pytest
+
+from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
+from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply
+
+SLOW_PREFILL = {"zero_latency": False, "prefill_base_ms": 400.0, "prefill_per_token_ms": 0.0}
+SLOW_DECODE = {"zero_latency": False, "itl_ms": 20.0, "prefill_base_ms": 0.0, "prefill_per_token_ms": 0.0,
+               "transfer_per_block_ms": 0.0}
+
+
+async def wait_for_state(pd: PD, state: str, limit: float = 3.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not any(r.phase.value == state for r in pd.serving.table.all()):
+        assert loop.time() < deadline, f"never reached {state}"
+        await asyncio.sleep(0.01)
+
+
+async def abort(pd: PD, rid: str, path: str = "/inference/v1/abort_requests", **kw: Any) -> int:
+    r = await pd.client.post(path, json={"request_ids": [rid]}, **kw)
+    assert await r.read() == b"" or r.status != 200
+    return r.status
+
+
+async def leases(pd: PD) -> dict[str, Any]:
+    r = await pd.client.get("/debug/kv-leases")
+    data: dict[str, Any] = await r.json()
+    return data
+
+
+def finish_reasons(events: list[Any]) -> list[str]:
+    return [c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", [])
+            if c["finish_reason"] is not None]
+
+
+# ------------------------------------------------------------------ client-call aborts by state
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_abort_while_prefilling(pd_factory: PDFactory, stream: bool) -> None:
+    pd = await pd_factory(prefill=SLOW_PREFILL)
+    task = asyncio.create_task(pd.client.post("/inference/v1/generate",
+                                              json={**req(request_id="a1"), "stream": stream}))
+    await wait_for_state(pd, "prefilling")
+    await asyncio.sleep(0.05)
+    assert await abort(pd, "generate-tokens-a1") == 200
+    r = await asyncio.wait_for(task, 5)
+    raw = await r.read()
+    if stream:
+        events = sse_datas(raw)
+        assert finish_reasons(events) == ["abort"] and events[-1] == "[DONE]"
+    else:
+        body = json.loads(raw)
+        assert body["choices"][0]["finish_reason"] == "abort" and body["choices"][0]["token_ids"] == []
+    await pd.quiet(limit=1.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_abort_between_hops_frees_prefill_kv(pd_factory: PDFactory, stream: bool) -> None:
+    pd = await pd_factory(hold_between_hops=10.0)
+    task = asyncio.create_task(pd.client.post("/inference/v1/generate",
+                                              json={**req(request_id="kv1"), "stream": stream}))
+    await wait_for_state(pd, "kv_held")
+    assert (await pd.p.state())["kv_held"], "the prefill worker should hold the KV now"
+    assert len((await leases(pd))["open"]) == 1
+    assert await abort(pd, "generate-tokens-kv1") == 200
+    r = await asyncio.wait_for(task, 5)
+    raw = await r.read()
+    assert "abort" in (finish_reasons(sse_datas(raw)) if stream else
+                       [json.loads(raw)["choices"][0]["finish_reason"]])
+    await pd.quiet(limit=1.0)
+    ledger = await leases(pd)
+    assert ledger["open"] == [] and ledger["closed"][0]["reason"] == "aborted"
+    assert (await pd.p.state())["releases"]["expired"] == 0
+
+
+async def test_abort_while_streaming(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode=SLOW_DECODE)
+    r = await pd.client.post("/inference/v1/generate",
+                             json={**req(request_id="st1", sp={"max_tokens": 300, "ignore_eos": True}),
+                                   "stream": True})
+    seen = b""
+    while seen.count(b"\n\n") < 3:
+        seen += await r.content.readany()
+    assert await abort(pd, "generate-tokens-st1") == 200
+    seen += await asyncio.wait_for(r.read(), 5)
+    events = sse_datas(seen)
+    assert finish_reasons(events) == ["abort"] and events[-1] == "[DONE]"
+    assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1]) < 300
+    await pd.quiet(limit=1.0)
+    assert (await leases(pd))["closed"][0]["reason"] == "pulled"
+
+
+async def test_abort_nonstream_while_decoding(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode=SLOW_DECODE)
+    task = asyncio.create_task(pd.client.post(
+        "/inference/v1/generate", json=req(request_id="nd1", sp={"max_tokens": 300, "ignore_eos": True})))
+    await wait_for_state(pd, "decoding")
+    await asyncio.sleep(0.1)
+    assert await abort(pd, "generate-tokens-nd1") == 200
+    body = await (await asyncio.wait_for(task, 5)).json()
+    assert body["choices"][0]["finish_reason"] == "abort"
+    assert 0 < len(body["choices"][0]["token_ids"]) < 300
+    await pd.quiet(limit=1.0)
+
+
+async def test_abort_after_the_last_token_is_harmless(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    status, body, _ = await pd.gen(req(request_id="done1"))
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert await abort(pd, "generate-tokens-done1") == 200
+    assert await abort(pd, "generate-tokens-done1") == 200
+    await pd.quiet(limit=1.0)
+
+
+async def test_duplicate_and_racing_aborts(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode=SLOW_DECODE)
+    for i in range(6):
+        rid = f"race{i}"
+        task = asyncio.create_task(pd.client.post(
+            "/inference/v1/generate", json={**req(request_id=rid, sp={"max_tokens": 3}), "stream": True}))
+        await asyncio.sleep(0.01 * i)
+        for _ in range(2):
+            assert await abort(pd, f"generate-tokens-{rid}") == 200
+        r = await asyncio.wait_for(task, 5)
+        events = sse_datas(await r.read())
+        assert events[-1] == "[DONE]"
+        assert finish_reasons(events)[-1] in ("abort", "length")
+    await pd.quiet(limit=1.0)
+
+
+# ------------------------------------------------------------------ disconnects by state
+
+
+async def _disconnect_when(pd: PD, state: str, body: dict[str, Any], after_bytes: int = 0) -> None:
+    async def call() -> None:
+        r = await pd.client.post("/inference/v1/generate", json=body)
+        try:
+            while await r.content.readany():
+                pass
+        finally:
+            r.close()  # a cancelled reader must drop the connection, as a real client would
+
+    task = asyncio.create_task(call())
+    await wait_for_state(pd, state)
+    if after_bytes:
+        await asyncio.sleep(0.1)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_while_prefilling(pd_factory: PDFactory, stream: bool) -> None:
+    pd = await pd_factory(prefill=SLOW_PREFILL)
+    await _disconnect_when(pd, "prefilling", {**req(request_id="dp"), "stream": stream})
+    await pd.quiet(limit=2.0)
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert 'pd_proxy_aborts_total{source="disconnect",state="prefilling"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_between_hops_frees_prefill_kv(pd_factory: PDFactory, stream: bool) -> None:
+    pd = await pd_factory(hold_between_hops=10.0)
+    await _disconnect_when(pd, "kv_held", {**req(request_id="dk"), "stream": stream})
+    await pd.quiet(limit=1.0)
+    ledger = await leases(pd)
+    assert ledger["open"] == [] and ledger["closed"][0]["reason"] == "aborted"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_while_decoding(pd_factory: PDFactory, stream: bool) -> None:
+    pd = await pd_factory(decode=SLOW_DECODE)
+    body = {**req(request_id="dd", sp={"max_tokens": 300, "ignore_eos": True}), "stream": stream}
+    await _disconnect_when(pd, "decoding", body, after_bytes=1)
+    await pd.quiet(limit=1.0)
+
+
+async def test_disconnect_before_decode_answers(pd_factory: PDFactory) -> None:
+    """Decode request sent but not yet answered: D must still pull (or be aborted) — P freed."""
+    pd = await pd_factory(decode={**SLOW_DECODE, "prefill_base_ms": 300.0})
+    await _disconnect_when(pd, "decoding", {**req(request_id="db", sp={"max_tokens": 50}), "stream": True})
+    await pd.quiet(limit=2.0)
+
+
+# ------------------------------------------------------------------ the abort endpoint itself
+
+
+async def test_unknown_ids_are_broadcast(scripted_factory: ScriptedFactory,
+                                         proxy_factory: ProxyFactory) -> None:
+    workers: list[Scripted] = [await scripted_factory(lambda b, r: prefill_reply(b)) for _ in range(4)]
+    client, _ = await proxy_factory([w.url for w in workers[:2]], [w.url for w in workers[2:]])
+    r = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-zz"]})
+    assert r.status == 200
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2
+    while not all(w.aborts for w in workers):
+        assert loop.time() < deadline
+        await asyncio.sleep(0.01)
+    assert all(w.aborts == [{"request_ids": ["generate-tokens-zz"]}] for w in workers)
+
+    client2, _ = await proxy_factory([workers[0].url], [workers[2].url], abort_unknown_broadcast=False)
+    r = await client2.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-yy"]})
+    assert r.status == 200
+    await asyncio.sleep(0.1)
+    assert len(workers[0].aborts) == 1
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    (b'{"ids": ["x"]}', 400, "Missing 'request_ids' in request body"),
+    (b"not json{", 400, "JSON decode error: Expecting value: line 1 column 1 (char 0)"),
+    (b'{"request_ids": "generate-tokens-x"}', 200, None),
+    (b'{"request_ids": []}', 200, None),
+])
+async def test_abort_endpoint_contract(pd_factory: PDFactory, body: bytes, status: int,
+                                       message: str | None) -> None:
+    pd = await pd_factory(abort_unknown_broadcast=False)
+    r = await pd.client.post("/inference/v1/abort_requests", data=body,
+                             headers={"Content-Type": "application/json"})
+    assert r.status == status
+    if message is None:
+        assert await r.read() == b""
+    else:
+        assert await r.json() == {"error": {"message": message, "type": "Bad Request", "param": None,
+                                            "code": 400}}
+
+
+async def test_abort_needs_the_key_and_legacy_path(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(api_key="k", hold_between_hops=10.0)
+    key = {"Authorization": "Bearer k"}
+    task = asyncio.create_task(pd.client.post("/inference/v1/generate", json=req(request_id="key1"),
+                                              headers=key))
+    await wait_for_state(pd, "kv_held")
+    assert await abort(pd, "generate-tokens-key1") == 401
+    assert await abort(pd, "generate-tokens-key1", path="/abort_requests") == 401
+    assert pd.serving.table.get("generate-tokens-key1")[0].abort_source is None
+    assert await abort(pd, "generate-tokens-key1", path="/abort_requests", headers=key) == 200
+    body = await (await asyncio.wait_for(task, 5)).json()
+    assert body["choices"][0]["finish_reason"] == "abort"
+    await pd.quiet(limit=1.0)
+
+
+async def test_legacy_path_can_mirror_vllm(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(api_key="k", legacy_abort_mirror_vllm=True, abort_unknown_broadcast=False)
+    assert await abort(pd, "generate-tokens-x", path="/abort_requests") == 200
+    assert await abort(pd, "generate-tokens-x") == 401
+
+
+async def test_requests_table_and_debug_views(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(hold_between_hops=10.0)
+    task = asyncio.create_task(pd.client.post("/inference/v1/generate", json=req(request_id="tb")))
+    await wait_for_state(pd, "kv_held")
+    table = await (await pd.client.get("/debug/requests")).json()
+    assert table["requests"][0]["state"] == "kv_held"
+    assert table["requests"][0]["holders"] == [pd.p.url]
+    assert (await leases(pd))["open"][0]["worker"] == pd.p.url
+    await abort(pd, "generate-tokens-tb")
+    await asyncio.wait_for(task, 5)
+    await pd.quiet(limit=1.0)
+    assert (await (await pd.client.get("/debug/requests")).json())["requests"] == []
