@@ -1,0 +1,170 @@
+"""Mid-stream decode migration: continue a stream on another decode worker with no visible seam.
+
+When a decode worker dies or errors in the middle of a stream, the request goes on elsewhere as
+a *continuation*: the prompt plus the tokens already generated is the new prompt, ``max_tokens``
+(and ``min_tokens``) reduced by as many. With greedy sampling the next token of the continuation
+is the next token of the uninterrupted run, so the token ids the client sees are the same.
+
+Everything here is pure: :class:`StreamProgress` is fed each choice the client was sent,
+:func:`plan_continuation` builds the continuation request, :func:`rewrite_choice` /
+:func:`rewrite_usage` turn the continuation's chunks into the original stream's.
+
+Text mode continuity
+--------------------
+vLLM detokenizes incrementally, starting a new request from the tail of its prompt, so the text
+of a continuation token equals the uninterrupted run's text for it, with one exception: when the
+last streamed tokens are bytes of an unfinished UTF-8 character (or any token whose text vLLM
+held back: their chunks carry token ids with ``text: ""``), the old worker never sent that text,
+and a prompt that ends in the middle of a character makes vLLM's first delta garbage (trace
+``gen-text-stream-prompt-tail-utf8``). So the continuation *rewinds*: those trailing text-less
+tokens are left out of its prompt and regenerated (greedy: the same ids); their ids, which the
+client already has, are stripped from the continuation's chunks (``replay``) while their text,
+which the client never got, is kept.
+
+Stop strings are the other hold-back: vLLM withholds text that could be the start of a stop
+string, and checks stop strings only on text it generated itself, so one spanning the seam would
+be missed. Requests with stop strings are therefore not migrated (see :func:`migration_blocker`),
+nor are others whose sampling depends on which tokens were *generated* rather than prompt
+(presence/frequency penalties, structured outputs, bad words), ``n > 1``, prompt truncation and
+multimodal inputs. Those fail as before; everything else migrates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_REWIND = 8
+"""At most this many trailing text-less tokens are rewound (a UTF-8 character is <= 4 bytes)."""
+
+_GENERATED_DEPENDENT = ("presence_penalty", "frequency_penalty")
+_NOT_NULL_BLOCKERS = ("structured_outputs", "guided_decoding", "bad_words", "truncate_prompt_tokens",
+                      "logits_processors")
+
+
+def migration_blocker(data: Mapping[str, Any]) -> str | None:
+    """Why this request cannot be continued seamlessly elsewhere (None: it can)."""
+    sp = data.get("sampling_params")
+    if not isinstance(sp, Mapping):
+        return "no sampling_params"
+    n = sp.get("n")
+    if n is not None and n != 1:
+        return "n > 1"
+    if sp.get("stop"):
+        return "stop strings"
+    for key in _GENERATED_DEPENDENT:
+        value = sp.get(key)
+        if value not in (None, 0, 0.0):
+            return key
+    for key in _NOT_NULL_BLOCKERS:
+        if sp.get(key):
+            return key
+    for key in ("features", "content_parts", "token_offsets"):
+        if data.get(key):
+            return "multimodal input"
+    return None
+
+
+@dataclass(slots=True)
+class StreamProgress:
+    """What the client has received of choice 0 so far."""
+
+    output_mode: str = "tokens"
+    generated: list[int] = field(default_factory=list)
+    textless_tail: int = 0
+    """Trailing tokens whose text the client has not received (text mode)."""
+
+    def feed(self, choice: Mapping[str, Any]) -> None:
+        ids = choice.get("token_ids") or []
+        self.generated.extend(int(t) for t in ids)
+        if self.output_mode == "text":
+            if choice.get("text"):
+                self.textless_tail = 0
+            else:
+                self.textless_tail += len(ids)
+
+    @property
+    def rewind(self) -> int:
+        if self.output_mode != "text" or self.textless_tail > MAX_REWIND:
+            return 0
+        return min(self.textless_tail, len(self.generated))
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    body: dict[str, Any]
+    kept: int
+    """Generated tokens moved into the continuation's prompt."""
+    replay: int
+    """Tokens the continuation regenerates that the client already has (their ids get stripped)."""
+    prompt_tokens: int
+    """The original prompt's length (for usage)."""
+
+
+def plan_continuation(data: Mapping[str, Any], progress: StreamProgress, *,
+                      request_id: str | None = None) -> Continuation | None:
+    """The continuation request for ``data`` after ``progress``; None when nothing is left to
+    generate (``max_tokens`` reached). The caller checks :func:`migration_blocker` first."""
+    prompt = list(data["token_ids"])
+    generated = progress.generated
+    replay = progress.rewind
+    kept = len(generated) - replay
+    sp = dict(data["sampling_params"])
+    max_tokens = sp.get("max_tokens")
+    if max_tokens is not None:
+        remaining = int(max_tokens) - kept
+        if remaining - replay <= 0:
+            return None
+        sp["max_tokens"] = remaining
+    min_tokens = sp.get("min_tokens")
+    if min_tokens:
+        left = int(min_tokens) - kept
+        if left > 0:
+            sp["min_tokens"] = left
+        else:
+            sp.pop("min_tokens")
+    for key in ("prompt_logprobs", "prompt_logprob_token_ids"):
+        sp.pop(key, None)
+    body = dict(data)
+    body["token_ids"] = prompt + generated[:kept]
+    body["sampling_params"] = sp
+    body.pop("kv_transfer_params", None)
+    if request_id is not None:
+        body["request_id"] = request_id
+    return Continuation(body, kept=kept, replay=replay, prompt_tokens=len(prompt))
+
+
+def rewrite_choice(choice: dict[str, Any], replay_left: int, kept: int) -> tuple[dict[str, Any], int]:
+    """A continuation chunk's choice as the original stream's: strips the first ``replay_left``
+    token ids (and their logprobs), keeps text, shifts ``weight_versions`` positions by ``kept``.
+    Returns the rewritten choice and how many ids are still to strip."""
+    out = dict(choice)
+    ids = list(choice.get("token_ids") or [])
+    if replay_left > 0 and ids:
+        cut = min(replay_left, len(ids))
+        out["token_ids"] = ids[cut:]
+        replay_left -= cut
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            out["logprobs"] = {**logprobs, "content": logprobs["content"][cut:]}
+    versions = choice.get("weight_versions")
+    if isinstance(versions, list) and kept:
+        out["weight_versions"] = [
+            {**v, "start": v["start"] + kept if v.get("start") else v.get("start"),
+             "end": v["end"] + kept if isinstance(v.get("end"), int) else v.get("end")}
+            if isinstance(v, dict) else v for v in versions]
+    return out, replay_left
+
+
+def rewrite_usage(usage: Mapping[str, Any], cont: Continuation) -> dict[str, Any]:
+    """The continuation's usage as the original request's: its prompt counted the kept tokens."""
+    out = dict(usage)
+    prompt = int(usage.get("prompt_tokens", 0))
+    completion = int(usage.get("completion_tokens", 0))
+    out["prompt_tokens"] = cont.prompt_tokens
+    # the client got `kept` tokens before the seam, and all the continuation generated but the
+    # `replay` tokens it already had... which were among the tokens before the seam too.
+    out["completion_tokens"] = completion + (prompt - cont.prompt_tokens)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out

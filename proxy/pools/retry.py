@@ -1,0 +1,85 @@
+"""Retries where they are safe, with a bounded number of attempts and backoff with full jitter.
+
+* prefill hop: after a connect error, a 5xx or a timeout, on another prefill worker — nothing is
+  held yet (a prefill that failed holds no KV; one whose reply was lost is freed by its lease).
+* decode hop: on another decode worker, only before the first byte of its answer and while the
+  prefill worker's KV lease is still valid (the new worker pulls the same blocks).
+
+4xx answers are the client's fault and protocol errors (a 2xx the proxy cannot use) would repeat,
+so neither is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from proxy.errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from proxy.pools.admission import Deadline
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    attempts: int = 3
+    """Attempts in all, the first included (1: no retry)."""
+    base_delay: float = 0.02
+    max_delay: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        if self.base_delay < 0 or self.max_delay < self.base_delay:
+            raise ValueError("need 0 <= base_delay <= max_delay")
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        """Full jitter: uniform in [0, min(max_delay, base_delay * 2**retry)] (retry from 0)."""
+        return rng.uniform(0.0, min(self.max_delay, self.base_delay * (2**retry)))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure another worker may not have: connect error, timeout, 5xx."""
+    if isinstance(exc, UpstreamStatusError):
+        return exc.upstream_status >= 500
+    return isinstance(exc, UpstreamUnavailable | UpstreamTimeout)
+
+
+def retryable_prefill(exc: BaseException) -> bool:
+    return is_transient(exc)
+
+
+def retryable_decode(exc: BaseException, *, first_byte_seen: bool, lease_valid: bool) -> bool:
+    return not first_byte_seen and lease_valid and is_transient(exc)
+
+
+async def with_retries(
+    call: Callable[[int], Awaitable[T]],
+    *,
+    policy: RetryPolicy,
+    retryable: Callable[[BaseException], bool],
+    rng: random.Random,
+    deadline: Deadline | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    on_retry: Callable[[int, BaseException], None] | None = None,
+) -> T:
+    """Run ``call(attempt)`` until it succeeds, fails for good, runs out of attempts or the
+    deadline leaves no time for the backoff. The caller's ``call`` picks a worker it has not
+    tried (it knows which it tried). The last error propagates."""
+    attempt = 0
+    while True:
+        try:
+            return await call(attempt)
+        except Exception as exc:
+            if attempt + 1 >= policy.attempts or not retryable(exc):
+                raise
+            pause = policy.delay(attempt, rng)
+            if deadline is not None and deadline.remaining() <= pause:
+                raise
+            if on_retry is not None:
+                on_retry(attempt, exc)
+            await sleep(pause)
+            attempt += 1
