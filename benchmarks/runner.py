@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import secrets
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -206,13 +207,13 @@ def _metadata(cfg: BenchConfig, url: str, label: str, started: datetime) -> dict
     }
 
 
-async def _warmup(session: aiohttp.ClientSession, cfg: BenchConfig, urls: Sequence[str]) -> None:
+async def _warmup(session: aiohttp.ClientSession, cfg: BenchConfig, urls: Sequence[str], tag: str) -> None:
     if cfg.warmup <= 0:
         return
     wcfg = replace(cfg.dataset, num_requests=cfg.warmup, seed=cfg.dataset.seed + 7919, name="random")
     for i, spec in enumerate(build_dataset(wcfg)):
         for url in urls:
-            rec = RequestRecord(i, f"pdbench-warmup-{i}", url, len(spec.prompt), spec.output_len)
+            rec = RequestRecord(i, f"pdbench-{tag}-warmup-{i}", url, len(spec.prompt), spec.output_len)
             await send_request(session, cfg.client_options(url), spec, rec, 0.0)
 
 
@@ -220,12 +221,12 @@ async def _run_targets(cfg: BenchConfig, urls: Sequence[str], err: TextIO | None
     cfg.check()
     specs = build_dataset(cfg.dataset)
     started = datetime.now(UTC)
-    run_tag = started.strftime("%H%M%S")
+    run_tag = f"{started:%H%M%S}{secrets.token_hex(3)}"  # unique ids across runs
     jobs = _schedule(specs, cfg, len(urls))
     opts = [cfg.client_options(u) for u in urls]
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        await _warmup(session, cfg, urls)
+        await _warmup(session, cfg, urls, run_tag)
 
         async def send(job: Job, t0: float) -> RequestRecord:
             rec = RequestRecord(
