@@ -375,7 +375,7 @@ class Cluster:
 
     def pids(self) -> dict[str, list[int]]:
         """Live PIDs of each worker's process tree (its process group), by URL."""
-        return {w.url: _group_members(w.pid, w.start_ticks) for w in self.workers}
+        return {w.url: worker_pids(w) for w in self.workers}
 
     def rss_bytes(self) -> dict[str, int]:
         """Resident memory of each worker's process tree, by URL (shared pages counted per process)."""
@@ -573,8 +573,13 @@ def read_state(path: Path) -> list[Worker]:
         raise LaunchError(f"{path} is not a pd-workers state file: {exc}") from exc
 
 
+def worker_pids(worker: Worker) -> list[int]:
+    """Live PIDs of a worker's process tree (its process group); empty once it is stopped."""
+    return _group_members(worker.pid, worker.start_ticks)
+
+
 def workers_alive(workers: Sequence[Worker]) -> list[Worker]:
-    return [w for w in workers if _group_members(w.pid, w.start_ticks)]
+    return [w for w in workers if worker_pids(w)]
 
 
 def stop_from_state_file(path: Path, timeout: float = 20.0) -> list[int]:

@@ -1,0 +1,148 @@
+"""Real vLLM on CPU: the manual P/D hand-off gives exactly the aggregated worker's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.fixtures_vllm import metric_value, scrape_metrics
+from workers import launcher
+from workers.demo import manual_handoff, post_generate
+from workers.launcher import Cluster
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+SEED = 20261202
+N_PROMPTS = 10
+MAX_TOKENS = 16
+BLOCK_TOKENS = 128  # the CPU build's KV block size (traces README)
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+
+# SPEC.md section 3, item 2 (vLLM 0.32.0; 0.33 adds remote_registration_generation).
+PREFILL_PARAM_FIELDS = {
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "transfer_mode",
+    "remote_prefill_cached_tokens",
+}
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(SEED)
+    # Ids 3..514: byte symbols and merges, no special tokens (so no early </s> in the prompt).
+    return [[rng.randrange(3, 515) for _ in range(rng.randint(50, 400))] for _ in range(N_PROMPTS)]
+
+
+def _xfer_count(url: str) -> float:
+    return metric_value(scrape_metrics(url), XFER_COUNT) or 0.0
+
+
+def _check_prefill_params(
+    params: dict[str, Any], prompt: list[int], request_id: str, cluster: Cluster
+) -> None:
+    assert set(params) >= PREFILL_PARAM_FIELDS, f"missing {PREFILL_PARAM_FIELDS - set(params)}"
+    prefill = next(w for w in cluster.workers if w.role == "prefill")
+    assert params["do_remote_prefill"] is True
+    assert params["do_remote_decode"] is False
+    assert params["transfer_mode"] == "pull"
+    assert params["remote_host"] == "127.0.0.1"
+    assert params["remote_port"] == prefill.side_channel_port
+    assert params["remote_num_tokens"] == len(prompt)
+    assert params["remote_request_id"].startswith(f"generate-tokens-{request_id}")
+    assert isinstance(params["remote_engine_id"], str) and params["remote_engine_id"]
+    assert (params["tp_size"], params["dcp_size"], params["pp_size"]) == (1, 1, 1)
+    assert params["remote_blocks_expiry_time"] is None
+    assert isinstance(params["remote_prefill_cached_tokens"], int)
+    blocks = params["remote_block_ids"]
+    assert isinstance(blocks, list) and all(isinstance(group, list) for group in blocks)
+    # Random prompts share no prefix, so every block is sent, the last partial one included.
+    assert [len(group) for group in blocks] == [math.ceil(len(prompt) / BLOCK_TOKENS)]
+
+
+def test_pd_workers_down_stops_every_process_of_a_real_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`pd-workers up --detach` then `down`: the API server, its engine and worker processes all end."""
+    vllm_bin = launcher.resolve_vllm_bin()
+    state_file = tmp_path / "state.json"
+    up = subprocess.run(
+        [sys.executable, "-m", "workers.launcher", "up", "--prefill", "1", "--decode", "0", "--tokens-only",
+         "--model", str(tiny_model_dir), "--vllm-bin", str(vllm_bin), "--state-file", str(state_file),
+         "--log-dir", str(tmp_path / "logs"), "--detach"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        (worker,) = launcher.read_state(state_file)
+        pids = launcher.worker_pids(worker)
+        assert len(pids) >= 3, pids  # API server, engine core, model worker (and helpers)
+        assert json.loads(up.stdout)["prefill"] == [worker.url]
+    finally:
+        if state_file.exists():
+            assert launcher.main(["down", "--state-file", str(state_file)]) == 0
+    deadline = time.monotonic() + 30
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _alive(pids) == []
+    assert launcher.worker_pids(worker) == []
+    assert not state_file.exists()
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """The PIDs that still exist and are not zombies."""
+    left = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            left.append(pid)
+    return left
+
+
+async def test_manual_handoff_matches_aggregated_greedy_output(vllm_cluster: Cluster) -> None:
+    prefill_url = vllm_cluster.prefill_urls[0]
+    decode_url = vllm_cluster.decode_urls[0]
+    aggregated_url = vllm_cluster.aggregated_urls[0]
+    async with aiohttp.ClientSession() as session:
+        for i, prompt in enumerate(_prompts()):
+            body = {"token_ids": prompt, "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS}}
+            request_id = f"e2e-handoff-{i}"
+            reference = await post_generate(
+                session, aggregated_url, {**body, "request_id": f"{request_id}-agg"}
+            )
+            before = _xfer_count(decode_url)
+            handoff = await manual_handoff(session, prefill_url, decode_url, body, request_id)
+            after = _xfer_count(decode_url)
+
+            _check_prefill_params(handoff.kv_transfer_params, prompt, request_id, vllm_cluster)
+            assert handoff.prefill_reply["choices"][0]["finish_reason"] in ("length", "stop")  # EOS is ok
+            ref_choice = reference["choices"][0]
+            # Greedy may stop early on </s> (id 1); otherwise it runs to max_tokens.
+            assert ref_choice["finish_reason"] == "length" or ref_choice["token_ids"][-1:] == [1]
+            assert 1 <= len(ref_choice["token_ids"]) <= MAX_TOKENS
+            assert handoff.decode_reply["choices"][0]["finish_reason"] == ref_choice["finish_reason"]
+            assert handoff.token_ids == reference["choices"][0]["token_ids"], (
+                f"prompt {i} ({len(prompt)} tokens)"
+            )
+            assert handoff.decode_reply["usage"]["prompt_tokens"] == len(prompt)
+            assert handoff.decode_reply["kv_transfer_params"] is None
+            assert after - before == 1, f"prompt {i}: decode's {XFER_COUNT} went {before} -> {after}"
