@@ -369,6 +369,23 @@ async def arun_compare(config: BenchConfig, urls: Sequence[str], err: TextIO | N
     return comp
 
 
+def demo_config(
+    url: str, result_dir: str | None = "results/demo", api_key: str | None = None, num_requests: int = 16
+) -> BenchConfig:
+    """A short run sized for the CPU stack (tiny model, max_model_len 512): ``num_requests`` of
+    200 prompt tokens and 16 output tokens, two in flight, one warm-up, plots in ``result_dir``.
+    Inside a running event loop: ``summary_text(await arun_benchmark(demo_config(url)))``."""
+    return BenchConfig(
+        url=url,
+        api_key=api_key,
+        dataset=DatasetConfig(num_requests=num_requests, input_len=200, output_len=16, seed=0),
+        max_concurrency=2,
+        warmup=1,
+        result_dir=result_dir,
+        label="demo",
+    )
+
+
 def _no_loop() -> None:
     try:
         asyncio.get_running_loop()

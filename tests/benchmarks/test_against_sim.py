@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks import BenchConfig, DatasetConfig, arun_benchmark
+from benchmarks import BenchConfig, DatasetConfig, arun_benchmark, demo_config, summary_text
+from proxy.app import build_app
+from proxy.settings import ProxySettings
 
 SimFactory = Callable[..., Awaitable[Any]]
 
@@ -125,3 +129,35 @@ async def test_text_mode_and_non_stream(sim_factory: SimFactory) -> None:
     assert res.data["completed"] == 3, [r.error for r in res.records]
     assert res.data["median_ttft_ms"] is None
     assert res.data["median_e2el_ms"] is not None
+
+
+async def test_demo_config_runs(sim_factory: SimFactory, tmp_path: Path) -> None:
+    sim = await sim_factory(zero_latency=True)
+    res = await arun_benchmark(replace(demo_config(sim.url, result_dir=str(tmp_path)), progress=False))
+    assert res.data["completed"] == 16 and res.data["failed"] == 0
+    assert res.data["total_output_tokens"] == 16 * 16
+    assert res.files["cdf_png"].exists()
+    assert "demo" in summary_text(res)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_per_hop_join_through_pd_proxy(
+    sim_factory: SimFactory, aiohttp_server: Callable[..., Awaitable[Any]], stream: bool
+) -> None:
+    # pd-proxy (in-process) in front of a pd-sim prefill and decode worker: the timings the proxy
+    # reports are joined to our requests and break TTFT down.
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", zero_latency=True)
+    app = build_app(ProxySettings(prefill_urls=(p.url,), decode_urls=(d.url,)))
+    server = await aiohttp_server(app)  # TestServer cancels handlers on disconnect already
+    res = await arun_benchmark(cfg(f"http://127.0.0.1:{server.port}", n=4, max_concurrency=2, stream=stream))
+    data = res.data
+    assert data["completed"] == 4, [r.error for r in res.records]
+    assert data["server_timing_requests"] == 4
+    assert {"queue", "prefill", "handoff", "decode_ttft", "total"} <= set(data["hops"])
+    assert data["mean_hop_prefill_ms"] is not None
+    if stream:
+        # the proxy's four stages happen inside the client's TTFT
+        assert data["mean_ttft_unattributed_ms"] >= 0.0
+    else:
+        assert data["mean_ttft_unattributed_ms"] is None  # no client TTFT without a stream
