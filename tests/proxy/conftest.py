@@ -79,7 +79,8 @@ PDFactory = Callable[..., Awaitable[PD]]
 @pytest.fixture
 def pd_factory(sim_factory: Any, aiohttp_client: Any) -> PDFactory:
     async def make(*, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None,
-                   n_prefill: int = 1, n_decode: int = 1, **settings: Any) -> PD:
+                   n_prefill: int = 1, n_decode: int = 1, server_kwargs: dict[str, Any] | None = None,
+                   **settings: Any) -> PD:
         pkw = {"zero_latency": True, **(prefill or {})}
         dkw = {"zero_latency": True, **(decode or {})}
         ps = [await sim_factory(role="prefill", **pkw) for _ in range(n_prefill)]
@@ -87,7 +88,8 @@ def pd_factory(sim_factory: Any, aiohttp_client: Any) -> PDFactory:
         s = ProxySettings(prefill_urls=tuple(w.url for w in ps), decode_urls=tuple(w.url for w in ds),
                           **settings)
         app = build_app(s)
-        client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+        client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True,
+                                                          **(server_kwargs or {})})
         return PD(client, app, ps, ds)
 
     return make
