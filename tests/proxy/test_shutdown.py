@@ -1,0 +1,62 @@
+"""Graceful shutdown: in-flight requests finish within the drain timeout; the rest are ended
+cleanly (their upstream work aborted, nothing left held)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.app import SERVING, build_app
+from proxy.settings import ProxySettings
+from tests.fixtures_sim import SimFactory
+from tests.proxy.conftest import req, sse_datas
+
+SLOW_DECODE = {"zero_latency": False, "itl_ms": 20.0, "prefill_base_ms": 0.0, "prefill_per_token_ms": 0.0,
+               "transfer_per_block_ms": 0.0}
+
+
+async def start(app: web.Application, drain: float) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=drain)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(int(a[1]) for a in runner.addresses if isinstance(a, tuple))
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def run_shutdown(sim_factory: SimFactory, max_tokens: int, drain: float) -> tuple[list[Any], Any]:
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", **SLOW_DECODE)
+    app = build_app(ProxySettings(prefill_urls=(p.url,), decode_urls=(d.url,), drain_timeout=drain))
+    serving = app[SERVING]
+    runner, url = await start(app, drain)
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url + "/inference/v1/generate",
+                         json={**req(sp={"max_tokens": max_tokens, "ignore_eos": True}), "stream": True})
+        first = await r.content.readuntil(b"\n\n")
+        stop = asyncio.create_task(runner.cleanup())
+        try:
+            rest = await asyncio.wait_for(r.read(), 10)
+        except aiohttp.ClientPayloadError:
+            rest = b""
+        await asyncio.wait_for(stop, 10)
+    states = [await p.state(), await d.state()]
+    assert len(serving.table) == 0 and len(serving.tracker) == 0
+    return sse_datas(first + rest), states
+
+
+async def test_inflight_stream_finishes_during_drain(sim_factory: SimFactory) -> None:
+    events, states = await run_shutdown(sim_factory, max_tokens=20, drain=5.0)
+    assert events[-1] == "[DONE]"
+    assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1]) == 20
+    assert all(not s["inflight"] and not s["kv_held"] for s in states)
+
+
+async def test_stream_past_the_drain_timeout_is_ended_and_aborted(sim_factory: SimFactory) -> None:
+    events, states = await run_shutdown(sim_factory, max_tokens=2000, drain=0.3)
+    assert sum(len(e["choices"][0]["token_ids"]) for e in events if isinstance(e, dict)) < 2000
+    assert all(not s["kv_held"] for s in states)
+    assert not states[1]["inflight"], "the decode worker's request must have been aborted"
