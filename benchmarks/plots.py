@@ -74,6 +74,9 @@ def plot_sweep(
     ax3.set_ylabel("requests/s")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
+        if x and min(x) > 0 and max(x) / min(x) >= 8:  # doubling sweeps read best on a log axis
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(x, [f"{v:g}" for v in x])
     ax1.legend(fontsize=8)
     h2, l2 = ax2.get_legend_handles_labels()
     h3, l3 = ax3.get_legend_handles_labels()
