@@ -205,6 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             result = asyncio.run(run_demo(cluster, demo_prompt(args.model), args.max_tokens))
             _report(result, args.model)
+            rss = cluster.rss_bytes()
+            print(
+                "memory (RSS summed over each worker's process tree): "
+                + ", ".join(f"{w.role} {rss[w.url] / 2**30:.2f} GiB" for w in cluster.workers)
+            )
             print("stopping the workers")
     except (LaunchError, HandoffError, aiohttp.ClientError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)

@@ -199,11 +199,13 @@ def stop_workers(
     timeout: float = 20.0,
     procs: Sequence[subprocess.Popen[bytes]] = (),
 ) -> list[int]:
-    """SIGTERM every process of each worker's group, SIGKILL what is left after ``timeout``.
+    """Stop each worker's whole process group: politely first, by force after ``timeout``.
 
-    A worker's group is identified by its leader's PID and start time, so a recycled PID is never hit.
-    ``procs`` are our own children (reaped here so they do not linger as zombies). Returns the PIDs
-    that were signalled.
+    1. SIGTERM to each group leader (the API server), which shuts its engine processes down and
+       reaps them; 2. after half of ``timeout``, SIGTERM to every process of the groups still alive;
+    3. after ``timeout``, SIGKILL to whatever is left. A worker's group is identified by its leader's
+    PID and start time, so a recycled PID is never hit. ``procs`` are our own children (reaped here
+    so they do not linger as zombies). Returns the PIDs that were signalled.
     """
 
     def members() -> list[int]:
@@ -212,29 +214,29 @@ def stop_workers(
             found += _group_members(w.pid, w.start_ticks)
         return found
 
-    def reap() -> None:
-        for p in procs:
-            p.poll()
+    def wait_until(deadline: float) -> list[int]:
+        while True:
+            for p in procs:
+                p.poll()
+            left = members()
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.1)
 
-    signalled = members()
-    _signal_pids(signalled, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while True:
-        reap()
-        left = members()
-        if not left:
-            return signalled
-        if time.monotonic() >= deadline:
-            break
-        _signal_pids(left, signal.SIGTERM)  # processes spawned after the first round
-        time.sleep(0.2)
-    _signal_pids(left, signal.SIGKILL)
-    deadline = time.monotonic() + 10.0
-    while members() and time.monotonic() < deadline:
-        reap()
-        time.sleep(0.1)
-    reap()
-    return sorted(set(signalled) | set(left))
+    start = time.monotonic()
+    signalled = set(members())
+    leaders = [w.pid for w in workers if w.pid in signalled]
+    _signal_pids(leaders, signal.SIGTERM)
+    left = wait_until(start + timeout / 2)
+    if left:
+        _signal_pids(left, signal.SIGTERM)
+        signalled.update(left)
+        left = wait_until(start + timeout)
+    if left:
+        _signal_pids(left, signal.SIGKILL)
+        signalled.update(left)
+        wait_until(time.monotonic() + 10.0)
+    return sorted(signalled)
 
 
 # ---------------------------------------------------------------------------------------------

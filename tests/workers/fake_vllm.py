@@ -68,7 +68,12 @@ def main() -> int:
     record_dir = Path(os.environ["FAKE_VLLM_RECORD_DIR"])
     (record_dir / f"{port}.json").write_text(json.dumps(record))
     server = http.server.HTTPServer((host, port), _Health)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        child.terminate()  # as vLLM's API server shuts its engine down
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     server.serve_forever()
     return 0
 
