@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     g2 = sweep.add_mutually_exclusive_group(required=True)
     g2.add_argument("--request-rates", type=_floats, default=None, help="e.g. 1,2,4,8")
     g2.add_argument("--concurrencies", type=_ints, default=None, help="e.g. 1,2,4,8")
+    sweep.add_argument("--max-concurrency", type=int, default=None, help="cap in flight during a rate sweep")
+    sweep.add_argument(
+        "--request-rate", type=float, default=None, help="arrival rate during a concurrency sweep"
+    )
     cmp_ = sub.add_parser("compare", help="two targets, requests interleaved, with ratios")
     _common(cmp_, url_multi=True)
     g3 = cmp_.add_mutually_exclusive_group()

@@ -48,13 +48,13 @@ def detailed_fields(records: Sequence[RequestRecord]) -> dict[str, Any]:
     }
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else "inf"
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -70,10 +70,10 @@ def write_result(
     d.mkdir(parents=True, exist_ok=True)
     jpath = d / f"{stem}.json"
     lpath = d / f"{stem}.jsonl"
-    jpath.write_text(json.dumps(_json_safe(data), indent=2) + "\n", encoding="utf-8")
+    jpath.write_text(json.dumps(json_safe(data), indent=2) + "\n", encoding="utf-8")
     with lpath.open("w", encoding="utf-8") as fh:
         for r in records:
-            fh.write(json.dumps(_json_safe(r.to_json())) + "\n")
+            fh.write(json.dumps(json_safe(r.to_json())) + "\n")
     return jpath, lpath
 
 

@@ -25,6 +25,7 @@ from benchmarks.report import (
     compare_ratios,
     compare_table,
     detailed_fields,
+    json_safe,
     safe_stem,
     summary_table,
     write_result,
@@ -308,6 +309,8 @@ async def arun_sweep(
     """One run per request rate or per concurrency (not both), then the load plots."""
     if bool(rates) == bool(concurrencies):
         raise ConfigError("a sweep needs either request rates or concurrencies")
+    if rates and any(not r > 0 for r in rates):
+        raise ConfigError("request rates must be positive")
     load_name = "request rate (req/s)" if rates else "max concurrency"
     loads = [float(x) for x in (rates or concurrencies)]
     points: list[BenchResult] = []
@@ -328,7 +331,7 @@ async def arun_sweep(
             for load, p in zip(loads, points, strict=True)
         ]
         spath = d / f"{stem}-sweep.json"
-        spath.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+        spath.write_text(json.dumps(json_safe(summary), indent=2) + "\n", encoding="utf-8")
         sweep.files["sweep_json"] = spath
         if config.plots:
             sweep.files["sweep_png"] = plot_sweep(

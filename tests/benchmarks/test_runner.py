@@ -191,6 +191,25 @@ async def test_sweep_over_concurrency(aiohttp_server: ServerFactory, tmp_path: P
     assert [p["load"] for p in summary] == [1.0, 2.0]
     with pytest.raises(ConfigError):
         await arun_sweep(cfg(url), rates=[1.0], concurrencies=[1])
+    with pytest.raises(ConfigError):
+        await arun_sweep(cfg(url), rates=[0.0])
+
+
+async def test_cli_rate_sweep_with_a_concurrency_cap(aiohttp_server: ServerFactory, tmp_path: Path) -> None:
+    url, app = await serve(aiohttp_server)
+    argv = [
+        "sweep", "--url", url, "--request-rates", "50,inf", "--max-concurrency", "2", "--num-requests", "4",
+        "--input-len", "5", "--output-len", "2", "--no-progress", "--no-plots", "--result-dir", str(tmp_path),
+    ]  # fmt: skip
+    assert await asyncio.to_thread(main, argv) == 0
+    assert len(app[SEEN].bodies) == 8
+    assert app[SEEN].max_in_flight <= 2
+    text = await asyncio.to_thread(lambda: next(tmp_path.glob("*-sweep.json")).read_text())
+    points = json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert [(p["load"], p["request_rate"], p["max_concurrency"]) for p in points] == [
+        (50.0, 50.0, 2),
+        ("inf", "inf", 2),
+    ]
 
 
 @pytest.mark.parametrize(
