@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,11 @@ def plot_sweep(
     loads: Sequence[float], datas: Sequence[Mapping[str, Any]], load_name: str, path: str | Path
 ) -> Path:
     """Latency (median and p99 TTFT, TPOT, ITL) and throughput against the load of each point."""
+    keep = [i for i, v in enumerate(loads) if math.isfinite(v)]  # "all at once" has no place on the axis
+    x = [loads[i] for i in keep]
+    datas = [datas[i] for i in keep]
     fig = Figure(figsize=(11, 4.2))
     ax1, ax2 = fig.subplots(1, 2)
-    x = list(loads)
     for key, label, style in (
         ("median_ttft_ms", "TTFT median", "o-"),
         ("p99_ttft_ms", "TTFT p99", "o--"),

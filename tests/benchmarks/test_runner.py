@@ -199,7 +199,7 @@ async def test_cli_rate_sweep_with_a_concurrency_cap(aiohttp_server: ServerFacto
     url, app = await serve(aiohttp_server)
     argv = [
         "sweep", "--url", url, "--request-rates", "50,inf", "--max-concurrency", "2", "--num-requests", "4",
-        "--input-len", "5", "--output-len", "2", "--no-progress", "--no-plots", "--result-dir", str(tmp_path),
+        "--input-len", "5", "--output-len", "2", "--no-progress", "--result-dir", str(tmp_path),
     ]  # fmt: skip
     assert await asyncio.to_thread(main, argv) == 0
     assert len(app[SEEN].bodies) == 8
