@@ -4,7 +4,6 @@
 model, started once per test session on first use and stopped at the end::
 
     @pytest.mark.vllm
-    @pytest.mark.timeout(900)          # start-up (1-2 min on 2 cores) counts towards the first test
     def test_x(vllm_cluster):
         vllm_cluster.prefill_urls[0]     # "http://127.0.0.1:<port>" (kv_producer, --enable-scale-out)
         vllm_cluster.decode_urls[0]      # kv_consumer
@@ -17,8 +16,13 @@ model, started once per test session on first use and stopped at the end::
   vLLM's default 30 s KV lease. Do not stop it or change it; start your own cluster with
   ``workers.launcher.start_cluster`` when a test needs other settings.
 
+``vllm_bin`` (session scope) — the real ``vllm`` executable, for tests that start their own workers.
+
 ``tiny_model_dir`` (session scope) — the model folder (``$PD_MODEL_DIR``, else ``.cache/tiny-llama``),
 built with :mod:`workers.model` when missing.
+
+Tests marked ``vllm`` without their own ``timeout`` mark get ``timeout(VLLM_TEST_TIMEOUT_S)`` (900 s):
+the cluster's start-up (1-4 min on 2 busy cores) counts towards the first test that uses it.
 
 Availability: when ``PD_VLLM_VENV`` is set (``make test`` sets it) a missing vLLM is an error; when it
 is not set and the repository's ``.venv-vllm`` is missing, the tests using these fixtures are skipped.
@@ -48,6 +52,14 @@ from workers import model as tiny_model
 from workers.launcher import REPO_ROOT, Cluster, ClusterSettings, LaunchError, start_cluster
 
 STARTUP_TIMEOUT_S = 420.0
+VLLM_TEST_TIMEOUT_S = 900.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give real-vLLM tests room for the cluster's start-up unless they set their own timeout."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(VLLM_TEST_TIMEOUT_S))
 
 
 def scrape_metrics(url: str, timeout: float = 10.0) -> str:
@@ -87,6 +99,12 @@ def _vllm_bin() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_bin() -> Path:
+    """The real ``vllm`` executable (fails or skips as described in the module docstring)."""
+    return _vllm_bin()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     out = Path(os.environ.get("PD_MODEL_DIR") or REPO_ROOT / ".cache" / "tiny-llama")
     tiny_model.build_model(out)
@@ -94,8 +112,9 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    vllm_bin = _vllm_bin()
+def vllm_cluster(
+    vllm_bin: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     settings = ClusterSettings(
         model=tiny_model_dir,
         prefill=1,

@@ -19,7 +19,7 @@ from workers import launcher
 from workers.demo import manual_handoff, post_generate
 from workers.launcher import Cluster
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.vllm
 
 SEED = 20261202
 N_PROMPTS = 10
@@ -78,9 +78,10 @@ def _check_prefill_params(
     assert [len(group) for group in blocks] == [math.ceil(len(prompt) / BLOCK_TOKENS)]
 
 
-def test_pd_workers_down_stops_every_process_of_a_real_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_pd_workers_down_stops_every_process_of_a_real_worker(
+    vllm_bin: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """`pd-workers up --detach` then `down`: the API server, its engine and worker processes all end."""
-    vllm_bin = launcher.resolve_vllm_bin()
     state_file = tmp_path / "state.json"
     up = subprocess.run(
         [sys.executable, "-m", "workers.launcher", "up", "--prefill", "1", "--decode", "0", "--tokens-only",
