@@ -1,0 +1,339 @@
+"""Everything of the pools one proxy app runs: settings, CLI flags, metrics, background tasks.
+
+``PoolRuntime`` owns the prefill and decode pools, the overall admission gate, the pair
+preflight and the retry policies, and runs (between ``start`` and ``stop``, so from the app's
+``cleanup_ctx``) the active health probes, the optional load scraper, the config-file watcher
+and the EndpointSlice watchers. The serving layer asks it for picks, deadlines and bypass
+decisions, and counts retries, migrations and rejections through ``PoolMetrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy.pools.admin import admin_app
+from proxy.pools.admission import DEADLINE_HEADER, Admission, Deadline
+from proxy.pools.breaker import BreakerConfig
+from proxy.pools.health import (
+    HealthChecker,
+    LoadScraper,
+    Preflight,
+    PreflightFn,
+    http_fetch,
+    http_probe,
+)
+from proxy.pools.membership import ConfigFileSource, Pools
+from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
+from proxy.pools.pool import LoadWeights, Pool
+from proxy.pools.retry import RetryPolicy
+
+SESSION_HEADER = "X-Session-ID"
+BYPASS_HEADER = "X-PD-Decode-Only"
+
+
+@dataclass(frozen=True, slots=True)
+class K8sSelector:
+    pool: str
+    namespace: str
+    label_selector: str
+    port: str | int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    prefill_policy: str = "least_loaded"
+    decode_policy: str = "least_tokens"
+    block_size: int = 16
+    """The workers' KV block size (tokens): prefix hashing and the short-prompt bypass use it."""
+    prefix_blocks: int = 4
+    imbalance_ratio: float = 1.5
+    imbalance_slack: float = 4.0
+    use_scraped_load: bool = False
+    scrape_interval: float = 2.0
+    max_inflight: int | None = None
+    """Requests in flight through the whole proxy (None: no limit)."""
+    max_inflight_per_worker: int | None = None
+    max_queue: int = 256
+    queue_timeout: float = 10.0
+    retry_after: float = 1.0
+    breaker_failures: int = 5
+    breaker_open_seconds: float = 5.0
+    breaker_max_open_seconds: float = 60.0
+    health_interval: float = 2.0
+    health_timeout: float = 2.0
+    health_fail_threshold: int = 3
+    health_recover_threshold: int = 2
+    active_health: bool = True
+    prefill_attempts: int = 3
+    decode_attempts: int = 2
+    retry_base_delay: float = 0.02
+    retry_max_delay: float = 0.5
+    migrate: bool = True
+    max_migrations: int = 2
+    deadline_default_ms: float | None = None
+    deadline_max_ms: float | None = None
+    deadline_prefill_share: float = 0.5
+    """The prefill hop may use at most this share of what remains of a deadline."""
+    bypass_prompt_tokens: int | None = None
+    """Prompts shorter than this skip the prefill hop (None: one KV block, 0: never)."""
+    bypass_when_prefill_unavailable: bool = True
+    preflight: bool = False
+    preflight_timeout: float = 30.0
+    preflight_retry_after: float = 30.0
+    config_file: Path | None = None
+    config_poll_interval: float = 2.0
+    admin_key: str | None = None
+    k8s: tuple[K8sSelector, ...] = ()
+    kubeconfig: str | None = None
+
+    @property
+    def bypass_threshold(self) -> int:
+        return self.block_size if self.bypass_prompt_tokens is None else self.bypass_prompt_tokens
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def _k8s_selector(value: str) -> K8sSelector:
+    """``POOL:NAMESPACE:SELECTOR:PORT`` (PORT a name or a number)."""
+    parts = value.split(":")
+    if len(parts) != 4 or not all(parts):
+        raise argparse.ArgumentTypeError("expected POOL:NAMESPACE:LABEL_SELECTOR:PORT")
+    pool, namespace, selector, port = parts
+    return K8sSelector(pool, namespace, selector, int(port) if port.isdigit() else port)
+
+
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("pools")
+    d = PoolSettings()
+    g.add_argument("--prefill-policy", choices=POLICY_NAMES, default=d.prefill_policy)
+    g.add_argument("--decode-policy", choices=POLICY_NAMES, default=d.decode_policy)
+    g.add_argument("--block-size", type=int, default=d.block_size, help="workers' KV block size")
+    g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks)
+    g.add_argument("--use-scraped-load", action="store_true",
+                   help="let workers' own queue and KV usage (/metrics) feed the choice")
+    g.add_argument("--max-inflight", type=int, default=None, help="requests in flight, whole proxy")
+    g.add_argument("--max-inflight-per-worker", type=int, default=None)
+    g.add_argument("--max-queue", type=int, default=d.max_queue, help="bounded wait queue length")
+    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout)
+    g.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
+    g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds)
+    g.add_argument("--health-interval", type=float, default=d.health_interval)
+    g.add_argument("--no-active-health", action="store_true")
+    g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts)
+    g.add_argument("--decode-attempts", type=int, default=d.decode_attempts)
+    g.add_argument("--no-migrate", action="store_true", help="do not migrate streams mid-way")
+    g.add_argument("--deadline-default-ms", type=float, default=None,
+                   help="deadline of requests without X-PD-Deadline-Ms")
+    g.add_argument("--bypass-prompt-tokens", type=int, default=None,
+                   help="prompts shorter than this skip prefill (default: one KV block)")
+    g.add_argument("--no-bypass-when-prefill-unavailable", action="store_true")
+    g.add_argument("--preflight", action="store_true",
+                   help="send one tiny P->D hand-off through each new pair before using it")
+    g.add_argument("--workers-file", type=Path, default=None, help="TOML pool membership, reloaded")
+    g.add_argument("--admin-key", default=None, help="enables /admin/workers behind this key")
+    g.add_argument("--k8s-endpointslices", type=_k8s_selector, action="append", default=[],
+                   metavar="POOL:NS:SELECTOR:PORT")
+    g.add_argument("--kubeconfig", default=None)
+
+
+def pool_settings_from_args(a: argparse.Namespace) -> PoolSettings:
+    return PoolSettings(
+        prefill_policy=a.prefill_policy, decode_policy=a.decode_policy, block_size=a.block_size,
+        prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load, max_inflight=a.max_inflight,
+        max_inflight_per_worker=a.max_inflight_per_worker, max_queue=a.max_queue,
+        queue_timeout=a.queue_timeout, breaker_failures=a.breaker_failures,
+        breaker_open_seconds=a.breaker_open_seconds, health_interval=a.health_interval,
+        active_health=not a.no_active_health, prefill_attempts=a.prefill_attempts,
+        decode_attempts=a.decode_attempts, migrate=not a.no_migrate,
+        deadline_default_ms=a.deadline_default_ms, bypass_prompt_tokens=a.bypass_prompt_tokens,
+        bypass_when_prefill_unavailable=not a.no_bypass_when_prefill_unavailable,
+        preflight=a.preflight, config_file=a.workers_file, admin_key=a.admin_key,
+        k8s=tuple(a.k8s_endpointslices), kubeconfig=a.kubeconfig,
+    )
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+class _PoolStateCollector(Collector):
+    def __init__(self, pools: Pools, with_health: bool) -> None:
+        self.pools = pools
+        self.with_health = with_health
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        circuit = GaugeMetricFamily("pd_proxy_circuit_state",
+                                    "Circuit breaker per worker (0 closed, 1 half-open, 2 open)",
+                                    labels=["pool", "worker"])
+        healthy = GaugeMetricFamily("pd_proxy_worker_healthy", "Worker health (1 ok)",
+                                    labels=["pool", "worker"])
+        for pool in self.pools:
+            for w in pool:
+                circuit.add_metric([pool.name, w.url], float(int(w.circuit)))
+                healthy.add_metric([pool.name, w.url], 1.0 if w.healthy else 0.0)
+        yield circuit
+        if self.with_health:
+            yield healthy
+
+
+class PoolMetrics:
+    """The pools' metrics on the app's registry. ``with_health``: also export
+    ``pd_proxy_worker_healthy`` from the pools (when the app does not keep its own gauge)."""
+
+    def __init__(self, registry: CollectorRegistry, pools: Pools, *, with_health: bool = True) -> None:
+        self.retries = Counter("pd_proxy_retries", "Hops retried on another worker", ["hop"],
+                               registry=registry)
+        self.migrations = Counter("pd_proxy_migrations", "Streams continued on another decode worker",
+                                  registry=registry)
+        self.queue_rejections = Counter("pd_proxy_queue_rejections",
+                                        "Requests refused by admission (queue full or wait timed out)",
+                                        registry=registry)
+        for hop in ("prefill", "decode"):
+            self.retries.labels(hop=hop)
+        registry.register(_PoolStateCollector(pools, with_health))
+
+
+# ------------------------------------------------------------------------------ runtime
+
+
+class PoolRuntime:
+    def __init__(self, settings: PoolSettings, prefill_urls: Iterable[str], decode_urls: Iterable[str],
+                 *, registry: CollectorRegistry | None = None, metrics_with_health: bool = True,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+        self.settings = s = settings
+        self.clock = clock
+        self.rng = rng or random.Random()
+        breaker = BreakerConfig(failure_threshold=s.breaker_failures, open_seconds=s.breaker_open_seconds,
+                                max_open_seconds=max(s.breaker_max_open_seconds, s.breaker_open_seconds))
+        weights = LoadWeights(use_scraped=s.use_scraped_load, max_age=max(10.0, 5 * s.scrape_interval))
+
+        def pool(name: str, urls: Iterable[str], policy: str) -> Pool:
+            return Pool(name, urls, policy=self.make_policy(policy), breaker=breaker, clock=clock,
+                        max_inflight_per_worker=s.max_inflight_per_worker, max_waiters=s.max_queue,
+                        retry_after=s.retry_after, weights=weights)
+
+        self.prefill = pool("prefill", prefill_urls, s.prefill_policy)
+        self.decode = pool("decode", decode_urls, s.decode_policy)
+        self.pools = Pools([self.prefill, self.decode], policy_factory=self.make_policy)
+        self.admission = Admission(s.max_inflight, max_queue=s.max_queue, queue_timeout=s.queue_timeout,
+                                   retry_after=s.retry_after)
+        self.preflight = Preflight(None, timeout=s.preflight_timeout, retry_after=s.preflight_retry_after,
+                                   clock=clock)
+        self.prefill_retry = RetryPolicy(attempts=s.prefill_attempts, base_delay=s.retry_base_delay,
+                                         max_delay=max(s.retry_max_delay, s.retry_base_delay))
+        self.decode_retry = RetryPolicy(attempts=s.decode_attempts, base_delay=s.retry_base_delay,
+                                        max_delay=max(s.retry_max_delay, s.retry_base_delay))
+        self.metrics = (PoolMetrics(registry, self.pools, with_health=metrics_with_health)
+                        if registry is not None else None)
+        self.health: HealthChecker | None = None
+        self.config_source = (ConfigFileSource(s.config_file, self.pools)
+                              if s.config_file is not None else None)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closers: list[Callable[[], Any]] = []
+
+    def make_policy(self, name: str) -> Policy:
+        s = self.settings
+        return make_policy(name, block_size=s.block_size, prefix_blocks=s.prefix_blocks,
+                           imbalance_ratio=s.imbalance_ratio, imbalance_slack=s.imbalance_slack, rng=self.rng)
+
+    # -------------------------------------------------------------- per request
+
+    def pick_context(self, token_ids: Sequence[int], headers: Mapping[str, str],
+                     tokens: int = 0) -> PickContext:
+        return PickContext(token_ids=token_ids, session_id=headers.get(SESSION_HEADER) or None,
+                           tokens=tokens)
+
+    def deadline(self, headers: Mapping[str, str]) -> Deadline | None:
+        s = self.settings
+        return Deadline.from_header(headers.get(DEADLINE_HEADER), default_ms=s.deadline_default_ms,
+                                    clock=self.clock, max_ms=s.deadline_max_ms)
+
+    def bypass_reason(self, prompt_tokens: int) -> str | None:
+        """Why this request should skip the prefill hop (None: it should not)."""
+        if prompt_tokens < self.settings.bypass_threshold:
+            return "short_prompt"
+        if self.settings.bypass_when_prefill_unavailable and not self.prefill.candidates():
+            return "prefill_unavailable"
+        return None
+
+    def admin_app(self) -> web.Application | None:
+        key = self.settings.admin_key
+        return admin_app(self.pools, key) if key else None
+
+    def count_retry(self, hop: str) -> None:
+        if self.metrics is not None:
+            self.metrics.retries.labels(hop=hop).inc()
+
+    def count_migration(self) -> None:
+        if self.metrics is not None:
+            self.metrics.migrations.inc()
+
+    def count_rejection(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_rejections.inc()
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def start(self, session: aiohttp.ClientSession, preflight_check: PreflightFn | None = None) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        if s.preflight and preflight_check is not None:
+            self.preflight.check = preflight_check
+
+            def prune(_: Pool) -> None:
+                self.preflight.prune([w.url for w in self.prefill], [w.url for w in self.decode])
+
+            self.prefill.on_change.append(prune)
+            self.decode.on_change.append(prune)
+        if s.active_health:
+            self.health = HealthChecker(list(self.pools), http_probe(session, s.health_timeout),
+                                        fail_threshold=s.health_fail_threshold,
+                                        recover_threshold=s.health_recover_threshold)
+            self._tasks.append(loop.create_task(self.health.run(s.health_interval), name="pool-health"))
+        if s.use_scraped_load:
+            scraper = LoadScraper(list(self.pools), http_fetch(session, s.health_timeout), self.clock)
+            self._tasks.append(loop.create_task(scraper.run(s.scrape_interval), name="pool-scrape"))
+        if self.config_source is not None:
+            self.config_source.check()  # apply at once; then poll
+            self._tasks.append(loop.create_task(self.config_source.run(s.config_poll_interval),
+                                                name="pool-config-file"))
+        if s.k8s:
+            from proxy.pools.k8s import (  # noqa: PLC0415  (optional extra)
+                EndpointSliceSource,
+                SliceSelector,
+                api_client_from_environment,
+            )
+
+            api_client = await api_client_from_environment(s.kubeconfig)
+            self._closers.append(api_client.close)
+            for sel in s.k8s:
+                source = EndpointSliceSource(self.pools, SliceSelector(sel.pool, sel.namespace,
+                                                                       sel.label_selector, sel.port),
+                                             api_client)
+                self._tasks.append(loop.create_task(source.run(), name=f"pool-k8s-{sel.pool}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.preflight.close()
+        for close in self._closers:
+            await close()
+        self._closers.clear()

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+
+from proxy.pools.breaker import CircuitState
+from proxy.pools.runtime import (
+    K8sSelector,
+    PoolRuntime,
+    PoolSettings,
+    add_pool_arguments,
+    pool_settings_from_args,
+)
+from proxy.pools.worker import Outcome
+from tests.proxy.pools.helpers import FakeClock
+
+P, D = "http://127.0.0.1:8101", "http://127.0.0.1:8201"
+
+
+def parse(*argv: str) -> PoolSettings:
+    parser = argparse.ArgumentParser()
+    add_pool_arguments(parser)
+    return pool_settings_from_args(parser.parse_args(argv))
+
+
+def test_cli_defaults_and_flags(tmp_path: Path) -> None:
+    d = parse()
+    assert d == PoolSettings()
+    s = parse("--prefill-policy", "prefix", "--decode-policy", "session", "--max-inflight", "8",
+              "--max-queue", "3", "--no-migrate", "--bypass-prompt-tokens", "0", "--admin-key", "k",
+              "--workers-file", str(tmp_path / "w.toml"),
+              "--k8s-endpointslices", "decode:serving:app=vllm,role=decode:http",
+              "--k8s-endpointslices", "prefill:serving:app=p:8000")
+    assert (s.prefill_policy, s.decode_policy, s.max_inflight, s.max_queue, s.migrate) == \
+        ("prefix", "session", 8, 3, False)
+    assert s.bypass_threshold == 0 and s.admin_key == "k" and s.config_file == tmp_path / "w.toml"
+    assert s.k8s == (K8sSelector("decode", "serving", "app=vllm,role=decode", "http"),
+                     K8sSelector("prefill", "serving", "app=p", 8000))
+    with pytest.raises(SystemExit):
+        parse("--k8s-endpointslices", "decode:serving")
+    with pytest.raises(SystemExit):
+        parse("--prefill-policy", "random")
+
+
+def test_bypass_reasons() -> None:
+    rt = PoolRuntime(PoolSettings(block_size=16), [P], [D])
+    assert rt.bypass_reason(15) == "short_prompt"
+    assert rt.bypass_reason(16) is None
+    rt.prefill.workers[0].healthy = False
+    assert rt.bypass_reason(100) == "prefill_unavailable"
+    off = PoolRuntime(PoolSettings(bypass_prompt_tokens=0, bypass_when_prefill_unavailable=False), [P], [D])
+    off.prefill.workers[0].healthy = False
+    assert off.bypass_reason(1) is None
+
+
+def test_pick_context_and_deadline() -> None:
+    clock = FakeClock()
+    rt = PoolRuntime(PoolSettings(deadline_default_ms=2000, deadline_max_ms=5000), [P], [D], clock=clock)
+    ctx = rt.pick_context([1, 2], {"X-Session-ID": "s1"}, tokens=9)
+    assert (ctx.session_id, ctx.tokens, list(ctx.token_ids)) == ("s1", 9, [1, 2])
+    assert rt.pick_context([1], {}).session_id is None
+    d = rt.deadline({})
+    assert d is not None and d.remaining() == pytest.approx(2.0)
+    d = rt.deadline({"X-PD-Deadline-Ms": "60000"})
+    assert d is not None and d.remaining() == pytest.approx(5.0)
+    assert PoolRuntime(PoolSettings(), [P], [D]).deadline({}) is None
+    assert rt.admin_app() is None
+    assert PoolRuntime(PoolSettings(admin_key="x"), [P], [D]).admin_app() is not None
+
+
+def test_metrics_names_and_circuit_values() -> None:
+    registry = CollectorRegistry()
+    clock = FakeClock()
+    rt = PoolRuntime(PoolSettings(breaker_failures=1), [P], [D], registry=registry, clock=clock)
+    w = rt.decode.workers[0]
+    w.begin()
+    rt.decode.release(w, Outcome.FAILURE)
+    assert w.circuit is CircuitState.OPEN
+    rt.prefill.workers[0].healthy = False
+    rt.count_retry("prefill")
+    rt.count_migration()
+    rt.count_rejection()
+    text = generate_latest(registry).decode()
+    assert f'pd_proxy_circuit_state{{pool="decode",worker="{D}"}} 2.0' in text
+    assert f'pd_proxy_circuit_state{{pool="prefill",worker="{P}"}} 0.0' in text
+    assert f'pd_proxy_worker_healthy{{pool="prefill",worker="{P}"}} 0.0' in text
+    assert 'pd_proxy_retries_total{hop="prefill"} 1.0' in text
+    assert 'pd_proxy_retries_total{hop="decode"} 0.0' in text
+    assert "pd_proxy_migrations_total 1.0" in text and "pd_proxy_queue_rejections_total 1.0" in text
+    bare = CollectorRegistry()
+    PoolRuntime(PoolSettings(), [P], [D], registry=bare, metrics_with_health=False)
+    assert "pd_proxy_worker_healthy" not in generate_latest(bare).decode()
+
+
+async def test_start_runs_probes_and_config_file_then_stops(aiohttp_server: Any, tmp_path: Path) -> None:
+    probed: list[str] = []
+
+    async def health(request: web.Request) -> web.Response:
+        probed.append(request.path)
+        return web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    url = f"http://127.0.0.1:{server.port}"
+    cfg = tmp_path / "w.toml"
+    cfg.write_text(f'[pools.decode]\nworkers = ["{url}"]\n')
+    rt = PoolRuntime(PoolSettings(config_file=cfg, health_interval=0.01, health_fail_threshold=1),
+                     [url], [D])
+    async with aiohttp.ClientSession() as session:
+        await rt.start(session)
+        assert sorted(w.url for w in rt.decode) == sorted([url, D])  # applied at start
+        assert rt.health is not None
+        await rt.health.probe_once()
+        assert not rt.prefill.workers[0].healthy and probed
+        await rt.stop()
+    assert rt._tasks == []
