@@ -113,6 +113,10 @@ def summary_table(data: dict[str, Any], title: str = "pd-bench result") -> str:
         row("Request goodput (req/s):", data.get("request_goodput"))
     row("Output token throughput (tok/s):", data.get("output_throughput"))
     row("Total token throughput (tok/s):", data.get("total_token_throughput"))
+    util = data.get("client_cpu_utilization")
+    if isinstance(util, float) and util > 0.8:
+        row("WARNING: pd-bench CPU busy (fraction):", util)
+        lines.append("  the client may be the bottleneck: its timings run late; use fewer requests in flight")
     if data.get("num_output_len_mismatch"):
         row("Outputs not of the asked length:", data.get("num_output_len_mismatch"))
     pct = [percentile_word(p) for p in data.get("percentiles", [])]

@@ -7,6 +7,7 @@ import json
 import math
 import secrets
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -241,7 +242,9 @@ async def _run_targets(cfg: BenchConfig, urls: Sequence[str], err: TextIO | None
             return await send_request(session, opts[job.target], job.spec, rec, t0)
 
         progress = Progress(len(jobs), stream=err) if cfg.progress else None
+        cpu0 = time.process_time()
         records, duration = await drive(jobs, send, cfg.max_concurrency, cfg.time_limit_s, progress)
+        client_cpu = time.process_time() - cpu0
     results: list[BenchResult] = []
     base_label = cfg.label or f"{cfg.dataset.name}-{cfg.dataset.input_len}x{cfg.dataset.output_len}"
     for t, url in enumerate(urls):
@@ -254,6 +257,10 @@ async def _run_targets(cfg: BenchConfig, urls: Sequence[str], err: TextIO | None
                 recs, duration if len(urls) == 1 else _span(recs), cfg.percentiles, cfg.goodput_ms
             )
         )
+        # Is the harness itself the bottleneck? CPU of this whole process during the run, over its
+        # duration (1.0 = one core busy all along: measured times are then late).
+        data["client_cpu_seconds"] = client_cpu
+        data["client_cpu_utilization"] = client_cpu / duration if duration > 0 else None
         if cfg.save_detailed:
             data.update(detailed_fields(recs))
         results.append(BenchResult(config=replace(cfg, url=url), data=data, records=recs))

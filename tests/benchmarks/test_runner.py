@@ -33,6 +33,7 @@ GOLDEN_KEYS = {
     "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
     # pd-bench's own
     "failures", "num_output_len_mismatch", "server_timing_requests", "hops",
+    "client_cpu_seconds", "client_cpu_utilization",
 }  # fmt: skip
 for _m in ("ttft", "tpot", "itl", "itl_token", "e2el"):
     GOLDEN_KEYS |= {f"{s}_{_m}_ms" for s in ("mean", "median", "std", "p50", "p90", "p95", "p99")}
