@@ -45,5 +45,14 @@ test-fast: venv lint
 demo: venv vllm model
 	$(PY) -m workers.demo --model $(MODEL_DIR)
 
+# The whole stack in the foreground: real vLLM prefill + decode on CPU, pd-proxy, and Prometheus
+# scraping them (Debian's package is installed first when the machine allows; skipped with a note
+# otherwise). Prints every URL; Ctrl-C stops everything. Options go in UP_ARGS, e.g.
+#   make up UP_ARGS='--workers sim'     (pd-sim workers: up in seconds)
+#   make up UP_ARGS='--decode 2 --port 8080'
+up: venv vllm model
+	bash deploy/install_prometheus.sh
+	$(PY) -m deploy.local --model $(MODEL_DIR) $(UP_ARGS)
+
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache
