@@ -267,3 +267,19 @@ def test_cli_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixtur
         main(argv)
     assert exc.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+async def test_trace_replay_keeps_the_schedule(aiohttp_server: ServerFactory, tmp_path: Path) -> None:
+    url, app = await serve(aiohttp_server)
+    trace = tmp_path / "t.jsonl"
+    rows = [(300, 4, 2), (0, 3, 1), (100, 5, 3)]  # (ms, input, output), out of order on purpose
+    await asyncio.to_thread(
+        trace.write_text,
+        "\n".join(json.dumps({"timestamp": t, "input_length": i, "output_length": o}) for t, i, o in rows),
+    )
+    ds = DatasetConfig(name="trace", path=str(trace), num_requests=10, trace_time_unit="ms")
+    res = await arun_benchmark(BenchConfig(url=url, dataset=ds, progress=False))
+    assert [r.scheduled_s for r in res.records] == pytest.approx([0.0, 0.1, 0.3])
+    assert [len(b["token_ids"]) for b in app[SEEN].bodies] == [3, 5, 4]  # sent in timestamp order
+    assert all(r.start_s >= r.scheduled_s for r in res.records)
+    assert res.data["total_output_tokens"] == 6
