@@ -31,6 +31,7 @@ multimodal inputs. Those fail as before; everything else migrates.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,3 +169,65 @@ def rewrite_usage(usage: Mapping[str, Any], cont: Continuation) -> dict[str, Any
     out["completion_tokens"] = completion + (prompt - cont.prompt_tokens)
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     return out
+
+
+def _empty(choice: Mapping[str, Any]) -> bool:
+    return not choice.get("token_ids") and not choice.get("text") and choice.get("finish_reason") is None
+
+
+class StreamFollower:
+    """Follows the events of a migratable stream (choice 0) and, once it has been continued
+    elsewhere, rewrites the continuation's events into the original stream's.
+
+    ``event`` takes one SSE ``data:`` payload (not ``[DONE]``) and returns the payload to send
+    the client, or None when the event carried only replayed tokens (nothing new for the client).
+    """
+
+    def __init__(self, data: Mapping[str, Any], output_mode: str) -> None:
+        self.data = data
+        self.progress = StreamProgress(output_mode=output_mode)
+        self.cont: Continuation | None = None
+        self.replay_left = 0
+        self.migrations = 0
+
+    def event(self, payload: bytes) -> bytes | None:
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            return payload
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
+            return payload
+        if self.cont is not None:
+            choices = []
+            for original in chunk["choices"]:
+                choice = original
+                if isinstance(original, dict):
+                    choice, self.replay_left = rewrite_choice(original, self.replay_left, self.cont.kept)
+                    if _empty(choice):
+                        continue
+                choices.append(choice)
+            usage = chunk.get("usage")
+            if not choices and chunk["choices"] and usage is None:
+                return None
+            chunk["choices"] = choices
+            if isinstance(usage, dict):
+                chunk["usage"] = rewrite_usage(usage, self.cont)
+            payload = json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+        for choice in chunk["choices"]:
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                self.progress.feed(choice)
+        return payload
+
+    def finished(self) -> bool:
+        """The client already has every token it asked for (nothing to continue)."""
+        return plan_continuation(self.data, self.progress) is None
+
+    def continue_elsewhere(self, request_id: str | None = None) -> Continuation | None:
+        """Plan the next continuation; None when nothing is left to generate."""
+        cont = plan_continuation(self.data, self.progress, request_id=request_id)
+        if cont is None:
+            return None
+        self.cont = cont
+        self.replay_left = cont.replay
+        self.migrations += 1
+        return cont

@@ -8,6 +8,7 @@ gen-text-stream-prompt-tail-utf8)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.pools.migration import (
+    StreamFollower,
     StreamProgress,
     migration_blocker,
     plan_continuation,
@@ -188,3 +190,53 @@ def test_plain_requests_migrate() -> None:
     assert migration_blocker(request([1], 5, "text", presence_penalty=0, stop=[], n=1,
                                      repetition_penalty=1.2, stop_token_ids=[2])) is None
     assert migration_blocker({"token_ids": [1]}) == "no sampling_params"
+
+
+def events(choices: list[dict[str, Any]], rid: str = "generate-tokens-r") -> list[bytes]:
+    return [json.dumps({"request_id": rid, "usage": None, "output_mode": "text", "choices": [c]}).encode()
+            for c in choices]
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8), max_tokens=st.integers(2, 25),
+       cuts=st.lists(st.floats(0, 1), min_size=1, max_size=3), mode=st.sampled_from(["tokens", "text"]))
+def test_follower_survives_several_migrations(prompt: list[int], max_tokens: int, cuts: list[float],
+                                              mode: str) -> None:
+    data = request(prompt, max_tokens, mode)
+    whole = run(prompt, max_tokens, mode)
+    follower = StreamFollower(data, mode)
+    sent: list[dict[str, Any]] = []
+    body = data
+    for frac in [*cuts, 1.0]:
+        stream = run(body["token_ids"], body["sampling_params"]["max_tokens"], mode)
+        take = len(stream) if frac == 1.0 else int(frac * len(stream))
+        for payload in events(stream[:take]):
+            out = follower.event(payload)
+            if out is not None:
+                sent.extend(json.loads(out)["choices"])
+        if frac == 1.0:
+            break
+        cont = follower.continue_elsewhere("r")
+        if cont is None:
+            break
+        body = cont.body
+    assert flatten(sent, "token_ids") == flatten(whole, "token_ids")
+    if mode == "text":
+        assert flatten(sent, "text") == flatten(whole, "text")
+    assert all(c["token_ids"] or c.get("text") or c["finish_reason"] for c in sent)
+
+
+def test_follower_rewrites_usage_and_passes_unknown_payloads() -> None:
+    data = request([1, 2, 3], 6, "tokens")
+    follower = StreamFollower(data, "tokens")
+    for payload in events([{"index": 0, "token_ids": [7, 8], "finish_reason": None}]):
+        assert follower.event(payload) == payload  # before a migration: untouched bytes
+    assert follower.event(b"not json") == b"not json"
+    cont = follower.continue_elsewhere()
+    assert cont is not None and cont.body["token_ids"] == [1, 2, 3, 7, 8] and follower.migrations == 1
+    usage = {"request_id": "x", "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
+             "choices": []}
+    out = follower.event(json.dumps(usage).encode())
+    assert out is not None
+    assert json.loads(out)["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert not follower.finished()
