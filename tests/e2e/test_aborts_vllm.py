@@ -1,0 +1,138 @@
+"""Real vLLM on CPU: aborts through pd-proxy never leave KV pinned on the prefill worker.
+
+Measured here (and printed with -s): how long the prefill worker's ``vllm:kv_cache_usage_perc``
+stays up after a client disconnects between the hops, through pd-proxy and without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.app import SERVING, build_app
+from proxy.settings import ProxySettings
+from tests.fixtures_vllm import metric_value, scrape_metrics
+from workers.launcher import Cluster
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+USAGE = "vllm:kv_cache_usage_perc"
+RUNNING = "vllm:num_requests_running"
+
+
+async def metric(url: str, name: str) -> float:
+    return metric_value(await asyncio.to_thread(scrape_metrics, url), name) or 0.0
+
+
+async def seconds_until(url: str, name: str, pred: Any, limit: float, step: float = 0.1) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if pred(await metric(url, name)):
+            return time.monotonic() - t0
+        await asyncio.sleep(step)
+    return None
+
+
+def prompt(n: int = 300, seed: int = 7) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 515) for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def run_proxy(cluster: Cluster, **settings: Any) -> AsyncIterator[tuple[str, web.Application]]:
+    app = build_app(ProxySettings(prefill_urls=tuple(cluster.prefill_urls),
+                                  decode_urls=tuple(cluster.decode_urls), **settings))
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(int(a[1]) for a in runner.addresses if isinstance(a, tuple))
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        await runner.cleanup()
+
+
+async def wait_idle(url: str) -> None:
+    assert await seconds_until(url, USAGE, lambda v: v == 0.0, 60) is not None, "worker never idle"
+
+
+async def test_between_hops_disconnect_frees_prefill_kv_fast(vllm_cluster: Cluster) -> None:
+    p = vllm_cluster.prefill_urls[0]
+    await wait_idle(p)
+    body = {"token_ids": prompt(), "sampling_params": {"temperature": 0, "max_tokens": 8}}
+    async with run_proxy(vllm_cluster, hold_between_hops=30.0) as (url, app):
+        serving = app[SERVING]
+        async with aiohttp.ClientSession() as s:
+            async def client() -> None:
+                async with s.post(url + "/inference/v1/generate", json={**body, "request_id": "e2e-dc"}) as r:
+                    await r.read()
+
+            task = asyncio.create_task(client())
+            deadline = time.monotonic() + 30
+            while not any(r.phase.value == "kv_held" for r in serving.table.all()):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert await metric(p, USAGE) > 0.0, "P should hold the prompt's KV between the hops"
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            freed = await seconds_until(p, USAGE, lambda v: v == 0.0, 10, step=0.05)
+        print(f"\nwith pd-proxy: P's KV freed {freed} s after the between-hops disconnect")
+        assert freed is not None and freed <= 2.0
+        leases = serving.ledger.recent_closed()
+        assert leases[-1].reason == "aborted" and serving.ledger.open_count == 0
+        assert len(serving.table) == 0
+
+
+async def test_without_proxy_the_kv_stays_pinned_for_the_lease(vllm_cluster: Cluster) -> None:
+    """The baseline: a client that ran the prefill hop itself and went away."""
+    p = vllm_cluster.prefill_urls[0]
+    await wait_idle(p)
+    body = {"request_id": "e2e-nopx", "token_ids": prompt(seed=8), "stream": False,
+            "sampling_params": {"temperature": 0, "max_tokens": 1},
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    async with aiohttp.ClientSession() as s, s.post(p + "/inference/v1/generate", json=body) as r:
+        assert r.status == 200
+        assert (await r.json())["kv_transfer_params"] is not None
+    t0 = time.monotonic()
+    assert await metric(p, USAGE) > 0.0
+    freed = await seconds_until(p, USAGE, lambda v: v == 0.0, 60, step=0.5)
+    print(f"\nwithout pd-proxy: P's KV freed {freed} s after the client went away (lease expiry)")
+    assert freed is not None and freed >= 20.0, "expected the blocks pinned until the ~30 s lease"
+    assert time.monotonic() - t0 < 70
+
+
+async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> None:
+    p, d = vllm_cluster.prefill_urls[0], vllm_cluster.decode_urls[0]
+    body = {"request_id": "e2e-long", "token_ids": prompt(60, seed=9), "stream": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 400, "ignore_eos": True}}
+    async with run_proxy(vllm_cluster) as (url, app), aiohttp.ClientSession() as s:
+        async with s.post(url + "/inference/v1/generate", json=body) as r:
+            seen = b""
+            while seen.count(b"\n\n") < 3:
+                seen += await r.content.readany()
+            assert await metric(d, RUNNING) >= 1
+            a = await s.post(url + "/inference/v1/abort_requests",
+                             json={"request_ids": ["generate-tokens-e2e-long"]})
+            assert a.status == 200
+            seen += await asyncio.wait_for(r.read(), 30)
+        events = [json.loads(b[6:]) for b in seen.split(b"\n\n") if b.startswith(b"data: {")]
+        finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        assert finishes == ["abort"]
+        assert seen.rstrip().endswith(b"data: [DONE]")
+        tokens = sum(len(c["token_ids"]) for e in events for c in e["choices"])
+        assert tokens < 400
+        for w in (p, d):
+            assert await seconds_until(w, RUNNING, lambda v: v == 0.0, 5) is not None
+        await wait_idle(p)
+        assert len(app[SERVING].table) == 0

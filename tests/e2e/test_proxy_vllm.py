@@ -1,0 +1,101 @@
+"""Real vLLM on CPU through pd-proxy: greedy output identical to the aggregated worker, and a
+NIXL transfer of at least one full block behind every request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.app import SERVING, build_app
+from proxy.settings import ProxySettings
+from tests.fixtures_vllm import metric_value, scrape_metrics
+from workers.launcher import Cluster
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+SEED = 4242
+N_PROMPTS = 20
+MAX_TOKENS = 16
+BLOCK_TOKENS = 128
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(SEED)
+    # At least one full 128-token block each; ids 3..514 (no special tokens).
+    return [[rng.randrange(3, 515) for _ in range(rng.randint(BLOCK_TOKENS, 380))] for _ in range(N_PROMPTS)]
+
+
+@pytest.fixture
+async def proxy(vllm_cluster: Cluster) -> AsyncIterator[tuple[str, web.Application]]:
+    app = build_app(ProxySettings(prefill_urls=tuple(vllm_cluster.prefill_urls),
+                                  decode_urls=tuple(vllm_cluster.decode_urls)))
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(int(a[1]) for a in runner.addresses if isinstance(a, tuple))
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        await runner.cleanup()
+
+
+async def call(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[list[int], str | None]:
+    """(token_ids, text) of one generate call, stream or not."""
+    async with s.post(url + "/inference/v1/generate", json=body) as r:
+        raw = await r.read()
+        assert r.status == 200, raw[:500]
+    if not body.get("stream"):
+        choice = json.loads(raw)["choices"][0]
+        return choice["token_ids"], choice.get("text")
+    tokens: list[int] = []
+    text: list[str] = []
+    events = [b[6:] for b in raw.split(b"\n\n") if b.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    for ev in events[:-1]:
+        obj = json.loads(ev)
+        assert "error" not in obj, obj
+        for c in obj["choices"]:
+            tokens += c["token_ids"]
+            if "text" in c:
+                text.append(c["text"])
+    return tokens, ("".join(text) if body.get("output_mode") == "text" else None)
+
+
+async def xfers(url: str) -> float:
+    text = await asyncio.to_thread(scrape_metrics, url)
+    return metric_value(text, XFER_COUNT) or 0.0
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_twenty_prompts_identical_to_aggregated(
+        vllm_cluster: Cluster, proxy: tuple[str, web.Application], mode: str, stream: bool) -> None:
+    url, app = proxy
+    decode = vllm_cluster.decode_urls[0]
+    aggregated = vllm_cluster.aggregated_urls[0]
+    ledger = app[SERVING].ledger
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        for i, prompt in enumerate(prompts()):
+            body = {"token_ids": prompt, "output_mode": mode, "stream": stream,
+                    "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS}}
+            want = await call(s, aggregated, {**body, "request_id": f"agg-{mode}-{stream}-{i}"})
+            before = await xfers(decode)
+            closed_before = len(ledger.recent_closed())
+            got = await call(s, url, {**body, "request_id": f"px-{mode}-{stream}-{i}"})
+            after = await xfers(decode)
+            assert got == want, f"prompt {i} ({len(prompt)} tokens)"
+            assert after - before >= 1, f"prompt {i}: no NIXL transfer ({before} -> {after})"
+            lease = ledger.recent_closed()[-1]
+            assert len(ledger.recent_closed()) == closed_before + 1
+            assert lease.reason == "pulled" and lease.blocks >= 1
+            assert lease.request_id == f"generate-tokens-px-{mode}-{stream}-{i}"
+    assert ledger.open_count == 0
