@@ -30,9 +30,11 @@ from .errors import (
     SimError,
 )
 from .metrics import SimMetrics
-from .model import EOS_TOKEN_ID, choice_seed, fold, fold_all, next_token, redraw
+from .model import choice_seed, fold_all
 from .protocol import GenerateRequest, parse_generate_request, parse_json_body, unsupported_media_type
+from .sequence import SeqConfig, Sequence, prompt_logprobs
 from .settings import Faults, SimSettings
+from .tokenizer import ByteTokenizer
 
 log = logging.getLogger("pd_sim")
 
@@ -51,6 +53,7 @@ class SimState:
     pool: KvPool
     leases: LeaseTable
     scheduler: Scheduler
+    tokenizer: ByteTokenizer | None = None
     registry: Registry = field(default_factory=Registry)
     session: aiohttp.ClientSession | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -126,17 +129,6 @@ async def _middleware(
 # generate
 
 
-@dataclass
-class _Choice:
-    index: int
-    salt: int
-    h: int
-    tokens: list[int] = field(default_factory=list)
-    sent: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
 class _Run:
     """One generate call from validation to the last byte."""
 
@@ -165,8 +157,10 @@ class _Run:
         self.cached_tokens = 0
         self.created = int(time.time())
         self.max_tokens = 0
-        self.stop_ids: frozenset[int] = frozenset()
-        self.choices: list[_Choice] = []
+        self.text_mode = req.output_mode == "text"
+        self.choices: list[Sequence] = []
+        self.seed = 0
+        self.pending_prompt_ids = False
         self.resp: web.StreamResponse | None = None
         self.t_arrival = time.monotonic()
         self.t_first: float | None = None
@@ -219,6 +213,14 @@ class _Run:
                     param="max_tokens",
                 )
             max_tokens = min(sp.max_tokens, room)
+        for name, value in (("logprobs", sp.logprobs), ("prompt_logprobs", sp.prompt_logprobs)):
+            if value is not None and value > s.max_logprobs:
+                kind = "sample" if name == "logprobs" else "prompt"
+                raise BadRequest(
+                    f"Requested {kind} logprobs of {value}, which is greater than max allowed: "
+                    f"{s.max_logprobs}",
+                    param=name,
+                )
         if sp.n > 1 and sp.temperature < 1e-5:
             raise BadRequest(f"n must be 1 when using greedy sampling, got {sp.n}.")
         if sp.min_tokens > (sp.max_tokens if sp.max_tokens is not None else max_tokens):
@@ -226,11 +228,11 @@ class _Run:
                 f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got {sp.min_tokens}."
             )
         self.max_tokens = max(max_tokens, 1) if room > 0 else 0
-        stop_ids = set(sp.stop_token_ids or ())
-        self.stop_ids = frozenset(stop_ids)
+        cfg = SeqConfig.build(sp, s.vocab_size, self.max_tokens, self.st.tokenizer, self.text_mode)
         seed = 0 if sp.temperature < 1e-05 else sp.seed if sp.seed is not None else random.getrandbits(63)
+        self.seed = seed
         h = fold_all(self.prompt)
-        self.choices = [_Choice(i, choice_seed(seed, i), h) for i in range(sp.n)]
+        self.choices = [Sequence(i, choice_seed(seed, i), h, cfg) for i in range(sp.n)]
 
     # -- the response ---------------------------------------------------------------------------
 
@@ -383,36 +385,16 @@ class _Run:
             d += random.uniform(0.0, s.itl_jitter_ms)
         return d / 1000.0
 
-    def _step(self, c: _Choice) -> None:
-        """Generate one token for choice ``c`` and decide whether it finishes."""
-        s = self.settings
-        sp = self.sp
-        allowed = sp.allowed_token_ids
-        tok = next_token(c.h, c.salt, s.vocab_size, allowed)
-        if len(c.tokens) < sp.min_tokens:
-            banned = set(self.stop_ids)
-            if not sp.ignore_eos:
-                banned.add(EOS_TOKEN_ID)
-            if tok in banned:
-                tok = redraw(c.h, c.salt, s.vocab_size, banned, allowed)
-        c.tokens.append(tok)
-        c.h = fold(c.h, tok)
-        if tok in self.stop_ids and len(c.tokens) > sp.min_tokens - 1:
-            c.finish_reason, c.stop_reason = "stop", tok
-        elif tok == EOS_TOKEN_ID and not sp.ignore_eos:
-            c.finish_reason = "stop"
-        elif len(c.tokens) >= self.max_tokens:
-            c.finish_reason = "length"
-
     def _client_gone(self) -> bool:
         transport = self.request.transport
         return transport is None or transport.is_closing()
 
-    async def _generate(self, emit: Callable[[_Choice, list[int]], Awaitable[bool]] | None) -> None:
-        """The decode loop; ``emit`` (streams) writes each new token, False when the client left."""
+    async def _generate(self, emit: Callable[[Sequence], Awaitable[bool]] | None) -> None:
+        """The decode loop; ``emit`` (streams) writes each step's chunk, False when the client left."""
         st = self.st
         inflight = self.inflight
         faults = st.faults
+        block_size = self.settings.block_size
         n_total = 0
         active = [c for c in self.choices if c.finish_reason is None]
         while active:
@@ -430,13 +412,13 @@ class _Run:
                 inflight.abort()
                 break
             for c in active:
-                self._step(c)
+                c.step()
                 inflight.num_output += 1
                 n_total += 1
                 if self.t_first is None:
                     self.t_first = time.monotonic()
                     st.metrics.ttft.observe(self.t_first - self.t_arrival)
-                if inflight.num_output % self.settings.block_size == 0:
+                if inflight.num_output % block_size == 0:
                     b = st.pool.allocate_one()
                     if b is not None:
                         inflight.blocks.append(b)
@@ -445,12 +427,9 @@ class _Run:
                         raise _ResetConnection
                     if faults.error_after_tokens is not None and n_total > faults.error_after_tokens:
                         raise _InBandError
-                    if c.finish_reason is None:
-                        new = c.tokens[c.sent :]
-                        c.sent = len(c.tokens)
-                        if not await emit(c, new):
-                            inflight.abort()
-                            return
+                    if not await emit(c):
+                        inflight.abort()
+                        return
             active = [c for c in active if c.finish_reason is None]
 
     def _finish(self) -> None:
@@ -513,7 +492,8 @@ class _Run:
             return str(sock[0]), int(sock[1])
         return "127.0.0.1", 0
 
-    def _weight_versions(self, c: _Choice) -> list[dict[str, Any]]:
+    @staticmethod
+    def _weight_versions(c: Sequence) -> list[dict[str, Any]]:
         return [{"version": "default", "start": 0, "end": len(c.tokens)}]
 
     async def _run_full(self) -> web.StreamResponse:
@@ -530,6 +510,31 @@ class _Run:
         kv_params = self._kv_params(host, port)
         n_prompt = len(self.prompt)
         n_out = sum(len(c.tokens) for c in self.choices)
+        sp = self.sp
+        p_logprobs = None
+        if sp.prompt_logprobs is not None:
+            p_logprobs = prompt_logprobs(
+                self.prompt,
+                sp.prompt_logprobs,
+                self.choices[0].salt,
+                self.settings.vocab_size,
+                self.st.tokenizer,
+            )
+        choices = []
+        for c in self.choices:
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "token_ids": c.tokens,
+                "routed_experts": None,
+                "sampling_mask": None,
+                "weight_versions": self._weight_versions(c),
+            }
+            if self.text_mode:
+                choice["text"] = c.text
+            choice["logprobs"] = c.all_logprobs()
+            choices.append(choice)
         body = {
             "request_id": self.request_id,
             "model": self.settings.model_name,
@@ -541,7 +546,7 @@ class _Run:
                 "prompt_tokens_details": None,
                 "completion_tokens_details": None,
             },
-            "prompt_logprobs": None,
+            "prompt_logprobs": p_logprobs,
             "prompt_token_id_logprobs": None,
             "prompt_token_ids": list(self.prompt) if self.req.return_token_ids else None,
             "mm_placeholders": None,
@@ -549,21 +554,47 @@ class _Run:
             "kv_transfer_params": kv_params,
             "ec_transfer_params": None,
             "output_mode": self.req.output_mode,
-            "choices": [
-                {
-                    "index": c.index,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                    "token_ids": c.tokens,
-                    "routed_experts": None,
-                    "sampling_mask": None,
-                    "weight_versions": self._weight_versions(c),
-                    "logprobs": None,
-                }
-                for c in self.choices
-            ],
+            "choices": choices,
         }
         return _json_response(body, headers=self._headers())
+
+    def _usage(self, n_out: int, details: bool) -> dict[str, Any]:
+        n_prompt = len(self.prompt)
+        usage: dict[str, Any] = {
+            "prompt_tokens": n_prompt,
+            "total_tokens": n_prompt + n_out,
+            "completion_tokens": n_out,
+        }
+        if details:
+            usage["prompt_tokens_details"] = None
+            usage["completion_tokens_details"] = None
+        return usage
+
+    def _chunk(self, c: Sequence) -> bytes:
+        """One SSE event for choice ``c``: its new tokens (and text/logprobs), final if it finished."""
+        final = c.finish_reason is not None
+        d: dict[str, Any] = {
+            "request_id": self.request_id,
+            "usage": self._usage(len(c.tokens), True) if self.continuous_usage else None,
+        }
+        if self.pending_prompt_ids:
+            self.pending_prompt_ids = False
+            d["prompt_token_ids"] = list(self.prompt)
+        d["output_mode"] = self.req.output_mode
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "token_ids": c.take_tokens(),
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": self._weight_versions(c) if final else None,
+        }
+        if self.text_mode:
+            choice["text"] = c.take_text()
+        choice["logprobs"] = c.take_logprobs()
+        d["choices"] = [choice]
+        return b"data: " + _DUMPS(d).encode() + b"\n\n"
 
     async def _run_stream(self) -> web.StreamResponse:
         host, port = self._local_address()
@@ -576,41 +607,29 @@ class _Run:
         faults = self.st.faults
         if faults.hang_after_headers:
             await asyncio.Event().wait()
-        n_prompt = len(self.prompt)
+        self.pending_prompt_ids = bool(self.req.return_token_ids)
         rid = _DUMPS(self.request_id)
         mode = _DUMPS(self.req.output_mode)
         head = f'data: {{"request_id":{rid},"usage":null,"output_mode":{mode},"choices":[{{"index":'.encode()
         mid = b',"finish_reason":null,"stop_reason":null,"token_ids":['
         tail = b'],"routed_experts":null,"sampling_mask":null,"weight_versions":null,"logprobs":null}]}\n\n'
-        continuous = self.continuous_usage
+        fast = not self.text_mode and self.sp.logprobs is None and not self.continuous_usage
+        write_raw = resp.write
 
         async def write(data: bytes) -> bool:
             try:
-                await resp.write(data)
+                await write_raw(data)
             except (ConnectionResetError, ConnectionError, RuntimeError):
                 return False
             return True
 
-        async def emit(c: _Choice, new: list[int]) -> bool:
-            if continuous:
-                n_out = len(c.tokens)
-                usage = (
-                    f'{{"prompt_tokens":{n_prompt},"total_tokens":{n_prompt + n_out},'
-                    f'"completion_tokens":{n_out},"prompt_tokens_details":null,'
-                    f'"completion_tokens_details":null}}'
-                )
-                data = (
-                    (
-                        f'data: {{"request_id":{rid},"usage":{usage},"output_mode":{mode},'
-                        '"choices":[{"index":'
-                        f"{c.index}"
-                    ).encode()
-                    + mid
-                    + ",".join(map(str, new)).encode()
-                    + tail
-                )
-            else:
+        async def emit(c: Sequence) -> bool:
+            if fast and c.finish_reason is None and not self.pending_prompt_ids:
+                new = c.tokens[c.sent :]
+                c.sent = len(c.tokens)
                 data = head + str(c.index).encode() + mid + ",".join(map(str, new)).encode() + tail
+            else:
+                data = self._chunk(c)
             return await write(data)
 
         error: SimError | None = None
@@ -629,55 +648,24 @@ class _Run:
             error = InternalError()
             self.inflight.abort()
         if error is not None:
+            # vLLM writes its in-band error with json.dumps' default separators.
             await write(f"data: {json.dumps(error.body())}\n\n".encode())
             await write(b"data: [DONE]\n\n")
             self._finish()
             return resp
         gone = self.inflight.aborted and self._client_gone()
+        unfinished = [c for c in self.choices if c.finish_reason is None]
         self._finish()
         self._kv_params(host, port)
         if gone:
             return resp
-        for c in self.choices:
-            new = c.tokens[c.sent :]
-            c.sent = len(c.tokens)
-            chunk: dict[str, Any] = {
-                "request_id": self.request_id,
-                "usage": None,
-                "output_mode": self.req.output_mode,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                        "token_ids": new,
-                        "routed_experts": None,
-                        "sampling_mask": None,
-                        "weight_versions": self._weight_versions(c),
-                        "logprobs": None,
-                    }
-                ],
-            }
-            if continuous:
-                n_out = len(c.tokens)
-                chunk["usage"] = {
-                    "prompt_tokens": n_prompt,
-                    "total_tokens": n_prompt + n_out,
-                    "completion_tokens": n_out,
-                    "prompt_tokens_details": None,
-                    "completion_tokens_details": None,
-                }
-            if not await write(b"data: " + _DUMPS(chunk).encode() + b"\n\n"):
+        for c in unfinished:  # aborted: one last chunk with finish_reason "abort"
+            if not await write(self._chunk(c)):
                 return resp
         if self.include_usage:
-            n_out = sum(len(c.tokens) for c in self.choices)
             final = {
                 "request_id": self.request_id,
-                "usage": {
-                    "prompt_tokens": n_prompt,
-                    "total_tokens": n_prompt + n_out,
-                    "completion_tokens": n_out,
-                },
+                "usage": self._usage(sum(len(c.tokens) for c in self.choices), False),
                 "output_mode": self.req.output_mode,
                 "choices": [],
             }
@@ -943,6 +931,7 @@ def build_app(settings: SimSettings | None = None) -> web.Application:
         pool=pool,
         leases=LeaseTable(pool, metrics_),
         scheduler=Scheduler(settings.max_running, pool, metrics_),
+        tokenizer=ByteTokenizer(settings.vocab_size) if settings.has_tokenizer else None,
     )
     app = web.Application(middlewares=[_middleware], client_max_size=64 * 1024 * 1024)
     app[SIM] = st

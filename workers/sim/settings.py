@@ -75,6 +75,7 @@ class SimSettings:
     max_model_len: int = 512
     vocab_size: int = 515
     max_num_seqs: int = 128
+    max_logprobs: int = 20
     block_size: int = 16
     num_kv_blocks: int = 4096
     # timing

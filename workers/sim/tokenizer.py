@@ -1,0 +1,144 @@
+"""A built-in byte-level tokenizer with the traces' vocabulary layout.
+
+Ids: 0 ``<s>``, 1 ``</s>``, 2 ``<pad>``; 3..258 the 256 single bytes in GPT-2 byte-to-unicode
+order (3 = ``!``, 130 = 0xC3, 105 = 0xA9, ...); 259..514 deterministic multi-byte strings (a few
+English-like pieces, some with a leading space, a few with non-ASCII characters).
+
+Decoding is by bytes: a token whose bytes leave a UTF-8 character unfinished adds no text
+until the token that completes it (then the whole character), as vLLM's incremental
+detokenizer does; invalid bytes become U+FFFD.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+SPECIAL_TOKENS: tuple[str, ...] = ("<s>", "</s>", "<pad>")
+NUM_SPECIAL = len(SPECIAL_TOKENS)
+
+_NAMED_PIECES: tuple[str, ...] = (
+    "the",
+    " the",
+    "apple",
+    " apple",
+    "pon",
+    "lazy",
+    " lazy",
+    "anana",
+    "refi",
+    "refill",
+    "ABCD",
+    "klmn",
+    "ache",
+    "cache",
+    "st",
+    " fox",
+    " dog",
+    " jumps",
+    " over",
+    " quick",
+    " brown",
+    "ing",
+    "ed",
+    " and",
+    " café",
+    " naïve",
+    "€",
+    "😀",
+    " über",
+    "ñ",
+)
+_CONSONANTS = "bcdfghjklmnprstvwz"
+_VOWELS = "aeiou"
+
+
+def gpt2_byte_order() -> list[int]:
+    """The bytes in GPT-2's ``bytes_to_unicode`` order (printable ranges first, then the rest)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    rest = [b for b in range(256) if b not in set(printable)]
+    return printable + rest
+
+
+def _generated_piece(i: int) -> str:
+    """A pronounceable piece: 1-3 consonant-vowel syllables, every third with a leading space."""
+    syllables = 1 + (i // 3) % 3
+    out = []
+    x = i
+    for _ in range(syllables):
+        out.append(_CONSONANTS[x % len(_CONSONANTS)] + _VOWELS[(x // len(_CONSONANTS)) % len(_VOWELS)])
+        x = x // 5 + 7 * (x % 5) + 1
+    word = "".join(out)
+    return (" " + word) if i % 3 == 0 else word
+
+
+class ByteTokenizer:
+    """The vocabulary (``vocab_size`` >= 259) and decoding helpers."""
+
+    def __init__(self, vocab_size: int = 515) -> None:
+        if vocab_size < NUM_SPECIAL + 256:
+            raise ValueError("vocab_size must be at least 259")
+        self.vocab_size = vocab_size
+        self.token_bytes: list[bytes] = [b""] * NUM_SPECIAL
+        self.token_bytes += [bytes([b]) for b in gpt2_byte_order()]
+        seen: set[str] = set()
+        i = 0
+        pieces: list[str] = []
+        for p in _NAMED_PIECES:
+            if p not in seen:
+                seen.add(p)
+                pieces.append(p)
+        while len(pieces) < vocab_size - len(self.token_bytes):
+            p = _generated_piece(i)
+            i += 1
+            if p not in seen:
+                seen.add(p)
+                pieces.append(p)
+        self.token_bytes += [p.encode() for p in pieces[: vocab_size - len(self.token_bytes)]]
+        self._byte_id = {
+            tb[0]: i for i, tb in enumerate(self.token_bytes) if NUM_SPECIAL <= i < NUM_SPECIAL + 256
+        }
+        self._single_text: list[str] = [
+            SPECIAL_TOKENS[i] if i < NUM_SPECIAL else tb.decode("utf-8", errors="replace")
+            for i, tb in enumerate(self.token_bytes)
+        ]
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id < NUM_SPECIAL
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token decoded alone (special tokens by name; lone bytes may be U+FFFD)."""
+        return self._single_text[token_id]
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        dec = IncrementalDecoder(self, skip_special_tokens)
+        return "".join(dec.feed(t) for t in token_ids) + dec.flush()
+
+    def encode(self, text: str) -> list[int]:
+        """Bytes to ids (one id per byte; good enough to build prompts in tests)."""
+        return [self._byte_id[b] for b in text.encode()]
+
+
+class IncrementalDecoder:
+    """Text deltas for a token stream, holding back unfinished UTF-8 sequences."""
+
+    __slots__ = ("_dec", "_skip", "_tok")
+
+    def __init__(self, tokenizer: ByteTokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        if token_id < NUM_SPECIAL:
+            if self._skip:
+                return ""
+            return self._dec.decode(b"", final=False) + SPECIAL_TOKENS[token_id]
+        return self._dec.decode(self._tok.token_bytes[token_id])
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
