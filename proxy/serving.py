@@ -383,11 +383,12 @@ class Serving:
     async def _decode_full(self, f: Flight, worker: Worker, body: dict[str, Any]) -> web.Response:
         record = f.record
 
-        async def hop() -> dict[str, Any]:
+        async def hop() -> tuple[dict[str, Any], bytes]:
             try:
-                answer: dict[str, Any] = await self._call(worker, self.upstream.post_generate(
-                    "decode", worker.url, body, request_id=record.base_id,
-                    total=self.settings.decode_timeout))
+                answer: tuple[dict[str, Any], bytes] = await self._call(
+                    worker, self.upstream.post_generate_raw(
+                        "decode", worker.url, body, request_id=record.base_id,
+                        total=self.settings.decode_timeout))
                 return answer
             finally:
                 f.settled.set()
@@ -395,7 +396,7 @@ class Serving:
         task = self.tracker.spawn(hop())
         f.decode_task = task
         try:
-            reply = await asyncio.shield(task)
+            reply, raw = await asyncio.shield(task)
         except UpstreamError as e:
             self._close_lease_after_decode_error(f, e)
             self._set_done(f)
@@ -409,20 +410,24 @@ class Serving:
                 "decode", worker.url,
                 f"answered output_mode {reply.get('output_mode')!r} for a {f.request.output_mode!r} "
                 "request (a server that predates output_mode?)")
-        self._merge_prefill_info(f, reply)
+        if self._merge_prefill_info(f, reply):
+            raw = _dumps(reply)  # otherwise D's bytes go out untouched
         now = self.clock()
         self.metrics.ttft.observe(now - f.timing.t0)
         headers = dict(f.headers)
         headers["Server-Timing"] = f.timing.header(now)
-        return web.Response(body=_dumps(reply), content_type="application/json", headers=headers)
+        return web.Response(body=raw, content_type="application/json", headers=headers)
 
-    def _merge_prefill_info(self, f: Flight, reply: dict[str, Any]) -> None:
+    def _merge_prefill_info(self, f: Flight, reply: dict[str, Any]) -> bool:
+        """Put what only the prefill hop knows into D's reply; True when it changed."""
         prefill_reply = f.prefill_task.result() if f.prefill_task is not None and \
             f.prefill_task.done() and not f.prefill_task.cancelled() and \
             f.prefill_task.exception() is None else None
         if prefill_reply is None or "X-PD-Decode-Only" in f.headers:
-            return
+            return False
+        changed = False
         if f.request.sampling_params.get("prompt_logprobs") is not None:
+            changed = True
             reply["prompt_logprobs"] = prefill_reply.get("prompt_logprobs")
             if prefill_reply.get("prompt_token_id_logprobs") is not None:
                 reply["prompt_token_id_logprobs"] = prefill_reply["prompt_token_id_logprobs"]
@@ -438,6 +443,8 @@ class Serving:
                     details = {"cached_tokens": cached}
             if details is not None:
                 usage["prompt_tokens_details"] = details
+                changed = True
+        return changed
 
     # ---------------------------------------------------------------- decode: stream
 

@@ -71,6 +71,11 @@ class Upstream:
         return resp
 
     async def read_json(self, hop: str, worker: str, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        return (await self.read_json_raw(hop, worker, resp))[0]
+
+    async def read_json_raw(self, hop: str, worker: str,
+                            resp: aiohttp.ClientResponse) -> tuple[dict[str, Any], bytes]:
+        """The JSON object of a response and its bytes (to forward untouched)."""
         try:
             raw = await resp.read()
         except TimeoutError:
@@ -85,12 +90,16 @@ class Upstream:
             raise UpstreamProtocolError(hop, worker, "answered a body that is not JSON") from None
         if not isinstance(obj, dict):
             raise UpstreamProtocolError(hop, worker, "answered JSON that is not an object")
-        return obj
+        return obj, raw
 
     async def post_generate(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
                             total: float) -> dict[str, Any]:
+        return (await self.post_generate_raw(hop, worker, body, request_id=request_id, total=total))[0]
+
+    async def post_generate_raw(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
+                                total: float) -> tuple[dict[str, Any], bytes]:
         resp = await self.open(hop, worker, body, request_id=request_id, total=total)
-        return await self.read_json(hop, worker, resp)
+        return await self.read_json_raw(hop, worker, resp)
 
     async def iter_chunks(self, hop: str, worker: str,
                           resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy.metrics import ProxyMetrics
 from proxy.serving import Serving
@@ -216,3 +217,15 @@ async def test_text_mode_nonstream_via_scripted(scripted_factory: ScriptedFactor
     out = await r.json()
     assert out["choices"][0]["text"] == "héllo" and out["output_mode"] == "text"
     assert p.received[0]["output_mode"] == "tokens" and d.received[0]["output_mode"] == "text"
+
+
+async def test_nonstream_reply_bytes_untouched_when_nothing_to_merge(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    reply = {**prefill_reply({"request_id": "x", "token_ids": PROMPT}), "kv_transfer_params": None}
+    raw = json.dumps(reply, indent=2, ensure_ascii=True).encode()  # not how the proxy would write it
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted = await scripted_factory(
+        lambda b, r: web.Response(body=raw, content_type="application/json"))
+    client, _ = await proxy_factory([p.url], [d.url])
+    r = await client.post("/inference/v1/generate", json=req(request_id="x"))
+    assert await r.read() == raw
