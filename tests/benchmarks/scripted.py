@@ -19,6 +19,7 @@ class Script:
     # (seconds to sleep, bytes to write) in order; for a stream
     steps: list[tuple[float, bytes]] = field(default_factory=list)
     json_body: dict[str, Any] | None = None  # a non-stream answer
+    raw_body: bytes | None = None  # a non-stream answer as recorded bytes
     content_type: str = "text/event-stream"
 
 
@@ -93,6 +94,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     seen.in_flight += 1
     seen.max_in_flight = max(seen.max_in_flight, seen.in_flight)
     try:
+        if script.raw_body is not None:
+            return web.Response(
+                body=script.raw_body,
+                status=script.status,
+                headers=script.headers,
+                content_type=script.content_type,
+            )
         if script.status != 200 or script.json_body is not None:
             return web.json_response(
                 script.json_body
