@@ -367,7 +367,9 @@ async def arun_compare(config: BenchConfig, urls: Sequence[str], err: TextIO | N
         for r in results:
             _write(r, d, safe_stem(f"{r.data['label']}-{r.data['date']}"), plots=False)
         if config.plots:
-            stem = safe_stem(f"{results[0].data['label']}-compare-{results[0].data['date']}")
+            stem = safe_stem(
+                f"{results[0].data['label'].removesuffix('-t0')}-compare-{results[0].data['date']}"
+            )
             comp.files["compare_cdf_png"] = plot_cdfs(
                 {u: r.records for u, r in zip(urls, results, strict=True)}, d / f"{stem}-cdf.png"
             )
