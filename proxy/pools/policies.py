@@ -50,9 +50,10 @@ class Policy(Protocol):
 def rendezvous_order(key: bytes, candidates: Sequence[Worker]) -> list[Worker]:
     """Candidates by descending rendezvous weight for ``key`` (stable across processes)."""
 
+    salt = hashlib.blake2b(key, digest_size=16).digest()
+
     def weight(w: Worker) -> int:
-        digest = hashlib.blake2b(key + b"\x00" + w.url.encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big")
+        return int.from_bytes(hashlib.blake2b(w.url.encode(), digest_size=8, key=salt).digest(), "big")
 
     return sorted(candidates, key=weight, reverse=True)
 
