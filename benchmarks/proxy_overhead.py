@@ -214,11 +214,13 @@ async def measure_memory(px: Proc, streams: int) -> dict[str, Any]:
                 await r.read()
         await asyncio.sleep(0.5)
         base = px.rss_kib()
-        responses = []
-        for i in range(streams):
+        async def open_one(i: int) -> aiohttp.ClientResponse:
             r = await s.post(px.url + GEN, json=_body(f"mem-{i}", 100000))
             await _first_token(r)
-            responses.append(r)
+            return r
+
+        # Opened together: the slow decode worker emits tokens in 10 s steps.
+        responses = await asyncio.wait_for(asyncio.gather(*(open_one(i) for i in range(streams))), 90)
         await asyncio.sleep(0.5)
         held = px.rss_kib()
         for r in responses:
