@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--transfer-per-block-ms", type=float, default=0.2)
     t.add_argument("--pull-timeout-s", type=float, default=5.0)
     t.add_argument("--lease-seconds", type=float, default=30.0)
+    t.add_argument(
+        "--kv-heartbeat-s",
+        type=float,
+        default=5.0,
+        help="a queued decode request extends the prefill lease this often",
+    )
     k = p.add_argument_group("KV side channel")
     k.add_argument(
         "--kv-host", default=None, help="host advertised in kv_transfer_params (default: local address)"
@@ -114,6 +120,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         transfer_per_block_ms=args.transfer_per_block_ms,
         pull_timeout_s=args.pull_timeout_s,
         lease_seconds=args.lease_seconds,
+        kv_heartbeat_s=args.kv_heartbeat_s,
         kv_host=args.kv_host,
         kv_port=args.kv_port,
         engine_id=args.engine_id,

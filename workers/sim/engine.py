@@ -270,6 +270,13 @@ class Scheduler:
         self.metrics.running.set(self.running)
         self.metrics.waiting.set(len(self._waiting))
 
+    def would_wait(self, blocks_needed: int) -> bool:
+        return (
+            bool(self._waiting)
+            or self.running >= self.max_running
+            or not self.pool.can_allocate(blocks_needed)
+        )
+
     async def acquire(self, req: Inflight, blocks_needed: int) -> bool:
         """Take a running slot; False if the request was aborted while waiting."""
         if not self._waiting and self.running < self.max_running and self.pool.can_allocate(blocks_needed):

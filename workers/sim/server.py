@@ -297,7 +297,15 @@ class _Run:
         inflight = self.inflight
         t0 = time.monotonic()
         needed = st.pool.blocks_needed(len(self.prompt))
-        if not await st.scheduler.acquire(inflight, needed):
+        heartbeat = None
+        if self.remote is not None and st.scheduler.would_wait(needed):
+            heartbeat = asyncio.ensure_future(self._heartbeat())
+        try:
+            granted = await st.scheduler.acquire(inflight, needed)
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+        if not granted:
             return False
         self.acquired = True
         if inflight.aborted:
@@ -326,6 +334,19 @@ class _Run:
         st.metrics.prefill_time.observe(time.monotonic() - t_prefill)
         inflight.state = "decoding"
         return True
+
+    async def _heartbeat(self) -> None:
+        """While queued, keep the prefill side's lease alive (as vLLM's queued decode requests do)."""
+        remote = self.remote
+        url = _side_channel_url(remote, "heartbeat") if remote is not None else None
+        if url is None or remote is None:
+            return
+        body = {"remote_request_id": remote.get("remote_request_id")}
+        while True:
+            await asyncio.sleep(self.settings.kv_heartbeat_s)
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                async with self.st.client_session().post(url, json=body) as r:
+                    await r.read()
 
     async def _pull(self) -> bool:
         """Pull the prompt's KV from the prefill worker's side channel."""

@@ -89,6 +89,7 @@ class SimSettings:
     transfer_per_block_ms: float = 0.2
     pull_timeout_s: float = 5.0
     lease_seconds: float = 30.0
+    kv_heartbeat_s: float = 5.0
     # advertised KV side channel (default: the address the prefill request arrived on)
     kv_host: str | None = None
     kv_port: int | None = None
@@ -103,8 +104,8 @@ class SimSettings:
             raise ValueError("block_size must be >= 1 and num_kv_blocks >= 2")
         if self.max_running < 1:
             raise ValueError("max_running must be >= 1")
-        if self.lease_seconds <= 0:
-            raise ValueError("lease_seconds must be > 0")
+        if self.lease_seconds <= 0 or self.kv_heartbeat_s <= 0:
+            raise ValueError("lease_seconds and kv_heartbeat_s must be > 0")
 
     @property
     def has_tokenizer(self) -> bool:
