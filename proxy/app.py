@@ -179,6 +179,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 async def _on_shutdown(app: web.Application) -> None:
     app[DRAINING].set()
+    app[SERVING].draining = True
 
 
 def build_app(settings: ProxySettings) -> web.Application:

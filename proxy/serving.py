@@ -123,6 +123,8 @@ class Serving:
         self.table = RequestTable()
         self.tracker = TaskTracker()
         self.flights: dict[int, Flight] = {}
+        self.draining = False
+        """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""
         self._upstream: Upstream | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -263,7 +265,7 @@ class Serving:
             return e.to_response(flight.headers)
         except (asyncio.CancelledError, ConnectionResetError):
             # aiohttp cancels the handler (or a write fails) when the client went away.
-            if self._note_abort(record, "disconnect"):
+            if self._note_abort(record, "shutdown" if self.draining else "disconnect"):
                 self.metrics.requests.labels(outcome="aborted").inc()
             raise
         finally:
@@ -488,6 +490,8 @@ class Serving:
             await resp.write(err.sse_event() + DONE_EVENT)
             await resp.write_eof()
             return resp  # phase stays DECODING: the clean-up aborts D
+        if f.timing.d1 is not None:
+            self.metrics.stage.labels(stage="decode_stream").observe(self.clock() - f.timing.d1)
         tail = [buffer.error_event] if buffer.error_event is not None else []
         if want_timing:
             tail.append(comment_event("server-timing " + f.timing.header(self.clock())))

@@ -149,6 +149,15 @@ async def test_stream_without_done_becomes_in_band_error(scripted_factory: Scrip
     assert events[2] == "[DONE]" and len(events) == 3
 
 
+async def test_decode_stream_headers_timeout_is_a_504(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(stream_idle_timeout=0.3, prefill={"lease_seconds": 0.3})
+    await pd.d.set_faults(hang_before_headers=True)
+    r = await pd.client.post("/inference/v1/generate", json={**req(), "stream": True})
+    body = await r.json()
+    assert r.status == 504 and f"decode worker {pd.d.url}" in body["error"]["message"]
+    await pd.d.set_faults(hang_before_headers=False)
+
+
 async def test_stream_idle_timeout_becomes_in_band_error(pd_factory: PDFactory) -> None:
     pd = await pd_factory(stream_idle_timeout=0.3)
     await pd.d.set_faults(hang_after_headers=True)

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy.app import SERVING, build_app
+from proxy.app import METRICS, SERVING, build_app
 from proxy.settings import ProxySettings
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import req, sse_datas
@@ -60,3 +60,19 @@ async def test_stream_past_the_drain_timeout_is_ended_and_aborted(sim_factory: S
     assert sum(len(e["choices"][0]["token_ids"]) for e in events if isinstance(e, dict)) < 2000
     assert all(not s["kv_held"] for s in states)
     assert not states[1]["inflight"], "the decode worker's request must have been aborted"
+
+
+async def test_shutdown_counts_its_aborts(sim_factory: SimFactory) -> None:
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", **SLOW_DECODE)
+    app = build_app(ProxySettings(prefill_urls=(p.url,), decode_urls=(d.url,), drain_timeout=0.2))
+    metrics = app[METRICS]
+    runner, url = await start(app, 0.2)
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url + "/inference/v1/generate",
+                         json={**req(sp={"max_tokens": 2000, "ignore_eos": True}), "stream": True})
+        await r.content.readuntil(b"\n\n")
+        await asyncio.wait_for(runner.cleanup(), 10)
+        r.close()
+    text = metrics.render().decode()
+    assert 'pd_proxy_aborts_total{source="shutdown",state="decoding"} 1.0' in text
