@@ -131,7 +131,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
 
 async def serve(settings: SimSettings, host: str, port: int) -> None:
     app = build_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

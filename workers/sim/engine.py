@@ -138,6 +138,7 @@ class LeaseTable:
         self.metrics = metrics
         self.leases: dict[str, Lease] = {}
         self.releases: dict[ReleaseReason, int] = dict.fromkeys(RELEASE_REASONS, 0)
+        self.on_release: Callable[[], None] | None = None
 
     def hold(
         self,
@@ -176,6 +177,8 @@ class LeaseTable:
         self.releases[reason] += 1
         if reason == "expired":
             self.metrics.kv_expired.inc()
+        if self.on_release is not None:
+            self.on_release()  # freed blocks may admit a waiting request
         return True
 
     def close(self) -> None:

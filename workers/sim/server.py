@@ -954,6 +954,7 @@ def build_app(settings: SimSettings | None = None) -> web.Application:
         scheduler=Scheduler(settings.max_running, pool, metrics_),
         tokenizer=ByteTokenizer(settings.vocab_size) if settings.has_tokenizer else None,
     )
+    st.leases.on_release = st.scheduler.wake
     app = web.Application(middlewares=[_middleware], client_max_size=64 * 1024 * 1024)
     app[SIM] = st
     app.router.add_post("/inference/v1/generate", generate)
