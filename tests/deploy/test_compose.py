@@ -177,3 +177,12 @@ def test_docker_compose_rejects_an_invalid_file(tmp_path: Path) -> None:
     result = run([COMPOSE, "-f", str(bad), "config", "-q"])
     assert result.returncode != 0
     assert "network_mod" in result.stderr
+
+
+def test_proxy_image_tag_is_the_project_version() -> None:
+    """compose tags the image it builds with the version being built (deploy/k8s checks the same)."""
+    import tomllib  # noqa: PLC0415
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert rc.PROXY_IMAGE == f"pd-proxy:{version}"
+    assert f"image: {rc.PROXY_IMAGE}" in (rc.COMPOSE_DIR / rc.COMPOSE_FILE).read_text()

@@ -234,3 +234,13 @@ def test_manifests_have_no_unpinned_image_anywhere() -> None:
             if stripped.startswith("image:"):
                 ref = stripped.split(":", 1)[1].strip()
                 assert unpinned_reason(ref) is None, (path, unpinned_reason(ref))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_proxy_image_is_the_project_version(overlay: str) -> None:
+    import tomllib  # noqa: PLC0415
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    proxy = by_kind(build(f"overlays/{overlay}"), "Deployment")["pd-proxy"]
+    assert container(proxy, "pd-proxy")["image"].endswith(f":{version}")

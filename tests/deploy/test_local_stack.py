@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,23 +204,33 @@ def check_proxy_metrics_match_agreed_names(proxy: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_sim_stack_serves_scrapes_and_stops_on_ctrl_c(tmp_path: Path) -> None:
-    with stack(tmp_path, "--workers", "sim", ready_timeout=60) as running:
+def test_sim_stack_serves_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    with stack(tmp_path, "--workers", "sim", "--no-prometheus", ready_timeout=60) as running:
         assert len(running.info["prefill"]) == 1 and len(running.info["decode"]) == 1
         generate_through_proxy(running.info["proxy"])
         check_proxy_metrics_match_agreed_names(running.info["proxy"])
         output = running.out.read_text()
         for url in (running.info["proxy"], *running.info["prefill"], *running.info["decode"]):
             assert url in output  # every URL printed
-        if running.info.get("prometheus"):
-            check_prometheus(running)
+        assert str(cat.REPO / "deploy" / "prometheus" / "prometheus.yml") in output
         stop_and_check_nothing_left(running)
         assert not (tmp_path / "ready.json").exists()
 
 
-def test_sim_stack_with_two_decoders_stops_on_sigterm(tmp_path: Path) -> None:
-    with stack(tmp_path, "--workers", "sim", "--decode", "2", "--no-prometheus", ready_timeout=60) as running:
-        assert len(running.info["decode"]) == 2
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary (make up installs it)")
+def test_sim_stack_prometheus_scrapes_proxy_and_every_worker(tmp_path: Path) -> None:
+    with stack(tmp_path, "--workers", "sim", "--decode", "2", ready_timeout=60) as running:
+        assert running.info["prometheus"]
+        generate_through_proxy(running.info["proxy"])
+        check_prometheus(running)
+        stop_and_check_nothing_left(running)
+
+
+def test_sim_stack_with_two_prefills_stops_on_sigterm(tmp_path: Path) -> None:
+    with stack(
+        tmp_path, "--workers", "sim", "--prefill", "2", "--no-prometheus", ready_timeout=60
+    ) as running:
+        assert len(running.info["prefill"]) == 2
         assert "prometheus" not in running.info
         assert "--no-prometheus" in running.out.read_text()
         generate_through_proxy(running.info["proxy"])
