@@ -184,5 +184,5 @@ def test_proxy_image_tag_is_the_project_version() -> None:
     import tomllib  # noqa: PLC0415
 
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    assert rc.PROXY_IMAGE == f"pd-proxy:{version}"
+    assert f"pd-proxy:{version}" == rc.PROXY_IMAGE
     assert f"image: {rc.PROXY_IMAGE}" in (rc.COMPOSE_DIR / rc.COMPOSE_FILE).read_text()
