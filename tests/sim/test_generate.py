@@ -141,9 +141,11 @@ async def test_max_tokens_defaults_and_caps_to_model_len(sim_factory: SimFactory
         _, a = await post_json(s, w.url + GEN, body(max_tokens=None))
         _, b = await post_json(s, w.url + GEN, body(max_tokens=1000))
         st, c = await post_json(s, w.url + GEN, body(tokens=list(range(3, 50))))
+        st_eq, eq = await post_json(s, w.url + GEN, body(tokens=list(range(3, 43))))
     assert a["usage"]["completion_tokens"] == 33
     assert b["usage"]["completion_tokens"] == 33
     assert st == 400 and "longer than the maximum model length of 40" in c["error"]["message"]
+    assert st_eq == 400 and "(length 40) plus the number of requested output tokens" in eq["error"]["message"]
 
 
 async def test_abort_in_flight_stream_and_nonstream(sim_factory: SimFactory) -> None:

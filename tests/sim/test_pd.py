@@ -291,3 +291,46 @@ async def test_reused_kv_params_are_accepted(sim_factory: SimFactory) -> None:
         st2, b = await post_json(s, d.url + GEN, body(PROMPT, kv_transfer_params=kv))
     assert st1 == st2 == 200
     assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+
+
+async def test_decode_aborted_during_pull_frees_prefill(sim_factory: SimFactory) -> None:
+    p = await sim_factory(role="prefill", prefill_base_ms=0.0, transfer_per_block_ms=20_000.0)
+    d = await sim_factory(role="decode", zero_latency=True)
+    async with aiohttp.ClientSession() as s:
+        kv = await do_prefill(s, p, "dp")
+        task = asyncio.ensure_future(
+            post_json(s, d.url + GEN, body(PROMPT, request_id="dp", kv_transfer_params=kv))
+        )
+
+        async def pulling() -> bool:
+            return any(r["state"] == "pulling" for r in (await d.state())["inflight"])
+
+        assert await eventually(pulling)
+        await post_json(s, d.url + ABORT, {"request_ids": ["generate-tokens-dp"]})
+        st, res = await task
+
+        async def freed() -> bool:
+            return (await releases(p))["aborted"] == 1
+
+        assert await eventually(freed)
+    assert st == 200 and res["choices"][0]["finish_reason"] == "abort"
+    assert (await p.state())["kv_held"] == [] and (await d.state())["kv_blocks_used"] == 0
+
+
+async def test_text_mode_pd_equals_aggregated(sim_factory: SimFactory) -> None:
+    agg = await sim_factory(zero_latency=True)
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", zero_latency=True)
+    async with aiohttp.ClientSession() as s:
+        _, a = await post_json(
+            s, agg.url + GEN, body(PROMPT, max_tokens=10, output_mode="text", stream=False)
+        )
+        kv = await do_prefill(s, p, "tx")
+        evs = await stream_events(
+            s,
+            d.url + GEN,
+            body(PROMPT, max_tokens=10, output_mode="text", stream=True, kv_transfer_params=kv),
+        )
+    text = "".join(e["choices"][0]["text"] for e in evs if isinstance(e, dict) and e["choices"])
+    assert stream_tokens(evs) == a["choices"][0]["token_ids"]
+    assert text == a["choices"][0]["text"]

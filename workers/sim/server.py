@@ -202,6 +202,13 @@ class _Run:
                 f"{s.max_model_len}. Make sure that `max_model_len` is no smaller than the number of "
                 "text tokens."
             )
+        if len(self.prompt) == s.max_model_len:
+            raise BadRequest(
+                f"The decoder prompt (length {len(self.prompt)}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {s.max_model_len}. Make sure "
+                "that `max_model_len` is no smaller than the number of text tokens (prompt + requested "
+                "output tokens)."
+            )
         room = s.max_model_len - len(self.prompt)
         if sp.max_tokens is None:
             max_tokens = room
@@ -227,7 +234,7 @@ class _Run:
             raise BadRequest(
                 f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got {sp.min_tokens}."
             )
-        self.max_tokens = max(max_tokens, 1) if room > 0 else 0
+        self.max_tokens = max_tokens
         cfg = SeqConfig.build(sp, s.vocab_size, self.max_tokens, self.st.tokenizer, self.text_mode)
         seed = 0 if sp.temperature < 1e-05 else sp.seed if sp.seed is not None else random.getrandbits(63)
         self.seed = seed
