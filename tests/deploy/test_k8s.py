@@ -23,7 +23,8 @@ KUBECTL = find("kubectl")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (for `kubectl kustomize`) not installed")
 # The oldest release still widely run and the newest schema kubernetes-validate ships.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
-# Custom resources: no schema in kubernetes-validate; checked by the assertions below instead.
+# Custom resources: no schema in kubernetes-validate; the ServiceMonitor is checked against the models
+# generated from prometheus-operator's CRDs (cloudcoil-models-prometheus-operator) instead.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 Obj = dict[str, Any]
@@ -79,6 +80,48 @@ def test_objects_pass_strict_schema_validation(path: str, version: str) -> None:
         "ServiceMonitor",
         "ConfigMap",
     }
+
+
+def crd_problems(obj: Obj) -> list[str]:
+    """Validate a ServiceMonitor against the CRD models; a field the models drop is an unknown field."""
+    from cloudcoil.models.prometheus_operator import v1  # noqa: PLC0415 (a 2 MB module: load on use)
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    try:
+        model = v1.ServiceMonitor.model_validate(obj)
+    except ValidationError as exc:
+        return [str(exc)]
+    kept = model.model_dump(by_alias=True, exclude_unset=True, mode="json")
+    return [] if kept == obj else [f"unknown fields: {json.dumps(obj)} != {json.dumps(kept)}"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_monitor_matches_the_crd(overlay: str) -> None:
+    pytest.importorskip("cloudcoil.models.prometheus_operator")
+    (monitor,) = (o for o in build(f"overlays/{overlay}") if o["kind"] == "ServiceMonitor")
+    assert crd_problems(monitor) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("relabellings",), [], "unknown fields"),
+        (("relabelings", 0, "action"), "rename", "action"),
+        (("port",), 8000, "port"),
+    ],
+)
+def test_crd_check_rejects_broken_service_monitors(
+    path: tuple[str | int, ...], value: Any, message: str
+) -> None:
+    pytest.importorskip("cloudcoil.models.prometheus_operator")
+    monitor = yaml.safe_load((K8S / "base" / "servicemonitor.yaml").read_text())
+    target = monitor["spec"]["endpoints"][0]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    problems = crd_problems(monitor)
+    assert problems and message in problems[0], problems
 
 
 @pytest.mark.parametrize(
