@@ -193,10 +193,9 @@ class Serving:
         body = dict(data)
         body["request_id"] = base_id
         sp = data["sampling_params"]
-        if "prompt_logprobs" in sp:
+        if "prompt_logprobs" in sp or "prompt_logprob_token_ids" in sp:
             # The prefill worker computed them; the decode worker cannot for transferred tokens.
-            sp = dict(sp)
-            sp.pop("prompt_logprobs")
+            sp = {k: v for k, v in sp.items() if k not in ("prompt_logprobs", "prompt_logprob_token_ids")}
             body["sampling_params"] = sp
         if kv_params is not None:
             body["kv_transfer_params"] = kv_params

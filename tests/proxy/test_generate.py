@@ -165,12 +165,15 @@ async def test_prompt_logprobs_and_cached_tokens_come_from_prefill(
         b, {**KV_PARAMS, "remote_prefill_cached_tokens": 128}, prompt_logprobs=plp))
     d: Scripted = await scripted_factory(lambda b, r: {**prefill_reply(b), "kv_transfer_params": None})
     client, _ = await proxy_factory([p.url], [d.url])
-    r = await client.post("/inference/v1/generate", json=req(sp={"prompt_logprobs": 1}))
+    r = await client.post("/inference/v1/generate",
+                          json=req(sp={"prompt_logprobs": 1, "prompt_logprob_token_ids": [[3]]}))
     out = await r.json()
     assert out["prompt_logprobs"] == plp
     assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 128}
     assert p.received[0]["sampling_params"]["prompt_logprobs"] == 1
     assert "prompt_logprobs" not in d.received[0]["sampling_params"]
+    assert "prompt_logprob_token_ids" not in d.received[0]["sampling_params"]
+    assert p.received[0]["sampling_params"]["prompt_logprob_token_ids"] == [[3]]
 
 
 TRACES = pathlib.Path("/work/shared/traces/vllm-0.32.0-cpu")
