@@ -585,11 +585,19 @@ def workers_alive(workers: Sequence[Worker]) -> list[Worker]:
 
 
 def stop_from_state_file(path: Path, timeout: float = 20.0) -> list[int]:
-    """Stop the workers a state file names and remove the file; returns the PIDs signalled."""
+    """Stop the workers a state file names and remove the file; returns the PIDs signalled.
+
+    The file goes first, so a foreground ``pd-workers up`` sees its workers end as a requested stop;
+    it is put back if stopping fails half-way.
+    """
+    text = path.read_text() if path.exists() else ""
     workers = read_state(path)
-    pids = stop_workers(workers, timeout=timeout)
     path.unlink(missing_ok=True)
-    return pids
+    try:
+        return stop_workers(workers, timeout=timeout)
+    except BaseException:
+        path.write_text(text)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------

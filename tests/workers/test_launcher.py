@@ -224,6 +224,33 @@ def test_cli_up_in_foreground_stops_everything_on_ctrl_c(fake_env: dict[str, Pat
             proc.wait()
 
 
+def test_cli_up_in_foreground_reports_a_worker_that_dies_and_stops_the_rest(
+    fake_env: dict[str, Path],
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.launcher", "up", "--prefill", "1", "--decode", "1",
+         "--model", str(fake_env["model"]), "--vllm-bin", str(fake_env["vllm"]),
+         "--log-dir", str(fake_env["logs"]), "--state-file", str(fake_env["tmp"] / "state.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        urls = json.loads(proc.stdout.readline())
+        records = _records(fake_env)
+        decode = records[int(urls["decode"][0].rsplit(":", 1)[1])]
+        prefill = records[int(urls["prefill"][0].rsplit(":", 1)[1])]
+        os.kill(decode["pid"], signal.SIGKILL)  # the decode worker crashes
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1
+        assert "decode worker 0" in err and "exited" in err
+        assert "fake vllm starting in mode ok" in err  # its log tail
+        assert _wait_gone([prefill["pid"], prefill["child_pid"], decode["child_pid"]]) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_down_never_signals_a_recycled_pid(tmp_path: Path) -> None:
     """A state file whose PID now belongs to another process (other start time) leaves it alone."""
     bystander = subprocess.Popen(["sleep", "30"], start_new_session=True)
