@@ -1,0 +1,1 @@
+"""What runs behind the proxy: real vLLM workers (``launcher``, ``demo``), the tiny model, pd-sim."""
