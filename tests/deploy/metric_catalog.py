@@ -102,6 +102,21 @@ def parse_exposition(text: str) -> dict[str, frozenset[str]]:
     return {name: frozenset(labels) for name, labels in out.items()}
 
 
+_LABEL_VALUE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_samples(text: str) -> list[tuple[str, dict[str, str]]]:
+    """Every sample's name and labels (values unescaped only as far as the checks here need)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is not None:
+            out.append((match.group("name"), dict(_LABEL_VALUE.findall(match.group("labels") or ""))))
+    return out
+
+
 def traces_dir() -> Path | None:
     """The real vLLM traces, when ``shared/`` is reachable (``PD_SHARED_DIR`` or next to the repository)."""
     candidates = [Path(os.environ["PD_SHARED_DIR"])] if "PD_SHARED_DIR" in os.environ else []

@@ -199,6 +199,10 @@ def check_proxy_metrics_match_agreed_names(proxy: str) -> None:
     for name, labels in exposed.items():
         assert name in agreed, f"{name} is not an agreed metric name"
         assert labels <= agreed[name].labels, f"{name} has labels {sorted(labels - agreed[name].labels)}"
+    for name, values in cat.parse_samples(text):
+        for label, value in values.items():
+            allowed = agreed[name].values.get(label) if name in agreed else None
+            assert allowed is None or value in allowed, f"{name}{{{label}={value!r}}} is not an agreed value"
 
 
 # ---------------------------------------------------------------------------------------------
