@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_even
 from proxy.state import Phase, Pool, RequestRecord, RequestTable, TaskTracker, Worker
 from proxy.upstream import Upstream
 
+log = logging.getLogger("pd_proxy")
 _COMPACT: dict[str, Any] = {"separators": (",", ":"), "ensure_ascii": False}
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
@@ -257,6 +259,9 @@ class Serving:
             response = await self._walk(request, flight)
         except ProxyError as e:
             self._set_done(flight)
+            if isinstance(e, UpstreamError):
+                # Ids, workers and reasons only: never prompts or generated text.
+                log.warning("request %s failed: %s", record.engine_id, e.message)
             outcome = "timeout" if isinstance(e, UpstreamTimeout) else (
                 "client_error" if isinstance(e, UpstreamStatusError) and e.passthrough
                 else "upstream_error")
@@ -724,12 +729,14 @@ class Serving:
                 "decode", worker.url, body, request_id=record.base_id,
                 total=self.settings.decode_timeout))
         except UpstreamStatusError as e:
+            log.warning("KV release for %s failed: %s", record.engine_id, e.message)
             if e.passthrough:
                 record.kv_params = None  # D refused: the lease will expire on P
                 return
             self._close_lease(f, "unknown")
             return
-        except UpstreamError:
+        except UpstreamError as e:
+            log.warning("KV release for %s failed: %s", record.engine_id, e.message)
             self._close_lease(f, "unknown")
             return
         self._close_lease(f, "aborted")
