@@ -398,6 +398,7 @@ class Cluster:
             "prefill": self.prefill_urls,
             "decode": self.decode_urls,
             "aggregated": self.aggregated_urls,
+            "ready": True,
             "startup_seconds": round(self.startup_seconds, 1),
             "workers": [asdict(w) for w in self.workers],
         }
@@ -522,9 +523,16 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
                     env=added,
                 )
             )
+        if settings.state_file is not None:
+            # Written before the wait so that `pd-workers down` can stop a cluster whose `up` died.
+            _write_state(
+                settings.state_file, {**Cluster(settings, workers, procs, 0.0).describe(), "ready": False}
+            )
         _wait_healthy(workers, procs, settings.startup_timeout)
     except BaseException:
         stop_workers(workers, timeout=settings.stop_timeout, procs=procs)
+        if settings.state_file is not None:
+            _remove_state_file_if_ours(settings.state_file, workers)
         raise
     cluster = Cluster(settings, workers, procs, time.monotonic() - started)
     if settings.state_file is not None:

@@ -145,10 +145,12 @@ def test_worker_dying_during_startup_is_reported_and_the_others_stopped(
     fake_env: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Only the decode worker dies (the fake decides by its command line).
+    state_file = fake_env["tmp"] / "state.json"
     monkeypatch.setenv("FAKE_VLLM_DIE_IF_ARG", "kv_consumer")
     with pytest.raises(LaunchError) as info:
-        start_cluster(_settings(fake_env, prefill=1, decode=1))
+        start_cluster(_settings(fake_env, prefill=1, decode=1, state_file=state_file))
     message = str(info.value)
+    assert not state_file.exists()  # written during start-up, removed with the workers
     assert "decode worker 0" in message and "exited with code 3" in message
     assert "boom, the engine failed to start" in message  # the log tail
     (prefill_record,) = _records(fake_env).values()  # the prefill worker had started
@@ -169,6 +171,37 @@ def test_worker_never_healthy_times_out_and_is_stopped(
         ["pgrep", "-f", str(FAKE)], capture_output=True, text=True, check=False
     ).stdout.split()
     assert [int(p) for p in out if _alive(int(p))] == []
+
+
+def test_down_stops_a_cluster_still_starting(
+    fake_env: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state file exists from the moment the workers are spawned, so `down` works mid start-up."""
+    monkeypatch.setenv("FAKE_VLLM_MODE", "hang")
+    state_file = fake_env["tmp"] / "state.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.launcher", "up", "--prefill", "1", "--decode", "1",
+         "--model", str(fake_env["model"]), "--vllm-bin", str(fake_env["vllm"]),
+         "--log-dir", str(fake_env["logs"]), "--state-file", str(state_file), "--startup-timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not state_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = json.loads(state_file.read_text())
+        assert state["ready"] is False
+        workers = launcher.read_state(state_file)
+        pids = [p for w in workers for p in launcher.worker_pids(w)]
+        assert len(workers) == 2 and pids
+        os.kill(proc.pid, signal.SIGKILL)  # `up` dies without cleaning up
+        proc.wait(timeout=10)
+        assert launcher.main(["down", "--state-file", str(state_file), "--timeout", "2"]) == 0
+        assert _wait_gone(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_cli_up_detach_status_and_down(fake_env: dict[str, Path]) -> None:
