@@ -130,7 +130,8 @@ async def test_hop_bodies_follow_spec(scripted_factory: ScriptedFactory, proxy_f
     client, _ = await proxy_factory([p.url], [d.url], upstream_api_key="up-key")
     body = {"token_ids": [5, 6, 7], "request_id": "rid",
             "sampling_params": {"max_tokens": 9, "min_tokens": 2, "temperature": 0, "unknown_knob": 3},
-            "stream": False, "stream_options": {"include_usage": True}, "cache_salt": "salt", "whatever": 1}
+            "stream": False, "stream_options": {"include_usage": True}, "cache_salt": "salt", "whatever": 1,
+            "priority": 0, "model": "tiny-llama", "return_token_ids": True, "ec_transfer_params": None}
     r = await client.post("/inference/v1/generate", json=body)
     assert r.status == 200
     hop_p = p.received[0]
@@ -138,7 +139,8 @@ async def test_hop_bodies_follow_spec(scripted_factory: ScriptedFactory, proxy_f
     assert hop_p["stream"] is False and "stream_options" not in hop_p
     assert hop_p["output_mode"] == "tokens"
     assert hop_p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
-    assert hop_p["cache_salt"] == "salt" and hop_p["whatever"] == 1
+    for key in ("cache_salt", "whatever", "priority", "model", "return_token_ids", "ec_transfer_params"):
+        assert hop_p[key] == body[key], key
     hop_d = d.received[0]
     assert hop_d == {**body, "kv_transfer_params": KV_PARAMS}
     for h in (p.headers[0], d.headers[0]):
