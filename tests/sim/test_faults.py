@@ -213,3 +213,14 @@ def test_fault_flags_parse() -> None:
         True,
         False,
     )
+
+
+async def test_exit_after_requests_flag_crashes_mid_traffic(
+    sim_process_factory: Callable[..., Awaitable[SimProcess]],
+) -> None:
+    proc = await sim_process_factory("--zero-latency", "--exit-after-requests", "1")
+    async with aiohttp.ClientSession() as s:
+        assert (await post_json(s, proc.url + GEN, body()))[0] == 200
+        with pytest.raises(aiohttp.ClientError):
+            await post_json(s, proc.url + GEN, body())
+    assert await asyncio.wait_for(proc.process.wait(), 10) == 3

@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--error-after-tokens", type=int, default=None)
     f.add_argument("--chunk-delay-ms", type=float, default=0.0)
     f.add_argument("--refuse-kv-pulls", action="store_true")
+    f.add_argument(
+        "--exit-after-requests",
+        type=int,
+        default=None,
+        help="crash (exit code 3) when the generate request after this many arrives",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -98,6 +104,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         error_after_tokens=args.error_after_tokens,
         chunk_delay_ms=args.chunk_delay_ms,
         refuse_kv_pulls=args.refuse_kv_pulls,
+        exit_after_requests=args.exit_after_requests,
     )
     return SimSettings(
         role=args.role,

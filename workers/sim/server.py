@@ -57,6 +57,7 @@ class SimState:
     registry: Registry = field(default_factory=Registry)
     session: aiohttp.ClientSession | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    generate_calls: int = 0
 
     @property
     def faults(self) -> Faults:
@@ -249,6 +250,14 @@ class _Run:
     async def run(self) -> web.StreamResponse:
         st = self.st
         faults = st.faults
+        st.generate_calls += 1
+        if (
+            faults.exit_after_requests is not None
+            and st.generate_calls > faults.exit_after_requests
+            and self.settings.allow_exit
+        ):
+            log.warning("pd-sim: exit fault after %d generate requests", faults.exit_after_requests)
+            os._exit(3)  # a crash: no clean-up, open connections are reset
         if faults.fail_next > 0:
             faults.fail_next -= 1
             raise InjectedFailure(faults.fail_status)
@@ -876,16 +885,17 @@ async def sim_faults(request: web.Request) -> web.Response:
         body = await _read_json(request)
         if not isinstance(body, dict):
             raise BadRequest("faults must be a JSON object")
-        if body.pop("exit", None) is not None:
-            if not st.settings.allow_exit:
-                raise BadRequest("exit is only allowed for a pd-sim process started from the command line")
-            asyncio.get_running_loop().call_later(0.05, os._exit, 3)
+        exit_now = body.pop("exit", None) is not None
+        if (exit_now or body.get("exit_after_requests") is not None) and not st.settings.allow_exit:
+            raise BadRequest("exit is only allowed for a pd-sim process started from the command line")
         if body.pop("reset", False):
             body = {**Faults().to_dict(), **body}
         try:
             st.faults.update(body)
         except ValueError as e:
             raise BadRequest(str(e)) from None
+        if exit_now:
+            asyncio.get_running_loop().call_later(0.05, os._exit, 3)
     return _json_response(st.faults.to_dict())
 
 

@@ -17,6 +17,8 @@ class Faults:
 
     ``fail_next`` counts down: each generate request consumes one and is answered with
     ``fail_status`` (vLLM's error shape). The other switches stay on until cleared.
+    ``exit_after_requests`` (CLI processes only) kills the process when the generate request
+    after that many arrives.
     """
 
     fail_next: int = 0
@@ -28,6 +30,7 @@ class Faults:
     error_after_tokens: int | None = None
     chunk_delay_ms: float = 0.0
     refuse_kv_pulls: bool = False
+    exit_after_requests: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -39,7 +42,7 @@ class Faults:
             if key not in known:
                 raise ValueError(f"unknown fault {key!r}")
             current = getattr(self, key)
-            if key in ("reset_after_tokens", "error_after_tokens"):
+            if key in ("reset_after_tokens", "error_after_tokens", "exit_after_requests"):
                 if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                     raise ValueError(f"{key} must be a non-negative integer or null")
             elif isinstance(current, bool):
