@@ -3,6 +3,8 @@ owned by one app: no module-level collectors, so several apps can live in one pr
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -20,6 +22,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ProxyMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter("pd_proxy_requests", "Generate requests by outcome", ["outcome"],
                                 registry=r)
         self.ttft = Histogram("pd_proxy_ttft_seconds", "Client-side time to first token",
@@ -60,6 +63,14 @@ class ProxyMetrics:
         self.build_info.labels(version=_version).set(1)
         for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
             self.requests.labels(outcome=outcome)
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, cached: the hot path should not pay for the label lookup."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

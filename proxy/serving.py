@@ -241,7 +241,7 @@ class Serving:
         try:
             req, data = self.validate(body, request.headers.get("Content-Type", ""))
         except ClientError as e:
-            self.metrics.requests.labels(outcome="client_error").inc()
+            self.metrics.child(self.metrics.requests, "client_error").inc()
             return e.to_response()
         header_id = request.headers.get("X-Request-Id")
         if header_id is not None:
@@ -265,12 +265,12 @@ class Serving:
             outcome = "timeout" if isinstance(e, UpstreamTimeout) else (
                 "client_error" if isinstance(e, UpstreamStatusError) and e.passthrough
                 else "upstream_error")
-            self.metrics.requests.labels(outcome=outcome).inc()
+            self.metrics.child(self.metrics.requests, outcome).inc()
             return e.to_response(flight.headers)
         except (asyncio.CancelledError, ConnectionResetError):
             # aiohttp cancels the handler (or a write fails) when the client went away.
             if self._note_abort(record, "shutdown" if self.draining else "disconnect"):
-                self.metrics.requests.labels(outcome="aborted").inc()
+                self.metrics.child(self.metrics.requests, "aborted").inc()
             raise
         finally:
             if record.phase is not Phase.DONE:
@@ -278,7 +278,7 @@ class Serving:
             else:
                 self._forget(flight)
         self.metrics.e2e.observe(self.clock() - t0)
-        self.metrics.requests.labels(outcome="aborted" if record.is_aborted else "ok").inc()
+        self.metrics.child(self.metrics.requests, "aborted" if record.is_aborted else "ok").inc()
         return response
 
     async def _walk(self, request: web.Request, f: Flight) -> web.StreamResponse:
@@ -303,8 +303,8 @@ class Serving:
             failure, failure_error, reply = (
                 "prefill_timeout" if isinstance(e, UpstreamTimeout) else "prefill_error"), e, {}
         f.timing.p1 = self.clock()
-        self.metrics.stage.labels(stage="queue").observe(f.timing.p0 - f.timing.t0)
-        self.metrics.stage.labels(stage="prefill").observe(f.timing.p1 - f.timing.p0)
+        self.metrics.child(self.metrics.stage, "queue").observe(f.timing.p0 - f.timing.t0)
+        self.metrics.child(self.metrics.stage, "prefill").observe(f.timing.p1 - f.timing.p0)
         if failure is None:
             kv_params, failure_error = self._accept_prefill_reply(f, prefill, reply)
             if failure_error is not None:
@@ -317,7 +317,7 @@ class Serving:
             await self._release_shielded(f)  # a reply that failed a check may still hold KV
             if s.prefill_failure_policy == "fail":
                 raise failure_error
-            self.metrics.decode_only.labels(reason=failure).inc()
+            self.metrics.child(self.metrics.decode_only, failure).inc()
             f.headers["X-PD-Decode-Only"] = failure
             kv_params = None
 
@@ -334,7 +334,7 @@ class Serving:
         record.decode_worker = decode
         record.phase = Phase.DECODING
         f.timing.d0 = self.clock()
-        self.metrics.stage.labels(stage="handoff").observe(f.timing.d0 - f.timing.p1)
+        self.metrics.child(self.metrics.stage, "handoff").observe(f.timing.d0 - f.timing.p1)
         body = self.decode_body(f.data, record.base_id, kv_params)
         if req.is_stream:
             return await self._decode_stream(request, f, decode, body)
@@ -372,8 +372,8 @@ class Serving:
 
     async def _call(self, worker: Worker, coro: Any) -> Any:
         worker.inflight += 1
-        self.metrics.inflight.labels(pool=worker.pool).inc()
-        self.metrics.upstream_requests.labels(pool=worker.pool, worker=worker.url).inc()
+        self.metrics.child(self.metrics.inflight, worker.pool).inc()
+        self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
         try:
             return await coro
         except UpstreamError as e:
@@ -382,7 +382,7 @@ class Serving:
             raise
         finally:
             worker.inflight -= 1
-            self.metrics.inflight.labels(pool=worker.pool).dec()
+            self.metrics.child(self.metrics.inflight, worker.pool).dec()
 
     # ---------------------------------------------------------------- decode: non-stream
 
@@ -410,7 +410,7 @@ class Serving:
         f.timing.d1 = self.clock()
         self._close_lease(f, "aborted" if record.is_aborted else "pulled")
         self._set_done(f)
-        self.metrics.stage.labels(stage="decode_first_token").observe(f.timing.d1 - (f.timing.d0 or 0))
+        self.metrics.child(self.metrics.stage, "decode_first_token").observe(f.timing.d1 - (f.timing.d0 or 0))
         if reply.get("output_mode") != f.request.output_mode:
             raise UpstreamProtocolError(
                 "decode", worker.url,
@@ -495,7 +495,7 @@ class Serving:
             await resp.write_eof()
             return resp  # phase stays DECODING: the clean-up aborts D
         if f.timing.d1 is not None:
-            self.metrics.stage.labels(stage="decode_stream").observe(self.clock() - f.timing.d1)
+            self.metrics.child(self.metrics.stage, "decode_stream").observe(self.clock() - f.timing.d1)
         tail = [buffer.error_event] if buffer.error_event is not None else []
         if want_timing:
             tail.append(comment_event("server-timing " + f.timing.header(self.clock())))
@@ -512,8 +512,8 @@ class Serving:
         record = f.record
         assert f.headers_ready is not None
         worker.inflight += 1
-        self.metrics.inflight.labels(pool=worker.pool).inc()
-        self.metrics.upstream_requests.labels(pool=worker.pool, worker=worker.url).inc()
+        self.metrics.child(self.metrics.inflight, worker.pool).inc()
+        self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
         resp: aiohttp.ClientResponse | None = None
         try:
             try:
@@ -541,7 +541,7 @@ class Serving:
                         if first:
                             first = False
                             f.timing.d1 = self.clock()
-                            self.metrics.stage.labels(stage="decode_first_token").observe(
+                            self.metrics.child(self.metrics.stage, "decode_first_token").observe(
                                 f.timing.d1 - (f.timing.d0 or f.timing.d1))
                             self._close_lease(f, "aborted" if record.is_aborted else "pulled")
                             f.settled.set()
@@ -569,7 +569,7 @@ class Serving:
             if resp is not None:
                 resp.close()
             worker.inflight -= 1
-            self.metrics.inflight.labels(pool=worker.pool).dec()
+            self.metrics.child(self.metrics.inflight, worker.pool).dec()
 
     def _check_first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
         try:
@@ -605,7 +605,7 @@ class Serving:
     def _lease_closed(self, lease: Lease) -> None:
         if lease.duration is not None:
             self.metrics.kv_lease_duration.observe(lease.duration)
-        self.metrics.kv_leases_closed.labels(reason=lease.reason or "unknown").inc()
+        self.metrics.child(self.metrics.kv_leases_closed, lease.reason or "unknown").inc()
         self.metrics.kv_leases_open.set(self.ledger.open_count)
 
     def expire_leases(self) -> int:
@@ -618,7 +618,7 @@ class Serving:
             return False
         record.abort_source = source
         record.aborted.set()
-        self.metrics.aborts.labels(source=source, state=record.phase.value).inc()
+        self.metrics.child(self.metrics.aborts, source, record.phase.value).inc()
         return True
 
     def abort_record(self, record: RequestRecord, source: str) -> None:
@@ -651,7 +651,7 @@ class Serving:
 
     async def _send_abort(self, worker: Worker, engine_id: str) -> bool:
         ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
-        self.metrics.abort_fanout.labels(pool=worker.pool, result="ok" if ok else "error").inc()
+        self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
         return ok
 
     async def broadcast_abort(self, request_ids: list[str]) -> None:
@@ -660,7 +660,7 @@ class Serving:
             *(self.upstream.abort(w.url, request_ids, limit=self.settings.control_timeout)
               for w in workers))
         for w, ok in zip(workers, results, strict=True):
-            self.metrics.abort_fanout.labels(pool=w.pool, result="ok" if ok else "error").inc()
+            self.metrics.child(self.metrics.abort_fanout, w.pool, "ok" if ok else "error").inc()
 
     def abort_ids(self, request_ids: list[str]) -> None:
         unknown: list[str] = []
@@ -671,7 +671,7 @@ class Serving:
             for record in records:
                 self.abort_record(record, "client_call")
         if unknown:
-            self.metrics.aborts.labels(source="client_call", state="unknown").inc(len(unknown))
+            self.metrics.child(self.metrics.aborts, "client_call", "unknown").inc(len(unknown))
         if unknown and self.settings.abort_unknown_broadcast:
             self.tracker.spawn(self.broadcast_abort(unknown))
 
