@@ -554,6 +554,10 @@ class Serving:
                         buffer.put(ev.raw, ev.data)
                     if done or error is not None or buffer.closed:
                         break
+                    if len(reader.pending) > self.settings.slow_reader_max_bytes:
+                        error = UpstreamProtocolError(
+                            "decode", worker.url, "sent an SSE event larger than the byte cap").sse_event()
+                        break
             except UpstreamError as e:
                 self.metrics.upstream_errors.labels(pool=worker.pool, worker=worker.url,
                                                     error=type(e).__name__).inc()

@@ -158,6 +158,16 @@ async def test_decode_stream_headers_timeout_is_a_504(pd_factory: PDFactory) -> 
     await pd.d.set_faults(hang_before_headers=False)
 
 
+async def test_endless_upstream_event_is_cut(scripted_factory: ScriptedFactory,
+                                             proxy_factory: ProxyFactory) -> None:
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted = await scripted_factory(lambda b, r: SSEBytes([b"data: " + b"x" * 4000] * 3))
+    client, _ = await proxy_factory([p.url], [d.url], slow_reader_max_bytes=5000)
+    r = await client.post("/inference/v1/generate", json={**req(), "stream": True})
+    events = sse_datas(await r.read())
+    assert "larger than the byte cap" in events[0]["error"]["message"] and events[-1] == "[DONE]"
+
+
 async def test_stream_idle_timeout_becomes_in_band_error(pd_factory: PDFactory) -> None:
     pd = await pd_factory(stream_idle_timeout=0.3)
     await pd.d.set_faults(hang_after_headers=True)
