@@ -297,3 +297,24 @@ async def test_validation_errors_match_vllm(sim_factory: SimFactory) -> None:
     assert e4["error"]["message"] == "Token id 520 is out of vocabulary"
     assert st5 == 400 and e5["error"]["param"] is None and "Unsupported Media Type" in e5["error"]["message"]
     assert (await w.state())["inflight"] == []
+
+
+async def test_sampling_params_checks_run_while_parsing(sim_factory: SimFactory) -> None:
+    w = await sim_factory(zero_latency=True)
+    async with aiohttp.ClientSession() as s:
+        # vLLM's SamplingParams errors escape pydantic: they win over other fields' errors
+        _, a = await post_json(s, w.url + GEN, {"token_ids": [], "sampling_params": {"max_tokens": 0}})
+        _, b = await post_json(s, w.url + GEN, body(max_tokens=None, sp={"min_tokens": 20}))
+        _, c = await post_json(s, w.url + GEN, body(sp={"temperature": 3}))
+        _, d = await post_json(s, w.url + GEN, body(sp={"stop": ["x"], "detokenize": False}))
+        _, e = await post_json(s, w.url + GEN, body(sp={"max_tokens": "many"}))
+    assert a["error"]["type"] == "BadRequestError" and a["error"]["param"] == "max_tokens"
+    assert b["error"]["message"] == "min_tokens must be less than or equal to max_tokens=16, got 20."
+    assert c["error"] == {
+        "message": "temperature must be in [0, 2], got 3.0. (parameter=temperature, value=3.0)",
+        "type": "BadRequestError",
+        "param": "temperature",
+        "code": 400,
+    }
+    assert d["error"]["message"].startswith("stop strings are only supported when detokenize is True")
+    assert e["error"]["type"] == "Bad Request" and e["error"]["param"] == "body.sampling_params.max_tokens"

@@ -8,11 +8,12 @@ produces the same error entries; ``validation_message`` renders them the way vLL
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from .errors import RequestValidation
+from .errors import BadRequest, RequestValidation
 
 _MAX_REPORTED_ERRORS = 10
 _MAX_ERROR_INPUT_CHARS = 200
@@ -28,9 +29,13 @@ class SamplingParams(BaseModel):
     """The subset of vLLM's ``SamplingParams`` that pd-sim acts on; other keys are ignored."""
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -164,13 +169,92 @@ def parse_json_body(raw: bytes) -> Any:
         ) from None
 
 
+def vllm_error(message: str, parameter: str | None = None, value: Any = None) -> BadRequest:
+    """vLLM's ``VLLMValidationError``: ``str()`` appends ``(parameter=..., value=...)``."""
+    extras = []
+    if parameter is not None:
+        extras.append(f"parameter={parameter}")
+    if value is not None:
+        extras.append(f"value={value}")
+    return BadRequest(f"{message} ({', '.join(extras)})" if extras else message, param=parameter)
+
+
+_VLLM_DEFAULT_MAX_TOKENS = 16  # SamplingParams' dataclass default, checked before the server fills it
+
+
+def verify_sampling_params(sp: SamplingParams) -> None:
+    """vLLM's ``SamplingParams._verify_args`` and greedy check (run while the body is parsed, so
+    their ``BadRequestError`` wins over other fields' validation errors)."""
+    if sp.n < 1:
+        raise vllm_error(f"n must be at least 1, got {sp.n}.")
+    if not -2.0 <= sp.presence_penalty <= 2.0:
+        raise vllm_error(f"presence_penalty must be in [-2, 2], got {sp.presence_penalty}.")
+    if not -2.0 <= sp.frequency_penalty <= 2.0:
+        raise vllm_error(f"frequency_penalty must be in [-2, 2], got {sp.frequency_penalty}.")
+    if not math.isfinite(sp.repetition_penalty):
+        raise vllm_error(f"repetition_penalty must be a finite number, got {sp.repetition_penalty}.")
+    if sp.repetition_penalty <= 0.0:
+        raise vllm_error(f"repetition_penalty must be greater than zero, got {sp.repetition_penalty}.")
+    t = sp.temperature
+    if not math.isfinite(t):
+        raise vllm_error(f"temperature must be a finite number, got {t}.", "temperature", t)
+    if t < 0.0:
+        raise vllm_error(f"temperature must be non-negative, got {t}.", "temperature", t)
+    if t > 2.0:
+        raise vllm_error(f"temperature must be in [0, 2], got {t}.", "temperature", t)
+    if not 0.0 < sp.top_p <= 1.0:
+        raise vllm_error(f"top_p must be in (0, 1], got {sp.top_p}.", "top_p", sp.top_p)
+    if sp.top_k < -1:
+        raise vllm_error(f"top_k must be 0 (disable), or at least 1, got {sp.top_k}.")
+    if not 0.0 <= sp.min_p <= 1.0:
+        raise vllm_error(f"min_p must be in [0, 1], got {sp.min_p}.")
+    max_tokens = sp.max_tokens if "max_tokens" in sp.model_fields_set else _VLLM_DEFAULT_MAX_TOKENS
+    if max_tokens is not None and max_tokens < 1:
+        raise vllm_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+    if sp.min_tokens < 0:
+        raise vllm_error(f"min_tokens must be greater than or equal to 0, got {sp.min_tokens}.")
+    if max_tokens is not None and sp.min_tokens > max_tokens:
+        raise vllm_error(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {sp.min_tokens}."
+        )
+    if sp.logprobs is not None and sp.logprobs != -1 and sp.logprobs < 0:
+        raise vllm_error(f"logprobs must be non-negative or -1, got {sp.logprobs}.", "logprobs", sp.logprobs)
+    if sp.prompt_logprobs is not None and sp.prompt_logprobs != -1 and sp.prompt_logprobs < 0:
+        raise vllm_error(
+            f"prompt_logprobs must be non-negative or -1, got {sp.prompt_logprobs}.",
+            "prompt_logprobs",
+            sp.prompt_logprobs,
+        )
+    stops = [sp.stop] if isinstance(sp.stop, str) else (sp.stop or [])
+    if any(not s for s in stops):
+        raise vllm_error("stop cannot contain an empty string.")
+    if stops and not sp.detokenize:
+        raise vllm_error(
+            "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+        )
+    if t < 1e-5 and sp.n > 1:
+        raise vllm_error(f"n must be 1 when using greedy sampling, got {sp.n}.")
+
+
 def parse_generate_request(body: Any) -> GenerateRequest:
     try:
-        return GenerateRequest.model_validate(body)
+        req = GenerateRequest.model_validate(body)
     except ValidationError as e:
+        # vLLM builds SamplingParams (and runs its checks) while validating the body; its
+        # VLLMValidationError is not a ValueError, so it escapes pydantic and wins.
+        raw_sp = body.get("sampling_params") if isinstance(body, dict) else None
+        if isinstance(raw_sp, dict):
+            try:
+                sp = SamplingParams.model_validate(raw_sp)
+            except ValidationError:
+                pass
+            else:
+                verify_sampling_params(sp)
         errors: list[dict[str, Any]] = []
         for err in e.errors(include_url=False):
             entry = dict(err)
             entry["loc"] = ("body", *err["loc"])
             errors.append(entry)
         raise validation_error(errors) from None
+    verify_sampling_params(req.sampling_params)
+    return req

@@ -31,7 +31,13 @@ from .errors import (
 )
 from .metrics import SimMetrics
 from .model import choice_seed, fold_all
-from .protocol import GenerateRequest, parse_generate_request, parse_json_body, unsupported_media_type
+from .protocol import (
+    GenerateRequest,
+    parse_generate_request,
+    parse_json_body,
+    unsupported_media_type,
+    vllm_error,
+)
 from .sequence import SeqConfig, Sequence, prompt_logprobs
 from .settings import Faults, SimSettings
 from .tokenizer import ByteTokenizer
@@ -188,11 +194,22 @@ class _Run:
                 "load one (--tokens-only or --skip-tokenizer-init). Send the request to a server that "
                 "loads a tokenizer, or use output_mode='tokens'."
             )
+        for name, kind, value in (
+            ("logprobs", "sample", sp.logprobs),
+            ("prompt_logprobs", "prompt", sp.prompt_logprobs),
+        ):
+            count = s.vocab_size if value == -1 else value
+            if count and count > s.max_logprobs:
+                raise vllm_error(
+                    f"Requested {kind} logprobs of {count}, which is greater than max allowed: "
+                    f"{s.max_logprobs}",
+                    name,
+                    count,
+                )
         if sp.prompt_logprob_token_ids is not None:
-            raise BadRequest(
-                "prompt_logprob_token_ids requires the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1). "
-                "(parameter=prompt_logprob_token_ids)",
-                param="prompt_logprob_token_ids",
+            raise vllm_error(
+                "prompt_logprob_token_ids requires the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1).",
+                "prompt_logprob_token_ids",
             )
         for t in self.prompt:
             if t >= s.vocab_size:
@@ -211,30 +228,8 @@ class _Run:
                 "output tokens)."
             )
         room = s.max_model_len - len(self.prompt)
-        if sp.max_tokens is None:
-            max_tokens = room
-        else:
-            if sp.max_tokens < 1:
-                raise BadRequest(
-                    f"max_tokens must be at least 1, got {sp.max_tokens}. "
-                    f"(parameter=max_tokens, value={sp.max_tokens})",
-                    param="max_tokens",
-                )
-            max_tokens = min(sp.max_tokens, room)
-        for name, value in (("logprobs", sp.logprobs), ("prompt_logprobs", sp.prompt_logprobs)):
-            if value is not None and value > s.max_logprobs:
-                kind = "sample" if name == "logprobs" else "prompt"
-                raise BadRequest(
-                    f"Requested {kind} logprobs of {value}, which is greater than max allowed: "
-                    f"{s.max_logprobs}",
-                    param=name,
-                )
-        if sp.n > 1 and sp.temperature < 1e-5:
-            raise BadRequest(f"n must be 1 when using greedy sampling, got {sp.n}.")
-        if sp.min_tokens > (sp.max_tokens if sp.max_tokens is not None else max_tokens):
-            raise BadRequest(
-                f"min_tokens must be less than or equal to max_tokens={sp.max_tokens}, got {sp.min_tokens}."
-            )
+        # The server fills an omitted max_tokens from the model length, and caps one that does not fit.
+        max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
         self.max_tokens = max_tokens
         cfg = SeqConfig.build(sp, s.vocab_size, self.max_tokens, self.st.tokenizer, self.text_mode)
         seed = 0 if sp.temperature < 1e-05 else sp.seed if sp.seed is not None else random.getrandbits(63)
