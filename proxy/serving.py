@@ -600,9 +600,11 @@ class Serving:
 
     def _close_lease_after_decode_error(self, f: Flight, e: UpstreamError) -> None:
         if isinstance(e, UpstreamStatusError) and e.passthrough:
-            # D rejected the request up front: P is never told; the blocks wait for the lease
-            # (the ledger's expiry closes it as "expired").
-            f.record.kv_params = None
+            # D rejected the request up front: vLLM does not tell P, so the blocks would wait
+            # for the lease. Try the stripped-down release request (tokens mode, one token, no
+            # stop strings or logprobs), which D may well accept; if not, the lease expires.
+            if f.record.kv_params is not None and f.release_task is None:
+                f.release_task = self.tracker.spawn(self._release(f))
             return
         self._close_lease(f, "unknown")
 

@@ -101,12 +101,17 @@ async def test_decode_5xx_is_a_502_naming_the_decode_worker(pd_factory: PDFactor
     assert status == 502 and f"decode worker {pd.d.url}" in body["error"]["message"]
 
 
-async def test_decode_4xx_passes_through_unchanged(pd_factory: PDFactory) -> None:
-    pd = await pd_factory(prefill={"lease_seconds": 0.3})
+@pytest.mark.parametrize("stream", [False, True])
+async def test_decode_4xx_passes_through_and_kv_is_still_released(pd_factory: PDFactory,
+                                                                  stream: bool) -> None:
+    pd = await pd_factory()  # P's lease is 30 s: only the proxy's release frees the KV in time
     await pd.d.set_faults(fail_next=1, fail_status=400)
-    r = await pd.client.post("/inference/v1/generate", json={**req(), "stream": True})
+    r = await pd.client.post("/inference/v1/generate", json={**req(), "stream": stream})
     assert r.status == 400
     assert (await r.json())["error"]["code"] == 400
+    await pd.quiet(limit=1.0)
+    ledger = await (await pd.client.get("/debug/kv-leases")).json()
+    assert ledger["closed"][0]["reason"] == "aborted"
 
 
 async def test_decode_stream_reset_becomes_in_band_error(pd_factory: PDFactory) -> None:
