@@ -12,7 +12,7 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -939,7 +939,10 @@ async def kv_heartbeat(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------------------------
 
 
-async def _on_cleanup(app: web.Application) -> None:
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Nothing to start; at shutdown: stop lease timers and background notifications, close the
+    side-channel client session."""
+    yield
     st = app[SIM]
     st.leases.close()
     for task in list(st.background):
@@ -982,5 +985,5 @@ def build_app(settings: SimSettings | None = None) -> web.Application:
     app.router.add_post("/sim/kv/pull", kv_pull)
     app.router.add_post("/sim/kv/free", kv_free)
     app.router.add_post("/sim/kv/heartbeat", kv_heartbeat)
-    app.on_cleanup.append(_on_cleanup)
+    app.cleanup_ctx.append(_lifecycle)
     return app
