@@ -606,6 +606,16 @@ class Serving:
             if f.record.kv_params is not None and f.release_task is None:
                 f.release_task = self.tracker.spawn(self._release(f))
             return
+        # A 5xx, a transport failure or a timeout before D answered: D may or may not have
+        # pulled. Release through another decode worker when there is one (a second pull of
+        # already-freed blocks is harmless on vLLM: P only logs a warning).
+        if f.record.kv_params is not None and f.release_task is None:
+            failed = f.record.decode_worker
+            others = [w for w in self.decode_pool if w is not failed]
+            if others:
+                f.record.decode_worker = min(others, key=lambda w: w.inflight)
+                f.release_task = self.tracker.spawn(self._release(f))
+                return
         self._close_lease(f, "unknown")
 
     def _lease_closed(self, lease: Lease) -> None:

@@ -94,6 +94,16 @@ async def test_decode_only_fallback_is_counted_and_visible(pd_factory: PDFactory
     await pd.quiet()
 
 
+async def test_decode_5xx_with_a_second_decode_worker_releases_the_kv(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(n_decode=2)
+    await pd.decode[0].set_faults(fail_next=1, fail_status=503)  # the first pick of the pool
+    status, body, _ = await pd.gen(req())
+    assert status == 502 and f"decode worker {pd.decode[0].url}" in body["error"]["message"]
+    await pd.quiet(limit=1.0)  # P's lease is 30 s: freed by the release through decode[1]
+    ledger = await (await pd.client.get("/debug/kv-leases")).json()
+    assert ledger["closed"][0]["reason"] == "aborted"
+
+
 async def test_decode_5xx_is_a_502_naming_the_decode_worker(pd_factory: PDFactory) -> None:
     pd = await pd_factory(prefill={"lease_seconds": 0.3})
     await pd.d.set_faults(fail_next=1, fail_status=500)
