@@ -317,3 +317,63 @@ def test_vllm_stack_serves_scrapes_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         if running.info.get("prometheus"):
             check_prometheus(running)
         stop_and_check_nothing_left(running)
+
+
+def fake_vllm(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
+    """A stand-in ``vllm`` that never gets healthy and records its PID: start-up paths without vLLM."""
+    venv = tmp_path / "fake-vllm"
+    (venv / "bin").mkdir(parents=True)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = venv / "bin" / "vllm"
+    script.write_text(f'#!/bin/sh\necho $$ > "{pids}/$$"\nexec sleep 600\n')
+    script.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir()
+    env = {**os.environ, "PD_VLLM_VENV": str(venv)}
+    return env, pids, model
+
+
+def recorded_pids(pids: Path) -> list[int]:
+    return [int(p.name) for p in pids.iterdir()]
+
+
+def test_vllm_startup_timeout_is_reported_and_cleaned_up(tmp_path: Path) -> None:
+    env, pids, model = fake_vllm(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.local", "--model", str(model), "--startup-timeout", "3",
+         "--run-dir", str(tmp_path / "run"), "--no-prometheus", "--port", "0"],
+        cwd=cat.REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "not healthy after 3 s" in out.stdout
+    assert len(recorded_pids(pids)) == 2  # one prefill and one decode were started ...
+    assert [p for p in recorded_pids(pids) if _alive(p)] == []  # ... and stopped
+
+
+def test_ctrl_c_during_vllm_startup_stops_the_workers(tmp_path: Path) -> None:
+    env, pids, model = fake_vllm(tmp_path)
+    out = tmp_path / "stack.out"
+    with out.open("wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.local", "--model", str(model), "--run-dir", str(tmp_path / "run"),
+             "--no-prometheus", "--port", "0"],
+            cwd=cat.REPO, env=env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(recorded_pids(pids)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0, out.read_text()
+        assert "nothing left running" in out.read_text()
+        assert [p for p in recorded_pids(pids) if _alive(p)] == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for pid in recorded_pids(pids):  # the stand-ins this test started, if anything went wrong
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
