@@ -470,6 +470,16 @@ class Serving:
         headers["Cache-Control"] = "no-cache"
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
+        try:
+            await self._relay(request, f, resp, buffer)
+        except ConnectionResetError:
+            # The client went away mid-stream: return quietly (aiohttp ignores the failed
+            # write_eof); the clean-up aborts D because the state is still DECODING.
+            self._note_abort(f.record, "shutdown" if self.draining else "disconnect")
+        return resp
+
+    async def _relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
+                     buffer: StreamBuffer) -> None:
         want_timing = request.headers.get("X-PD-Timing") == "1"
         last_write: float | None = None
         transport = request.transport
@@ -493,7 +503,7 @@ class Serving:
                 "bytes queued)")
             await resp.write(err.sse_event() + DONE_EVENT)
             await resp.write_eof()
-            return resp  # phase stays DECODING: the clean-up aborts D
+            return  # phase stays DECODING: the clean-up aborts D
         if f.timing.d1 is not None:
             self.metrics.child(self.metrics.stage, "decode_stream").observe(self.clock() - f.timing.d1)
         tail = [buffer.error_event] if buffer.error_event is not None else []
@@ -505,7 +515,6 @@ class Serving:
         if f.decode_task is not None and f.decode_task.done():
             self._set_done(f)
         # else: the proxy ended the stream itself (abort grace passed): the clean-up aborts D.
-        return resp
 
     async def _produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
         """Read D's stream into ``buffer`` (never blocks on the client)."""
@@ -716,8 +725,9 @@ class Serving:
         if request.headers.get("X-PD-Timing") == "1":
             out.append(comment_event("server-timing " + f.timing.header(self.clock())))
         out.append(DONE_EVENT)
-        await resp.write(b"".join(out))
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the client is gone: nothing to tell
+            await resp.write(b"".join(out))
+            await resp.write_eof()
         return resp
 
     # ---------------------------------------------------------------- release / clean-up

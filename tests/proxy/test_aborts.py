@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -178,11 +179,15 @@ async def test_disconnect_between_hops_frees_prefill_kv(pd_factory: PDFactory, s
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_disconnect_while_decoding(pd_factory: PDFactory, stream: bool) -> None:
+async def test_disconnect_while_decoding(pd_factory: PDFactory, stream: bool,
+                                         caplog: pytest.LogCaptureFixture) -> None:
     pd = await pd_factory(decode=SLOW_DECODE)
     body = {**req(request_id="dd", sp={"max_tokens": 300, "ignore_eos": True}), "stream": stream}
     await _disconnect_when(pd, "decoding", body, after_bytes=1)
     await pd.quiet(limit=1.0)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a disconnect is not an error"
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert 'pd_proxy_aborts_total{source="disconnect",state="decoding"} 1.0' in metrics
 
 
 async def test_disconnect_before_decode_answers(pd_factory: PDFactory) -> None:
