@@ -4,7 +4,9 @@
 serves it. See ``workers/sim/README.md`` for endpoints, flags and faults.
 """
 
-from .server import SIM, SimState, build_app, state_snapshot
+from .admin import state_snapshot
+from .server import build_app
 from .settings import Faults, Role, SimSettings
+from .state import SIM, SimState
 
 __all__ = ["SIM", "Faults", "Role", "SimSettings", "SimState", "build_app", "state_snapshot"]
