@@ -38,7 +38,6 @@ from .state import DUMPS, SIM, SimState, json_response, read_json, request_id_he
 
 log = logging.getLogger("pd_sim")
 
-SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 _KV_BYTES_PER_TOKEN = 4096
 _YIELD_EVERY = 16
 _DISABLED = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
