@@ -3,8 +3,8 @@
 #   docker run --rm -p 8000:8000 pd-proxy:0.1.0 --prefill http://P:8100 --decode http://D:8200
 # The entrypoint listens on 0.0.0.0:8000; arguments are appended, so a later --port wins (set
 # PD_PROXY_PORT to the same port for the health check).
-# Only the runtime dependencies are installed (no dev extras); the build stage keeps pip's and
-# setuptools' leftovers out of the final image.
+# Only the runtime dependencies are installed, plus the k8s extra (pool membership from EndpointSlices);
+# no dev extras. The build stage keeps pip's and setuptools' leftovers out of the final image.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
@@ -19,7 +19,7 @@ COPY proxy ./proxy
 COPY kv_transfer ./kv_transfer
 COPY workers ./workers
 COPY benchmarks ./benchmarks
-RUN /opt/pd-proxy/bin/pip install --no-cache-dir . \
+RUN /opt/pd-proxy/bin/pip install --no-cache-dir ".[k8s]" \
     && /opt/pd-proxy/bin/pip uninstall --yes pip setuptools wheel
 
 FROM ${PYTHON_IMAGE}

@@ -5,7 +5,9 @@ and the objects fit together: selectors, ports, RBAC, side-channel host from the
 from __future__ import annotations
 
 import json
+import os
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
@@ -287,3 +289,35 @@ def test_proxy_image_is_the_project_version(overlay: str) -> None:
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     proxy = by_kind(build(f"overlays/{overlay}"), "Deployment")["pd-proxy"]
     assert container(proxy, "pd-proxy")["image"].endswith(f":{version}")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_endpointslice_discovery_component(tmp_path: Path, overlay: str) -> None:
+    """The component makes the proxy watch each pool's EndpointSlices: selectors that match the pool
+    Services' labels (copied onto their slices), the Services' port name, the pod's own namespace."""
+    assert KUBECTL is not None
+    rel = os.path.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{rel}/overlays/{overlay}]\ncomponents: [{rel}/components/endpointslice-discovery]\n"
+    )
+    result = run([KUBECTL, "kustomize", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    objs = tuple(d for d in yaml.safe_load_all(result.stdout) if d)
+    proxy = by_kind(objs, "Deployment")["pd-proxy"]
+    kubernetes_validate.validate(proxy, K8S_VERSIONS[-1], strict=True)
+    c = container(proxy, "pd-proxy")
+    assert env_of(c)["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    args = c["args"]
+    specs = [args[i + 1] for i, a in enumerate(args) if a == "--k8s-endpointslices"]
+    services = by_kind(objs, "Service")
+    pools = {}
+    for spec in specs:
+        pool, namespace, selector, port = spec.split(":")
+        assert namespace == "$(POD_NAMESPACE)"
+        key, _, value = selector.partition("=")
+        (svc,) = [s for s in services.values() if s["metadata"]["labels"].get(key) == value]
+        assert port in {p["name"] for p in svc["spec"]["ports"]}
+        pools[pool] = svc["metadata"]["name"]
+    assert pools == {"prefill": "pd-prefill", "decode": "pd-decode"}
