@@ -39,7 +39,8 @@ async def test_fail_next_n_with_status_then_recover(sim_factory: SimFactory) -> 
         )
     )
     assert st3 == 200 and ok["choices"][0]["finish_reason"] == "length"
-    assert (await w.state())["faults"]["fail_next"] == 0
+    state = await w.state()
+    assert state["faults"]["fail_next"] == 0 and state["generate_calls"] == 3
 
 
 async def test_fail_with_500_uses_vllms_message(sim_factory: SimFactory) -> None:

@@ -23,6 +23,7 @@ def state_snapshot(st: SimState) -> dict[str, Any]:
     return {
         "role": st.settings.role,
         "engine_id": st.engine_id,
+        "generate_calls": st.generate_calls,
         "running": st.scheduler.running,
         "waiting": st.scheduler.waiting,
         "kv_blocks_used": st.pool.used,
