@@ -314,6 +314,14 @@ def test_vllm_stack_serves_scrapes_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         named = {s.name for f in files for q in dash.queries(f) for s in dash.selectors(dash.parse(q.expr))}
         vllm_named = {n for n in named if n.startswith("vllm:")}
         assert vllm_named - scraped == set()
+        # The requests really went P -> D: the decode worker pulled KV over NIXL.
+        pulls = [
+            float(line.rsplit(" ", 1)[1])
+            for url in running.info["decode"]
+            for line in get_text(f"{url}/metrics").splitlines()
+            if line.startswith("vllm:nixl_xfer_time_seconds_count")
+        ]
+        assert sum(pulls) >= 2
         if running.info.get("prometheus"):
             check_prometheus(running)
         stop_and_check_nothing_left(running)
