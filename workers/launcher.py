@@ -686,39 +686,47 @@ def _up(args: argparse.Namespace) -> int:
         f"logs in {args.log_dir}",
         file=sys.stderr,
     )
+    cluster: Cluster | None = None
     try:
         cluster = start_cluster(settings)
+        print(json.dumps(cluster.describe()), flush=True)
+        if args.detach:
+            print(
+                f"pd-workers: ready; stop with `pd-workers down --state-file {args.state_file}`",
+                file=sys.stderr,
+            )
+            return 0
+        print("pd-workers: ready; Ctrl-C stops them", file=sys.stderr)
+        return _watch(cluster, args.state_file)
     except KeyboardInterrupt:
-        print("pd-workers: interrupted during start-up; workers stopped", file=sys.stderr)
-        return 130
-    print(json.dumps(cluster.describe()), flush=True)
-    if args.detach:
         print(
-            f"pd-workers: ready; stop with `pd-workers down --state-file {args.state_file}`", file=sys.stderr
+            "pd-workers: stopping" if cluster else "pd-workers: interrupted during start-up", file=sys.stderr
         )
-        return 0
-    print("pd-workers: ready; Ctrl-C stops them", file=sys.stderr)
-    try:
-        while True:
-            dead = cluster.dead_workers()
-            if dead:
-                if not args.state_file.exists():
-                    print("pd-workers: stopped by `pd-workers down`", file=sys.stderr)
-                    cluster.stop()
-                    return 0
-                w = dead[0]
-                print(
-                    f"pd-workers: {w.role} worker {w.index} ({w.url}) exited; last lines of {w.log}:\n"
-                    f"{_log_tail(Path(w.log))}\npd-workers: stopping the others",
-                    file=sys.stderr,
-                )
-                cluster.stop()
-                return 1
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        print("pd-workers: stopping", file=sys.stderr)
-        cluster.stop()
-        return 0
+        return 0 if cluster else 130
+    finally:
+        if cluster is not None and not args.detach:
+            # A second Ctrl-C must not cut the (bounded) stop short and leave workers behind.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            cluster.stop()
+
+
+def _watch(cluster: Cluster, state_file: Path) -> int:
+    """Wait until a worker exits: 0 when `pd-workers down` stopped them, 1 (with its log tail) otherwise."""
+    while True:
+        dead = cluster.dead_workers()
+        if dead:
+            if not state_file.exists():
+                print("pd-workers: stopped by `pd-workers down`", file=sys.stderr)
+                return 0
+            w = dead[0]
+            print(
+                f"pd-workers: {w.role} worker {w.index} ({w.url}) exited; last lines of {w.log}:\n"
+                f"{_log_tail(Path(w.log))}\npd-workers: stopping the others",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(1.0)
 
 
 def _status(path: Path) -> int:
