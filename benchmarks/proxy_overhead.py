@@ -57,6 +57,11 @@ class Proc:
                 self.process.kill()
                 await self.process.wait()
 
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_kib(self) -> int:
         with open(f"/proc/{self.process.pid}/status") as f:
             for line in f:
@@ -172,14 +177,18 @@ async def measure_ttft(p: Proc, d: Proc, px: Proc, concurrency: int, total: int)
                     else:
                         times.append(await ttft_proxy(s, px.url, rid))
 
+            cpu0 = px.cpu_seconds()
             await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(total))), 300)
             key = name.rstrip("2")
             out.setdefault(key, []).extend(times)
+            if key == "proxy":
+                out["proxy_cpu_s"] = out.get("proxy_cpu_s", 0.0) + px.cpu_seconds() - cpu0
     res: dict[str, Any] = {"concurrency": concurrency, "requests_per_path": 2 * total}
     for key in ("direct", "proxy"):
         xs = out[key]
         res[f"{key}_p50_ms"] = round(statistics.median(xs) * 1000, 3)
         res[f"{key}_p99_ms"] = round(_pct(xs, 0.99) * 1000, 3)
+    res["proxy_cpu_ms_per_request"] = round(1000 * out["proxy_cpu_s"] / (2 * total), 3)
     res["added_p50_ms"] = round(res["proxy_p50_ms"] - res["direct_p50_ms"], 3)
     res["added_p99_ms"] = round(res["proxy_p99_ms"] - res["direct_p99_ms"], 3)
     return res
@@ -198,11 +207,15 @@ async def measure_throughput(px: Proc, streams: int, max_tokens: int) -> dict[st
             return n
 
         t0 = time.perf_counter()
+        cpu0 = px.cpu_seconds()
         counts = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(streams))), 300)
         dt = time.perf_counter() - t0
+        cpu = px.cpu_seconds() - cpu0
         tokens = sum(counts)
     return {"streams": streams, "max_tokens": max_tokens, "tokens": tokens, "seconds": round(dt, 3),
-            "tokens_per_s": round(tokens / dt, 1)}
+            "tokens_per_s": round(tokens / dt, 1), "proxy_cpu_s": round(cpu, 3),
+            "proxy_cpu_us_per_token": round(1e6 * cpu / max(tokens, 1), 2),
+            "tokens_per_proxy_cpu_s": round(tokens / max(cpu, 1e-9), 1)}
 
 
 async def measure_memory(px: Proc, streams: int) -> dict[str, Any]:
