@@ -114,6 +114,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def pick_port(wanted: int, what: str, out: IO[str]) -> int:
+    """``wanted`` when it is free (0: any free port); a free one, said out loud, when it is taken."""
+    if wanted == 0:
+        return free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, wanted))
+        except OSError:
+            port = free_port()
+            print(f"deploy.local: port {wanted} is taken; {what} uses {port} instead", file=out, flush=True)
+            return port
+    return wanted
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback http)
@@ -380,7 +394,7 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
                 start_sim_workers(stack, args.prefill, args.decode, run_dir, args.tokens_only)
             else:
                 start_vllm_workers(stack, args, run_dir)
-            proxy_port = args.port or free_port()
+            proxy_port = pick_port(args.port, "pd-proxy", out)
             stack.info["proxy"] = start_proxy(stack, proxy_port, run_dir, args.proxy_arg)
             binary = shutil.which("prometheus")
             if args.no_prometheus:
@@ -391,7 +405,7 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
                 )
             else:
                 stack.info["prometheus"] = start_prometheus(
-                    stack, binary, args.prometheus_port or free_port(), run_dir
+                    stack, binary, pick_port(args.prometheus_port, "Prometheus", out), run_dir
                 )
             info = describe(stack)
             print_urls(info, out)

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,7 +67,7 @@ def _pgid(pid: int) -> int | None:
 
 
 @contextlib.contextmanager
-def stack(tmp_path: Path, *args: str, ready_timeout: float) -> Iterator[Running]:
+def stack(tmp_path: Path, *args: str, ready_timeout: float, port: int = 0) -> Iterator[Running]:
     """Start ``python -m deploy.local`` and yield once it wrote its ready file; always clean up."""
     ready = tmp_path / "ready.json"
     out = tmp_path / "stack.out"
@@ -75,7 +76,7 @@ def stack(tmp_path: Path, *args: str, ready_timeout: float) -> Iterator[Running]
         "-m",
         "deploy.local",
         "--port",
-        "0",
+        str(port),
         "--prometheus-port",
         "0",
         "--run-dir",
@@ -252,35 +253,31 @@ def test_stack_stops_everything_when_a_part_dies(tmp_path: Path) -> None:
 
 
 def test_startup_failure_is_reported_and_cleaned_up(tmp_path: Path) -> None:
-    """A proxy that cannot start (its port is taken) stops the workers already running."""
-    import socket  # noqa: PLC0415
+    """A proxy that cannot start (a bad argument) stops the workers already running."""
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.local", "--workers", "sim", "--no-prometheus", "--port", "0",
+         "--proxy-arg=--no-such-flag", "--run-dir", str(tmp_path / "run")],
+        cwd=cat.REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "pd-proxy exited" in out.stdout
+    assert "--no-such-flag" in out.stdout  # the proxy's own complaint, from its log
+    assert "nothing left running" in out.stdout
+    logs = tmp_path / "run" / "logs"
+    sims = [p for p in logs.glob("*-0.log")]
+    assert len(sims) == 2
 
+
+def test_a_taken_port_is_replaced_by_a_free_one(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "deploy.local",
-                "--workers",
-                "sim",
-                "--no-prometheus",
-                "--port",
-                str(port),
-                "--run-dir",
-                str(tmp_path / "run"),
-            ],
-            cwd=cat.REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert "pd-proxy exited" in out.stdout
-    assert "nothing left running" in out.stdout
+        with stack(tmp_path, "--workers", "sim", "--no-prometheus", ready_timeout=60, port=port) as running:
+            assert f"port {port} is taken" in running.out.read_text()
+            assert running.info["proxy"] != f"http://127.0.0.1:{port}"
+            generate_through_proxy(running.info["proxy"])
+            stop_and_check_nothing_left(running)
 
 
 # ---------------------------------------------------------------------------------------------
