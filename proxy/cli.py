@@ -26,6 +26,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
                    help="API key sent to the workers")
     p.add_argument("--decode-tokens-only", action="store_true",
                    help="the decode pool runs --tokens-only (reject text mode and stop strings)")
+    p.add_argument("--prefill-tokens-only", action="store_true",
+                   help="the prefill pool runs --tokens-only (stop strings are left out of its hop)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--prefill-failure", choices=["fail", "decode-only"], default="fail",
                    help="when the prefill hop gives no usable KV: 502, or run on decode alone")
@@ -48,7 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     return ProxySettings(
         prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode), host=a.host, port=a.port,
         api_key=a.api_key, upstream_api_key=a.upstream_api_key,
-        decode_tokens_only=a.decode_tokens_only, max_num_seqs=a.max_num_seqs,
+        decode_tokens_only=a.decode_tokens_only, prefill_tokens_only=a.prefill_tokens_only,
+        max_num_seqs=a.max_num_seqs,
         prefill_failure_policy=a.prefill_failure, rewrite_remote_host=not a.no_rewrite_remote_host,
         abort_unknown_broadcast=not a.no_abort_broadcast,
         legacy_abort_mirror_vllm=a.legacy_abort_mirror_vllm, prefill_timeout=a.prefill_timeout,

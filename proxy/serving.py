@@ -174,12 +174,13 @@ class Serving:
 
     # ---------------------------------------------------------------- hop bodies
 
-    @staticmethod
-    def prefill_body(data: dict[str, Any], req: GenerateRequest, base_id: str) -> dict[str, Any]:
+    def prefill_body(self, data: dict[str, Any], req: GenerateRequest, base_id: str) -> dict[str, Any]:
         body = dict(data)
         sp = dict(data["sampling_params"])
         sp["max_tokens"] = 1
         sp.pop("min_tokens", None)
+        if self.settings.prefill_tokens_only:
+            sp.pop("stop", None)
         if req.is_stream:
             sp.pop("prompt_logprobs", None)  # vLLM drops them on streams anyway
         body["sampling_params"] = sp

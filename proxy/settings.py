@@ -20,6 +20,9 @@ class ProxySettings:
     """Sent to the workers as ``Authorization: Bearer``."""
     decode_tokens_only: bool = False
     """The decode pool runs ``--tokens-only``: text mode and stop strings are rejected up front."""
+    prefill_tokens_only: bool = False
+    """The prefill pool runs ``--tokens-only``: stop strings (which only shape generated text,
+    and the prefill hop's one token is discarded) are left out of the prefill hop."""
     max_num_seqs: int | None = None
     """When set, ``sampling_params.n`` above it is rejected up front (vLLM's message)."""
     prefill_failure_policy: PrefillFailurePolicy = "fail"

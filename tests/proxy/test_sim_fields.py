@@ -87,3 +87,16 @@ async def test_prefix_cache_hits_reach_usage(pd_factory: PDFactory) -> None:
     await pd2.gen(body)
     _, again, _ = await pd2.gen(body)
     assert again["usage"]["prompt_tokens_details"] is None
+
+
+async def test_stop_strings_with_a_tokens_only_prefill_pool(pd_factory: PDFactory,
+                                                            sim_factory: SimFactory) -> None:
+    body = req(request_id="tko", output_mode="text", sp={"max_tokens": 30, "stop": ["e"]})
+    pd = await pd_factory(prefill={"tokens_only": True})
+    status, _, _ = await pd.gen(body)
+    assert status == 400  # P rejects stop strings: the proxy was not told
+    pd2 = await pd_factory(prefill={"tokens_only": True}, prefill_tokens_only=True)
+    status, got, _ = await pd2.gen(body)
+    _, want = await reference(sim_factory, body, False, {})
+    assert status == 200 and volatile(got) == volatile(want)
+    await pd2.quiet()
