@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.fixtures_sim import SimFactory
 from tests.sim.helpers import ABORT, GEN, body, eventually, post_json, stream_events, stream_tokens
 from tests.sim.test_pd import PROMPT, do_prefill, metric_value, releases
-from workers.sim.tokenizer import ByteTokenizer, IncrementalDecoder, gpt2_byte_order
+from workers.sim.tokenizer import ByteTokenizer, DecodeStream, IncrementalDecoder, gpt2_byte_order
 
 TOK = ByteTokenizer()
 
@@ -229,3 +231,91 @@ async def test_queued_decode_heartbeat_keeps_the_lease(sim_factory: SimFactory) 
         st, res = await queued
     assert st == 200 and res["choices"][0]["finish_reason"] == "length"
     assert await releases(p) == {"pulled": 1, "aborted": 0, "expired": 0}
+
+
+def _hf_tokenizer() -> Any:
+    """The same vocabulary as a ``tokenizers`` byte-level BPE (decoding only needs the vocab)."""
+    tk = pytest.importorskip("tokenizers")
+    order = gpt2_byte_order()
+    printable = order[:188]
+    b2u: dict[int, str] = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            b2u[b] = chr(b)
+        else:
+            b2u[b] = chr(256 + extra)
+            extra += 1
+    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2}
+    for i, tb in enumerate(TOK.token_bytes[3:], start=3):
+        vocab["".join(b2u[x] for x in tb)] = i
+    hf = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
+    hf.decoder = tk.decoders.ByteLevel()
+    hf.add_special_tokens(["<s>", "</s>", "<pad>"])
+    return hf
+
+
+def test_decode_stream_matches_tokenizers_decodestream() -> None:
+    hf = _hf_tokenizer()
+    hf_decode_stream = pytest.importorskip("tokenizers.decoders").DecodeStream
+
+    rng = random.Random(7)
+    alphabet = [
+        0,
+        1,
+        2,
+        130,
+        105,
+        161,
+        227,
+        108,
+        175,
+        256,
+        249,
+        225,
+        300,
+        301,
+        264,
+        56,
+        163,
+        118,
+        5,
+        6,
+        283,
+        290,
+    ]
+    for _ in range(1500):
+        prompt = [rng.choice(alphabet) for _ in range(rng.randint(1, 8))]
+        out = [rng.choice(alphabet) for _ in range(rng.randint(1, 10))]
+        skip = rng.random() < 0.5
+        ours = DecodeStream(TOK, prompt, skip)
+        theirs = hf_decode_stream(ids=prompt, skip_special_tokens=skip)
+        assert [ours.step(t) for t in out] == [theirs.step(hf, t) for t in out], (prompt, out, skip)
+        assert TOK.decode(prompt + out, skip) == hf.decode(prompt + out, skip_special_tokens=skip)
+
+
+async def test_prompt_ending_mid_character_repeats_the_prompt_text(sim_factory: SimFactory) -> None:
+    w = await sim_factory(zero_latency=True)
+    prompt = [300, 301, 302, 130]  # ends with the first byte of "é"
+    async with aiohttp.ClientSession() as s:
+        evs = await stream_events(
+            s,
+            w.url + GEN,
+            text_body(tokens=prompt, max_tokens=2, stream=True, sp={"allowed_token_ids": [105, 300]}),
+        )
+    first_text = next(e["choices"][0]["text"] for e in evs if isinstance(e, dict) and e["choices"][0]["text"])
+    assert first_text.startswith(TOK.decode(prompt[:3]))  # vLLM's DecodeStream re-emits the prompt's text
+
+
+async def test_stop_terminating_token_text_is_left_out(sim_factory: SimFactory) -> None:
+    w = await sim_factory(zero_latency=True)
+    sp = {"allowed_token_ids": [0, 300], "skip_special_tokens": False, "stop_token_ids": [0]}
+    async with aiohttp.ClientSession() as s:
+        _, out = await post_json(s, w.url + GEN, text_body(max_tokens=30, sp=sp))
+        _, inc = await post_json(
+            s, w.url + GEN, text_body(max_tokens=30, sp={**sp, "include_stop_str_in_output": True})
+        )
+    c = out["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"], c["token_ids"][-1]) == ("stop", 0, 0)
+    assert not c["text"].endswith("<s>")
+    assert inc["choices"][0]["text"] == c["text"] + "<s>"

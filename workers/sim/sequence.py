@@ -23,17 +23,19 @@ class SeqConfig:
     text_mode: bool
     stops: list[str]
     stop_ids: frozenset[int]
+    prompt: list[int]
     holdback: int = 0
-    max_stop_len: int = 0
 
     @classmethod
     def build(
         cls,
         sp: SamplingParams,
+        *,
         vocab_size: int,
         max_tokens: int,
         tokenizer: ByteTokenizer | None,
         text_mode: bool,
+        prompt: list[int],
     ) -> SeqConfig:
         stops = sp.stop_strings() if tokenizer is not None else []
         max_stop_len = max((len(s) for s in stops), default=0)
@@ -47,8 +49,8 @@ class SeqConfig:
             text_mode=text_mode,
             stops=stops,
             stop_ids=frozenset(sp.stop_token_ids or ()),
+            prompt=prompt,
             holdback=max(holdback, 0),
-            max_stop_len=max_stop_len,
         )
 
     @property
@@ -75,7 +77,7 @@ class Sequence:
     def __post_init__(self) -> None:
         cfg = self.cfg
         if cfg.detokenize and cfg.tokenizer is not None:
-            self.decoder = IncrementalDecoder(cfg.tokenizer, cfg.sp.skip_special_tokens)
+            self.decoder = IncrementalDecoder(cfg.tokenizer, cfg.sp.skip_special_tokens, cfg.prompt)
 
     def step(self) -> int:
         """Generate one token and decide whether the sequence finishes."""
@@ -96,33 +98,38 @@ class Sequence:
         self.tokens.append(tok)
         self.h = fold(h, tok)
         n = len(self.tokens)
-        if not before_min:
-            if tok == EOS_TOKEN_ID and not sp.ignore_eos:
-                self.finish_reason = "stop"
-            elif tok in cfg.stop_ids:
-                self.finish_reason, self.stop_reason = "stop", tok
-        if self.decoder is not None:
-            old_len = len(self.text)
-            self.text += self.decoder.feed(tok)
-            if cfg.stops and n >= sp.min_tokens and self.finish_reason is None:
-                self._check_stop_strings(old_len)
-        if self.finish_reason is None and n >= cfg.max_tokens:
+        # the engine's check_stop: EOS, stop_token_ids, then length (EOS/stop ids are masked out
+        # before min_tokens, see above)
+        stop_terminated = False
+        if tok == EOS_TOKEN_ID and not sp.ignore_eos:
+            self.finish_reason, stop_terminated = "stop", True
+        elif tok in cfg.stop_ids:
+            self.finish_reason, self.stop_reason, stop_terminated = "stop", tok, True
+        elif n >= cfg.max_tokens:
             self.finish_reason = "length"
+        if self.decoder is not None and not (stop_terminated and not sp.include_stop_str_in_output):
+            # vLLM's detokenizer leaves out the token that stop-terminated the sequence
+            piece = self.decoder.feed(tok)
+            self.text += piece
+            if cfg.stops and n > sp.min_tokens:
+                self._check_stop_strings(len(piece))
         return tok
 
-    def _check_stop_strings(self, old_len: int) -> None:
-        cfg = self.cfg
-        start = max(0, old_len - cfg.max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for s in cfg.stops:
-            idx = self.text.find(s, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
+    def _check_stop_strings(self, new_char_count: int) -> None:
+        """vLLM's ``check_stop_strings``: the stop string that completes earliest in the new text wins."""
+        if not new_char_count:
+            return
+        text = self.text
+        best: tuple[int, int, str] | None = None  # (end, index, stop)
+        for stop in self.cfg.stops:
+            idx = text.find(stop, max(0, len(text) - new_char_count - len(stop) + 1))
+            if idx != -1 and (best is None or idx + len(stop) < best[0]):
+                best = (idx + len(stop), idx, stop)
         if best is None:
             return
-        idx, s = best
-        self.text = self.text[: idx + len(s)] if cfg.sp.include_stop_str_in_output else self.text[:idx]
-        self.finish_reason, self.stop_reason = "stop", s
+        end, idx, stop = best
+        self.text = text[:end] if self.cfg.sp.include_stop_str_in_output else text[:idx]
+        self.finish_reason, self.stop_reason = "stop", stop
 
     # -- deltas -----------------------------------------------------------------------------------
 

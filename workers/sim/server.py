@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 import uuid
@@ -14,12 +15,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .admin import kv_free, kv_heartbeat, kv_pull, sim_faults, sim_state
 from .engine import KvPool, LeaseTable, Scheduler
-from .errors import SimError
+from .errors import InternalError, SimError
 from .metrics import SimMetrics
 from .serving import abort_requests, generate
 from .settings import SimSettings
 from .state import SIM, SimState, error_response, json_response, request_id_header
 from .tokenizer import ByteTokenizer
+
+log = logging.getLogger("pd_sim")
 
 GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 
@@ -53,6 +56,12 @@ async def _middleware(
         return json_response({"detail": "Not Found"}, 404)
     except web.HTTPMethodNotAllowed:
         return json_response({"detail": "Method Not Allowed"}, 405)
+    except web.HTTPException:
+        raise
+    except Exception:
+        # vLLM answers an unexpected failure with its generic 500 error object
+        log.exception("pd-sim: unexpected error in %s %s", request.method, request.path)
+        return error_response(InternalError(), request_id_header(request))
 
 
 async def health(request: web.Request) -> web.Response:

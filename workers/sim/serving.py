@@ -138,7 +138,14 @@ class _Run:
         # The server fills an omitted max_tokens from the model length, and caps one that does not fit.
         max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
         self.max_tokens = max_tokens
-        cfg = SeqConfig.build(sp, s.vocab_size, self.max_tokens, self.st.tokenizer, self.text_mode)
+        cfg = SeqConfig.build(
+            sp,
+            vocab_size=s.vocab_size,
+            max_tokens=self.max_tokens,
+            tokenizer=self.st.tokenizer,
+            text_mode=self.text_mode,
+            prompt=self.prompt,
+        )
         seed = 0 if sp.temperature < 1e-05 else sp.seed if sp.seed is not None else random.getrandbits(63)
         self.seed = seed
         h = fold_all(self.prompt)

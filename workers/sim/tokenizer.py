@@ -4,14 +4,13 @@ Ids: 0 ``<s>``, 1 ``</s>``, 2 ``<pad>``; 3..258 the 256 single bytes in GPT-2 by
 order (3 = ``!``, 130 = 0xC3, 105 = 0xA9, ...); 259..514 deterministic multi-byte strings (a few
 English-like pieces, some with a leading space, a few with non-ASCII characters).
 
-Decoding is by bytes: a token whose bytes leave a UTF-8 character unfinished adds no text
-until the token that completes it (then the whole character), as vLLM's incremental
-detokenizer does; invalid bytes become U+FFFD.
+Decoding is by bytes (invalid sequences become U+FFFD). Incremental decoding follows
+``tokenizers``' ``DecodeStream`` as vLLM uses it: a token whose bytes leave a UTF-8 character
+unfinished adds no text until the token that completes it (then the whole character).
 """
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<s>", "</s>", "<pad>")
@@ -115,30 +114,73 @@ class ByteTokenizer:
         return self._single_text[token_id]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        dec = IncrementalDecoder(self, skip_special_tokens)
-        return "".join(dec.feed(t) for t in token_ids) + dec.flush()
+        """Plain (non-incremental) decoding, like ``tokenizer.decode``; special tokens by name."""
+        tb = self.token_bytes
+        if skip_special_tokens:
+            data = b"".join(tb[i] for i in token_ids if i >= NUM_SPECIAL)
+        else:
+            data = b"".join(tb[i] if i >= NUM_SPECIAL else SPECIAL_TOKENS[i].encode() for i in token_ids)
+        return data.decode("utf-8", errors="replace")
 
     def encode(self, text: str) -> list[int]:
         """Bytes to ids (one id per byte; good enough to build prompts in tests)."""
         return [self._byte_id[b] for b in text.encode()]
 
 
-class IncrementalDecoder:
-    """Text deltas for a token stream, holding back unfinished UTF-8 sequences."""
+class DecodeStream:
+    """A re-implementation of ``tokenizers.decoders.DecodeStream`` (which vLLM's fast detokenizer
+    uses) for this byte-level vocabulary, primed with the prompt like vLLM primes it.
 
-    __slots__ = ("_dec", "_skip", "_tok")
+    ``step`` returns the new text, or None while the decoded tail ends in U+FFFD (an unfinished or
+    invalid UTF-8 sequence); when the prompt itself ends mid-character, the first text returned
+    repeats the prompt's text (vLLM does the same; see ``gen-text-stream-prompt-tail-utf8.txt``).
+    """
 
-    def __init__(self, tokenizer: ByteTokenizer, skip_special_tokens: bool = True) -> None:
+    __slots__ = ("_ids", "_prefix", "_prefix_index", "_skip", "_tok")
+
+    def __init__(
+        self, tokenizer: ByteTokenizer, prompt: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids = list(prompt)
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd"):
+            self._prefix, self._prefix_index = "", 0
+        else:
+            self._prefix, self._prefix_index = text, len(self._ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, self._skip)
+
+    def step(self, token_id: int) -> str | None:
+        ids = self._ids
+        ids.append(token_id)
+        text = self._decode(ids)
+        prefix = self._prefix
+        if len(text.encode()) > len(prefix.encode()) and not text.endswith("\ufffd"):
+            if not text.startswith(prefix):
+                # tokenizers raises "Invalid prefix"; vLLM then starts a fresh stream for this token
+                self._ids, self._prefix, self._prefix_index = [], "", 0
+                return self.step(token_id)
+            new_text = text[len(prefix) :]
+            new_prefix_index = len(ids) - self._prefix_index
+            self._ids = ids[self._prefix_index :]
+            self._prefix = self._decode(self._ids)
+            self._prefix_index = new_prefix_index
+            return new_text
+        return None
+
+
+class IncrementalDecoder:
+    """Text deltas for a token stream (``""`` where ``DecodeStream.step`` gives None)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(
+        self, tokenizer: ByteTokenizer, skip_special_tokens: bool = True, prompt: Sequence[int] = ()
+    ) -> None:
+        self._stream = DecodeStream(tokenizer, prompt, skip_special_tokens)
 
     def feed(self, token_id: int) -> str:
-        if token_id < NUM_SPECIAL:
-            if self._skip:
-                return ""
-            return self._dec.decode(b"", final=False) + SPECIAL_TOKENS[token_id]
-        return self._dec.decode(self._tok.token_bytes[token_id])
-
-    def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
+        return self._stream.step(token_id) or ""
