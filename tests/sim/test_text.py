@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from typing import Any
 
@@ -319,3 +320,20 @@ async def test_stop_terminating_token_text_is_left_out(sim_factory: SimFactory) 
     assert (c["finish_reason"], c["stop_reason"], c["token_ids"][-1]) == ("stop", 0, 0)
     assert not c["text"].endswith("<s>")
     assert inc["choices"][0]["text"] == c["text"] + "<s>"
+
+
+async def test_text_logprob_tokens_complete_split_characters(sim_factory: SimFactory) -> None:
+    w = await sim_factory(zero_latency=True)
+    async with aiohttp.ClientSession() as s:
+        _, res = await post_json(
+            s, w.url + GEN, text_body(max_tokens=12, sp={"allowed_token_ids": [130, 105], "logprobs": 0})
+        )
+    toks = res["choices"][0]["token_ids"]
+    content = res["choices"][0]["logprobs"]["content"]
+    assert any(a == 130 and b == 105 for a, b in itertools.pairwise(toks))  # the case under test occurs
+    for i, (t, entry) in enumerate(zip(toks, content, strict=True)):
+        prev = toks[i - 1] if i else None
+        if t == 105 and prev == 130:
+            assert entry["token"] == "é" and entry["bytes"] == [195, 169]
+        if t == 130 and i == 0:
+            assert entry["token"] == "" and entry["bytes"] == []

@@ -8,7 +8,7 @@ from typing import Any
 
 from .model import EOS_TOKEN_ID, fold, fold_all, logprob_of, mix, next_token, redraw
 from .protocol import SamplingParams
-from .tokenizer import ByteTokenizer, IncrementalDecoder
+from .tokenizer import ByteTokenizer, IncrementalDecoder, logprob_token_text
 
 
 @dataclass
@@ -192,8 +192,10 @@ class Sequence:
         if cfg.text_mode and cfg.tokenizer is not None:
             tz = cfg.tokenizer
 
+            context = self.tokens
+
             def item(r: int, t: int) -> dict[str, Any]:
-                s = tz.token_text(t)
+                s = logprob_token_text(tz, t, context)
                 return {"token": s, "logprob": lp(r), "bytes": list(s.encode("utf-8", errors="replace"))}
 
             head = item(rank, tok)
@@ -220,11 +222,13 @@ def prompt_logprobs(
         entry: dict[str, dict[str, Any]] = {}
         rank = 1 if tok == best else 2 + mix(h ^ tok) % (vocab_size - 1)
 
-        def item(t: int, r: int, _top: float = top) -> dict[str, Any]:
+        context = prompt[1:pos]  # vLLM's context: the preceding scored prompt tokens
+
+        def item(t: int, r: int, _top: float = top, _ctx: list[int] = context) -> dict[str, Any]:
             return {
                 "logprob": _top - 0.03125 * (r - 1) - (0.5 if r > 1 else 0.0),
                 "rank": r,
-                "decoded_token": tokenizer.token_text(t) if tokenizer is not None else None,
+                "decoded_token": logprob_token_text(tokenizer, t, _ctx) if tokenizer is not None else None,
             }
 
         entry[str(tok)] = item(tok, rank)

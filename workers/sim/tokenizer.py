@@ -184,3 +184,33 @@ class IncrementalDecoder:
 
     def feed(self, token_id: int) -> str:
         return self._stream.step(token_id) or ""
+
+
+def logprob_token_text(tokenizer: ByteTokenizer, token_id: int, context: Sequence[int]) -> str:
+    """The ``token``/``decoded_token`` vLLM reports for one logprob entry: the token decoded alone,
+    or, when that ends in U+FFFD, re-decoded with up to 4 preceding sequence tokens as context
+    (vLLM's ``LogprobsProcessor._correct_decoded_token``); ``""`` while genuinely incomplete."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if not text.endswith("\ufffd"):
+        return text
+    for num_ctx in range(1, min(len(context), 4) + 1):
+        ctx = list(context[-num_ctx:])
+        full = tokenizer.decode([*ctx, token_id], skip_special_tokens=False)
+        if full.endswith("\ufffd"):
+            continue
+        clean_end = len(ctx)
+        for j in range(len(ctx) - 1, -1, -1):
+            if tokenizer.decode([ctx[j]], skip_special_tokens=False).endswith("\ufffd"):
+                clean_end = j
+            else:
+                break
+        clean_prefix = tokenizer.decode(ctx[:clean_end], skip_special_tokens=False) if clean_end else ""
+        if full.startswith(clean_prefix):
+            return full[len(clean_prefix) :]
+        common = 0
+        for a, b in zip(clean_prefix, full, strict=False):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
