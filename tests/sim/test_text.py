@@ -337,3 +337,19 @@ async def test_text_logprob_tokens_complete_split_characters(sim_factory: SimFac
             assert entry["token"] == "é" and entry["bytes"] == [195, 169]
         if t == 130 and i == 0:
             assert entry["token"] == "" and entry["bytes"] == []
+
+
+async def test_top_logprobs_are_cut_at_k_and_placeholders(sim_factory: SimFactory) -> None:
+    w = await sim_factory(zero_latency=True)
+    p = await sim_factory(zero_latency=True, return_tokens_as_token_ids=True)
+    sampled = {"temperature": 1.0, "seed": 5, "logprobs": 1}
+    async with aiohttp.ClientSession() as s:
+        _, res = await post_json(s, w.url + GEN, body(max_tokens=40, sp=sampled))
+        _, ph = await post_json(s, p.url + GEN, text_body(max_tokens=3, sp={"logprobs": 2}))
+    content = res["choices"][0]["logprobs"]["content"]
+    assert any(c["rank"] > 1 for c in content)  # some sampled tokens are not the top choice
+    for c in content:
+        assert len(c["top_logprobs"]) == 1 and c["top_logprobs"][0]["token_id"] == c["token_id"]
+    first = ph["choices"][0]["logprobs"]["content"][0]
+    assert first["token"] == f"token_id:{ph['choices'][0]['token_ids'][0]}" and first["bytes"] is None
+    assert all(t["token"].startswith("token_id:") for t in first["top_logprobs"])

@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--api-key", default=None)
     p.add_argument("--enable-request-id-headers", action="store_true")
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="text-mode logprobs carry token_id:N placeholders",
+    )
     p.add_argument("--served-model-name", default="tiny-llama")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -112,6 +117,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         tokens_only=args.tokens_only,
         api_key=args.api_key,
         enable_request_id_headers=args.enable_request_id_headers,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         model_name=args.served_model_name,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -25,6 +25,7 @@ class SeqConfig:
     stop_ids: frozenset[int]
     prompt: list[int]
     holdback: int = 0
+    token_id_placeholders: bool = False
 
     @classmethod
     def build(
@@ -36,6 +37,7 @@ class SeqConfig:
         tokenizer: ByteTokenizer | None,
         text_mode: bool,
         prompt: list[int],
+        token_id_placeholders: bool = False,
     ) -> SeqConfig:
         stops = sp.stop_strings() if tokenizer is not None else []
         max_stop_len = max((len(s) for s in stops), default=0)
@@ -51,6 +53,7 @@ class SeqConfig:
             stop_ids=frozenset(sp.stop_token_ids or ()),
             prompt=prompt,
             holdback=max(holdback, 0),
+            token_id_placeholders=token_id_placeholders,
         )
 
     @property
@@ -177,6 +180,8 @@ class Sequence:
     def _logprob_entry(self, h: int, tok: int) -> dict[str, Any]:
         cfg = self.cfg
         k = cfg.sp.logprobs or 0
+        if k == -1:
+            k = cfg.vocab_size - 1
         rank = 1 if cfg.greedy else 1 + mix(h ^ self.salt ^ 0xA5A5) % 3
         top = logprob_of(h, self.salt, 0) - 5.0
 
@@ -188,7 +193,14 @@ class Sequence:
         it = iter(others)
         for r in range(1, max(k, rank) + 1):
             by_rank.append((r, tok if r == rank else next(it, tok)))
-        entries = [(rank, tok)] + [(r, t) for r, t in by_rank if r <= k and r != rank]
+        # vLLM lists the sampled token first, then the top-k, and cuts the list at max(k, 1)
+        entries = ([(rank, tok)] + [(r, t) for r, t in by_rank if r <= k and r != rank])[: max(k, 1)]
+        if cfg.text_mode and cfg.token_id_placeholders:
+
+            def placeholder(r: int, t: int) -> dict[str, Any]:
+                return {"token": f"token_id:{t}", "logprob": lp(r), "bytes": None}
+
+            return {**placeholder(rank, tok), "top_logprobs": [placeholder(r, t) for r, t in entries]}
         if cfg.text_mode and cfg.tokenizer is not None:
             tz = cfg.tokenizer
 

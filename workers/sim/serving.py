@@ -145,6 +145,7 @@ class _Run:
             tokenizer=self.st.tokenizer,
             text_mode=self.text_mode,
             prompt=self.prompt,
+            token_id_placeholders=s.return_tokens_as_token_ids,
         )
         seed = 0 if sp.temperature < 1e-05 else sp.seed if sp.seed is not None else random.getrandbits(63)
         self.seed = seed

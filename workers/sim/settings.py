@@ -74,6 +74,7 @@ class SimSettings:
     tokens_only: bool = False
     api_key: str | None = None
     enable_request_id_headers: bool = False
+    return_tokens_as_token_ids: bool = False
     model_name: str = "tiny-llama"
     max_model_len: int = 512
     vocab_size: int = 515
