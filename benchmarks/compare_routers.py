@@ -884,7 +884,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--max-tokens", default="32,256")
     p.add_argument("--modes", default="stream,nonstream")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per point (default 3, quick 2)")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="repetitions per point (default 5, quick 3; odd, so the median is a run)",
+    )
     p.add_argument(
         "--rounds", type=int, default=None, help="requests per run = concurrency x rounds (4; quick 2)"
     )
@@ -927,7 +932,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         concurrencies=ints(a.concurrency),
         max_tokens=ints(a.max_tokens),
         streams=tuple(m == "stream" for m in modes),
-        reps=a.reps if a.reps is not None else (2 if a.quick else 3),
+        reps=a.reps if a.reps is not None else (3 if a.quick else 5),
         rounds=a.rounds if a.rounds is not None else (2 if a.quick else 4),
         min_requests=a.min_requests if a.min_requests is not None else (16 if a.quick else 32),
         prompt_len=a.prompt_len,

@@ -326,8 +326,8 @@ def test_tree_measurements_of_this_process() -> None:
 def test_quick_defaults_and_overrides() -> None:
     quick = cr.parse_args(["--quick", "--proxy-cpus", "", "--worker-cpus", "", "--client-cpus", ""])
     full = cr.parse_args([])
-    assert (quick.reps, quick.rounds) == (2, 2)
-    assert (full.reps, full.rounds) == (3, 4)
+    assert (quick.reps, quick.rounds) == (3, 2)
+    assert (full.reps, full.rounds) == (5, 4)
     assert quick.concurrencies == (1, 64, 256)
     assert quick.max_tokens == (32, 256)
     assert quick.streams == (True, False)
