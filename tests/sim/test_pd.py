@@ -334,3 +334,15 @@ async def test_text_mode_pd_equals_aggregated(sim_factory: SimFactory) -> None:
     text = "".join(e["choices"][0]["text"] for e in evs if isinstance(e, dict) and e["choices"])
     assert stream_tokens(evs) == a["choices"][0]["token_ids"]
     assert text == a["choices"][0]["text"]
+
+
+async def test_params_naming_another_engine_fail_the_pull(sim_factory: SimFactory) -> None:
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", zero_latency=True)
+    async with aiohttp.ClientSession() as s:
+        kv = await do_prefill(s, p, "eng")
+        st, res = await post_json(
+            s, d.url + GEN, body(PROMPT, kv_transfer_params={**kv, "remote_engine_id": "other"})
+        )
+    assert st == 500 and res["error"]["message"] == "Internal server error"
+    assert len((await p.state())["kv_held"]) == 1

@@ -89,6 +89,10 @@ async def kv_pull(request: web.Request) -> web.Response:
         raise BadRequest("remote_request_id is required")
     if st.faults.refuse_kv_pulls:
         raise InjectedFailure(503)
+    engine_id = body.get("remote_engine_id")
+    if engine_id is not None and engine_id != st.engine_id:
+        # NIXL's handshake checks the engine id the params name against the one it reaches
+        raise BadRequest(f"remote engine id mismatch: expected {st.engine_id}, got {engine_id}")
     lease = st.leases.leases.get(rrid)
     if lease is None:
         # Like NIXL: reading blocks that were already released "works" (P logs a warning).
