@@ -24,6 +24,7 @@ def state_snapshot(st: SimState) -> dict[str, Any]:
         "role": st.settings.role,
         "engine_id": st.engine_id,
         "generate_calls": st.generate_calls,
+        "hung_before_headers": st.hung,
         "running": st.scheduler.running,
         "waiting": st.scheduler.waiting,
         "kv_blocks_used": st.pool.used,

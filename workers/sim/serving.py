@@ -172,7 +172,11 @@ class _Run:
             faults.fail_next -= 1
             raise InjectedFailure(faults.fail_status)
         if faults.hang_before_headers:
-            await asyncio.Event().wait()
+            st.hung += 1
+            try:
+                await asyncio.Event().wait()  # until the client gives up (handler cancellation)
+            finally:
+                st.hung -= 1
         st.registry.add(self.inflight)
         try:
             if self.stream:

@@ -35,6 +35,7 @@ class SimState:
     session: aiohttp.ClientSession | None = None
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     generate_calls: int = 0
+    hung: int = 0  # requests held by the hang_before_headers fault
 
     @property
     def faults(self) -> Faults:
