@@ -63,7 +63,19 @@ def _parser() -> argparse.ArgumentParser:
         help="ITL grows by this fraction per other running request",
     )
     t.add_argument("--max-running", type=int, default=256, help="running requests; the rest wait")
-    t.add_argument("--transfer-per-block-ms", type=float, default=0.2)
+    t.add_argument(
+        "--transfer-per-block-ms",
+        type=float,
+        default=0.2,
+        help="per KV block, applied by a prefill worker while a decode worker pulls",
+    )
+    t.add_argument(
+        "--remote-prefill-step-ms",
+        type=float,
+        default=1.0,
+        help="decode role, KV pulled (do_remote_prefill): fixed cost of the first step, "
+        "instead of --prefill-base-ms",
+    )
     t.add_argument("--pull-timeout-s", type=float, default=5.0)
     t.add_argument("--lease-seconds", type=float, default=30.0)
     t.add_argument(
@@ -131,6 +143,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         slowdown_per_running=args.slowdown_per_running,
         max_running=args.max_running,
         transfer_per_block_ms=args.transfer_per_block_ms,
+        remote_prefill_step_ms=args.remote_prefill_step_ms,
         pull_timeout_s=args.pull_timeout_s,
         lease_seconds=args.lease_seconds,
         kv_heartbeat_s=args.kv_heartbeat_s,

@@ -250,6 +250,51 @@ class Inflight:
             self._wake = None
 
 
+class Clock:
+    """The latency model's time source (tests inject their own).
+
+    ``now()`` is the monotonic clock (asyncio's loop clock; uvloop's ``loop.time()`` reads the same
+    clock but truncated to whole milliseconds, too coarse for a 10 ms cadence). ``sleep_until``
+    waits for an absolute deadline on it and never returns before it: a timer that fires early
+    (uvloop rounds delays to whole milliseconds and starts them from its cached loop time) sleeps
+    the rest.
+    """
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep_until(self, req: Inflight, deadline: float) -> bool:
+        """Sleep until ``deadline`` unless ``req`` is aborted; False when aborted."""
+        while True:
+            delay = deadline - self.now()
+            if delay <= 0:
+                return not req.aborted
+            if not await req.sleep(delay):
+                return False
+
+
+class TokenCadence:
+    """When each output token is due: token k at first-token time + the sum of the first k
+    intervals (ITL, jitter, slowdown, chunk delay), an absolute schedule, so that the time a timer
+    fires late or a step takes does not add up from token to token. A token that is already
+    late is sent at once, and the schedule is kept (the next ones catch up)."""
+
+    __slots__ = ("due",)
+
+    def __init__(self) -> None:
+        self.due: float | None = None
+
+    def start(self, t_first: float) -> None:
+        self.due = t_first
+
+    def next(self, interval: float, now: Callable[[], float]) -> float:
+        """The deadline of the next token, ``interval`` seconds after the previous deadline (or
+        after ``now()`` when no schedule is running)."""
+        due = (now() if self.due is None else self.due) + interval
+        self.due = due
+        return due
+
+
 def _resolve(fut: asyncio.Future[bool]) -> None:
     if not fut.done():
         fut.set_result(True)

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .engine import Inflight, Lease
+from .engine import Inflight, Lease, TokenCadence
 from .errors import (
     BadRequest,
     Forbidden,
@@ -76,7 +76,7 @@ class _Run:
         self.seed = 0
         self.pending_prompt_ids = False
         self.resp: web.StreamResponse | None = None
-        self.t_arrival = time.monotonic()
+        self.t_arrival = st.clock.now()
         self.t_first: float | None = None
 
     # -- validation (vLLM's order of checks) --------------------------------------------------
@@ -225,7 +225,8 @@ class _Run:
         st = self.st
         s = self.settings
         inflight = self.inflight
-        t0 = time.monotonic()
+        clock = st.clock
+        t0 = clock.now()
         needed = st.pool.blocks_needed(len(self.prompt))
         heartbeat = None
         if self.remote is not None and st.scheduler.would_wait(needed):
@@ -240,9 +241,9 @@ class _Run:
         self.acquired = True
         if inflight.aborted:
             return False
-        st.metrics.queue_time.observe(time.monotonic() - t0)
+        st.metrics.queue_time.observe(clock.now() - t0)
         inflight.state = "prefilling"
-        t_prefill = time.monotonic()
+        t_prefill = clock.now()
         alloc = st.pool.allocate_prompt(self.prompt, self.req.cache_salt)
         if alloc is not None:
             inflight.blocks, self.cached_tokens = alloc
@@ -253,17 +254,39 @@ class _Run:
             ok = await self._pull()
             if not ok:
                 return False
-            uncached = 1
-        else:
-            uncached = len(self.prompt) - self.cached_tokens
         if not s.zero_latency:
-            delay = (s.prefill_base_ms + s.prefill_per_token_ms * uncached) / 1000.0
-            if not await inflight.sleep(delay):
+            delay = self.prefill_delay()
+            if delay > 0 and not await clock.sleep_until(inflight, clock.now() + delay):
                 return False
         st.metrics.prompt_tokens.inc(len(self.prompt))
-        st.metrics.prefill_time.observe(time.monotonic() - t_prefill)
+        st.metrics.prefill_time.observe(clock.now() - t_prefill)
         inflight.state = "decoding"
         return True
+
+    def remote_tail_tokens(self) -> int:
+        """Prompt tokens a decode worker computes itself after pulling the KV: those the pulled
+        blocks do not cover, at least the last one (vLLM treats pulled tokens as computed, and a
+        fully loaded prompt recomputes its last token to sample the next)."""
+        remote = self.remote or {}
+        groups = remote.get("remote_block_ids")
+        nblocks = sum(len(g) for g in groups if isinstance(g, list)) if isinstance(groups, list) else 0
+        covered = min(len(self.prompt), nblocks * self.settings.block_size)
+        num_tokens = remote.get("remote_num_tokens")
+        if isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+            covered = min(covered, max(num_tokens, 0))
+        return max(len(self.prompt) - covered, 1)
+
+    def prefill_delay(self) -> float:
+        """Seconds of compute before the first token (the queue and, for a decode worker, the
+        pull itself come on top). A prefill: ``--prefill-base-ms`` + per uncached prompt token.
+        A decode worker whose KV was pulled: no prefill, ``--remote-prefill-step-ms`` + per token
+        of the tail the blocks did not cover."""
+        s = self.settings
+        if self.remote is not None:
+            ms = s.remote_prefill_step_ms + s.prefill_per_token_ms * self.remote_tail_tokens()
+        else:
+            ms = s.prefill_base_ms + s.prefill_per_token_ms * (len(self.prompt) - self.cached_tokens)
+        return ms / 1000.0
 
     async def _heartbeat(self) -> None:
         """While queued, keep the prefill side's lease alive (as vLLM's queued decode requests do)."""
@@ -284,7 +307,7 @@ class _Run:
         remote = self.remote
         assert remote is not None
         url = side_channel_url(remote, "pull")
-        t0 = time.monotonic()
+        t0 = st.clock.now()
         nblocks = sum(len(g) for g in remote.get("remote_block_ids") or [] if isinstance(g, list))
         ok = False
         if url is not None:
@@ -314,7 +337,7 @@ class _Run:
             self.pulled = True  # nothing left to free remotely: the pull itself failed
             raise _KvLoadFailed
         self.pulled = True
-        st.metrics.xfer_time.observe(time.monotonic() - t0)
+        st.metrics.xfer_time.observe(st.clock.now() - t0)
         st.metrics.xfer_bytes.observe(nblocks * self.settings.block_size * _KV_BYTES_PER_TOKEN)
         return not self.inflight.aborted
 
@@ -345,18 +368,24 @@ class _Run:
         st = self.st
         inflight = self.inflight
         faults = st.faults
+        clock = st.clock
+        cadence = TokenCadence()
         block_size = self.settings.block_size
         n_total = 0
         active = [c for c in self.choices if c.finish_reason is None]
         while active:
-            delay = self._itl() if n_total else 0.0
-            if faults.chunk_delay_ms > 0:
-                delay += faults.chunk_delay_ms / 1000.0
-            if delay > 0:
-                if not await inflight.sleep(delay):
-                    break
-            elif n_total % _YIELD_EVERY == _YIELD_EVERY - 1:
-                await asyncio.sleep(0)
+            extra = faults.chunk_delay_ms / 1000.0 if faults.chunk_delay_ms > 0 else 0.0
+            if n_total:
+                interval = self._itl() + extra
+                if interval > 0:
+                    if not await clock.sleep_until(inflight, cadence.next(interval, clock.now)):
+                        break
+                else:
+                    cadence.due = None  # not paced: a later delay starts a new schedule
+                if n_total % _YIELD_EVERY == _YIELD_EVERY - 1:
+                    await asyncio.sleep(0)  # also when catching up on a late schedule
+            elif extra > 0 and not await clock.sleep_until(inflight, clock.now() + extra):
+                break
             if inflight.aborted:
                 break
             if emit is None and self._client_gone():
@@ -367,7 +396,8 @@ class _Run:
                 inflight.num_output += 1
                 n_total += 1
                 if self.t_first is None:
-                    self.t_first = time.monotonic()
+                    self.t_first = clock.now()
+                    cadence.start(self.t_first)
                     st.metrics.ttft.observe(self.t_first - self.t_arrival)
                 if inflight.num_output % block_size == 0:
                     b = st.pool.allocate_one()
@@ -392,7 +422,7 @@ class _Run:
                 c.finish_reason = "abort" if aborted else "length"
         generated = sum(len(c.tokens) for c in self.choices)
         st.metrics.generation_tokens.inc(generated)
-        now = time.monotonic()
+        now = st.clock.now()
         if not aborted:
             for c in self.choices:
                 st.metrics.success[str(c.finish_reason)].inc()

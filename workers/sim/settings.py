@@ -91,6 +91,7 @@ class SimSettings:
     slowdown_per_running: float = 0.0
     max_running: int = 256
     transfer_per_block_ms: float = 0.2
+    remote_prefill_step_ms: float = 1.0
     pull_timeout_s: float = 5.0
     lease_seconds: float = 30.0
     kv_heartbeat_s: float = 5.0

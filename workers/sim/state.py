@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .engine import KvPool, LeaseTable, Registry, Scheduler
+from .engine import Clock, KvPool, LeaseTable, Registry, Scheduler
 from .errors import SimError
 from .metrics import SimMetrics
 from .protocol import parse_json_body
@@ -36,6 +36,7 @@ class SimState:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     generate_calls: int = 0
     hung: int = 0  # requests held by the hang_before_headers fault
+    clock: Clock = field(default_factory=Clock)  # the latency model's time (tests inject one)
 
     @property
     def faults(self) -> Faults:
