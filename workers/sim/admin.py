@@ -103,7 +103,7 @@ async def kv_pull(request: web.Request) -> web.Response:
     s = st.settings
     delay = 0.0 if s.zero_latency else s.transfer_per_block_ms * len(lease.blocks) / 1000.0
     if delay > 0:
-        await asyncio.sleep(delay)
+        await st.clock.wait(delay)
     n = len(lease.blocks)
     st.leases.release(rrid, "pulled")
     return json_response({"found": True, "blocks": n})

@@ -263,6 +263,10 @@ class Clock:
     def now(self) -> float:
         return time.monotonic()
 
+    async def wait(self, seconds: float) -> None:
+        """A plain delay (the side channel's transfer time)."""
+        await asyncio.sleep(seconds)
+
     async def sleep_until(self, req: Inflight, deadline: float) -> bool:
         """Sleep until ``deadline`` unless ``req`` is aborted; False when aborted."""
         while True:
