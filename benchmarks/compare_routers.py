@@ -893,7 +893,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument(
         "--rounds", type=int, default=None, help="requests per run = concurrency x rounds (4; quick 2)"
     )
-    p.add_argument("--min-requests", type=int, default=None, help="at least this many per run (32; quick 16)")
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=None,
+        help="at least this many per run (128; quick 64: CPU time is counted in 10 ms ticks)",
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--run-time-limit", type=float, default=None, help="seconds per run (120; quick 60)")
     p.add_argument("--request-timeout", type=float, default=60.0)
@@ -934,7 +939,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         streams=tuple(m == "stream" for m in modes),
         reps=a.reps if a.reps is not None else (3 if a.quick else 5),
         rounds=a.rounds if a.rounds is not None else (2 if a.quick else 4),
-        min_requests=a.min_requests if a.min_requests is not None else (16 if a.quick else 32),
+        min_requests=a.min_requests if a.min_requests is not None else (64 if a.quick else 128),
         prompt_len=a.prompt_len,
         run_time_limit_s=a.run_time_limit if a.run_time_limit is not None else (60.0 if a.quick else 120.0),
         request_timeout_s=a.request_timeout,

@@ -65,6 +65,7 @@ def test_build_points_is_the_full_grid_with_labels() -> None:
 def test_requests_per_run() -> None:
     assert cr.requests_per_run(256, 2, 16) == 512
     assert cr.requests_per_run(1, 2, 16) == 16
+    assert cr.parse_args(["--quick"]).min_requests == 64
 
 
 # --- arithmetic ---------------------------------------------------------------------------
