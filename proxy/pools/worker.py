@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.pools.breaker import CircuitBreaker, CircuitState
+from proxy.pools.breaker import BreakerConfig, CircuitBreaker, CircuitState
 
 
 class Outcome(enum.Enum):
@@ -30,7 +31,7 @@ class ScrapedLoad:
 class Worker:
     url: str
     pool: str
-    breaker: CircuitBreaker
+    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(BreakerConfig(), time.monotonic))
     max_inflight: int | None = None
     inflight: int = 0
     outstanding_tokens: int = 0
