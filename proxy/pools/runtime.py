@@ -100,6 +100,17 @@ class PoolSettings:
     k8s: tuple[K8sSelector, ...] = ()
     kubeconfig: str | None = None
 
+    @classmethod
+    def plain(cls, **overrides: Any) -> PoolSettings:
+        """The walk without the pools' recovery features: no retries, migration, bypass, active
+        probes or ejection (least-loaded picks only). For tests of the bare P/D walk."""
+        values: dict[str, Any] = {
+            "prefill_policy": "least_loaded", "decode_policy": "least_loaded", "prefill_attempts": 1,
+            "decode_attempts": 1, "migrate": False, "bypass_prompt_tokens": 0,
+            "bypass_when_prefill_unavailable": False, "active_health": False,
+            "breaker_failures": 2**31, **overrides}
+        return cls(**values)
+
     @property
     def bypass_threshold(self) -> int:
         return self.block_size if self.bypass_prompt_tokens is None else self.bypass_prompt_tokens

@@ -121,3 +121,15 @@ async def test_start_runs_probes_and_config_file_then_stops(aiohttp_server: Any,
         assert not rt.prefill.workers[0].healthy and probed
         await rt.stop()
     assert rt._tasks == []
+
+
+def test_plain_settings_turn_recovery_off() -> None:
+    s = PoolSettings.plain(max_inflight=3)
+    rt = PoolRuntime(s, [P], [D])
+    assert (s.prefill_attempts, s.decode_attempts, s.migrate, s.active_health) == (1, 1, False, False)
+    assert rt.bypass_reason(1) is None and s.max_inflight == 3
+    w = rt.decode.workers[0]
+    for _ in range(1000):
+        w.begin()
+        rt.decode.release(w, Outcome.FAILURE)
+    assert w.circuit is CircuitState.CLOSED
