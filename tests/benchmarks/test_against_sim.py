@@ -3,10 +3,11 @@
 Accuracy (the timing check the issue allows): pd-sim set to a TTFT of 50 ms and an ITL of 10 ms,
 one request at a time. The always-on test compares the harness with pd-sim's own clock (its
 vLLM-style histograms): mean TPOT within 5% (under 1% when the machine is quiet), TTFT and E2E
-never below pd-sim's. The
-literal check against the configured values (medians within 5% of 50 ms and 10 ms) also measures
-pd-sim's own overshoot (each token is a relative sleep, ~0.3-0.5 ms late here) and the loopback
-HTTP cost under whatever else runs on the machine, so it runs only with PD_BENCH_ACCURACY=1.
+never below pd-sim's. The literal check against the configured values: the median ITL within 5% of
+10 ms is always on (pd-sim paces tokens on an absolute schedule, so a late timer does not add up;
+measured 9.99-10.28 ms, also next to a CPU-bound process). The median TTFT within 5% of 50 ms also
+measures the loopback HTTP round trip of two Python processes (1.5-2.3 ms here at zero prefill,
+more under load: medians of 51.7-55.6 ms measured), so it runs only with PD_BENCH_ACCURACY=1.
 """
 
 from __future__ import annotations
@@ -79,17 +80,24 @@ async def test_harness_agrees_with_pd_sims_own_clock(sim_process_factory: SimFac
     assert d["mean_e2el_ms"] >= sim_e2e_ms
 
 
+async def test_median_itl_matches_the_configured_itl(sim_process_factory: SimFactory) -> None:
+    sim = await sim_process_factory(*SIM_50_10)
+    res = await arun_benchmark(cfg(sim.url, n=20, out=16, max_concurrency=1, warmup=2))
+    d = res.data
+    assert d["completed"] == 20
+    assert d["median_itl_ms"] == pytest.approx(10.0, rel=0.05)
+    assert d["median_itl_token_ms"] == pytest.approx(10.0, rel=0.05)
+
+
 @pytest.mark.skipif(
     not os.environ.get("PD_BENCH_ACCURACY"), reason="set PD_BENCH_ACCURACY=1 on a quiet machine"
 )
-async def test_medians_match_the_configured_latencies(sim_process_factory: SimFactory) -> None:
+async def test_median_ttft_matches_the_configured_latency(sim_process_factory: SimFactory) -> None:
     sim = await sim_process_factory(*SIM_50_10)
     res = await arun_benchmark(cfg(sim.url, n=20, out=16, max_concurrency=1, warmup=2))
     d = res.data
     assert d["completed"] == 20
     assert d["median_ttft_ms"] == pytest.approx(50.0, rel=0.05)
-    assert d["median_itl_ms"] == pytest.approx(10.0, rel=0.05)
-    assert d["median_itl_token_ms"] == pytest.approx(10.0, rel=0.05)
 
 
 @pytest.mark.parametrize(

@@ -229,7 +229,8 @@ class _Run:
         t0 = clock.now()
         needed = st.pool.blocks_needed(len(self.prompt))
         heartbeat = None
-        if self.remote is not None and st.scheduler.would_wait(needed):
+        queued = st.scheduler.would_wait(needed)
+        if self.remote is not None and queued:
             heartbeat = asyncio.ensure_future(self._heartbeat())
         try:
             granted = await st.scheduler.acquire(inflight, needed)
@@ -244,6 +245,9 @@ class _Run:
         st.metrics.queue_time.observe(clock.now() - t0)
         inflight.state = "prefilling"
         t_prefill = clock.now()
+        # Nothing queued ahead: the engine starts on the request as it arrives, the frontend's work
+        # (a stream's headers) runs beside it (vLLM's API server and engine core are two processes).
+        t_start = t_prefill if queued else self.t_arrival
         alloc = st.pool.allocate_prompt(self.prompt, self.req.cache_salt)
         if alloc is not None:
             inflight.blocks, self.cached_tokens = alloc
@@ -256,7 +260,8 @@ class _Run:
                 return False
         if not s.zero_latency:
             delay = self.prefill_delay()
-            if delay > 0 and not await clock.sleep_until(inflight, clock.now() + delay):
+            start = clock.now() if self.remote is not None else t_start  # a tail starts after the pull
+            if delay > 0 and not await clock.sleep_until(inflight, start + delay):
                 return False
         st.metrics.prompt_tokens.inc(len(self.prompt))
         st.metrics.prefill_time.observe(clock.now() - t_prefill)
