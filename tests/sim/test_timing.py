@@ -145,6 +145,28 @@ async def test_a_late_token_is_sent_at_once_and_the_schedule_kept(sim_factory: S
     assert behind == [False, False, True, True, False, False]
 
 
+class TickingClock(FakeClock):
+    """Every reading is 1 us after the previous one (the handler's own work takes time)."""
+
+    def now(self) -> float:
+        self.t += 1e-6
+        return self.t
+
+
+async def test_prefill_starts_at_arrival_when_nothing_is_queued(sim_factory: SimFactory) -> None:
+    # The headers of the stream go out while the engine prefills (vLLM's frontend and engine core
+    # are two processes): the first token is due 50 ms after the request arrived, not after them.
+    w = await sim_factory(itl_ms=10.0, prefill_base_ms=50.0, prefill_per_token_ms=0.0)
+    clock = TickingClock(default_lateness=0.0)
+    with_clock(w, clock)
+    arrival = clock.t + 1e-6  # the request's first reading
+    async with aiohttp.ClientSession() as s:
+        assert len(await run_stream(s, w, 2)) == 2
+    prefill_deadline, asked = clock.sleeps[0]
+    assert asked > arrival
+    assert prefill_deadline == pytest.approx(arrival + 0.050, abs=1e-12)
+
+
 async def test_the_chunk_delay_fault_is_on_the_schedule(sim_factory: SimFactory) -> None:
     w = await sim_factory(zero_latency=True)
     clock = FakeClock()
