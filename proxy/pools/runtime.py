@@ -84,6 +84,9 @@ class PoolSettings:
     retry_max_delay: float = 0.5
     migrate: bool = True
     max_migrations: int = 2
+    migrate_prefill_tokens: int = 256
+    """A continuation whose prompt (prompt + tokens generated) is at least this long is prefilled
+    through the prefill pool first (0: always; shorter ones: the decode worker computes it)."""
     deadline_default_ms: float | None = None
     deadline_max_ms: float | None = None
     deadline_prefill_share: float = 0.5
@@ -148,6 +151,8 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts)
     g.add_argument("--decode-attempts", type=int, default=d.decode_attempts)
     g.add_argument("--no-migrate", action="store_true", help="do not migrate streams mid-way")
+    g.add_argument("--migrate-prefill-tokens", type=int, default=d.migrate_prefill_tokens,
+                   help="continuations at least this long are prefilled through the prefill pool")
     g.add_argument("--deadline-default-ms", type=float, default=None,
                    help="deadline of requests without X-PD-Deadline-Ms")
     g.add_argument("--bypass-prompt-tokens", type=int, default=None,
@@ -171,6 +176,7 @@ def pool_settings_from_args(a: argparse.Namespace) -> PoolSettings:
         breaker_open_seconds=a.breaker_open_seconds, health_interval=a.health_interval,
         active_health=not a.no_active_health, prefill_attempts=a.prefill_attempts,
         decode_attempts=a.decode_attempts, migrate=not a.no_migrate,
+        migrate_prefill_tokens=a.migrate_prefill_tokens,
         deadline_default_ms=a.deadline_default_ms, bypass_prompt_tokens=a.bypass_prompt_tokens,
         bypass_when_prefill_unavailable=not a.no_bypass_when_prefill_unavailable,
         preflight=a.preflight, config_file=a.workers_file, admin_key=a.admin_key,
