@@ -43,7 +43,7 @@ test-fast: venv lint
 	$(PY) -m pytest -m 'not vllm'
 
 demo: venv vllm model
-	$(PY) -m workers.demo --model $(MODEL_DIR)
+	$(PY) -m deploy.demo --model $(MODEL_DIR)
 
 # The whole stack in the foreground: real vLLM prefill + decode on CPU, pd-proxy, and Prometheus
 # scraping them (Debian's package is installed first when the machine allows; skipped with a note
