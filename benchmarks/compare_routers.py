@@ -57,6 +57,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -208,6 +209,7 @@ class Sample:
     ok: bool
     ttft_s: float
     tokens: int
+    error: str = ""  # why it failed: "http <status>", an exception name, "in-band error", ...
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,7 @@ class RunStats:
     # is near the cores it has, it (not the proxy) bounds the throughput of the run.
     workers_cpu_util: float = math.nan
     client_cpu_util: float = math.nan
+    error_kinds: dict[str, int] = field(default_factory=dict)
 
 
 def run_stats(
@@ -257,6 +260,7 @@ def run_stats(
         requests_per_s=len(good) / wall_s if wall_s > 0 else math.nan,
         ok=len(good),
         errors=len(samples) - len(good),
+        error_kinds=dict(Counter(s.error for s in samples if not s.ok)),
         timed_out=timed_out,
         wall_s=wall_s,
     )
@@ -520,7 +524,7 @@ class LoadClient:
                 ) as resp:
                     raw = await resp.read()
                     if resp.status != 200:
-                        return Sample(False, math.nan, 0)
+                        return Sample(False, math.nan, 0, f"prefill http {resp.status}")
                 kv = json.loads(raw).get("kv_transfer_params")
                 decode_body = dict(self._body, kv_transfer_params=kv)
                 data = json.dumps(decode_body, separators=(",", ":")).encode()
@@ -531,12 +535,12 @@ class LoadClient:
             async with self._session.post(url, data=data, headers=headers) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    return Sample(False, math.nan, 0)
+                    return Sample(False, math.nan, 0, f"http {resp.status}")
                 if not self._point.stream:
                     doc = json.loads(await resp.read())
                     ttft = time.perf_counter() - t0
                     tokens = sum(len(c.get("token_ids") or ()) for c in doc.get("choices", ()))
-                    return Sample(tokens > 0, ttft, tokens)
+                    return Sample(tokens > 0, ttft, tokens, "" if tokens else "no tokens")
                 counter = SseTokenCounter()
                 ttft = math.nan
                 async for chunk in resp.content.iter_any():
@@ -545,9 +549,10 @@ class LoadClient:
                         if first_token_only:
                             return Sample(True, ttft, counter.tokens)
                 ok = counter.done and not counter.error and counter.tokens > 0
-                return Sample(ok, ttft, counter.tokens)
-        except (aiohttp.ClientError, ValueError, TimeoutError):
-            return Sample(False, math.nan, 0)
+                why = "in-band error" if counter.error else "no [DONE]" if not counter.done else "no tokens"
+                return Sample(ok, ttft, counter.tokens, "" if ok else why)
+        except (aiohttp.ClientError, ValueError, TimeoutError) as e:
+            return Sample(False, math.nan, 0, type(e).__name__)
 
 
 def new_session(concurrency: int, request_timeout_s: float) -> aiohttp.ClientSession:
@@ -1103,6 +1108,7 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
             f"{stats.tokens_per_s:9.0f} tok/s  {stats.requests_per_s:8.1f} req/s  "
             f"cpu proxy {stats.proxy_cpu_util:4.2f} workers {stats.workers_cpu_util:4.2f} "
             f"client {stats.client_cpu_util:4.2f}  ok {stats.ok} err {stats.errors}"
+            f"{' ' + str(stats.error_kinds) if stats.error_kinds else ''}"
             f"{'  TIMED OUT' if stats.timed_out else ''}",
             flush=True,
         )

@@ -97,10 +97,11 @@ def test_ratio_guards() -> None:
 
 
 def test_run_stats_counts_only_good_samples() -> None:
-    samples = [Sample(True, 0.010, 32), Sample(True, 0.020, 32), Sample(False, math.nan, 0)]
+    samples = [Sample(True, 0.010, 32), Sample(True, 0.020, 32), Sample(False, math.nan, 0, "http 502")]
     stats = cr.run_stats(samples, wall_s=2.0, proxy_cpu_s=0.5, workers_cpu_s=1.0, client_cpu_s=1.5)
     assert stats.ok == 2
     assert stats.errors == 1
+    assert stats.error_kinds == {"http 502": 1}
     assert stats.tokens_per_s == 32.0
     assert stats.requests_per_s == 1.0
     assert stats.ttft_p50_ms == pytest.approx(15.0)
