@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 export PD_VLLM_VENV := $(abspath $(VLLM_VENV))
 export PD_MODEL_DIR := $(abspath $(MODEL_DIR))
 
-.PHONY: all venv vllm model lint test test-fast demo up clean
+.PHONY: all venv vllm model prometheus lint test test-fast demo up clean
 
 all: test
 
@@ -30,12 +30,17 @@ vllm:
 model: venv
 	$(PY) -m workers.model build --out $(MODEL_DIR)
 
+# Prometheus for `make up` and the local-stack test: Debian's package where the machine allows
+# (idempotent; prints SKIPPED with the reason otherwise, never fails).
+prometheus:
+	bash deploy/install_prometheus.sh
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy .
 
 # Everything: lint, unit, simulator-backed and real-vLLM end-to-end tests.
-test: venv vllm model lint
+test: venv vllm model prometheus lint
 	$(PY) -m pytest
 
 # Without the real-vLLM end-to-end tests.
@@ -50,8 +55,7 @@ demo: venv vllm model
 # otherwise). Prints every URL; Ctrl-C stops everything. Options go in UP_ARGS, e.g.
 #   make up UP_ARGS='--workers sim'     (pd-sim workers: up in seconds)
 #   make up UP_ARGS='--decode 2 --port 8080'
-up: venv vllm model
-	bash deploy/install_prometheus.sh
+up: venv vllm model prometheus
 	$(PY) -m deploy.local --model $(MODEL_DIR) $(UP_ARGS)
 
 clean:
