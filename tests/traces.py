@@ -1,4 +1,7 @@
-"""Reader for the vLLM wire traces in ``/work/shared/traces/vllm-0.32.0-cpu/`` (format in its README).
+"""Reader for the vLLM wire traces in ``tests/data/traces/vllm-0.32.0-cpu/`` (format in its README).
+
+They are a verbatim copy of the project's recorded vLLM 0.32.0 exchanges (``shared/traces/``), kept in
+the repository so that the referee travels with the tests; ``PD_TRACE_DIR`` points elsewhere.
 
 ``load_trace(path) -> Trace``; ``trace_files()`` lists every case. Import read-only from any test.
 """
@@ -12,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TRACE_DIR = Path(os.environ.get("PD_TRACE_DIR", "/work/shared/traces/vllm-0.32.0-cpu"))
+TRACE_DIR = Path(
+    os.environ.get("PD_TRACE_DIR", Path(__file__).resolve().parent / "data" / "traces" / "vllm-0.32.0-cpu")
+)
 
 _BLOCK_RE = re.compile(r"(>>> REQUEST|<<< RESPONSE) (\S+) body_bytes=(\d+)(?: http_chunks=(\d+))?(.*)$")
 

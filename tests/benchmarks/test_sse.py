@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from itertools import pairwise
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.sse import SSEDecoder, SSEEvent
+from tests.traces import TRACE_DIR
 
-TRACE = Path("/work/shared/traces/vllm-0.32.0-cpu/gen-text-stream-include-usage.txt")
+TRACE = TRACE_DIR / "gen-text-stream-include-usage.txt"
 
 STREAM = (
     b'data: {"a": 1}\n\n'

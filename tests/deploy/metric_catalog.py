@@ -120,7 +120,7 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str]]]:
 def traces_dir() -> Path | None:
     """The real vLLM traces, when ``shared/`` is reachable (``PD_SHARED_DIR`` or next to the repository)."""
     candidates = [Path(os.environ["PD_SHARED_DIR"])] if "PD_SHARED_DIR" in os.environ else []
-    candidates += [REPO.parent / "shared", Path("/work/shared")]
+    candidates += [REPO / "tests" / "data", REPO.parent / "shared", Path("/work/shared")]
     for base in candidates:
         d = base / "traces" / "vllm-0.32.0-cpu"
         if all((d / f).is_file() for f in TRACE_FILES):

@@ -17,6 +17,7 @@ from proxy.state import Worker
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import PROMPT, PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
+from tests.traces import TRACE_DIR
 
 CASES: list[dict[str, Any]] = json.loads(
     (pathlib.Path(__file__).parent / "data" / "validation_cases.json").read_text())
@@ -178,7 +179,7 @@ async def test_prompt_logprobs_and_cached_tokens_come_from_prefill(
     assert p.received[0]["sampling_params"]["prompt_logprob_token_ids"] == [[3]]
 
 
-TRACES = pathlib.Path("/work/shared/traces/vllm-0.32.0-cpu")
+TRACES = TRACE_DIR
 
 
 def trace_stream(name: str) -> tuple[dict[str, Any], bytes]:
@@ -188,7 +189,6 @@ def trace_stream(name: str) -> tuple[dict[str, Any], bytes]:
     return json.loads(req_part), resp.rstrip(b"\n") + b"\n\n"
 
 
-@pytest.mark.skipif(not TRACES.exists(), reason="traces not present")
 @pytest.mark.parametrize("name", ["gen-text-stream-utf8-split.txt", "gen-logprobs-text-stream.txt",
                                   "gen-text-stop-stream.txt", "gen-logprobs-tokens-stream.txt",
                                   "gen-text-stream-include-usage.txt", "gen-n2-sampled-stream.txt"])

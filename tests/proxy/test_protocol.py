@@ -15,10 +15,11 @@ from proxy.protocol import (
     error_body,
     parse_generate_body,
 )
+from tests.traces import TRACE_DIR
 
 CASES: list[dict[str, Any]] = json.loads(
     (pathlib.Path(__file__).parent / "data" / "validation_cases.json").read_text())
-TRACES = pathlib.Path("/work/shared/traces/vllm-0.32.0-cpu")
+TRACES = TRACE_DIR
 
 
 def answer(body: bytes, content_type: str) -> tuple[int, dict[str, Any]]:
@@ -47,7 +48,6 @@ def _trace_pair(name: str) -> tuple[bytes, str, dict[str, Any]]:
     return body.strip().encode(), ctype, json.loads(resp_body)
 
 
-@pytest.mark.skipif(not TRACES.exists(), reason="traces not present")
 @pytest.mark.parametrize("name", [
     "err-empty-token-ids.txt", "err-invalid-json.txt", "err-max-tokens-zero.txt",
     "err-min-tokens-gt-max-tokens.txt", "err-missing-sampling-params.txt", "err-missing-token-ids.txt",
