@@ -44,7 +44,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
     p.add_argument("--slow-reader-max-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--kv-block-size", type=int, default=128,
+                   help="the workers' KV block size (for the suspect-no-transfer counter)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="format of the one access line per request (logger pd_proxy.access)")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return ProxySettings(
@@ -58,6 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
         decode_timeout=a.decode_timeout, stream_idle_timeout=a.stream_idle_timeout,
         connect_timeout=a.connect_timeout, drain_timeout=a.drain_timeout,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
+        kv_block_size=a.kv_block_size, log_format=a.log_format,
     )
 
 

@@ -29,7 +29,8 @@ class ProxyMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pd_proxy_itl_seconds", "Client-side gap between streamed writes",
                              buckets=_ITL_BUCKETS, registry=r)
-        self.tpot = Histogram("pd_proxy_tpot_seconds", "Client-side time per output token after the first",
+        self.tpot = Histogram("pd_proxy_tpot_seconds",
+                              "Time per output token after the first (when usage gives the count)",
                               buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pd_proxy_e2e_seconds", "Client-side request latency",
                              buckets=_LATENCY_BUCKETS, registry=r)
@@ -59,6 +60,9 @@ class ProxyMetrics:
                                           registry=r)
         self.decode_only = Counter("pd_proxy_decode_only", "Requests run on a decode worker alone",
                                    ["reason"], registry=r)
+        self.suspect_no_transfer = Counter(
+            "pd_proxy_suspect_no_transfer",
+            "Prompts of at least one KV block whose decode shows no transferred KV", registry=r)
         self.build_info = Gauge("pd_proxy_build_info", "Build information", ["version"], registry=r)
         self.build_info.labels(version=_version).set(1)
         for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):

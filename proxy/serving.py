@@ -34,7 +34,9 @@ from proxy.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeout,
+    UpstreamUnavailable,
 )
+from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
 from proxy.protocol import (
     GenerateRequest,
@@ -79,18 +81,31 @@ class Timing:
     d0: float | None = None
     d1: float | None = None
 
-    def header(self, now: float) -> str:
+    def durations_ms(self, now: float) -> dict[str, float]:
         def ms(a: float | None, b: float | None) -> float:
             return 0.0 if a is None or b is None else max(0.0, (b - a) * 1000.0)
 
-        parts = [
-            ("queue", ms(self.t0, self.p0 if self.p0 is not None else self.d0)),
-            ("prefill", ms(self.p0, self.p1)),
-            ("handoff", ms(self.p1, self.d0)),
-            ("decode_ttft", ms(self.d0, self.d1)),
-            ("total", ms(self.t0, now)),
-        ]
-        return ", ".join(f"{name};dur={value:.3f}" for name, value in parts)
+        return {
+            "queue": ms(self.t0, self.p0 if self.p0 is not None else self.d0),
+            "prefill": ms(self.p0, self.p1),
+            "handoff": ms(self.p1, self.d0),
+            "decode_ttft": ms(self.d0, self.d1),
+            "total": ms(self.t0, now),
+        }
+
+    def header(self, now: float) -> str:
+        return ", ".join(f"{name};dur={value:.3f}" for name, value in self.durations_ms(now).items())
+
+
+def error_class(e: UpstreamError) -> str:
+    """The ``error`` label of ``pd_proxy_upstream_errors_total``."""
+    if isinstance(e, UpstreamTimeout):
+        return "timeout"
+    if isinstance(e, UpstreamUnavailable):
+        return "connect"
+    if isinstance(e, UpstreamStatusError):
+        return "http_4xx" if e.passthrough else "http_5xx"
+    return "protocol"
 
 
 @dataclass(eq=False, slots=True)
@@ -110,6 +125,10 @@ class Flight:
     """Set once the decode worker certainly registered the request (first event) or ended."""
     force_end: asyncio.TimerHandle | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    kv_blocks: int | None = None
+    """Blocks the prefill worker advertised (``remote_block_ids``), once its reply is accepted."""
+    completion_tokens: int | None = None
+    """From the decode worker's usage (non-stream reply, or a stream's usage chunk)."""
 
 
 class Serving:
@@ -128,6 +147,8 @@ class Serving:
         self.draining = False
         """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""
         self._upstream: Upstream | None = None
+        for w in (*self.prefill_pool, *self.decode_pool):
+            metrics.child(metrics.worker_healthy, w.pool, w.url).set(1 if w.healthy else 0)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -243,6 +264,10 @@ class Serving:
             req, data = self.validate(body, request.headers.get("Content-Type", ""))
         except ClientError as e:
             self.metrics.child(self.metrics.requests, "client_error").inc()
+            if ACCESS_LOG.isEnabledFor(logging.INFO):
+                log_access({"request_id": request.headers.get("X-Request-Id"), "outcome": "client_error",
+                            "status": e.status, "total_ms": round((self.clock() - t0) * 1000.0, 3)},
+                           self.settings.log_format)
             return e.to_response()
         header_id = request.headers.get("X-Request-Id")
         if header_id is not None:
@@ -256,6 +281,7 @@ class Serving:
         flight.headers["X-Request-Id"] = base_id
         self.table.add(record)
         self.flights[id(record)] = flight
+        outcome, status = "aborted", 499  # 499: the client went away (no response sent)
         try:
             response = await self._walk(request, flight)
         except ProxyError as e:
@@ -267,20 +293,44 @@ class Serving:
                 "client_error" if isinstance(e, UpstreamStatusError) and e.passthrough
                 else "upstream_error")
             self.metrics.child(self.metrics.requests, outcome).inc()
+            status = e.status
             return e.to_response(flight.headers)
         except (asyncio.CancelledError, ConnectionResetError):
             # aiohttp cancels the handler (or a write fails) when the client went away.
             if self._note_abort(record, "shutdown" if self.draining else "disconnect"):
                 self.metrics.child(self.metrics.requests, "aborted").inc()
             raise
+        else:
+            self.metrics.e2e.observe(self.clock() - t0)
+            outcome = "aborted" if record.is_aborted else "ok"
+            status = response.status
+            self.metrics.child(self.metrics.requests, outcome).inc()
+            return response
         finally:
             if record.phase is not Phase.DONE:
                 self.tracker.spawn(self.cleanup(flight), name=f"cleanup-{record.engine_id}")
             else:
                 self._forget(flight)
-        self.metrics.e2e.observe(self.clock() - t0)
-        self.metrics.child(self.metrics.requests, "aborted" if record.is_aborted else "ok").inc()
-        return response
+            if ACCESS_LOG.isEnabledFor(logging.INFO):
+                self._log_access(flight, outcome, status)
+
+    def _log_access(self, f: Flight, outcome: str, status: int) -> None:
+        """The one access line of a request: ids, workers, hop timings, outcome; no content."""
+        record = f.record
+        fields: dict[str, Any] = {
+            "request_id": record.base_id,
+            "prefill": record.prefill_worker.url if record.prefill_worker is not None else None,
+            "decode": record.decode_worker.url if record.decode_worker is not None else None,
+            "stream": f.request.is_stream,
+            "outcome": outcome,
+            "status": status,
+            "decode_only": f.headers.get("X-PD-Decode-Only"),
+            "abort": record.abort_source,
+        }
+        for name, value in f.timing.durations_ms(self.clock()).items():
+            fields[f"{name}_ms"] = round(value, 3)
+        fields["completion_tokens"] = f.completion_tokens
+        log_access(fields, self.settings.log_format)
 
     async def _walk(self, request: web.Request, f: Flight) -> web.StreamResponse:
         record, req = f.record, f.request
@@ -351,7 +401,7 @@ class Serving:
             params = self.rewrite_remote_host(params, prefill)
             record.kv_params = params
             record.phase = Phase.KV_HELD
-            blocks = sum(len(g) for g in params.get("remote_block_ids", []))
+            blocks = f.kv_blocks = sum(len(g) for g in params.get("remote_block_ids", []))
             record.lease = self.ledger.open(record.engine_id, prefill.url, self.clock(), blocks=blocks)
             self.metrics.kv_leases_open.set(self.ledger.open_count)
         choices = reply.get("choices")
@@ -378,8 +428,7 @@ class Serving:
         try:
             return await coro
         except UpstreamError as e:
-            self.metrics.upstream_errors.labels(pool=worker.pool, worker=worker.url,
-                                                error=type(e).__name__).inc()
+            self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, error_class(e)).inc()
             raise
         finally:
             worker.inflight -= 1
@@ -417,6 +466,11 @@ class Serving:
                 "decode", worker.url,
                 f"answered output_mode {reply.get('output_mode')!r} for a {f.request.output_mode!r} "
                 "request (a server that predates output_mode?)")
+        self._note_usage(f, reply.get("usage"))
+        if f.completion_tokens and f.request.sampling_params.n == 1 and f.timing.d1 is not None \
+                and f.timing.d0 is not None:
+            # Non-stream: the decode hop (KV pull and first token included) per output token.
+            self.metrics.tpot.observe((f.timing.d1 - f.timing.d0) / f.completion_tokens)
         if self._merge_prefill_info(f, reply):
             raw = _dumps(reply)  # otherwise D's bytes go out untouched
         now = self.clock()
@@ -424,6 +478,23 @@ class Serving:
         headers = dict(f.headers)
         headers["Server-Timing"] = f.timing.header(now)
         return web.Response(body=raw, content_type="application/json", headers=headers)
+
+    def _note_usage(self, f: Flight, usage: object) -> None:
+        """Keep D's completion token count; count a long prompt whose decode shows no KV
+        transfer (the prefill advertised no blocks, or D reports zero cached tokens)."""
+        if not isinstance(usage, dict):
+            return
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int):
+            f.completion_tokens = completion
+        prompt = usage.get("prompt_tokens")
+        if not isinstance(prompt, int) or prompt < self.settings.kv_block_size \
+                or f.kv_blocks is None or "X-PD-Decode-Only" in f.headers or f.record.is_aborted:
+            return
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if f.kv_blocks == 0 or cached == 0:
+            self.metrics.suspect_no_transfer.inc()
 
     def _merge_prefill_info(self, f: Flight, reply: dict[str, Any]) -> bool:
         """Put what only the prefill hop knows into D's reply; True when it changed."""
@@ -483,6 +554,7 @@ class Serving:
                      buffer: StreamBuffer) -> None:
         want_timing = request.headers.get("X-PD-Timing") == "1"
         last_write: float | None = None
+        first_write: float | None = None
         transport = request.transport
         while True:
             # The client lags when what we wrote before is still in the transport's buffer.
@@ -492,6 +564,7 @@ class Serving:
                 await resp.write(items[0] if len(items) == 1 else b"".join(items))
                 now = self.clock()
                 if last_write is None:
+                    first_write = now
                     self.metrics.ttft.observe(now - f.timing.t0)
                 else:
                     self.metrics.itl.observe(now - last_write)
@@ -507,6 +580,10 @@ class Serving:
             return  # phase stays DECODING: the clean-up aborts D
         if f.timing.d1 is not None:
             self.metrics.child(self.metrics.stage, "decode_stream").observe(self.clock() - f.timing.d1)
+        tokens = f.completion_tokens  # known only when the client asked for include_usage
+        if tokens is not None and tokens > 1 and f.request.sampling_params.n == 1 \
+                and first_write is not None and last_write is not None:
+            self.metrics.tpot.observe((last_write - first_write) / (tokens - 1))
         tail = [buffer.error_event] if buffer.error_event is not None else []
         if want_timing:
             tail.append(comment_event("server-timing " + f.timing.header(self.clock())))
@@ -531,8 +608,8 @@ class Serving:
                     "decode", worker.url, body, request_id=record.base_id, total=None,
                     sock_read=self.settings.stream_idle_timeout)
             except UpstreamError as e:
-                self.metrics.upstream_errors.labels(pool=worker.pool, worker=worker.url,
-                                                    error=type(e).__name__).inc()
+                self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
+                                   error_class(e)).inc()
                 f.settled.set()
                 if not f.headers_ready.done():
                     f.headers_ready.set_exception(e)
@@ -542,12 +619,16 @@ class Serving:
             first = True
             done = False
             error: bytes | None = None
+            last: bytes = b""
             try:
                 async for chunk in self.upstream.iter_chunks("decode", worker.url, resp):
                     for ev in reader.feed(chunk):
                         if ev.data == DONE_DATA:
                             done = True
+                            if f.request.include_usage:
+                                self._note_stream_usage(f, last)
                             break
+                        last = ev.data
                         if first:
                             first = False
                             f.timing.d1 = self.clock()
@@ -569,8 +650,8 @@ class Serving:
                             "decode", worker.url, "sent an SSE event larger than the byte cap").sse_event()
                         break
             except UpstreamError as e:
-                self.metrics.upstream_errors.labels(pool=worker.pool, worker=worker.url,
-                                                    error=type(e).__name__).inc()
+                self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
+                                   error_class(e)).inc()
                 error = e.sse_event()
             if not done and error is None and not buffer.closed:
                 error = UpstreamProtocolError("decode", worker.url, "stream ended without [DONE]").sse_event()
@@ -584,6 +665,17 @@ class Serving:
                 resp.close()
             worker.inflight -= 1
             self.metrics.child(self.metrics.inflight, worker.pool).dec()
+
+    def _note_stream_usage(self, f: Flight, data: bytes) -> None:
+        """The usage chunk is the last event before ``[DONE]``: one parse per stream."""
+        if b'"usage"' not in data:
+            return
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return
+        if isinstance(chunk, dict):
+            self._note_usage(f, chunk.get("usage"))
 
     def _check_first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
         try:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 PrefillFailurePolicy = Literal["fail", "decode-only"]
+LogFormat = Literal["text", "json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,11 @@ class ProxySettings:
     hold_between_hops: float = 0.0
     """TEST ONLY: wait this long in the KV_HELD state (prefill done, decode not sent) so that
     tests can open that window reliably. Never set it in production."""
+    kv_block_size: int = 128
+    """The workers' KV block size (vLLM CPU: 128). A prompt of at least one full block whose
+    decode shows no transfer counts in ``pd_proxy_suspect_no_transfer_total``."""
+    log_format: LogFormat = "text"
+    """The per-request access line (logger ``pd_proxy.access``): ``key=value`` text or JSON."""
     extra_health_info: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

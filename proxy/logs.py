@@ -1,0 +1,26 @@
+"""One access line per request (logger ``pd_proxy.access``, INFO), text or JSON.
+
+Only ids, worker URLs, timings, outcome and status go in: never prompt or output content,
+never keys. Callers check ``ACCESS_LOG.isEnabledFor(INFO)`` first, so a disabled log costs
+nothing on the hot path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from proxy.settings import LogFormat
+
+ACCESS_LOG = logging.getLogger("pd_proxy.access")
+
+
+def format_access(fields: dict[str, Any], fmt: LogFormat) -> str:
+    if fmt == "json":
+        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
+    return " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
+
+
+def log_access(fields: dict[str, Any], fmt: LogFormat) -> None:
+    ACCESS_LOG.info("%s", format_access(fields, fmt))
