@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import __version__
 from proxy.metrics import ProxyMetrics
-from tests.proxy.conftest import PDFactory, req
+from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req
+from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, prefill_reply
+from tests.proxy.test_aborts import SLOW_DECODE, _disconnect_when, abort, wait_for_state
 
 AGREED = [
     "pd_proxy_requests", "pd_proxy_ttft_seconds", "pd_proxy_itl_seconds", "pd_proxy_tpot_seconds",
@@ -15,7 +21,7 @@ AGREED = [
     "pd_proxy_upstream_errors", "pd_proxy_inflight_requests", "pd_proxy_worker_healthy", "pd_proxy_aborts",
     "pd_proxy_abort_fanout", "pd_proxy_kv_leases_open", "pd_proxy_kv_lease_duration_seconds",
     "pd_proxy_kv_leases_closed", "pd_proxy_prefill_missing_kv_params", "pd_proxy_decode_only",
-    "pd_proxy_build_info",
+    "pd_proxy_build_info", "pd_proxy_suspect_no_transfer",
 ]
 TIMING = re.compile(r"^queue;dur=[0-9.]+, prefill;dur=[0-9.]+, handoff;dur=[0-9.]+, "
                     r"decode_ttft;dur=[0-9.]+, total;dur=[0-9.]+$")
@@ -44,3 +50,171 @@ def test_registries_are_per_app() -> None:
     a.requests.labels(outcome="ok").inc()
     assert b'pd_proxy_requests_total{outcome="ok"} 1.0' in a.render()
     assert b'pd_proxy_requests_total{outcome="ok"} 0.0' in b.render()
+
+
+# ------------------------------------------------------------------ values after scripted traffic
+
+
+async def scrape(pd: PD) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = await (await pd.client.get("/metrics")).text()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def val(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_successes_count_upstream_calls_health_and_tpot(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_worker_healthy", pool="prefill", worker=pd.p.url) == 1
+    assert val(s, "pd_proxy_build_info", version=__version__) == 1
+    for _ in range(2):
+        assert (await pd.gen(req()))[0] == 200
+    # A stream without include_usage gives no token count: no TPOT sample from it.
+    await pd.stream(req())
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_tpot_seconds_count") == 2
+    await pd.stream(req(stream_options={"include_usage": True}))
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_requests_total", outcome="ok") == 4
+    assert val(s, "pd_proxy_upstream_requests_total", pool="prefill", worker=pd.p.url) == 4
+    assert val(s, "pd_proxy_upstream_requests_total", pool="decode", worker=pd.d.url) == 4
+    assert val(s, "pd_proxy_tpot_seconds_count") == 3
+    assert val(s, "pd_proxy_inflight_requests", pool="prefill") == 0
+    assert val(s, "pd_proxy_inflight_requests", pool="decode") == 0
+    assert val(s, "pd_proxy_e2e_seconds_count") == 4
+    # pd-sim reports no cached tokens and P advertised blocks: nothing suspect.
+    assert val(s, "pd_proxy_suspect_no_transfer_total") == 0
+    await pd.p.close()
+    assert (await pd.client.get("/health")).status == 503
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_worker_healthy", pool="prefill", worker=pd.p.url) == 0
+    assert val(s, "pd_proxy_worker_healthy", pool="decode", worker=pd.d.url) == 1
+
+
+async def test_validation_error_touches_no_worker(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    status, _, _ = await pd.gen({"token_ids": [], "sampling_params": {}})
+    assert status == 400
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_requests_total", outcome="client_error") == 1
+    assert val(s, "pd_proxy_requests_total", outcome="ok") == 0
+    assert val(s, "pd_proxy_upstream_requests_total", pool="prefill", worker=pd.p.url) == 0
+
+
+async def test_upstream_5xx_is_classed(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(prefill={"lease_seconds": 0.5})
+    await pd.d.set_faults(fail_next=1, fail_status=503)
+    status, _, _ = await pd.gen(req())
+    assert status == 502
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_requests_total", outcome="upstream_error") == 1
+    assert val(s, "pd_proxy_upstream_errors_total", pool="decode", worker=pd.d.url, error="http_5xx") == 1
+    assert val(s, "pd_proxy_upstream_errors_total", pool="prefill", worker=pd.p.url, error="http_5xx") == 0
+    await pd.p.set_faults(fail_next=1, fail_status=400)
+    assert (await pd.gen(req()))[0] == 400
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_upstream_errors_total", pool="prefill", worker=pd.p.url, error="http_4xx") == 1
+    assert val(s, "pd_proxy_requests_total", outcome="client_error") == 1
+
+
+async def test_unreachable_worker_is_a_connect_error(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    url = pd.p.url
+    await pd.p.close()
+    assert (await pd.gen(req()))[0] == 502
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_upstream_errors_total", pool="prefill", worker=url, error="connect") == 1
+
+
+@pytest.mark.parametrize("policy", ["fail", "decode-only"])
+async def test_prefill_without_kv_params(pd_factory: PDFactory, policy: str) -> None:
+    pd = await pd_factory(prefill_failure_policy=policy, prefill={"lease_seconds": 0.3})
+    await pd.p.set_faults(drop_kv_params=True)
+    status, _, _ = await pd.gen(req())
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_prefill_missing_kv_params_total") == 1
+    assert val(s, "pd_proxy_upstream_errors_total", pool="prefill", worker=pd.p.url, error="protocol") == 0
+    if policy == "fail":
+        assert status == 502
+        assert val(s, "pd_proxy_requests_total", outcome="upstream_error") == 1
+        assert val(s, "pd_proxy_decode_only_total", reason="missing_kv_params") == 0
+        assert val(s, "pd_proxy_upstream_requests_total", pool="decode", worker=pd.d.url) == 0
+    else:
+        assert status == 200
+        assert val(s, "pd_proxy_requests_total", outcome="ok") == 1
+        assert val(s, "pd_proxy_decode_only_total", reason="missing_kv_params") == 1
+        assert val(s, "pd_proxy_upstream_requests_total", pool="decode", worker=pd.d.url) == 1
+        assert val(s, "pd_proxy_suspect_no_transfer_total") == 0  # a known bypass is not "silent"
+    await pd.p.set_faults(drop_kv_params=False)
+
+
+async def test_abort_counts_and_fanout(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode=SLOW_DECODE)
+    task = asyncio.create_task(pd.client.post(
+        "/inference/v1/generate", json=req(request_id="ab", sp={"max_tokens": 300, "ignore_eos": True})))
+    await wait_for_state(pd, "decoding")
+    assert await abort(pd, "generate-tokens-ab") == 200
+    r = await asyncio.wait_for(task, 5)
+    assert r.status == 200
+    await pd.quiet(limit=2.0)
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_aborts_total", source="client_call", state="decoding") == 1
+    assert val(s, "pd_proxy_requests_total", outcome="aborted") == 1
+    assert val(s, "pd_proxy_requests_total", outcome="ok") == 0
+    assert val(s, "pd_proxy_abort_fanout_total", pool="decode", result="ok") >= 1
+    assert val(s, "pd_proxy_abort_fanout_total", pool="decode", result="error") == 0
+    assert val(s, "pd_proxy_inflight_requests", pool="decode") == 0
+
+
+async def test_disconnect_counts(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode=SLOW_DECODE)
+    body = {**req(request_id="dc", sp={"max_tokens": 300, "ignore_eos": True}), "stream": True}
+    await _disconnect_when(pd, "decoding", body, after_bytes=1)
+    await pd.quiet(limit=2.0)
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_aborts_total", source="disconnect", state="decoding") == 1
+    assert val(s, "pd_proxy_requests_total", outcome="aborted") == 1
+    assert val(s, "pd_proxy_abort_fanout_total", pool="decode", result="ok") >= 1
+    assert val(s, "pd_proxy_inflight_requests", pool="decode") == 0
+    assert val(s, "pd_proxy_kv_leases_open") == 0
+
+
+def _decode_reply(body: dict[str, Any], details: dict[str, Any] | None) -> dict[str, Any]:
+    reply = prefill_reply(body, kv_transfer_params=None)
+    reply["usage"]["prompt_tokens_details"] = details
+    reply["choices"][0]["finish_reason"] = "length"
+    return reply
+
+
+@pytest.mark.parametrize(("blocks", "details", "suspect"), [
+    ([[]], None, 1),                      # P advertised no blocks
+    ([[1]], {"cached_tokens": 0}, 1),     # D says nothing came from cache/transfer
+    ([[1]], {"cached_tokens": 128}, 0),
+    ([[1]], None, 0),
+])
+async def test_suspect_no_transfer(scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory,
+                                   blocks: list[list[int]], details: dict[str, Any] | None,
+                                   suspect: int) -> None:
+    kv = {**KV_PARAMS, "remote_block_ids": blocks}
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b, kv))
+    d: Scripted = await scripted_factory(lambda b, r: _decode_reply(b, details))
+    client, _ = await proxy_factory([p.url], [d.url])
+    for prompt_len, expected in ((127, 0), (128, suspect)):
+        r = await client.post("/inference/v1/generate", json=req(token_ids=list(range(1, prompt_len + 1))))
+        assert r.status == 200
+        text = await (await client.get("/metrics")).text()
+        assert f"pd_proxy_suspect_no_transfer_total {float(expected)}" in text
+
+
+async def test_kv_block_size_is_a_setting(scripted_factory: ScriptedFactory,
+                                          proxy_factory: ProxyFactory) -> None:
+    kv = {**KV_PARAMS, "remote_block_ids": [[]]}
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b, kv))
+    d: Scripted = await scripted_factory(lambda b, r: _decode_reply(b, None))
+    client, _ = await proxy_factory([p.url], [d.url], kv_block_size=16)
+    r = await client.post("/inference/v1/generate", json=req(token_ids=list(range(1, 17))))
+    assert r.status == 200
+    assert "pd_proxy_suspect_no_transfer_total 1.0" in await (await client.get("/metrics")).text()
