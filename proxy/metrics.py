@@ -1,5 +1,18 @@
 """The proxy's Prometheus metrics (names agreed in the observability issue), on a registry
-owned by one app: no module-level collectors, so several apps can live in one process."""
+owned by one app: no module-level collectors, so several apps can live in one process.
+
+``pd_proxy_tpot_seconds`` is observed only where the output token count comes for free (no
+per-event parsing on the stream hot path): non-stream replies with ``n == 1`` give the decode
+hop's time (KV pull and first token included) over ``usage.completion_tokens``; streams give
+(last write - first write) / (completion_tokens - 1) only when the client asked for
+``stream_options.include_usage`` (the usage chunk, parsed once, just before ``[DONE]``);
+other streams give no TPOT sample.
+
+``pd_proxy_suspect_no_transfer_total``: a disaggregated request (not decode-only) whose prompt
+is at least ``kv_block_size`` tokens (non-stream usage, or a stream's usage chunk) while the
+prefill reply advertised no ``remote_block_ids``, or the decode usage reports
+``prompt_tokens_details.cached_tokens == 0``.
+"""
 
 from __future__ import annotations
 

@@ -348,6 +348,7 @@ class Serving:
             reply = await asyncio.shield(f.prefill_task)
         except UpstreamStatusError as e:
             if e.passthrough:
+                f.timing.p1 = self.clock()
                 raise
             failure, failure_error, reply = "prefill_error", e, {}
         except UpstreamError as e:
