@@ -463,6 +463,7 @@ class Serving:
         self._set_done(f)
         self.metrics.child(self.metrics.stage, "decode_first_token").observe(f.timing.d1 - (f.timing.d0 or 0))
         if reply.get("output_mode") != f.request.output_mode:
+            self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "protocol").inc()
             raise UpstreamProtocolError(
                 "decode", worker.url,
                 f"answered output_mode {reply.get('output_mode')!r} for a {f.request.output_mode!r} "
@@ -647,15 +648,14 @@ class Serving:
                     if done or error is not None or buffer.closed:
                         break
                     if len(reader.pending) > self.settings.slow_reader_max_bytes:
-                        error = UpstreamProtocolError(
-                            "decode", worker.url, "sent an SSE event larger than the byte cap").sse_event()
+                        error = self._protocol_error(worker, "sent an SSE event larger than the byte cap")
                         break
             except UpstreamError as e:
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
                 error = e.sse_event()
             if not done and error is None and not buffer.closed:
-                error = UpstreamProtocolError("decode", worker.url, "stream ended without [DONE]").sse_event()
+                error = self._protocol_error(worker, "stream ended without [DONE]")
             f.settled.set()
             if first and (done or error is not None):
                 # The stream ended before any event: D answered, so it had the request.
@@ -666,6 +666,11 @@ class Serving:
                 resp.close()
             worker.inflight -= 1
             self.metrics.child(self.metrics.inflight, worker.pool).dec()
+
+    def _protocol_error(self, worker: Worker, reason: str) -> bytes:
+        """A decode stream broke the protocol mid-way: count it, return the in-band error event."""
+        self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "protocol").inc()
+        return UpstreamProtocolError("decode", worker.url, reason).sse_event()
 
     def _note_stream_usage(self, f: Flight, data: bytes) -> None:
         """The usage chunk is the last event before ``[DONE]``: one parse per stream."""
@@ -682,15 +687,14 @@ class Serving:
         try:
             chunk = json.loads(data)
         except ValueError:
-            return UpstreamProtocolError("decode", worker.url, "sent an event that is not JSON").sse_event()
+            return self._protocol_error(worker, "sent an event that is not JSON")
         if isinstance(chunk, dict) and "error" in chunk:
             return None
         mode = chunk.get("output_mode") if isinstance(chunk, dict) else None
         if mode != f.request.output_mode:
-            return UpstreamProtocolError(
-                "decode", worker.url,
-                f"answered output_mode {mode!r} for a {f.request.output_mode!r} request "
-                "(a server that predates output_mode?)").sse_event()
+            return self._protocol_error(
+                worker, f"answered output_mode {mode!r} for a {f.request.output_mode!r} request "
+                "(a server that predates output_mode?)")
         return None
 
     # ---------------------------------------------------------------- leases

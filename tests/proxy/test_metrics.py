@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy import __version__
 from proxy.metrics import ProxyMetrics
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req
-from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, prefill_reply
+from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
 from tests.proxy.test_aborts import SLOW_DECODE, _disconnect_when, abort, wait_for_state
 
 AGREED = [
@@ -218,3 +218,17 @@ async def test_kv_block_size_is_a_setting(scripted_factory: ScriptedFactory,
     r = await client.post("/inference/v1/generate", json=req(token_ids=list(range(1, 17))))
     assert r.status == 200
     assert "pd_proxy_suspect_no_transfer_total 1.0" in await (await client.get("/metrics")).text()
+
+
+async def test_stream_without_done_is_a_protocol_error(scripted_factory: ScriptedFactory,
+                                                       proxy_factory: ProxyFactory) -> None:
+    chunk = b'data: {"request_id":"generate-tokens-x","usage":null,"output_mode":"tokens","choices":' \
+            b'[{"index":0,"finish_reason":null,"stop_reason":null,"token_ids":[5],"logprobs":null}]}\n\n'
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted = await scripted_factory(lambda b, r: SSEBytes([chunk, b"data: {\"trunc"]))
+    client, _ = await proxy_factory([p.url], [d.url])
+    r = await client.post("/inference/v1/generate", json={**req(), "stream": True})
+    assert b"stream ended without [DONE]" in await r.read()
+    text = await (await client.get("/metrics")).text()
+    assert f'pd_proxy_upstream_errors_total{{error="protocol",pool="decode",worker="{d.url}"}} 1.0' in text
+    assert f'pd_proxy_upstream_requests_total{{pool="decode",worker="{d.url}"}} 1.0' in text
