@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -26,6 +27,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from proxy.errors import ProxyError, Unauthorized, json_response
+from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.protocol import error_body
 from proxy.serving import Serving
@@ -74,6 +76,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     app = request.app
     if app[DRAINING].is_set():
         app[METRICS].requests.labels(outcome="rejected").inc()
+        if ACCESS_LOG.isEnabledFor(logging.INFO):
+            log_access({"request_id": request.headers.get("X-Request-Id"), "outcome": "rejected",
+                         "status": 503}, app[SETTINGS].log_format)
         return json_response(
             error_body("the proxy is shutting down", "ServiceUnavailableError", 503), status=503)
     return await app[SERVING].generate(request)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from proxy.app import build_app
+from proxy.logs import configure_access_log
 from proxy.settings import ProxySettings
 
 
@@ -78,6 +79,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_args(argv)
+    configure_access_log(settings.log_format)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     web.run_app(build_app(settings), host=settings.host, port=settings.port,

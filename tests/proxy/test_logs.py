@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.cli import parse_args
+from proxy.logs import ACCESS_LOG, configure_access_log, log_access
 from tests.proxy.conftest import PDFactory, req
 from tests.proxy.test_aborts import SLOW_DECODE, _disconnect_when
 
@@ -103,3 +105,18 @@ def test_cli_log_format_and_block_size() -> None:
     assert s.log_format == "json" and s.kv_block_size == 16
     s = parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"])
     assert s.log_format == "text" and s.kv_block_size == 128
+
+
+def test_json_lines_are_bare_json() -> None:
+    out = io.StringIO()
+    handler = configure_access_log("json", out)
+    assert handler is not None and configure_access_log("text") is None
+    ACCESS_LOG.setLevel(logging.INFO)
+    try:
+        log_access({"request_id": "r1", "outcome": "ok", "status": 200}, "json")
+    finally:
+        ACCESS_LOG.removeHandler(handler)
+        ACCESS_LOG.propagate = True
+        ACCESS_LOG.setLevel(logging.NOTSET)
+    entry = json.loads(out.getvalue().strip())
+    assert entry["request_id"] == "r1" and entry["status"] == 200 and isinstance(entry["ts"], float)
