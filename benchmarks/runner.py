@@ -226,7 +226,9 @@ async def _run_targets(cfg: BenchConfig, urls: Sequence[str], err: TextIO | None
     run_tag = f"{started:%H%M%S}{secrets.token_hex(3)}"  # unique ids across runs
     jobs = _schedule(specs, cfg, len(urls))
     opts = [cfg.client_options(u) for u in urls]
-    connector = aiohttp.TCPConnector(limit=0)
+    # Idle connections are dropped before vLLM's own 5 s keep-alive closes them (a reused connection
+    # that the server is closing fails the request).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await _warmup(session, cfg, urls, run_tag)
 

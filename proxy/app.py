@@ -153,7 +153,8 @@ async def requests_table(request: web.Request) -> web.Response:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     serving = app[SERVING]
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60,
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                     keepalive_timeout=settings.upstream_keepalive_timeout,
                                      enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     json_serialize=json.dumps)

@@ -41,6 +41,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--decode-timeout", type=float, default=600.0)
     p.add_argument("--stream-idle-timeout", type=float, default=120.0)
     p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--upstream-keepalive-timeout", type=float, default=4.0,
+                   help="idle pooled connections to workers are dropped after this many seconds; keep it "
+                        "below the workers' keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
@@ -62,6 +65,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
         legacy_abort_mirror_vllm=a.legacy_abort_mirror_vllm, prefill_timeout=a.prefill_timeout,
         decode_timeout=a.decode_timeout, stream_idle_timeout=a.stream_idle_timeout,
         connect_timeout=a.connect_timeout, drain_timeout=a.drain_timeout,
+        upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format,
     )

@@ -36,6 +36,10 @@ class ProxySettings:
     """Non-stream: put the prefill worker's cached prompt tokens into
     ``usage.prompt_tokens_details`` when the decode worker reports none."""
     connect_timeout: float = 5.0
+    upstream_keepalive_timeout: float = 4.0
+    """How long an idle pooled connection to a worker is kept for reuse. Keep it below the workers'
+    own keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default): a connection the worker
+    is closing at the moment the proxy reuses it fails the request with a disconnect."""
     prefill_timeout: float = 300.0
     """Whole prefill hop (a non-streaming call)."""
     decode_timeout: float = 600.0

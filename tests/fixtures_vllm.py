@@ -45,6 +45,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -130,3 +131,10 @@ def vllm_cluster(
         pytest.fail(f"could not start the real vLLM cluster: {exc}", pytrace=False)
     with cluster:
         yield cluster
+
+
+def vllm_connector() -> aiohttp.TCPConnector:
+    """A client connector for sessions that talk to vLLM directly: idle connections are dropped before
+    vLLM's own keep-alive (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) closes them, so a reused connection
+    is never one the server is closing (which fails the request with ``ServerDisconnectedError``)."""
+    return aiohttp.TCPConnector(keepalive_timeout=4.0)

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from proxy.app import SERVING, build_app
 from proxy.settings import ProxySettings
-from tests.fixtures_vllm import metric_value, scrape_metrics
+from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers.launcher import Cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -72,7 +72,7 @@ async def test_between_hops_disconnect_frees_prefill_kv_fast(vllm_cluster: Clust
     body = {"token_ids": prompt(), "sampling_params": {"temperature": 0, "max_tokens": 8}}
     async with run_proxy(vllm_cluster, hold_between_hops=30.0) as (url, app):
         serving = app[SERVING]
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(connector=vllm_connector()) as s:
             async def client() -> None:
                 async with s.post(url + "/inference/v1/generate", json={**body, "request_id": "e2e-dc"}) as r:
                     await r.read()
@@ -101,7 +101,8 @@ async def test_without_proxy_the_kv_stays_pinned_for_the_lease(vllm_cluster: Clu
     body = {"request_id": "e2e-nopx", "token_ids": prompt(seed=8), "stream": False,
             "sampling_params": {"temperature": 0, "max_tokens": 1},
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
-    async with aiohttp.ClientSession() as s, s.post(p + "/inference/v1/generate", json=body) as r:
+    async with aiohttp.ClientSession(connector=vllm_connector()) as s, \
+            s.post(p + "/inference/v1/generate", json=body) as r:
         assert r.status == 200
         assert (await r.json())["kv_transfer_params"] is not None
     t0 = time.monotonic()
@@ -116,7 +117,8 @@ async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> Non
     p, d = vllm_cluster.prefill_urls[0], vllm_cluster.decode_urls[0]
     body = {"request_id": "e2e-long", "token_ids": prompt(60, seed=9), "stream": True,
             "sampling_params": {"temperature": 0, "max_tokens": 400, "ignore_eos": True}}
-    async with run_proxy(vllm_cluster) as (url, app), aiohttp.ClientSession() as s:
+    async with run_proxy(vllm_cluster) as (url, app), \
+            aiohttp.ClientSession(connector=vllm_connector()) as s:
         async with s.post(url + "/inference/v1/generate", json=body) as r:
             seen = b""
             while seen.count(b"\n\n") < 3:

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.fixtures_vllm import metric_value, scrape_metrics
+from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers import launcher
 from workers.demo import manual_handoff, post_generate
 from workers.launcher import Cluster
@@ -123,7 +123,7 @@ async def test_manual_handoff_matches_aggregated_greedy_output(vllm_cluster: Clu
     prefill_url = vllm_cluster.prefill_urls[0]
     decode_url = vllm_cluster.decode_urls[0]
     aggregated_url = vllm_cluster.aggregated_urls[0]
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=vllm_connector()) as session:
         for i, prompt in enumerate(_prompts()):
             body = {"token_ids": prompt, "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS}}
             request_id = f"e2e-handoff-{i}"

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy.app import SERVING, build_app
 from proxy.settings import ProxySettings
-from tests.fixtures_vllm import metric_value, scrape_metrics
+from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers.launcher import Cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -83,7 +83,8 @@ async def test_twenty_prompts_identical_to_aggregated(
     decode = vllm_cluster.decode_urls[0]
     aggregated = vllm_cluster.aggregated_urls[0]
     ledger = app[SERVING].ledger
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=vllm_connector()) as s:
         for i, prompt in enumerate(prompts()):
             body = {"token_ids": prompt, "output_mode": mode, "stream": stream,
                     "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS}}
