@@ -11,15 +11,13 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from proxy.app import SERVING, build_app
-from proxy.settings import ProxySettings
+from proxy.app import SERVING
+from tests.e2e.proxy_stack import run_proxy
 from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers.launcher import Cluster
 
@@ -45,21 +43,6 @@ async def seconds_until(url: str, name: str, pred: Any, limit: float, step: floa
 def prompt(n: int = 300, seed: int = 7) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 515) for _ in range(n)]
-
-
-@contextlib.asynccontextmanager
-async def run_proxy(cluster: Cluster, **settings: Any) -> AsyncIterator[tuple[str, web.Application]]:
-    app = build_app(ProxySettings(prefill_urls=tuple(cluster.prefill_urls),
-                                  decode_urls=tuple(cluster.decode_urls), **settings))
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = next(int(a[1]) for a in runner.addresses if isinstance(a, tuple))
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        await runner.cleanup()
 
 
 async def wait_idle(url: str) -> None:

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import SERVING, build_app
-from proxy.settings import ProxySettings
+from proxy.app import SERVING
+from tests.e2e.proxy_stack import run_proxy
 from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers.launcher import Cluster
 
@@ -35,17 +35,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture
 async def proxy(vllm_cluster: Cluster) -> AsyncIterator[tuple[str, web.Application]]:
-    app = build_app(ProxySettings(prefill_urls=tuple(vllm_cluster.prefill_urls),
-                                  decode_urls=tuple(vllm_cluster.decode_urls)))
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = next(int(a[1]) for a in runner.addresses if isinstance(a, tuple))
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        await runner.cleanup()
+    async with run_proxy(vllm_cluster) as served:
+        yield served
 
 
 async def call(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[list[int], str | None]:
