@@ -10,6 +10,8 @@ Routes (``/inference/*`` and ``/debug/*`` behind ``--api-key`` when set, as vLLM
 * ``GET  /metrics``                       Prometheus text (no key)
 * ``GET  /debug/kv-leases``               the KV-lease ledger (open + recent closed)
 * ``GET  /debug/requests``                the request table (state and holders of each request)
+* ``/admin/workers``                      pool membership and draining, behind ``--admin-key``
+                                          (``proxy.pools.admin``; only when that key is set)
 """
 
 from __future__ import annotations
@@ -106,19 +108,25 @@ async def abort_requests(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
-    metrics = request.app[METRICS]
     settings = request.app[SETTINGS]
     workers = [*serving.prefill_pool, *serving.decode_pool]
     results = await asyncio.gather(*(serving.upstream.health(w.url, limit=min(2.0, settings.control_timeout))
                                      for w in workers))
-    for w, ok in zip(workers, results, strict=True):
-        w.healthy = ok
-        metrics.worker_healthy.labels(pool=w.pool, worker=w.url).set(1 if ok else 0)
+    reachable = {(w.pool, w.url): ok for w, ok in zip(workers, results, strict=True)}
+    if not serving.pools.settings.active_health:
+        # No active probes: this probe is the only health signal the pools get.
+        for w, ok in zip(workers, results, strict=True):
+            w.healthy = ok
+    # "healthy" is this probe's answer; "admitted" is whether the pool routes to the worker now
+    # (active probes with thresholds, circuit breaker, draining: proxy.pools).
     pools = {
-        pool.name: [{"url": w.url, "healthy": w.healthy, "inflight": w.inflight} for w in pool]
+        pool.name: [{"url": w.url, "healthy": reachable.get((w.pool, w.url), False),
+                     "admitted": w.available, "circuit": w.circuit.name.lower().replace("_", "-"),
+                     "draining": w.draining, "inflight": w.inflight} for w in pool]
         for pool in (serving.prefill_pool, serving.decode_pool)
     }
-    ready = all(any(w.healthy for w in pool) for pool in (serving.prefill_pool, serving.decode_pool))
+    ready = all(any(reachable.get((w.pool, w.url), False) for w in pool)
+                for pool in (serving.prefill_pool, serving.decode_pool))
     draining = request.app[DRAINING].is_set()
     body = {
         "status": "draining" if draining else ("ok" if ready else "degraded"),
@@ -167,6 +175,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             serving.expire_leases()
 
     sweeper = asyncio.get_running_loop().create_task(sweep())
+    await serving.start_pools()
     try:
         yield
     finally:
@@ -180,6 +189,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
+        await serving.pools.stop()
         await session.close()
 
 
@@ -194,7 +204,7 @@ def build_app(settings: ProxySettings) -> web.Application:
     metrics = ProxyMetrics()
     app[SETTINGS] = settings
     app[METRICS] = metrics
-    app[SERVING] = Serving(settings, metrics)
+    app[SERVING] = serving = Serving(settings, metrics)
     app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
@@ -205,6 +215,9 @@ def build_app(settings: ProxySettings) -> web.Application:
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/debug/kv-leases", kv_leases)
     app.router.add_get("/debug/requests", requests_table)
+    admin = serving.pools.admin_app()
+    if admin is not None:
+        app.add_subapp("/admin", admin)  # its own key (--admin-key), not the client API key
     return app
 
 

@@ -12,13 +12,15 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.logs import configure_access_log
+from proxy.pools.runtime import add_pool_arguments, pool_settings_from_args
 from proxy.settings import ProxySettings
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p = argparse.ArgumentParser(prog="pd-proxy", description=__doc__)
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill worker URLs")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode worker URLs")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                   help="prefill worker URLs (or --workers-file / --k8s-endpointslices / --admin-key)")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode worker URLs")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PD_PROXY_API_KEY"),
@@ -53,8 +55,16 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="format of the one access line per request (logger pd_proxy.access)")
+    add_pool_arguments(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        return _settings(a)
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _settings(a: argparse.Namespace) -> ProxySettings:
     return ProxySettings(
         prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode), host=a.host, port=a.port,
         api_key=a.api_key, upstream_api_key=a.upstream_api_key,
@@ -68,6 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format,
+        pools=pool_settings_from_args(a),
     )
 
 

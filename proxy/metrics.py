@@ -55,8 +55,6 @@ class ProxyMetrics:
                                        ["pool", "worker", "error"], registry=r)
         self.inflight = Gauge("pd_proxy_inflight_requests", "Requests in flight per pool", ["pool"],
                               registry=r)
-        self.worker_healthy = Gauge("pd_proxy_worker_healthy", "Last health probe (1 ok)",
-                                    ["pool", "worker"], registry=r)
         self.aborts = Counter("pd_proxy_aborts", "Aborts by source and state", ["source", "state"],
                               registry=r)
         self.abort_fanout = Counter("pd_proxy_abort_fanout", "Abort calls sent to workers",

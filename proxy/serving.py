@@ -38,6 +38,13 @@ from proxy.errors import (
 )
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
+from proxy.pools import Deadline, DeadlineExceeded, NoWorkerAvailable, Outcome, Overloaded, PickContext
+from proxy.pools.admission import hop_budget
+from proxy.pools.migration import StreamFollower, migration_blocker
+from proxy.pools.preflight import handoff_check
+from proxy.pools.retry import is_transient
+from proxy.pools.runtime import BYPASS_HEADER, PoolRuntime
+from proxy.pools.worker import Worker
 from proxy.protocol import (
     GenerateRequest,
     RequestValidationError,
@@ -51,7 +58,7 @@ from proxy.protocol import (
 from proxy.relay import StreamBuffer
 from proxy.settings import ProxySettings
 from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_event
-from proxy.state import Phase, Pool, RequestRecord, RequestTable, TaskTracker, Worker
+from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
 from proxy.upstream import Upstream
 
 log = logging.getLogger("pd_proxy")
@@ -129,6 +136,9 @@ class Flight:
     """Blocks the prefill worker advertised (``remote_block_ids``), once its reply is accepted."""
     completion_tokens: int | None = None
     """From the decode worker's usage (non-stream reply, or a stream's usage chunk)."""
+    deadline: Deadline | None = None
+    ctx: PickContext = field(default_factory=PickContext)
+    """The decode pick's context (its ``tokens`` are counted on the decode worker)."""
 
 
 class Serving:
@@ -139,21 +149,28 @@ class Serving:
         self.clock = clock
         self.ledger = KVLeaseLedger(lease_duration=settings.lease_duration,
                                     keep_closed=settings.ledger_recent, on_close=self._lease_closed)
-        self.prefill_pool = Pool("prefill", settings.prefill_urls)
-        self.decode_pool = Pool("decode", settings.decode_urls)
+        self.pools = PoolRuntime(settings.pools, settings.prefill_urls, settings.decode_urls,
+                                 block_size=settings.kv_block_size, registry=metrics.registry, clock=clock)
+        self.prefill_pool = self.pools.prefill
+        self.decode_pool = self.pools.decode
         self.table = RequestTable()
         self.tracker = TaskTracker()
         self.flights: dict[int, Flight] = {}
         self.draining = False
         """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""
         self._upstream: Upstream | None = None
-        for w in (*self.prefill_pool, *self.decode_pool):
-            metrics.child(metrics.worker_healthy, w.pool, w.url).set(1 if w.healthy else 0)
 
     # ---------------------------------------------------------------- lifecycle
 
     def attach(self, upstream: Upstream) -> None:
         self._upstream = upstream
+
+    async def start_pools(self) -> None:
+        """Start the pools' background work (health probes, watchers) on the upstream session."""
+        check = handoff_check(self.upstream, block_size=self.pools.block_size,
+                              timeout=self.settings.pools.preflight_timeout,
+                              rewrite=self.rewrite_remote_host)
+        await self.pools.start(self.upstream.session, check)
 
     @property
     def upstream(self) -> Upstream:
@@ -269,6 +286,24 @@ class Serving:
                             "status": e.status, "total_ms": round((self.clock() - t0) * 1000.0, 3)},
                            self.settings.log_format)
             return e.to_response()
+        try:
+            deadline = self.pools.deadline(request.headers)
+        except ClientError as e:
+            self.metrics.child(self.metrics.requests, "client_error").inc()
+            return e.to_response()
+        try:
+            await self.pools.admission.acquire(None if deadline is None else max(0.0, deadline.remaining()))
+        except Overloaded as e:
+            self.pools.count_rejection()
+            self.metrics.child(self.metrics.requests, "rejected").inc()
+            return e.to_response()
+        try:
+            return await self._admitted(request, t0, req, data, deadline)
+        finally:
+            self.pools.admission.release()
+
+    async def _admitted(self, request: web.Request, t0: float, req: GenerateRequest, data: dict[str, Any],
+                        deadline: Deadline | None) -> web.StreamResponse:
         header_id = request.headers.get("X-Request-Id")
         if header_id is not None:
             base_id = header_id
@@ -277,11 +312,13 @@ class Serving:
         else:
             base_id = uuid.uuid4().hex
         record = RequestRecord(base_id, engine_request_id(base_id), stream=req.is_stream)
-        flight = Flight(record, req, data, Timing(t0))
+        flight = Flight(record, req, data, Timing(t0), deadline=deadline)
         flight.headers["X-Request-Id"] = base_id
         self.table.add(record)
         self.flights[id(record)] = flight
         outcome, status = "aborted", 499  # 499: the client went away (no response sent)
+        timer = None if deadline is None else asyncio.get_running_loop().call_later(
+            max(0.0, deadline.remaining()), self._deadline_passed, record)
         try:
             response = await self._walk(request, flight)
         except ProxyError as e:
@@ -289,9 +326,11 @@ class Serving:
             if isinstance(e, UpstreamError):
                 # Ids, workers and reasons only: never prompts or generated text.
                 log.warning("request %s failed: %s", record.engine_id, e.message)
-            outcome = "timeout" if isinstance(e, UpstreamTimeout) else (
+            if isinstance(e, Overloaded):
+                self.pools.count_rejection()
+            outcome = "timeout" if isinstance(e, UpstreamTimeout | DeadlineExceeded) else (
                 "client_error" if isinstance(e, UpstreamStatusError) and e.passthrough
-                else "upstream_error")
+                else "rejected" if isinstance(e, Overloaded) else "upstream_error")
             self.metrics.child(self.metrics.requests, outcome).inc()
             status = e.status
             return e.to_response(flight.headers)
@@ -307,6 +346,8 @@ class Serving:
             self.metrics.child(self.metrics.requests, outcome).inc()
             return response
         finally:
+            if timer is not None:
+                timer.cancel()
             if record.phase is not Phase.DONE:
                 self.tracker.spawn(self.cleanup(flight), name=f"cleanup-{record.engine_id}")
             else:
@@ -337,27 +378,35 @@ class Serving:
         s = self.settings
         kv_params: dict[str, Any] | None = None
 
+        if f.deadline is not None:
+            f.deadline.check("queue")
+        max_tokens = req.sampling_params.get("max_tokens")
+        f.ctx = self.pools.pick_context(req.token_ids, request.headers,
+                                        tokens=max_tokens if isinstance(max_tokens, int) else 0)
+
         # --- PREFILLING
-        prefill = self.prefill_pool.pick()
-        record.prefill_worker = prefill
         f.timing.p0 = self.clock()
-        f.prefill_task = self.tracker.spawn(self._prefill_hop(f, prefill))
+        bypass = self.pools.bypass_reason(len(req.token_ids))
         failure: str | None = None
         failure_error: UpstreamError | None = None
-        try:
-            reply = await asyncio.shield(f.prefill_task)
-        except UpstreamStatusError as e:
-            if e.passthrough:
-                f.timing.p1 = self.clock()
-                raise
-            failure, failure_error, reply = "prefill_error", e, {}
-        except UpstreamError as e:
-            failure, failure_error, reply = (
-                "prefill_timeout" if isinstance(e, UpstreamTimeout) else "prefill_error"), e, {}
+        prefill: Worker | None = None
+        reply: dict[str, Any] = {}
+        if bypass is None:
+            prefill, reply, failure_error = await self._prefill_with_retries(f)
+            if prefill is None and failure_error is None and not record.is_aborted:
+                bypass = "prefill_unavailable"
+            elif failure_error is not None:
+                if isinstance(failure_error, UpstreamStatusError) and failure_error.passthrough:
+                    f.timing.p1 = self.clock()
+                    raise failure_error
+                failure = "prefill_timeout" if isinstance(failure_error, UpstreamTimeout) else "prefill_error"
         f.timing.p1 = self.clock()
         self.metrics.child(self.metrics.stage, "queue").observe(f.timing.p0 - f.timing.t0)
         self.metrics.child(self.metrics.stage, "prefill").observe(f.timing.p1 - f.timing.p0)
-        if failure is None:
+        if bypass is not None:
+            self.metrics.child(self.metrics.decode_only, bypass).inc()
+            f.headers[BYPASS_HEADER] = bypass
+        elif failure is None and prefill is not None:
             kv_params, failure_error = self._accept_prefill_reply(f, prefill, reply)
             if failure_error is not None:
                 failure = "missing_kv_params"
@@ -382,7 +431,11 @@ class Serving:
             return await self._respond_aborted(request, f)
 
         # --- DECODING
-        decode = self.decode_pool.pick()
+        try:
+            decode = await self._acquire_decode(f, [])
+        except ProxyError:
+            await self._release_shielded(f)
+            raise
         record.decode_worker = decode
         record.phase = Phase.DECODING
         f.timing.d0 = self.clock()
@@ -416,14 +469,109 @@ class Serving:
             return None, UpstreamProtocolError("prefill", prefill.url, reason)
         return record.kv_params, None
 
-    async def _prefill_hop(self, f: Flight, worker: Worker) -> dict[str, Any]:
+    async def _prefill_with_retries(
+            self, f: Flight) -> tuple[Worker | None, dict[str, Any], UpstreamError | None]:
+        """The prefill hop, retried on another prefill worker after a connect error, a 5xx or a
+        timeout (nothing is held then). Returns the worker, its reply and the last error; no
+        worker and no error when no prefill worker is available and the bypass may take it."""
+        record, rt = f.record, self.pools
+        ctx = PickContext(token_ids=f.ctx.token_ids, session_id=f.ctx.session_id)
+        tried: list[Worker] = []
+        last: UpstreamError | None = None
+        for attempt in range(rt.prefill_retry.attempts):
+            if record.is_aborted:
+                break  # aborted (client call, deadline) during the backoff
+            try:
+                try:
+                    worker = await self.prefill_pool.acquire(ctx, exclude=tried, limit=self._queue_limit(f))
+                except NoWorkerAvailable:
+                    if not tried:
+                        raise
+                    # every admitted worker failed once: any of them again (the failure may pass)
+                    worker = await self.prefill_pool.acquire(ctx, limit=self._queue_limit(f))
+            except NoWorkerAvailable:
+                if last is not None:
+                    break  # none left: the last error stands
+                if rt.settings.bypass_when_prefill_unavailable:
+                    return None, {}, None
+                raise
+            record.prefill_worker = worker
+            try:
+                limit = hop_budget(f.deadline, "prefill", self.settings.prefill_timeout,
+                                   rt.settings.deadline_prefill_share)
+            except DeadlineExceeded:
+                self.prefill_pool.release(worker, Outcome.NEUTRAL)
+                raise
+            f.prefill_task = self.tracker.spawn(self._prefill_hop(f, worker, limit))
+            try:
+                return worker, await asyncio.shield(f.prefill_task), None
+            except UpstreamError as e:
+                last = e
+            tried.append(worker)
+            if record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts or not is_transient(last):
+                break
+            pause = rt.prefill_retry.delay(attempt, rt.rng)
+            if f.deadline is not None and f.deadline.remaining() <= pause:
+                break
+            rt.count_retry("prefill")
+            log.warning("request %s: retrying prefill after %s", record.engine_id, last.message)
+            await asyncio.sleep(pause)
+        return record.prefill_worker, {}, last
+
+    async def _prefill_hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
         body = self.prefill_body(f.data, f.request, f.record.base_id)
-        reply: dict[str, Any] = await self._call(worker, self.upstream.post_generate(
-            "prefill", worker.url, body, request_id=f.record.base_id, total=self.settings.prefill_timeout))
-        return reply
+        outcome = Outcome.NEUTRAL
+        try:
+            reply: dict[str, Any] = await self._call(worker, self.upstream.post_generate(
+                "prefill", worker.url, body, request_id=f.record.base_id, total=limit))
+            outcome = Outcome.SUCCESS
+            return reply
+        except UpstreamStatusError as e:
+            outcome = Outcome.NEUTRAL if e.passthrough else Outcome.FAILURE
+            raise
+        except UpstreamError:
+            outcome = Outcome.FAILURE
+            raise
+        finally:
+            self.prefill_pool.release(worker, outcome)
+
+    def _queue_limit(self, f: Flight) -> float:
+        """How long a pick may wait for a worker with room: the queue timeout, or less when
+        the request's deadline comes first."""
+        limit = self.pools.settings.queue_timeout
+        return limit if f.deadline is None else min(limit, max(0.0, f.deadline.remaining()))
+
+    async def _acquire_decode(self, f: Flight, tried: list[Worker]) -> Worker:
+        """A decode worker for this request (counted on it): not one already tried, and, with
+        the preflight on and KV to hand off, one whose pair with the prefill worker passed."""
+        rt, record = self.pools, f.record
+        excluded = list(tried)
+        prefill = record.prefill_worker
+        if rt.preflight.check is not None and prefill is not None and record.kv_params is not None:
+            candidates = self.decode_pool.candidates(excluded)
+            usable = await rt.preflight.usable_decoders(prefill, candidates, rt.settings.preflight_timeout)
+            excluded += [w for w in candidates if all(w is not u for u in usable)]
+        return await self.decode_pool.acquire(f.ctx, exclude=excluded, limit=self._queue_limit(f))
+
+    def _decode_limit(self, f: Flight) -> float:
+        """A non-stream decode hop's timeout: its cap, or the deadline plus the abort grace (at
+        the deadline the request is aborted and D answers with what it has)."""
+        cap = self.settings.decode_timeout
+        if f.deadline is None:
+            return cap
+        return min(cap, max(0.0, f.deadline.remaining()) + self.settings.abort_grace)
+
+    def _lease_valid(self, f: Flight) -> bool:
+        lease = f.record.lease
+        return (f.record.kv_params is not None and lease is not None and lease.end is None
+                and lease.expires > self.clock())
+
+    def _deadline_passed(self, record: RequestRecord) -> None:
+        if record.phase is not Phase.DONE:
+            self.abort_record(record, "deadline")
 
     async def _call(self, worker: Worker, coro: Any) -> Any:
-        worker.inflight += 1
+        """Count one call to ``worker`` (its in-flight count is the pool's: ``Pool.acquire``)."""
         self.metrics.child(self.metrics.inflight, worker.pool).inc()
         self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
         try:
@@ -432,7 +580,6 @@ class Serving:
             self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, error_class(e)).inc()
             raise
         finally:
-            worker.inflight -= 1
             self.metrics.child(self.metrics.inflight, worker.pool).dec()
 
     # ---------------------------------------------------------------- decode: non-stream
@@ -441,12 +588,29 @@ class Serving:
         record = f.record
 
         async def hop() -> tuple[dict[str, Any], bytes]:
+            w, current, tried = worker, body, []
             try:
-                answer: tuple[dict[str, Any], bytes] = await self._call(
-                    worker, self.upstream.post_generate_raw(
-                        "decode", worker.url, body, request_id=record.base_id,
-                        total=self.settings.decode_timeout))
-                return answer
+                for attempt in range(self.pools.decode_retry.attempts):
+                    outcome = Outcome.NEUTRAL
+                    try:
+                        answer: tuple[dict[str, Any], bytes] = await self._call(
+                            w, self.upstream.post_generate_raw(
+                                "decode", w.url, current, request_id=record.base_id,
+                                total=self._decode_limit(f)))
+                        outcome = Outcome.SUCCESS
+                        return answer
+                    except UpstreamError as e:
+                        passthrough = isinstance(e, UpstreamStatusError) and e.passthrough
+                        outcome = Outcome.NEUTRAL if passthrough else Outcome.FAILURE
+                        last_attempt = attempt + 1 >= self.pools.decode_retry.attempts
+                        if last_attempt or not self._may_retry_decode(f, e):
+                            raise
+                        error = e
+                    finally:
+                        self.decode_pool.release(w, outcome, f.ctx.tokens)
+                    tried.append(w)
+                    w, current = await self._next_decode(f, body, tried, attempt, error)
+                raise AssertionError("unreachable")  # the last attempt returns or raises
             finally:
                 f.settled.set()
 
@@ -497,6 +661,33 @@ class Serving:
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if f.kv_blocks == 0 or cached == 0:
             self.metrics.suspect_no_transfer.inc()
+
+    def _may_retry_decode(self, f: Flight, e: UpstreamError) -> bool:
+        """Before D's first byte a 5xx, connect error or timeout may go to another decode worker:
+        with P's KV while its lease is valid, else decode-only (D computes the prompt itself)."""
+        return not f.record.is_aborted and is_transient(e) and (
+            f.deadline is None or not f.deadline.expired)
+
+    async def _next_decode(self, f: Flight, body: dict[str, Any], tried: list[Worker], attempt: int,
+                           error: UpstreamError) -> tuple[Worker, dict[str, Any]]:
+        """The worker and body of the next decode attempt (raises ``error`` if there is none)."""
+        rt = self.pools
+        await asyncio.sleep(rt.decode_retry.delay(attempt, rt.rng))
+        try:
+            try:
+                w = await self._acquire_decode(f, tried)
+            except NoWorkerAvailable:
+                w = await self._acquire_decode(f, [])  # every admitted worker failed once: any again
+        except (NoWorkerAvailable, Overloaded):
+            raise error from None
+        f.record.decode_worker = w
+        rt.count_retry("decode")
+        log.warning("request %s: retrying decode on %s after %s", f.record.engine_id, w.url, error.message)
+        if attempt == 0 and self._lease_valid(f):
+            return w, body  # the same KV (P still holds it under the lease)
+        f.headers[BYPASS_HEADER] = "decode_retry"
+        self._close_lease(f, "unknown")
+        return w, self.decode_body(f.data, f.record.base_id, None)
 
     def _merge_prefill_info(self, f: Flight, reply: dict[str, Any]) -> bool:
         """Put what only the prefill hop knows into D's reply; True when it changed."""
@@ -597,10 +788,112 @@ class Serving:
         # else: the proxy ended the stream itself (abort grace passed): the clean-up aborts D.
 
     async def _produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
-        """Read D's stream into ``buffer`` (never blocks on the client)."""
+        """Read D's stream into ``buffer`` (never blocks on the client).
+
+        Before D's first byte, a failed open goes to another decode worker (``_next_decode``).
+        A stream that breaks later (the worker died, reset, or sent an error event) continues on
+        another decode worker as a continuation (``proxy.pools.migration``) when the request
+        allows it: the client's stream goes on with no visible seam."""
         record = f.record
         assert f.headers_ready is not None
-        worker.inflight += 1
+        rt = self.pools
+        follower = (StreamFollower(f.data, f.request.output_mode)
+                    if rt.settings.migrate and migration_blocker(f.data) is None else None)
+        tried: list[Worker] = []
+        attempt = 0
+        w, current = worker, body
+        while True:
+            status, error, exc = "broken", None, None
+            try:
+                status, error, exc = await self._stream_once(f, w, current, buffer, follower)
+            finally:
+                passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
+                outcome = (Outcome.SUCCESS if status == "done" else
+                           Outcome.NEUTRAL if status == "closed" or passthrough or record.is_aborted
+                           else Outcome.FAILURE)
+                self.decode_pool.release(w, outcome, f.ctx.tokens)
+            if status == "done":
+                buffer.finish(done=True)
+                return
+            if status == "closed":
+                return
+            if status == "open_failed" and not f.headers_ready.done():
+                assert exc is not None
+                if attempt + 1 < rt.decode_retry.attempts and self._may_retry_decode(f, exc):
+                    tried.append(w)
+                    try:
+                        w, current = await self._next_decode(f, body, tried, attempt, exc)
+                    except UpstreamError:
+                        pass
+                    else:
+                        attempt += 1
+                        continue
+                f.settled.set()
+                f.headers_ready.set_exception(exc)
+                return
+            if status != "protocol" and follower is not None and not record.is_aborted \
+                    and not buffer.closed and follower.migrations < rt.settings.max_migrations \
+                    and (f.deadline is None or not f.deadline.expired):
+                cont = follower.continue_elsewhere(record.base_id)
+                if cont is None:  # the client already has every token
+                    buffer.finish(done=True)
+                    return
+                tried.append(w)
+                try:
+                    w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self._queue_limit(f))
+                except (NoWorkerAvailable, Overloaded):
+                    buffer.finish(done=False, error=error)
+                    return
+                record.decode_worker = w
+                current = await self._prefill_continuation(f, cont.body)
+                rt.count_migration()
+                log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,
+                            cont.kept + cont.replay)
+                continue
+            buffer.finish(done=False, error=error)
+            return
+
+    async def _prefill_continuation(self, f: Flight, body: dict[str, Any]) -> dict[str, Any]:
+        """A long continuation's prompt goes through a prefill worker (its KV then handed to the
+        decode worker, under a lease); a short one, or one whose prefill fails, is computed by
+        the decode worker itself."""
+        rt, record = self.pools, f.record
+        if len(body["token_ids"]) < rt.settings.migrate_prefill_tokens or record.is_aborted:
+            return body
+        try:
+            p = await self.prefill_pool.acquire(PickContext(token_ids=body["token_ids"]), limit=0.0)
+        except (NoWorkerAvailable, Overloaded):
+            return body
+        limit = self.settings.prefill_timeout if f.deadline is None else \
+            min(self.settings.prefill_timeout, max(0.0, f.deadline.remaining()))
+        outcome = Outcome.FAILURE
+        try:
+            reply = await self._call(p, self.upstream.post_generate(
+                "prefill", p.url, self.prefill_body(body, f.request, record.base_id),
+                request_id=record.base_id, total=limit))
+            outcome = Outcome.SUCCESS
+        except UpstreamError as e:
+            log.warning("request %s: continuation prefill failed: %s", record.engine_id, e.message)
+            return body
+        finally:
+            self.prefill_pool.release(p, outcome)
+        params = reply.get("kv_transfer_params")
+        if check_prefill_kv_params(params) is not None or not isinstance(params, dict):
+            return body
+        params = self.rewrite_remote_host(params, p)
+        record.prefill_worker, record.kv_params = p, params
+        blocks = sum(len(g) for g in params.get("remote_block_ids", []))
+        record.lease = self.ledger.open(record.engine_id, p.url, self.clock(), blocks=blocks)
+        self.metrics.kv_leases_open.set(self.ledger.open_count)
+        return {**body, "kv_transfer_params": params}
+
+    async def _stream_once(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
+                           follower: StreamFollower | None) -> tuple[str, bytes | None, UpstreamError | None]:
+        """One decode stream into ``buffer``. Returns ``done`` ([DONE] seen), ``closed`` (the
+        buffer was closed: client gone, overflow, forced end), ``open_failed`` (no answer: the
+        error), ``protocol`` (D answered something unusable) or ``broken`` (ended mid-way)."""
+        record = f.record
+        assert f.headers_ready is not None
         self.metrics.child(self.metrics.inflight, worker.pool).inc()
         self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
         resp: aiohttp.ClientResponse | None = None
@@ -612,16 +905,16 @@ class Serving:
             except UpstreamError as e:
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
-                f.settled.set()
-                if not f.headers_ready.done():
-                    f.headers_ready.set_exception(e)
-                return
-            f.headers_ready.set_result(None)
+                return "open_failed", e.sse_event(), e
+            if not f.headers_ready.done():
+                f.headers_ready.set_result(None)
             reader = SSEReader()
             first = True
             done = False
+            protocol = False
             error: bytes | None = None
             last: bytes = b""
+            exc: UpstreamError | None = None
             try:
                 async for chunk in self.upstream.iter_chunks("decode", worker.url, resp):
                     for ev in reader.feed(chunk):
@@ -633,38 +926,51 @@ class Serving:
                         last = ev.data
                         if first:
                             first = False
-                            f.timing.d1 = self.clock()
-                            self.metrics.child(self.metrics.stage, "decode_first_token").observe(
-                                f.timing.d1 - (f.timing.d0 or f.timing.d1))
+                            if f.timing.d1 is None:
+                                f.timing.d1 = self.clock()
+                                self.metrics.child(self.metrics.stage, "decode_first_token").observe(
+                                    f.timing.d1 - (f.timing.d0 or f.timing.d1))
                             self._close_lease(f, "aborted" if record.is_aborted else "pulled")
                             f.settled.set()
                             error = self._check_first_event(f, worker, ev.data)
                             if error is not None:
+                                protocol = True
                                 break
                         if ev.data.startswith(b'{"error"'):
                             error = ev.raw
                             break
+                        if follower is not None:
+                            payload = follower.event(ev.data)
+                            if payload is None:
+                                continue  # only tokens the client already has
+                            if payload is not ev.data:
+                                buffer.put(data_event(payload), payload)
+                                continue
                         buffer.put(ev.raw, ev.data)
                     if done or error is not None or buffer.closed:
                         break
                     if len(reader.pending) > self.settings.slow_reader_max_bytes:
                         error = self._protocol_error(worker, "sent an SSE event larger than the byte cap")
+                        protocol = True
                         break
             except UpstreamError as e:
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
-                error = e.sse_event()
+                error, exc = e.sse_event(), e
             if not done and error is None and not buffer.closed:
                 error = self._protocol_error(worker, "stream ended without [DONE]")
             f.settled.set()
             if first and (done or error is not None):
                 # The stream ended before any event: D answered, so it had the request.
                 self._close_lease(f, "unknown" if error is not None else "pulled")
-            buffer.finish(done=done and error is None, error=error)
+            if done and error is None:
+                return "done", None, None
+            if buffer.closed:
+                return "closed", None, None
+            return ("protocol" if protocol else "broken"), error, exc
         finally:
             if resp is not None:
                 resp.close()
-            worker.inflight -= 1
             self.metrics.child(self.metrics.inflight, worker.pool).dec()
 
     def _protocol_error(self, worker: Worker, reason: str) -> bytes:
@@ -845,7 +1151,10 @@ class Serving:
         params = record.kv_params
         if params is None:
             return
-        worker = record.decode_worker or self.decode_pool.pick()
+        fallback = self.decode_pool.candidates() or self.decode_pool.workers
+        worker = record.decode_worker or (fallback[0] if fallback else None)
+        if worker is None:
+            return  # no decode worker at all: the lease expires on P
         record.decode_worker = worker
         body = self.release_body(f.data, record.base_id, params)
         try:

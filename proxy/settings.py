@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.pools.runtime import PoolSettings
+
 PrefillFailurePolicy = Literal["fail", "decode-only"]
 LogFormat = Literal["text", "json"]
 
@@ -73,7 +75,12 @@ class ProxySettings:
     log_format: LogFormat = "text"
     """The per-request access line (logger ``pd_proxy.access``): ``key=value`` text or JSON."""
     extra_health_info: dict[str, str] = field(default_factory=dict)
+    pools: PoolSettings = field(default_factory=PoolSettings)
+    """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
 
     def __post_init__(self) -> None:
-        if not self.prefill_urls or not self.decode_urls:
-            raise ValueError("at least one prefill and one decode URL are required")
+        p = self.pools
+        dynamic = p.config_file is not None or bool(p.k8s) or bool(p.admin_key)
+        if (not self.prefill_urls or not self.decode_urls) and not dynamic:
+            raise ValueError("at least one prefill and one decode URL are required "
+                             "(or a workers file, EndpointSlices or the admin API)")

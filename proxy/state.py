@@ -1,4 +1,4 @@
-"""Per-request state of the P/D walk, the table of requests in flight, and the worker pools.
+"""Per-request state of the P/D walk and the table of requests in flight (pools: ``proxy.pools``).
 
 Each state has a cleanup owner (see ``proxy.serving.Serving.cleanup``):
 
@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kv_transfer.ledger import Lease
+from proxy.pools.worker import Worker
+
+__all__ = ["Phase", "RequestRecord", "RequestTable", "TaskTracker", "Worker"]
+"""``Worker`` is re-exported: the pools (``proxy.pools``) own it."""
 
 
 class Phase(enum.Enum):
@@ -31,32 +33,6 @@ class Phase(enum.Enum):
     KV_HELD = "kv_held"
     DECODING = "decoding"
     DONE = "done"
-
-
-@dataclass(eq=False, slots=True)
-class Worker:
-    url: str
-    pool: str
-    inflight: int = 0
-    healthy: bool = True
-
-
-class Pool:
-    """Workers of one role; picks the least-loaded healthy worker (round robin on ties)."""
-
-    def __init__(self, name: str, urls: tuple[str, ...]) -> None:
-        self.name = name
-        self.workers = [Worker(url.rstrip("/"), name) for url in urls]
-        self._rr = itertools.count()
-
-    def pick(self) -> Worker:
-        candidates = [w for w in self.workers if w.healthy] or self.workers
-        start = next(self._rr) % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda w: w.inflight)
-
-    def __iter__(self) -> Iterator[Worker]:
-        return iter(self.workers)
 
 
 @dataclass(eq=False, slots=True)

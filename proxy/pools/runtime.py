@@ -57,8 +57,6 @@ class K8sSelector:
 class PoolSettings:
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_tokens"
-    block_size: int = 16
-    """The workers' KV block size (tokens): prefix hashing and the short-prompt bypass use it."""
     prefix_blocks: int = 4
     imbalance_ratio: float = 1.5
     imbalance_slack: float = 4.0
@@ -92,7 +90,8 @@ class PoolSettings:
     deadline_prefill_share: float = 0.5
     """The prefill hop may use at most this share of what remains of a deadline."""
     bypass_prompt_tokens: int | None = None
-    """Prompts shorter than this skip the prefill hop (None: one KV block, 0: never)."""
+    """Prompts shorter than this skip the prefill hop (None: one KV block, 0: never). The
+    block size is the proxy's ``kv_block_size`` (``--kv-block-size``), given to ``PoolRuntime``."""
     bypass_when_prefill_unavailable: bool = True
     preflight: bool = False
     preflight_timeout: float = 30.0
@@ -114,10 +113,6 @@ class PoolSettings:
             "breaker_failures": 2**31, **overrides}
         return cls(**values)
 
-    @property
-    def bypass_threshold(self) -> int:
-        return self.block_size if self.bypass_prompt_tokens is None else self.bypass_prompt_tokens
-
 
 # ------------------------------------------------------------------------------ CLI
 
@@ -136,7 +131,6 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     d = PoolSettings()
     g.add_argument("--prefill-policy", choices=POLICY_NAMES, default=d.prefill_policy)
     g.add_argument("--decode-policy", choices=POLICY_NAMES, default=d.decode_policy)
-    g.add_argument("--block-size", type=int, default=d.block_size, help="workers' KV block size")
     g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks)
     g.add_argument("--use-scraped-load", action="store_true",
                    help="let workers' own queue and KV usage (/metrics) feed the choice")
@@ -169,7 +163,7 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pool_settings_from_args(a: argparse.Namespace) -> PoolSettings:
     return PoolSettings(
-        prefill_policy=a.prefill_policy, decode_policy=a.decode_policy, block_size=a.block_size,
+        prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
         prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load, max_inflight=a.max_inflight,
         max_inflight_per_worker=a.max_inflight_per_worker, max_queue=a.max_queue,
         queue_timeout=a.queue_timeout, breaker_failures=a.breaker_failures,
@@ -229,9 +223,15 @@ class PoolMetrics:
 
 class PoolRuntime:
     def __init__(self, settings: PoolSettings, prefill_urls: Iterable[str], decode_urls: Iterable[str],
-                 *, registry: CollectorRegistry | None = None, metrics_with_health: bool = True,
+                 *, block_size: int = 128, registry: CollectorRegistry | None = None,
+                 metrics_with_health: bool = True,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         self.settings = s = settings
+        if block_size < 1:
+            raise ValueError("block_size must be at least 1")
+        self.block_size = block_size
+        """The workers' KV block size (tokens): prefix hashing, the short-prompt bypass, preflight."""
+        self.bypass_threshold = block_size if s.bypass_prompt_tokens is None else s.bypass_prompt_tokens
         self.clock = clock
         self.rng = rng or random.Random()
         breaker = BreakerConfig(failure_threshold=s.breaker_failures, open_seconds=s.breaker_open_seconds,
@@ -264,7 +264,7 @@ class PoolRuntime:
 
     def make_policy(self, name: str) -> Policy:
         s = self.settings
-        return make_policy(name, block_size=s.block_size, prefix_blocks=s.prefix_blocks,
+        return make_policy(name, block_size=self.block_size, prefix_blocks=s.prefix_blocks,
                            imbalance_ratio=s.imbalance_ratio, imbalance_slack=s.imbalance_slack, rng=self.rng)
 
     # -------------------------------------------------------------- per request
@@ -281,7 +281,7 @@ class PoolRuntime:
 
     def bypass_reason(self, prompt_tokens: int) -> str | None:
         """Why this request should skip the prefill hop (None: it should not)."""
-        if prompt_tokens < self.settings.bypass_threshold:
+        if prompt_tokens < self.bypass_threshold:
             return "short_prompt"
         if self.settings.bypass_when_prefill_unavailable and not self.prefill.candidates():
             return "prefill_unavailable"

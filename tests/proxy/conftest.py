@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import SERVING, build_app
+from proxy.pools.runtime import PoolSettings
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
 from tests.fixtures_sim import SimWorker
@@ -85,6 +86,7 @@ def pd_factory(sim_factory: Any, aiohttp_client: Any) -> PDFactory:
         dkw = {"zero_latency": True, **(decode or {})}
         ps = [await sim_factory(role="prefill", **pkw) for _ in range(n_prefill)]
         ds = [await sim_factory(role="decode", **dkw) for _ in range(n_decode)]
+        settings.setdefault("pools", PoolSettings.plain())  # the bare walk (pools: tests/proxy/pools)
         s = ProxySettings(prefill_urls=tuple(w.url for w in ps), decode_urls=tuple(w.url for w in ds),
                           **settings)
         app = build_app(s)
@@ -110,6 +112,7 @@ ProxyFactory = Callable[..., Awaitable[tuple[TestClient[web.Request, web.Applica
 @pytest.fixture
 def proxy_factory(aiohttp_client: Any) -> ProxyFactory:
     async def make(prefill: list[str], decode: list[str], **settings: Any) -> Any:
+        settings.setdefault("pools", PoolSettings.plain())
         app = build_app(ProxySettings(prefill_urls=tuple(prefill), decode_urls=tuple(decode), **settings))
         client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
         return client, app

@@ -39,7 +39,7 @@ def test_cli_defaults_and_flags(tmp_path: Path) -> None:
               "--k8s-endpointslices", "prefill:serving:app=p:8000")
     assert (s.prefill_policy, s.decode_policy, s.max_inflight, s.max_queue, s.migrate) == \
         ("prefix", "session", 8, 3, False)
-    assert s.bypass_threshold == 0 and s.admin_key == "k" and s.config_file == tmp_path / "w.toml"
+    assert s.bypass_prompt_tokens == 0 and s.admin_key == "k" and s.config_file == tmp_path / "w.toml"
     assert s.k8s == (K8sSelector("decode", "serving", "app=vllm,role=decode", "http"),
                      K8sSelector("prefill", "serving", "app=p", 8000))
     with pytest.raises(SystemExit):
@@ -49,7 +49,7 @@ def test_cli_defaults_and_flags(tmp_path: Path) -> None:
 
 
 def test_bypass_reasons() -> None:
-    rt = PoolRuntime(PoolSettings(block_size=16), [P], [D])
+    rt = PoolRuntime(PoolSettings(), [P], [D], block_size=16)
     assert rt.bypass_reason(15) == "short_prompt"
     assert rt.bypass_reason(16) is None
     rt.prefill.workers[0].healthy = False
