@@ -43,6 +43,8 @@ class FakeClock(Clock):
             self.t = deadline + late
         return not req.aborted
 
+    sleep_until_exact = sleep_until  # virtual time has no timer resolution to make up for
+
 
 def with_clock(worker: SimWorker, clock: Clock) -> None:
     worker.app[SIM].clock = clock
@@ -93,6 +95,27 @@ async def test_sleep_until_a_passed_deadline_does_not_sleep_and_abort_wins() -> 
     req.abort()
     assert not await ScriptedClock([5.0]).sleep_until(req, 4.0)
     assert not await ScriptedClock([0.0]).sleep_until(req, 1.0)
+
+
+async def test_sleep_until_exact_times_all_but_the_last_ms_then_yields_until_due() -> None:
+    # No timer for the last millisecond (it would wake up to 1 ms late): the loop is polled instead.
+    clock = ScriptedClock([0.0, 0.0492, 0.0497, 0.0499, 0.0500])
+    req = RecordingInflight()
+    assert await clock.sleep_until_exact(req, 0.050)
+    assert req.slept == [pytest.approx(0.049)]
+    assert clock.times == []
+
+
+async def test_sleep_until_exact_stops_polling_on_abort() -> None:
+    class AbortingClock(ScriptedClock):
+        def now(self) -> float:
+            t = super().now()
+            if not self.times:
+                req.abort()  # aborted while polling the last millisecond
+            return t
+
+    req = RecordingInflight()
+    assert not await AbortingClock([0.0, 0.0495, 0.0496]).sleep_until_exact(req, 0.050)
 
 
 def test_cadence_is_absolute_from_the_first_token() -> None:

@@ -54,6 +54,7 @@ def state_snapshot(st: SimState) -> dict[str, Any]:
         ],
         "releases": dict(st.leases.releases),
         "faults": st.faults.to_dict(),
+        "traceparents": [{"request_id": rid, "traceparent": tp} for rid, tp in st.traceparents],
     }
 
 

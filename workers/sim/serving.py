@@ -261,7 +261,7 @@ class _Run:
         if not s.zero_latency:
             delay = self.prefill_delay()
             start = clock.now() if self.remote is not None else t_start  # a tail starts after the pull
-            if delay > 0 and not await clock.sleep_until(inflight, start + delay):
+            if delay > 0 and not await clock.sleep_until_exact(inflight, start + delay):
                 return False
         st.metrics.prompt_tokens.inc(len(self.prompt))
         st.metrics.prefill_time.observe(clock.now() - t_prefill)
@@ -688,6 +688,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if base is None:
         base = req.request_id if req.request_id is not None else f"{uuid.uuid4().int & ((1 << 64) - 1):016x}"
     run = _Run(request, st, req, f"generate-tokens-{base}")
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None:  # recorded for tracing tests (pd-proxy's hops carry one)
+        st.traceparents.append((run.request_id, traceparent))
     run.validate()
     return await run.run()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from .protocol import parse_json_body
 from .settings import Faults, SimSettings
 from .tokenizer import ByteTokenizer
 
+TRACEPARENTS_KEPT = 256
 DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
@@ -37,6 +39,8 @@ class SimState:
     generate_calls: int = 0
     hung: int = 0  # requests held by the hang_before_headers fault
     clock: Clock = field(default_factory=Clock)  # the latency model's time (tests inject one)
+    traceparents: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=TRACEPARENTS_KEPT))
+    """(request id, W3C ``traceparent``) of the latest generate calls that carried one."""
 
     @property
     def faults(self) -> Faults:
