@@ -12,6 +12,16 @@ other streams give no TPOT sample.
 is at least ``kv_block_size`` tokens (non-stream usage, or a stream's usage chunk) while the
 prefill reply advertised no ``remote_block_ids``, or the decode usage reports
 ``prompt_tokens_details.cached_tokens == 0``.
+
+``pd_proxy_upstream_errors_total{error}``: ``connect`` (unreachable, reset, disconnected),
+``timeout``, ``http_4xx`` / ``http_5xx`` (the worker's status), ``protocol`` (an answer the proxy
+cannot use: no ``[DONE]``, not JSON, wrong ``output_mode``, an oversized event) and
+``error_event`` (vLLM's in-band SSE error event in a stream that had started).
+
+The pools (``proxy.pools.runtime.PoolMetrics``) add ``pd_proxy_retries_total{hop}``,
+``pd_proxy_migrations_total``, ``pd_proxy_queue_rejections_total`` and the gauges
+``pd_proxy_circuit_state{pool,worker}`` and ``pd_proxy_worker_healthy{pool,worker}`` (the active
+probes' verdict, or the last ``GET /health`` when active probes are off) to the same registry.
 """
 
 from __future__ import annotations

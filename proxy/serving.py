@@ -55,10 +55,12 @@ from proxy.protocol import (
     engine_request_id,
     parse_generate_body,
 )
-from proxy.relay import StreamBuffer
+from proxy.relay import StreamBuffer, block_token_ids
 from proxy.settings import ProxySettings
-from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_event
+from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_event, last_data
 from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
+from proxy.tracing import DISABLED as TRACING_DISABLED
+from proxy.tracing import NOOP_HOP, NOOP_TRACE, Hop, RequestTrace, Tracing
 from proxy.upstream import Upstream
 
 log = logging.getLogger("pd_proxy")
@@ -138,12 +140,16 @@ class Flight:
     """From the decode worker's usage (non-stream reply, or a stream's usage chunk)."""
     deadline: Deadline | None = None
     ctx: PickContext = field(default_factory=PickContext)
+    trace: RequestTrace = NOOP_TRACE
+    """OpenTelemetry spans of this request (``proxy.tracing``; a shared no-op when off)."""
     """The decode pick's context (its ``tokens`` are counted on the decode worker)."""
 
 
 class Serving:
     def __init__(self, settings: ProxySettings, metrics: ProxyMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 tracing: Tracing = TRACING_DISABLED) -> None:
+        self.tracing = tracing
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
@@ -314,6 +320,7 @@ class Serving:
         record = RequestRecord(base_id, engine_request_id(base_id), stream=req.is_stream)
         flight = Flight(record, req, data, Timing(t0), deadline=deadline)
         flight.headers["X-Request-Id"] = base_id
+        flight.trace = self.tracing.start(request.headers, base_id, t0)
         self.table.add(record)
         self.flights[id(record)] = flight
         outcome, status = "aborted", 499  # 499: the client went away (no response sent)
@@ -354,6 +361,7 @@ class Serving:
                 self._forget(flight)
             if ACCESS_LOG.isEnabledFor(logging.INFO):
                 self._log_access(flight, outcome, status)
+            flight.trace.finish(flight, outcome, status)
 
     def _log_access(self, f: Flight, outcome: str, status: int) -> None:
         """The one access line of a request: ids, workers, hop timings, outcome; no content."""
@@ -404,8 +412,7 @@ class Serving:
         self.metrics.child(self.metrics.stage, "queue").observe(f.timing.p0 - f.timing.t0)
         self.metrics.child(self.metrics.stage, "prefill").observe(f.timing.p1 - f.timing.p0)
         if bypass is not None:
-            self.metrics.child(self.metrics.decode_only, bypass).inc()
-            f.headers[BYPASS_HEADER] = bypass
+            self._decode_only(f, bypass)
         elif failure is None and prefill is not None:
             kv_params, failure_error = self._accept_prefill_reply(f, prefill, reply)
             if failure_error is not None:
@@ -418,8 +425,7 @@ class Serving:
             await self._release_shielded(f)  # a reply that failed a check may still hold KV
             if s.prefill_failure_policy == "fail":
                 raise failure_error
-            self.metrics.child(self.metrics.decode_only, failure).inc()
-            f.headers["X-PD-Decode-Only"] = failure
+            self._decode_only(f, failure)
             kv_params = None
 
         # --- KV_HELD
@@ -523,7 +529,8 @@ class Serving:
         outcome = Outcome.NEUTRAL
         try:
             reply: dict[str, Any] = await self._call(worker, self.upstream.post_generate(
-                "prefill", worker.url, body, request_id=f.record.base_id, total=limit))
+                "prefill", worker.url, body, request_id=f.record.base_id, total=limit),
+                f.trace.hop("prefill", worker))
             outcome = Outcome.SUCCESS
             return reply
         except UpstreamStatusError as e:
@@ -570,12 +577,14 @@ class Serving:
         if record.phase is not Phase.DONE:
             self.abort_record(record, "deadline")
 
-    async def _call(self, worker: Worker, coro: Any) -> Any:
-        """Count one call to ``worker`` (its in-flight count is the pool's: ``Pool.acquire``)."""
+    async def _call(self, worker: Worker, coro: Any, hop: Hop = NOOP_HOP) -> Any:
+        """Count one call to ``worker`` (its in-flight count is the pool's: ``Pool.acquire``);
+        ``hop`` is its span (``proxy.tracing``), current while the call runs."""
         self.metrics.child(self.metrics.inflight, worker.pool).inc()
         self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
         try:
-            return await coro
+            with hop:
+                return await coro
         except UpstreamError as e:
             self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, error_class(e)).inc()
             raise
@@ -596,7 +605,7 @@ class Serving:
                         answer: tuple[dict[str, Any], bytes] = await self._call(
                             w, self.upstream.post_generate_raw(
                                 "decode", w.url, current, request_id=record.base_id,
-                                total=self._decode_limit(f)))
+                                total=self._decode_limit(f)), f.trace.hop("decode", w))
                         outcome = Outcome.SUCCESS
                         return answer
                     except UpstreamError as e:
@@ -683,11 +692,21 @@ class Serving:
         f.record.decode_worker = w
         rt.count_retry("decode")
         log.warning("request %s: retrying decode on %s after %s", f.record.engine_id, w.url, error.message)
-        if attempt == 0 and self._lease_valid(f):
-            return w, body  # the same KV (P still holds it under the lease)
-        f.headers[BYPASS_HEADER] = "decode_retry"
-        self._close_lease(f, "unknown")
+        if "kv_transfer_params" not in body or (attempt == 0 and self._lease_valid(f)):
+            return w, body  # decode-only already, or the same KV (P still holds it under the lease)
+        self._decode_only(f, "decode_retry")
         return w, self.decode_body(f.data, f.record.base_id, None)
+
+    def _decode_only(self, f: Flight, reason: str) -> None:
+        """From here on the request runs on a decode worker alone: counted (once per request),
+        named in the ``X-PD-Decode-Only`` header, and a KV lease still open ends as ``unknown``
+        (no decode hop of this request will pull those blocks; P frees them at its own lease's
+        end), so a decode-only hop's first event never closes it as ``pulled``."""
+        if BYPASS_HEADER not in f.headers:
+            self.metrics.child(self.metrics.decode_only, reason).inc()
+            f.headers[BYPASS_HEADER] = reason
+        self._close_lease(f, "unknown")
+        f.record.kv_params = None
 
     def _merge_prefill_info(self, f: Flight, reply: dict[str, Any]) -> bool:
         """Put what only the prefill hop knows into D's reply; True when it changed."""
@@ -805,7 +824,9 @@ class Serving:
         while True:
             status, error, exc = "broken", None, None
             try:
-                status, error, exc = await self._stream_once(f, w, current, buffer, follower)
+                with f.trace.hop("decode", w) as hop:
+                    status, error, exc = await self._stream_once(f, w, current, buffer, follower)
+                    hop.outcome(status)
             finally:
                 passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
                 outcome = (Outcome.SUCCESS if status == "done" else
@@ -870,7 +891,7 @@ class Serving:
         try:
             reply = await self._call(p, self.upstream.post_generate(
                 "prefill", p.url, self.prefill_body(body, f.request, record.base_id),
-                request_id=record.base_id, total=limit))
+                request_id=record.base_id, total=limit), f.trace.hop("prefill", p))
             outcome = Outcome.SUCCESS
         except UpstreamError as e:
             log.warning("request %s: continuation prefill failed: %s", record.engine_id, e.message)
@@ -917,7 +938,36 @@ class Serving:
             exc: UpstreamError | None = None
             try:
                 async for chunk in self.upstream.iter_chunks("decode", worker.url, resp):
-                    for ev in reader.feed(chunk):
+                    batch = reader.feed_batch(chunk)
+                    # The hot path: what a read completed goes out as one block, unparsed, when
+                    # it is plain vLLM events (no error, [DONE] last) after the first event.
+                    fast = batch.plain and not first
+                    if fast and batch.body:
+                        if follower is not None:
+                            ids = block_token_ids(batch.body) if follower.cont is None and \
+                                follower.progress.output_mode == "tokens" else None
+                            if ids is None:
+                                fast = False  # parse event by event (text mode, migrated, odd)
+                            else:
+                                follower.progress.generated.extend(ids)
+                        if fast:
+                            buffer.put(batch.body)
+                            if f.request.include_usage:
+                                last = last_data(batch.body)
+                    if fast:
+                        if batch.done:
+                            done = True
+                            if f.request.include_usage:
+                                self._note_stream_usage(f, last)
+                            break
+                        if buffer.closed:
+                            break
+                        if len(reader.pending) > self.settings.slow_reader_max_bytes:
+                            error = self._protocol_error(worker, "sent an SSE event larger than the byte cap")
+                            protocol = True
+                            break
+                        continue
+                    for ev in batch.events():
                         if ev.data == DONE_DATA:
                             done = True
                             if f.request.include_usage:
@@ -937,6 +987,9 @@ class Serving:
                                 protocol = True
                                 break
                         if ev.data.startswith(b'{"error"'):
+                            # vLLM's in-band error event (the stream had started): a failed call.
+                            self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
+                                               "error_event").inc()
                             error = ev.raw
                             break
                         if follower is not None:
@@ -1160,7 +1213,7 @@ class Serving:
         try:
             await self._call(worker, self.upstream.post_generate(
                 "decode", worker.url, body, request_id=record.base_id,
-                total=self.settings.decode_timeout))
+                total=self.settings.decode_timeout), f.trace.hop("kv_release", worker))
         except UpstreamStatusError as e:
             log.warning("KV release for %s failed: %s", record.engine_id, e.message)
             if e.passthrough:

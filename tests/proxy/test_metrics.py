@@ -7,13 +7,17 @@ import re
 from typing import Any
 
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import __version__
 from proxy.metrics import ProxyMetrics
+from proxy.pools.runtime import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
 from tests.proxy.test_aborts import SLOW_DECODE, _disconnect_when, abort, wait_for_state
+from workers.sim import SimSettings
+from workers.sim import build_app as sim_app
 
 AGREED = [
     "pd_proxy_requests", "pd_proxy_ttft_seconds", "pd_proxy_itl_seconds", "pd_proxy_tpot_seconds",
@@ -22,6 +26,8 @@ AGREED = [
     "pd_proxy_abort_fanout", "pd_proxy_kv_leases_open", "pd_proxy_kv_lease_duration_seconds",
     "pd_proxy_kv_leases_closed", "pd_proxy_prefill_missing_kv_params", "pd_proxy_decode_only",
     "pd_proxy_build_info", "pd_proxy_suspect_no_transfer",
+    # the pools' (proxy.pools.runtime.PoolMetrics)
+    "pd_proxy_circuit_state", "pd_proxy_retries", "pd_proxy_migrations", "pd_proxy_queue_rejections",
 ]
 TIMING = re.compile(r"^queue;dur=[0-9.]+, prefill;dur=[0-9.]+, handoff;dur=[0-9.]+, "
                     r"decode_ttft;dur=[0-9.]+, total;dur=[0-9.]+$")
@@ -232,3 +238,126 @@ async def test_stream_without_done_is_a_protocol_error(scripted_factory: Scripte
     text = await (await client.get("/metrics")).text()
     assert f'pd_proxy_upstream_errors_total{{error="protocol",pool="decode",worker="{d.url}"}} 1.0' in text
     assert f'pd_proxy_upstream_requests_total{{pool="decode",worker="{d.url}"}} 1.0' in text
+
+
+# ------------------------------------------------------------------ the pools' metrics (issue 7)
+
+LONG = list(range(300, 340))  # 40 tokens: above pd-sim's 16-token block (no short-prompt bypass)
+
+
+async def eventually(check: Any, limit: float = 5.0) -> None:
+    """Poll the async ``check`` until true (bounded): a condition, never a duration, is asserted."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit
+    while not await check():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_circuit_state_opens_after_failures(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(n_decode=2, pools=PoolSettings.plain(
+        breaker_failures=1, breaker_open_seconds=60.0, decode_policy="round_robin"))
+    s = await scrape(pd)
+    assert [val(s, "pd_proxy_circuit_state", pool="decode", worker=d.url) for d in pd.decode] == [0, 0]
+    await pd.decode[0].set_faults(fail_next=1, fail_status=503)
+    await pd.decode[1].set_faults(fail_next=1, fail_status=503)
+    assert (await pd.gen(req()))[0] == 502  # no decode retry in the bare walk: one worker fails
+    s = await scrape(pd)
+    states = sorted(val(s, "pd_proxy_circuit_state", pool="decode", worker=d.url) for d in pd.decode)
+    assert states == [0, 2]  # one open (2), one untouched (0)
+    assert val(s, "pd_proxy_circuit_state", pool="prefill", worker=pd.p.url) == 0
+
+
+async def test_retries_by_hop_single_workers(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(pools=PoolSettings.plain(prefill_attempts=2, decode_attempts=2,
+                                                   retry_base_delay=0.0))
+    await pd.p.set_faults(fail_next=1, fail_status=500)
+    assert (await pd.gen(req()))[0] == 200  # retried on the one prefill worker
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_retries_total", hop="prefill") == 1
+    assert val(s, "pd_proxy_retries_total", hop="decode") == 0
+    await pd.d.set_faults(fail_next=1, fail_status=500)
+    assert (await pd.stream(req()))[0] == 200  # retried on the one decode worker
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_retries_total", hop="decode") == 1
+    assert val(s, "pd_proxy_upstream_errors_total", pool="prefill", worker=pd.p.url, error="http_5xx") == 1
+    assert val(s, "pd_proxy_upstream_errors_total", pool="decode", worker=pd.d.url, error="http_5xx") == 1
+    assert val(s, "pd_proxy_requests_total", outcome="ok") == 2
+    await pd.quiet()
+
+
+@pytest.mark.parametrize("fault", ["error_after_tokens", "reset_after_tokens"])
+async def test_migration_and_in_band_error_event_are_counted(pd_factory: PDFactory, fault: str) -> None:
+    pd = await pd_factory(n_decode=2, kv_block_size=16,
+                          pools=PoolSettings.plain(migrate=True, decode_policy="round_robin"))
+    expected = [t for e in (await pd.stream(req(token_ids=LONG, sp={"max_tokens": 12})))[1]
+                if isinstance(e, dict) for c in e["choices"] for t in c["token_ids"]]
+    await pd.decode[1].set_faults(**{fault: 4})  # round robin: the next stream goes to decode[1]
+    status, events, _ = await pd.stream(req(token_ids=LONG, sp={"max_tokens": 12}))
+    got = [t for e in events if isinstance(e, dict) for c in e.get("choices", []) for t in c["token_ids"]]
+    assert status == 200 and got == expected and events[-1] == "[DONE]"
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_migrations_total") == 1
+    error = "error_event" if fault == "error_after_tokens" else "connect"
+    assert val(s, "pd_proxy_upstream_errors_total", pool="decode", worker=pd.decode[1].url, error=error) == 1
+    assert val(s, "pd_proxy_requests_total", outcome="ok") == 2
+    await pd.decode[1].set_faults(**{fault: None})
+    await pd.quiet()
+
+
+async def test_in_band_error_event_without_migration_is_counted(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    await pd.d.set_faults(error_after_tokens=3)
+    status, events, _ = await pd.stream(req(sp={"max_tokens": 10}))
+    assert status == 200 and any(isinstance(e, dict) and "error" in e for e in events)
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_upstream_errors_total", pool="decode", worker=pd.d.url, error="error_event") == 1
+    assert val(s, "pd_proxy_migrations_total") == 0
+    await pd.d.set_faults(error_after_tokens=None)
+    await pd.quiet()
+
+
+async def test_queue_rejections(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode=SLOW_DECODE, pools=PoolSettings.plain(max_inflight=1, max_queue=0))
+    body = {**req(request_id="long", sp={"max_tokens": 300, "ignore_eos": True}), "stream": True}
+    task = asyncio.create_task(pd.client.post("/inference/v1/generate", json=body))
+    await wait_for_state(pd, "decoding")
+    status, payload, headers = await pd.gen(req())
+    assert status == 429 and "Retry-After" in headers
+    assert payload["error"]["code"] == 429
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_queue_rejections_total") == 1
+    assert val(s, "pd_proxy_requests_total", outcome="rejected") == 1
+    assert await abort(pd, "generate-tokens-long") == 200
+    r = await asyncio.wait_for(task, 5)
+    await r.read()
+    await pd.quiet(limit=2.0)
+
+
+async def test_worker_healthy_follows_the_active_probes(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(n_decode=2, pools=PoolSettings.plain(
+        active_health=True, health_interval=0.05, health_timeout=0.5, health_fail_threshold=2,
+        health_recover_threshold=1))
+    victim = pd.decode[1]
+
+    async def healthy(value: float) -> bool:
+        s = await scrape(pd)  # /metrics only: GET /health is never called here
+        return val(s, "pd_proxy_worker_healthy", pool="decode", worker=victim.url) == value
+
+    assert await healthy(1)
+    await victim.close()  # the worker dies
+    await eventually(lambda: healthy(0))
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_worker_healthy", pool="decode", worker=pd.decode[0].url) == 1
+    for _ in range(3):  # the probed-out worker gets no traffic
+        assert (await pd.gen(req()))[0] == 200
+    s = await scrape(pd)
+    assert val(s, "pd_proxy_upstream_requests_total", pool="decode", worker=victim.url) == 0
+    runner = web.AppRunner(sim_app(SimSettings(role="decode", zero_latency=True)))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", victim.port).start()  # back on the same port
+    try:
+        await eventually(lambda: healthy(1))
+    finally:
+        await runner.cleanup()

@@ -195,6 +195,32 @@ async def test_decode_retry_before_first_byte(stack: StackFactory, stream: bool)
     await quiet(st)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_decode_retry_without_the_kv_ends_the_lease_as_unknown(stack: StackFactory,
+                                                                    stream: bool) -> None:
+    """Both decode workers fail before their first byte: the retry on the same KV fails too, so
+    the third attempt runs decode-only; the lease ends "unknown" (never "pulled")."""
+    st = await stack(prefill={"lease_seconds": 0.5}, pools={"decode_policy": "round_robin",
+                                                             "decode_attempts": 3})
+    expected = tokens((await st.stream(req()))[1])
+    for d in st.decode:
+        await d.set_faults(fail_next=1, fail_status=500)
+    if stream:
+        status, events, headers = await st.stream(req())
+        assert tokens(events) == expected and events[-1] == "[DONE]"
+    else:
+        status, body, headers = await st.gen(req())
+        assert body["choices"][0]["token_ids"] == expected
+    assert status == 200 and headers[BYPASS] == "decode_retry"
+    assert await st.metric("pd_proxy_retries_total", hop="decode") == 2
+    assert await st.metric("pd_proxy_decode_only_total", reason="decode_retry") == 1
+    ledger = await (await st.client.get("/debug/kv-leases")).json()
+    assert ledger["open"] == []
+    assert [c["reason"] for c in ledger["closed"]] == ["unknown", "pulled"]  # newest first
+    assert await st.metric("pd_proxy_kv_leases_closed_total", reason="unknown") == 1
+    await quiet(st)  # P's own (short) lease frees the blocks nobody pulled
+
+
 async def test_prefill_unavailable_goes_decode_only_and_503_when_not_allowed(stack: StackFactory) -> None:
     st = await stack(n_prefill=1, pools={"breaker_failures": 1, "prefill_attempts": 1})
     await st.prefill[0].set_faults(fail_next=1, fail_status=500)

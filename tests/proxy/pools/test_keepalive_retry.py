@@ -1,0 +1,46 @@
+"""A prefill hop whose reused keep-alive connection is closed before any response byte is retried,
+also with a single prefill worker (the retry goes to the same worker, on a new connection)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.app import SERVING, build_app
+from proxy.pools.runtime import PoolSettings
+from proxy.settings import ProxySettings
+from tests.proxy.pools.helpers import CutRelay
+
+PROMPT = [260 + (i * 7) % 200 for i in range(40)]
+
+
+async def test_reused_connection_closed_before_the_answer_is_retried_on_the_one_worker(
+        sim_factory: Any, aiohttp_client: Any) -> None:
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", zero_latency=True)
+    relay = CutRelay(p.url, cut_on=2)
+    url = await relay.start()
+    try:
+        settings = ProxySettings(prefill_urls=(url,), decode_urls=(d.url,), kv_block_size=16,
+                                 pools=PoolSettings(active_health=False, retry_base_delay=0.0))
+        app = build_app(settings)
+        client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})
+        body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 4}}
+        answers = []
+        for _ in range(2):  # the second request reuses the first one's pooled connection
+            r = await client.post("/inference/v1/generate", json=body)
+            answers.append((r.status, (await r.json())["choices"][0]["token_ids"]))
+        assert answers[0] == answers[1] and answers[0][0] == 200
+        assert relay.cuts == 1 and relay.connections == 2
+        text = await (await client.get("/metrics")).text()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("pd_proxy_retries_total", (("hop", "prefill"),))] == 1
+        labels = (("error", "connect"), ("pool", "prefill"), ("worker", url))
+        errors = ("pd_proxy_upstream_errors_total", labels)
+        assert samples[errors] == 1
+        assert samples[("pd_proxy_requests_total", (("outcome", "ok"),))] == 2
+        assert app[SERVING].ledger.open_count == 0
+    finally:
+        await relay.close()
