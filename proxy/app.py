@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -34,7 +35,11 @@ from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.protocol import error_body
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
+from proxy.tracing import Tracing
 from proxy.upstream import Upstream
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 SETTINGS = web.AppKey("settings", ProxySettings)
 METRICS = web.AppKey("metrics", ProxyMetrics)
@@ -165,7 +170,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                                      keepalive_timeout=settings.upstream_keepalive_timeout,
                                      enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                    json_serialize=json.dumps)
+                                    json_serialize=json.dumps,
+                                    trace_configs=serving.tracing.client_trace_configs())
     serving.attach(Upstream(session, api_key=settings.upstream_api_key,
                             connect_timeout=settings.connect_timeout))
 
@@ -191,6 +197,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await sweeper
         await serving.pools.stop()
         await session.close()
+        serving.tracing.shutdown()
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -198,13 +205,16 @@ async def _on_shutdown(app: web.Application) -> None:
     app[SERVING].draining = True
 
 
-def build_app(settings: ProxySettings) -> web.Application:
+def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None = None) -> web.Application:
+    """``tracer_provider``: the OpenTelemetry provider for ``settings.otel`` (default: the global
+    one, or one built from the ``OTEL_*`` variables; see ``proxy.tracing``)."""
     middlewares = [_auth_middleware(settings)] if settings.api_key else []
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     metrics = ProxyMetrics()
     app[SETTINGS] = settings
     app[METRICS] = metrics
-    app[SERVING] = serving = Serving(settings, metrics)
+    app[SERVING] = serving = Serving(settings, metrics,
+                                     tracing=Tracing.create(settings.otel, tracer_provider))
     app[DRAINING] = asyncio.Event()
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)

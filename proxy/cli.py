@@ -14,6 +14,7 @@ from proxy.app import build_app
 from proxy.logs import configure_access_log
 from proxy.pools.runtime import add_pool_arguments, pool_settings_from_args
 from proxy.settings import ProxySettings
+from proxy.tracing import otel_installed
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
@@ -55,8 +56,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="format of the one access line per request (logger pd_proxy.access)")
+    p.add_argument("--otel", action="store_true",
+                   help="OpenTelemetry spans per hop, traceparent sent to the workers (pd-proxy[otel]; "
+                        "exporter from OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
     add_pool_arguments(p)
     a = p.parse_args(argv)
+    if a.otel and not otel_installed():
+        p.error("--otel needs the OpenTelemetry packages: pip install 'pd-proxy[otel]'")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         return _settings(a)
@@ -77,7 +83,7 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         connect_timeout=a.connect_timeout, drain_timeout=a.drain_timeout,
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
-        kv_block_size=a.kv_block_size, log_format=a.log_format,
+        kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel,
         pools=pool_settings_from_args(a),
     )
 

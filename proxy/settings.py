@@ -74,6 +74,9 @@ class ProxySettings:
     decode shows no transfer counts in ``pd_proxy_suspect_no_transfer_total``."""
     log_format: LogFormat = "text"
     """The per-request access line (logger ``pd_proxy.access``): ``key=value`` text or JSON."""
+    otel: bool = False
+    """OpenTelemetry spans per hop, ``traceparent`` sent to the workers (``proxy.tracing``; needs
+    the ``otel`` extra; exporter and endpoint from the standard ``OTEL_*`` variables)."""
     extra_health_info: dict[str, str] = field(default_factory=dict)
     pools: PoolSettings = field(default_factory=PoolSettings)
     """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
