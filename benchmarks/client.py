@@ -1,7 +1,11 @@
 """The HTTP/SSE timing client: one ``POST /inference/v1/generate`` -> one :class:`RequestRecord`.
 
 Times are ``time.perf_counter()`` readings taken the moment a network read returns, before any
-parsing, and stored as seconds since the request was sent. A "chunk" is one SSE ``data`` event
+parsing, and stored as seconds since the request was sent: the moment its bytes are handed to
+the connection (aiohttp's ``on_request_chunk_sent`` trace, see :func:`new_session`), so that
+pd-bench's own work before that (building the request, serializing the body, taking or opening a
+connection, a loop tick for the body-writer task) is not charged to the server. A session
+without that trace falls back to the moment ``send_request`` began. A "chunk" is one SSE ``data`` event
 that carries at least one new output token (``choices[0].token_ids``); chunks without tokens
 (the ``include_usage`` chunk, an ``abort`` chunk) count toward nothing but failure checks.
 """
@@ -35,6 +39,42 @@ TIMING_REQUEST_HEADER: Final = "X-PD-Timing"
 SERVER_TIMING_COMMENT: Final = "server-timing"
 
 _MAX_ERROR_BODY: Final = 2048
+KEEPALIVE_S: Final = 4.0
+"""Idle connections are dropped before vLLM's own 5 s keep-alive closes them (a reused connection
+that the server is closing fails the request)."""
+
+
+class _SendMark:
+    """When a request's bytes were handed to the connection (set by the trace hook)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+
+async def _on_request_chunk_sent(
+    session: aiohttp.ClientSession, ctx: Any, params: aiohttp.TraceRequestChunkSentParams
+) -> None:
+    # Runs just before aiohttp writes the first body chunk (the buffered headers go with it).
+    mark = ctx.trace_request_ctx
+    if isinstance(mark, _SendMark) and mark.at is None:
+        mark.at = time.perf_counter()
+
+
+def send_trace_config() -> aiohttp.TraceConfig:
+    """The trace hook that starts a request's clock at its write (see the module docstring)."""
+    config = aiohttp.TraceConfig()
+    config.on_request_chunk_sent.append(_on_request_chunk_sent)
+    config.freeze()
+    return config
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The session of a run: pooled keep-alive connections (no limit; dropped after
+    ``KEEPALIVE_S`` idle) and the send-time trace hook."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    return aiohttp.ClientSession(connector=connector, trace_configs=[send_trace_config()])
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +161,17 @@ async def send_request(
     body = build_body(spec, record.request_id, opts)
     headers = build_headers(record.request_id, opts)
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
+    mark = _SendMark()
     start = time.perf_counter()
     record.start_s = start - t0
     end: float | None = None
     try:
-        async with session.post(endpoint(opts.url), json=body, headers=headers, timeout=timeout) as resp:
+        async with session.post(
+            endpoint(opts.url), json=body, headers=headers, timeout=timeout, trace_request_ctx=mark
+        ) as resp:
+            if mark.at is not None:  # the request was written before any answer could come
+                start = mark.at
+                record.start_s = start - t0
             record.http_status = resp.status
             record.server_request_id = resp.headers.get("X-Request-Id")
             if resp.status != 200:

