@@ -15,7 +15,7 @@ import asyncio
 import json
 from typing import Any
 
-from proxy.sse import data_event
+from proxy.sse import data_event, split_events
 
 _COMPACT = {"separators": (",", ":"), "ensure_ascii": False}
 
@@ -102,36 +102,75 @@ def merge_chunks(datas: list[bytes]) -> list[bytes]:
     return out
 
 
+_TOKEN_IDS = b'"token_ids":['
+_NO_CHOICES = b'"choices":[]'
+
+
+def block_token_ids(body: bytes) -> list[int] | None:
+    """The generated token ids in a plain block of single-choice stream chunks (a plain
+    ``sse.Batch`` body of a request with ``n == 1``), in order, without parsing the JSON.
+
+    None unless every event holds exactly one ``"token_ids":[...]`` of integers or is a chunk
+    without choices (the usage chunk): the caller then parses event by event. In JSON text a
+    quote inside a string is escaped, so the key cannot be faked by generated text.
+    """
+    ids: list[int] = []
+    found = 0
+    at = body.find(_TOKEN_IDS)
+    try:
+        while at >= 0:
+            start = at + len(_TOKEN_IDS)
+            end = body.find(b"]", start)
+            if end < 0:
+                return None
+            if end > start:
+                ids.extend([int(t) for t in body[start:end].split(b",")])
+            found += 1
+            at = body.find(_TOKEN_IDS, end)
+    except ValueError:
+        return None
+    if found + body.count(_NO_CHOICES) != body.count(b"\n\n"):
+        return None
+    return ids
+
+
 class StreamBuffer:
     """What the producer has read and the client has not yet been sent.
 
     ``put`` never blocks (the producer keeps draining the worker); the queued bytes are capped.
+    Items are raw SSE bytes: one event, or a block of whole events (a plain ``sse.Batch``);
+    they are split into events only when they must be merged.
     """
 
-    __slots__ = ("_closed", "_done", "_error", "_event", "_items", "_raw", "_size", "max_bytes",
-                 "overflowed")
+    __slots__ = ("_closed", "_done", "_error", "_raw", "_size", "_waiter", "max_bytes", "overflowed")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._items: list[bytes] = []
         self._raw: list[bytes] = []
         self._size = 0
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self._done = False
         self._error: bytes | None = None
         self.overflowed = False
 
-    def put(self, raw: bytes, data: bytes) -> None:
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def put(self, raw: bytes, data: bytes | None = None) -> None:
+        """Queue whole SSE events (``data``, the payload of a single event, is not needed)."""
         if self._closed:
             return
         self._raw.append(raw)
-        self._items.append(data)
         self._size += len(raw)
         if self._size > self.max_bytes:
             self.overflowed = True
             self._closed = True
-        self._event.set()
+        self._wake()
 
     def finish(self, *, done: bool, error: bytes | None = None) -> None:
         """The producer is finished: ``done`` when ``[DONE]`` was seen; ``error`` an in-band
@@ -141,7 +180,7 @@ class StreamBuffer:
         self._closed = True
         self._done = done
         self._error = error
-        self._event.set()
+        self._wake()
 
     @property
     def closed(self) -> bool:
@@ -152,18 +191,19 @@ class StreamBuffer:
 
         With ``merge`` (the client is lagging) several queued chunks become one per choice;
         without it the events go out untouched."""
-        while not self._items and not self._closed:
-            self._event.clear()
-            await self._event.wait()
-        raws, datas = self._raw, self._items
-        self._raw, self._items, self._size = [], [], 0
-        if len(raws) == 1 or not merge:
-            out = raws
-        elif raws:
-            out = [data_event(d) for d in merge_chunks(datas)]
-        else:
-            out = []
-        return out, self._closed
+        while not self._raw and not self._closed:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        raws = self._raw
+        self._raw, self._size = [], 0
+        if merge and raws:
+            events = split_events(raws[0] if len(raws) == 1 else b"".join(raws))
+            if len(events) > 1:
+                raws = [data_event(d) for d in merge_chunks([e.data for e in events])]
+        return raws, self._closed
 
     @property
     def ended_with_done(self) -> bool:

@@ -4,6 +4,12 @@ The reader re-emits whole events. Each event keeps its raw bytes (normalized to 
 ends and a ``\\n\\n`` terminator), so the relay can forward it untouched, plus the value of its
 ``data`` field. Events without a ``data`` field (comments only) are not dispatched, as in the
 SSE specification.
+
+The relay's hot path uses ``SSEReader.feed_batch``: it returns every event a read completed as
+one ``Batch``. When the batch is *plain* (what a vLLM server sends: single-line ``data: `` events,
+no in-band error, ``[DONE]`` at most as the last event) its bytes are forwarded as one block,
+without looking at each event; anything else falls back to the event-by-event path
+(``Batch.events``), which gives exactly what ``feed`` gives.
 """
 
 from __future__ import annotations
@@ -12,12 +18,39 @@ from typing import NamedTuple
 
 DONE_DATA = b"[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"
+_DATA = b"data: "
+_NEXT_DATA = b"\n\ndata: "
+_ERROR_EVENT = b'data: {"error"'
 
 
 class Event(NamedTuple):
     raw: bytes
     """The whole event including its terminating blank line."""
     data: bytes
+
+
+class Batch:
+    """The whole events completed by one ``feed_batch`` call.
+
+    ``plain``: ``raw`` holds only single-line ``data: `` events, none of them an in-band error
+    (``{"error"``), and ``[DONE]`` at most as its last event. Then ``body`` is ``raw`` without the
+    ``[DONE]`` event and ``done`` says whether it was there. Otherwise use ``events()``.
+    """
+
+    __slots__ = ("body", "done", "plain", "raw")
+
+    def __init__(self, raw: bytes, *, plain: bool, done: bool = False) -> None:
+        self.raw = raw
+        self.plain = plain
+        self.done = done
+        self.body = raw[: -len(DONE_EVENT)] if done else raw
+
+    def events(self) -> list[Event]:
+        """The events with a ``data`` field, in order (as ``SSEReader.feed`` returns them)."""
+        return split_events(self.raw)
+
+
+_EMPTY = Batch(b"", plain=True)
 
 
 class SSEReader:
@@ -34,6 +67,10 @@ class SSEReader:
         return self._buf
 
     def feed(self, chunk: bytes) -> list[Event]:
+        return self.feed_batch(chunk).events()
+
+    def feed_batch(self, chunk: bytes) -> Batch:
+        """Every whole event these bytes complete, as one ``Batch`` (possibly empty)."""
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             # Normalize CRLF / CR line ends; a trailing CR may be the first half of a CRLF.
@@ -41,25 +78,66 @@ class SSEReader:
             if buf.endswith(b"\r"):
                 buf, tail = buf[:-1], b"\r"
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + tail
-        events: list[Event] = []
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            raw = buf[start : end + 2]
-            start = end + 2
-            data = _data_of(raw)
-            if data is not None:
-                events.append(Event(raw, data))
-        self._buf = buf[start:]
-        return events
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return _EMPTY
+        raw = buf[: end + 2]
+        n = raw.count(b"\n\n")
+        if raw.startswith(_DATA) and raw.count(b"\n") == 2 * n and raw.count(_NEXT_DATA) == n - 1 \
+                and _ERROR_EVENT not in raw:
+            # n single-line data events (every line break is an event end, every event a data line).
+            self._buf = buf[end + 2 :]
+            at = raw.find(DONE_EVENT)
+            if at < 0:
+                return Batch(raw, plain=True)
+            if at + len(DONE_EVENT) == len(raw) and (at == 0 or raw[at - 1] == 0x0A):
+                return Batch(raw, plain=True, done=True)
+        # Anything else: the event boundaries are those of a scan from the start (a run of three
+        # or more line breaks leaves the rest for the next event).
+        cut = _scan_end(buf)
+        self._buf = buf[cut:]
+        return Batch(buf[:cut], plain=False)
+
+
+def _scan_end(buf: bytes) -> int:
+    """Where the last whole event ends, scanning event by event from the start."""
+    start = 0
+    while True:
+        end = buf.find(b"\n\n", start)
+        if end < 0:
+            return start
+        start = end + 2
+
+
+def split_events(raw: bytes) -> list[Event]:
+    """The events with a ``data`` field in ``raw`` (whole, ``\\n``-normalized events)."""
+    events: list[Event] = []
+    start = 0
+    while True:
+        end = raw.find(b"\n\n", start)
+        if end < 0:
+            break
+        one = raw[start : end + 2]
+        start = end + 2
+        data = _data_of(one)
+        if data is not None:
+            events.append(Event(one, data))
+    return events
+
+
+def last_data(body: bytes) -> bytes:
+    """The ``data`` of the last event of a plain batch's ``body`` (``b""`` when empty)."""
+    if not body:
+        return b""
+    at = body.rfind(_NEXT_DATA, 0, len(body) - 2)
+    return body[at + len(_NEXT_DATA) : -2] if at >= 0 else body[len(_DATA) : -2]
 
 
 def _data_of(raw: bytes) -> bytes | None:
     """The ``data`` field of one event (``raw`` ends with a blank line)."""
     body = raw[:-2]
-    if body.startswith(b"data: ") and b"\n" not in body:
+    if body.startswith(_DATA) and b"\n" not in body:
         return body[6:]
     parts: list[bytes] = []
     for line in body.split(b"\n"):

@@ -35,12 +35,19 @@ class Upstream:
         self.session = session
         self.connect_timeout = connect_timeout
         self._headers = {"Content-Type": "application/json"}
+        self._timeouts: dict[tuple[float | None, float | None], aiohttp.ClientTimeout] = {}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
     def _timeout(self, total: float | None, sock_read: float | None = None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total, sock_connect=self.connect_timeout,
-                                     connect=self.connect_timeout, sock_read=sock_read)
+        # ClientTimeout is immutable: build each combination once (a handful per process).
+        key = (total, sock_read)
+        timeout = self._timeouts.get(key)
+        if timeout is None:
+            timeout = self._timeouts[key] = aiohttp.ClientTimeout(
+                total=total, sock_connect=self.connect_timeout, connect=self.connect_timeout,
+                sock_read=sock_read)
+        return timeout
 
     async def open(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
                    total: float | None, sock_read: float | None = None) -> aiohttp.ClientResponse:
@@ -101,16 +108,10 @@ class Upstream:
         resp = await self.open(hop, worker, body, request_id=request_id, total=total)
         return await self.read_json_raw(hop, worker, resp)
 
-    async def iter_chunks(self, hop: str, worker: str,
-                          resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """The body of a streaming response as it arrives, errors translated."""
-        try:
-            async for chunk in resp.content.iter_any():
-                yield chunk
-        except TimeoutError:
-            raise UpstreamTimeout(hop, worker, "stream stalled") from None
-        except aiohttp.ClientError as e:
-            raise UpstreamUnavailable(hop, worker, f"stream broken ({type(e).__name__})") from None
+    def iter_chunks(self, hop: str, worker: str, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """The body of a streaming response as it arrives (whatever each read gave), errors
+        translated. One awaitable per read: no async generator between the socket and the relay."""
+        return _Chunks(hop, worker, resp.content)
 
     async def abort(self, worker: str, request_ids: list[str], *, limit: float) -> bool:
         """Tell a worker to abort ids; True when it answered 200."""
@@ -132,6 +133,30 @@ class Upstream:
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
+
+
+class _Chunks:
+    __slots__ = ("_content", "_hop", "_worker")
+
+    def __init__(self, hop: str, worker: str, content: aiohttp.StreamReader) -> None:
+        self._hop = hop
+        self._worker = worker
+        self._content = content
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except TimeoutError:
+            raise UpstreamTimeout(self._hop, self._worker, "stream stalled") from None
+        except aiohttp.ClientError as e:
+            raise UpstreamUnavailable(self._hop, self._worker,
+                                      f"stream broken ({type(e).__name__})") from None
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
 
 __all__ = ["ABORT_PATH", "GENERATE_PATH", "Upstream", "UpstreamError"]
