@@ -119,7 +119,8 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
             print(f"\na short pd-bench run through pd-proxy ({args.requests} requests):",
                   file=out, flush=True)  # fmt: skip
             result = run_benchmark(
-                demo_config(stack.info["proxy"], result_dir=str(args.result_dir), num_requests=args.requests),
+                demo_config(stack.info["proxy"], result_dir=str(args.result_dir.absolute()),
+                            num_requests=args.requests),
                 err=sys.stderr,
             )
             print(summary_text(result), file=out)

@@ -169,3 +169,54 @@ def catalog() -> dict[str, MetricSpec]:
     for name in SYNTHETIC:
         out[name] = MetricSpec(WORKER_TARGET_LABELS)
     return out
+
+
+# --------------------------------------------------------------------------- live scrapes
+
+_TYPE = re.compile(r"^# TYPE (?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*) (?P<kind>\w+)\s*$")
+_SERIES_OF: Final = {
+    "histogram": ("_bucket", "_sum", "_count"),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    "summary": ("", "_sum", "_count"),
+}
+
+
+def exposed(text: str) -> dict[str, frozenset[str] | None]:
+    """Every series name a ``/metrics`` text exposes -> its label names, or None when the family is
+    registered (``# TYPE``) but has no sample yet (a labelled metric before its first use)."""
+    names: dict[str, frozenset[str] | None] = {}
+    for line in text.splitlines():
+        match = _TYPE.match(line)
+        if match is not None:
+            for suffix in _SERIES_OF.get(match.group("kind"), ("",)):
+                names.setdefault(match.group("name") + suffix, None)
+    for name, labels in parse_exposition(text).items():
+        names[name] = labels
+    return names
+
+
+def live_catalog(
+    proxy_text: str, worker_texts: Iterable[str], recorded: Mapping[str, MetricSpec] | None = None
+) -> dict[str, MetricSpec]:
+    """What a dashboard may name, from live scrapes of a proxy and of workers (plus ``recorded``
+    worker series, e.g. ``worker_metrics()``). The proxy's series keep the agreed closed sets of
+    label values; a series with no sample yet takes the agreed label names (its name is still the
+    proxy's own)."""
+    agreed = proxy_metrics()
+    out: dict[str, MetricSpec] = {}
+    for name, labels in exposed(proxy_text).items():
+        spec = agreed.get(name)
+        own = labels if labels is not None else (spec.labels if spec is not None else frozenset())
+        out[name] = MetricSpec(own | PROXY_TARGET_LABELS, spec.values if spec is not None else {})
+    for text in worker_texts:
+        for name, labels in exposed(text).items():
+            before = out.get(name)
+            merged = (labels or frozenset()) | WORKER_TARGET_LABELS
+            out[name] = MetricSpec(merged | (before.labels if before is not None else frozenset()))
+    for name, spec in (recorded or {}).items():
+        before = out.get(name)
+        out[name] = MetricSpec(spec.labels | (before.labels if before is not None else frozenset()))
+    for name in SYNTHETIC:
+        out[name] = MetricSpec(WORKER_TARGET_LABELS)
+    return out
+

@@ -1,18 +1,30 @@
 """The Grafana dashboards and the Prometheus scrape config: every PromQL expression names only metrics
-the proxy (agreed list) or a real vLLM worker (the traces' scrapes) exposes, with labels they carry."""
+the proxy or a worker exposes, with labels they carry.
+
+Exposed means seen in a live ``/metrics`` scrape: pd-proxy in front of pd-sim workers after scripted
+traffic (always), plus a real vLLM worker. The real worker is scraped live in the end-to-end run
+(``-m vllm``: pd-proxy in front of the session's vLLM cluster, one request whose KV crosses); without
+that cluster, the recorded real vLLM 0.32.0 scrapes (the traces, or their vendored copy) stand in.
+The agreed list of proxy metrics (``metric_catalog.proxy_metrics``) adds the closed sets of label
+values, and must itself match what the proxy registers."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 
 from deploy.targets import SCRAPE_CONFIG, Endpoints, write_targets
 from tests.deploy import dashboards as dash
 from tests.deploy import metric_catalog as cat
+from tests.deploy.live_scrape import Scrapes, traffic_and_scrape
 from tests.deploy.tools import find, run
+from tests.fixtures_sim import SimFactory
 
 FILES = dash.dashboard_files()
 QUERIES = [q for f in FILES for q in dash.queries(f)]
@@ -80,6 +92,8 @@ def test_dashboards_cover_every_required_view() -> None:
         "pd_proxy_decode_only_total",
         "pd_proxy_suspect_no_transfer_total",
         "pd_proxy_retries_total",
+        "pd_proxy_migrations_total",
+        "pd_proxy_queue_rejections_total",
         "vllm:num_requests_waiting",
         "vllm:num_requests_running",
         "vllm:kv_cache_usage_perc",
@@ -163,3 +177,97 @@ def test_promtool_parses_every_dashboard_expression(tmp_path: Path) -> None:
     result = run([PROMTOOL, "check", "rules", str(path)])
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{len(rules)} rules found" in result.stdout
+
+
+# --------------------------------------------------------------------------- live scrapes
+
+
+def all_problems(known: Mapping[str, cat.MetricSpec]) -> list[str]:
+    return [f"{q}: {p}" for q in QUERIES for p in dash.problems(q.expr, known)]
+
+
+def worker_names_used() -> set[str]:
+    named = {s.name for q in QUERIES for s in dash.selectors(dash.parse(q.expr))}
+    return {n for n in named if not n.startswith("pd_proxy_") and n not in cat.SYNTHETIC}
+
+
+@pytest.fixture
+async def sim_scrapes(sim_factory: SimFactory) -> AsyncIterator[Scrapes]:
+    """pd-proxy (in-process, real sockets) in front of a pd-sim prefill and decode worker, after
+    scripted traffic; the scrapes of all three."""
+    from proxy.app import build_app  # noqa: PLC0415
+    from proxy.settings import ProxySettings  # noqa: PLC0415
+
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", zero_latency=True)
+    runner = web.AppRunner(build_app(ProxySettings(prefill_urls=(p.url,), decode_urls=(d.url,))),
+                           handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(int(a[1]) for a in runner.addresses if isinstance(a, tuple))
+    try:
+        yield await traffic_and_scrape(f"http://127.0.0.1:{port}", [p.url, d.url], fail_prefill=p.url)
+    finally:
+        await runner.cleanup()
+
+
+async def test_every_dashboard_metric_is_exposed_by_the_live_proxy_or_a_worker(sim_scrapes: Scrapes) -> None:
+    # Workers: the live pd-sim scrapes, and a real vLLM worker's recorded scrape (the fallback for
+    # the live one of the end-to-end run below).
+    known = cat.live_catalog(sim_scrapes.proxy, sim_scrapes.workers, cat.worker_metrics())
+    assert all_problems(known) == []
+
+
+async def test_every_agreed_proxy_metric_is_registered_by_the_proxy(sim_scrapes: Scrapes) -> None:
+    live = cat.exposed(sim_scrapes.proxy)
+    assert set(cat.proxy_metrics()) - set(live) == set()
+    # label names as the proxy really emits them (where the traffic created a series)
+    for name, spec in cat.proxy_metrics().items():
+        labels = live[name]
+        if labels is not None:
+            assert labels == spec.labels, name
+    # and the traffic reached the series the health dashboard's rows need
+    for name in ("pd_proxy_upstream_errors_total", "pd_proxy_aborts_total", "pd_proxy_abort_fanout_total",
+                 "pd_proxy_circuit_state", "pd_proxy_retries_total", "pd_proxy_stage_seconds_bucket"):
+        assert live[name] is not None, name
+
+
+async def test_pd_sim_exposes_the_worker_metrics_the_dashboards_use(sim_scrapes: Scrapes) -> None:
+    sim: set[str] = set()
+    for text in sim_scrapes.workers:
+        sim |= set(cat.exposed(text))
+    # What pd-sim does not simulate (no preemption, no KV-fetch stages, no NIXL notifications):
+    # those panels stay empty against pd-sim and are checked against real vLLM only.
+    assert worker_names_used() - sim == {
+        "vllm:num_preemptions_total",
+        "vllm:num_requests_kv_fetch_by_stage",
+        "vllm:nixl_num_failed_notifications_total",
+        "vllm:nixl_num_notifications_after_expiry_total",
+    }
+
+
+def test_live_catalog_reports_what_the_scrape_lacks() -> None:
+    proxy_text = "# TYPE pd_proxy_requests_total counter\npd_proxy_requests_total{outcome=\"ok\"} 1.0\n"
+    known = cat.live_catalog(proxy_text, ["# TYPE vllm:num_requests_running gauge\n"])
+    assert dash.problems("sum(rate(pd_proxy_requests_total[5m]))", known) == []
+    assert dash.problems("vllm:num_requests_running", known) == []  # registered, no sample yet
+    assert any("exposed by neither" in p for p in dash.problems("pd_proxy_ttft_seconds_bucket", known))
+    assert any("no label 'pool'" in p for p in dash.problems('pd_proxy_requests_total{pool="x"}', known))
+
+
+@pytest.mark.vllm
+async def test_every_dashboard_metric_is_exposed_by_a_live_real_vllm_worker(vllm_cluster: Any) -> None:
+    """The end-to-end run: pd-proxy in front of real vLLM prefill and decode workers, one request
+    whose KV crosses, then the proxy's and both workers' live scrapes (no recorded fallback)."""
+    from tests.e2e.proxy_stack import run_proxy  # noqa: PLC0415
+
+    workers = [*vllm_cluster.prefill_urls, *vllm_cluster.decode_urls]
+    async with run_proxy(vllm_cluster) as (url, _app):
+        scrapes = await traffic_and_scrape(url, workers)
+    known = cat.live_catalog(scrapes.proxy, scrapes.workers)
+    assert all_problems(known) == []
+    real: set[str] = set()
+    for text in scrapes.workers:
+        real |= set(cat.exposed(text))
+    assert worker_names_used() - real == set()

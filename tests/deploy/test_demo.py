@@ -30,8 +30,16 @@ def test_demo_sends_one_request_benchmarks_and_stops_everything(tmp_path: Path) 
     assert "KV crossed P->D over NIXL: yes" in text
     assert "Successful requests:                      4" in text
     assert "Failed requests:                          0" in text
-    assert "Grafana dashboards:" in text and "Prometheus scrape config:" in text
-    assert list((tmp_path / "results").glob("*.json")), "the benchmark wrote no result JSON"
+    printed = dict(
+        line.split(":", 1) for line in text.splitlines() if ":" in line and not line.startswith(" ")
+    )
+    dashboards = Path(printed["Grafana dashboards"].strip())
+    scrape = Path(printed["Prometheus scrape config"].strip())
+    assert dashboards.is_absolute() and len(list(dashboards.glob("*.json"))) >= 4
+    assert scrape.is_absolute() and "scrape_configs" in scrape.read_text()
+    for key in ("result_json", "cdf_png"):  # the plots and the result, where the summary says
+        path = Path(printed[key].strip())
+        assert path.is_absolute() and path.is_file() and path.parent == tmp_path / "results", key
     assert "nothing left running" in text
     assert _live_children() == []
 
