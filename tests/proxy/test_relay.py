@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.relay import StreamBuffer, merge_chunks
+from proxy.relay import StreamBuffer, block_token_ids, merge_chunks
 from proxy.sse import data_event
 
 
@@ -114,3 +114,62 @@ async def test_take_waits_for_data() -> None:
     buf.put(b"data: 1\n\n", b"1")
     out, _ = await asyncio.wait_for(task, 1)
     assert out == [b"data: 1\n\n"]
+
+
+# ---------------------------------------------------------------- blocks of events
+
+
+def sse_block(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(data_event(json.dumps(c, separators=(",", ":")).encode()) for c in chunks)
+
+
+single_choice_st = st.builds(
+    chunk, st.just(0), st.lists(st.integers(0, 2**31), max_size=4),
+    st.one_of(st.none(), st.text(max_size=6)), st.sampled_from([None, "stop", "length"]), st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(single_choice_st, min_size=1, max_size=12), st.booleans())
+def test_block_token_ids_equal_the_parsed_ones(chunks: list[dict[str, Any]], usage: bool) -> None:
+    if usage:
+        chunks = [*chunks, {"request_id": "r", "usage": {"completion_tokens": 1}, "choices": []}]
+    expected = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
+    assert block_token_ids(sse_block(chunks)) == expected
+
+
+def test_block_token_ids_gives_up_on_anything_unexpected() -> None:
+    ok = chunk(0, [1, 2], None)
+    assert block_token_ids(sse_block([ok])) == [1, 2]
+    no_ids = {"request_id": "r", "choices": [{"index": 0, "text": "x"}]}
+    assert block_token_ids(sse_block([ok, no_ids])) is None  # an event without token_ids
+    two = {"choices": [{"index": 0, "token_ids": [1]}, {"index": 1, "token_ids": [2]}]}
+    assert block_token_ids(sse_block([two])) is None  # two arrays in one event
+    assert block_token_ids(b'data: {"token_ids":[1.5]}\n\n') is None
+    assert block_token_ids(b'data: {"token_ids":[[1]]}\n\n') is None
+    # generated text that spells the key is escaped in JSON: not taken for the key
+    text = chunk(0, [5], 'x"token_ids":[9]')
+    assert block_token_ids(sse_block([text])) == [5]
+
+
+async def test_buffer_merges_events_inside_one_block_when_lagging() -> None:
+    buf = StreamBuffer(max_bytes=10_000)
+    buf.put(sse_block([chunk(0, [1], None), chunk(0, [2], None)]))
+    buf.put(sse_block([chunk(0, [3], None, "length")]))
+    out, finished = await buf.take(merge=True)
+    assert not finished and len(out) == 1
+    merged = json.loads(out[0][len(b"data: "):])
+    assert merged["choices"][0]["token_ids"] == [1, 2, 3]
+    assert merged["choices"][0]["finish_reason"] == "length"
+
+
+async def test_buffer_passes_a_block_untouched_when_not_lagging() -> None:
+    buf = StreamBuffer(max_bytes=10_000)
+    block = sse_block([chunk(0, [1], None), chunk(0, [2], None)])
+    buf.put(block)
+    assert await buf.take(merge=False) == ([block], False)
+
+
+async def test_buffer_cap_counts_block_bytes() -> None:
+    buf = StreamBuffer(max_bytes=300)
+    buf.put(sse_block([chunk(0, [i], None) for i in range(3)]))
+    assert buf.overflowed and buf.closed

@@ -1,0 +1,217 @@
+"""``pd-proxy --workers N``: N processes serving one port.
+
+The parent binds nothing that accepts: it reserves the port (a bound, never listening socket with
+``SO_REUSEPORT``, which also resolves ``--port 0``), then starts N children (``spawn``: a fresh
+interpreter each, nothing inherited but the settings). Each child binds its own listening socket
+to the same address with ``SO_REUSEPORT`` and runs the ordinary single-process server
+(``proxy.cli.serve``) on it. The kernel spreads new connections over the children by a hash of
+the connection's addresses: a burst of connections is shared out evenly, which a shared accept
+socket does not do (one busy-looping ``accept`` can take the whole burst).
+
+Every child is a complete proxy with its own request table, pools and KV-lease ledger. A request
+and all its hops live in the process that accepted the client's connection. An abort may reach
+another process (a new connection): that process does not know the id and sends it to every
+worker of both pools (the broadcast rule, on by default), which reaches the request wherever it
+runs. With ``--no-abort-broadcast`` such an abort is lost, so that flag and ``--workers`` > 1 are
+refused together.
+
+Metrics: prometheus_client's multiprocess mode. The parent points ``PROMETHEUS_MULTIPROC_DIR`` at
+a fresh directory (or keeps the one already set) before starting the children; every child's
+counters, histograms and gauges live in files there and ``GET /metrics``, whichever process
+serves it, sums counters and histograms over all children, dead ones included, and combines
+gauges per their mode (``proxy.metrics``). Scrape-time collectors (pool state) report the view
+of the process that served the scrape.
+
+Shutdown: SIGTERM or SIGINT to the parent sends SIGTERM to every child once (each drains as a
+single process does, ``--drain-timeout``); children still alive ``drain_timeout + 10`` s later
+are killed. The children run in their own process group, so a terminal's Ctrl-C reaches the
+parent only and every child gets exactly one signal; a child whose parent dies gets SIGTERM
+(Linux ``PR_SET_PDEATHSIG``). A child that exits on its own (a crash) stops the others and the
+parent exits non-zero: restarting is the service manager's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import replace
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from proxy.settings import ProxySettings
+
+log = logging.getLogger("pd_proxy")
+
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+LISTEN_BACKLOG = 1024
+KILL_AFTER_DRAIN = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with ``SO_REUSEADDR`` and ``SO_REUSEPORT`` (not listening)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies (no orphaned children serving on)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def child_main(settings: ProxySettings, index: int, parent_pid: int, log_level: int = logging.INFO) -> None:
+    """One worker process: its own listening socket on the shared port, the usual server."""
+    os.setpgrp()  # a terminal's Ctrl-C goes to the parent only; it sends each child one SIGTERM
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        return
+    from proxy.cli import serve  # noqa: PLC0415  (the parent imports this module from proxy.cli)
+
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s %(name)s[{index}] %(message)s")
+    sock = reuseport_socket(settings.host, settings.port)
+    sock.listen(LISTEN_BACKLOG)
+    serve(settings, sock=sock)
+
+
+class Supervisor:
+    """Starts the children and stops them all on a signal or when one of them exits."""
+
+    def __init__(self, settings: ProxySettings, workers: int) -> None:
+        if workers < 1:
+            raise ValueError("--workers must be at least 1")
+        if workers > 1 and not settings.abort_unknown_broadcast:
+            raise ValueError("--workers > 1 needs the abort broadcast (an abort may reach another "
+                             "process): drop --no-abort-broadcast")
+        self.workers = workers
+        self._reserved = reuseport_socket(settings.host, settings.port)
+        port = self._reserved.getsockname()[1]
+        self.settings = replace(settings, port=port)
+        self.children: list[BaseProcess] = []
+        self._stopping = False
+        self._own_metrics_dir = False
+        self.metrics_dir = os.environ.get(METRICS_DIR_ENV) or ""
+
+    @property
+    def port(self) -> int:
+        return self.settings.port
+
+    def start(self) -> None:
+        if not self.metrics_dir:
+            self.metrics_dir = tempfile.mkdtemp(prefix="pd-proxy-metrics-")
+            self._own_metrics_dir = True
+            os.environ[METRICS_DIR_ENV] = self.metrics_dir  # inherited by the spawned children
+        ctx = multiprocessing.get_context("spawn")
+        for i in range(self.workers):
+            proc = ctx.Process(target=child_main, args=(self.settings, i, os.getpid(),
+                                                                 logging.getLogger().getEffectiveLevel()),
+                               name=f"pd-proxy-worker-{i}", daemon=False)
+            proc.start()
+            self.children.append(proc)
+        log.info("pd-proxy: %d worker processes on http://%s:%d (pids %s; metrics in %s)",
+                 self.workers, self.settings.host, self.port,
+                 ",".join(str(c.pid) for c in self.children), self.metrics_dir)
+
+    def stop(self) -> None:
+        """SIGTERM once to every live child (idempotent)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for c in self.children:
+            if c.pid is not None and c.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c.pid, signal.SIGTERM)
+
+    def wait(self) -> int:
+        """Until every child exited; the exit code for the parent."""
+        code = 0
+        deadline: float | None = None
+        while True:
+            alive = [c for c in self.children if c.exitcode is None]
+            if not alive:
+                break
+            if self._stopping and deadline is None:
+                deadline = time.monotonic() + self.settings.drain_timeout + KILL_AFTER_DRAIN
+            timeout = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            ready = multiprocessing.connection.wait([c.sentinel for c in alive], timeout)
+            for c in alive:
+                if c.sentinel in ready:
+                    c.join()
+                    self._mark_dead(c)
+                    if not self._stopping:
+                        log.error("pd-proxy worker %s (pid %s) exited with code %s: stopping all",
+                                  c.name, c.pid, c.exitcode)
+                        code = 1
+                        self.stop()
+            if deadline is not None and time.monotonic() >= deadline:
+                for c in self.children:
+                    if c.exitcode is None and c.pid is not None:
+                        log.error("pd-proxy worker pid %s did not stop in time: killed", c.pid)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(c.pid, signal.SIGKILL)
+                        c.join(5.0)
+                        self._mark_dead(c)
+                code = code or 1
+                break
+        return code
+
+    def _mark_dead(self, child: BaseProcess) -> None:
+        if child.pid is None or not self.metrics_dir:
+            return
+        with contextlib.suppress(Exception):
+            from prometheus_client import multiprocess  # noqa: PLC0415
+
+            multiprocess.mark_process_dead(child.pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        self._reserved.close()
+        if self._own_metrics_dir:
+            os.environ.pop(METRICS_DIR_ENV, None)
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+
+def run_workers(settings: ProxySettings, workers: int) -> int:
+    """Serve with ``workers`` processes until SIGTERM/SIGINT; returns the exit code."""
+    sup = Supervisor(settings, workers)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("pd-proxy: signal %d, stopping %d workers", signum, len(sup.children))
+        sup.stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        sup.start()
+        return sup.wait()
+    finally:
+        sup.stop()
+        for c in sup.children:
+            if c.exitcode is None and c.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c.pid, signal.SIGKILL)
+                c.join(5.0)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        sup.close()
+
+
+__all__ = ["Supervisor", "child_main", "reuseport_socket", "run_workers"]
