@@ -157,8 +157,12 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--workers-file", type=Path, default=None, help="TOML pool membership, reloaded")
     g.add_argument("--admin-key", default=None, help="enables /admin/workers behind this key")
     g.add_argument("--k8s-endpointslices", type=_k8s_selector, action="append", default=[],
-                   metavar="POOL:NS:SELECTOR:PORT")
-    g.add_argument("--kubeconfig", default=None)
+                   metavar="POOL:NS:SELECTOR:PORT",
+                   help="pool members from the EndpointSlices in namespace NS matching the label "
+                        "SELECTOR (e.g. decode:serving:pd-proxy.io/pool=decode:http), on the named or "
+                        "numbered PORT; repeat per pool (needs the k8s extra)")
+    g.add_argument("--kubeconfig", default=None,
+                   help="outside a pod: the kubeconfig for --k8s-endpointslices (default ~/.kube/config)")
 
 
 def pool_settings_from_args(a: argparse.Namespace) -> PoolSettings:

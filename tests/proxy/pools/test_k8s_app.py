@@ -75,8 +75,8 @@ async def test_cli_flag_fills_the_pools_from_endpointslices(sim_factory: Any, ai
             await asyncio.sleep(0.02)
         assert [w.url for w in serving.prefill_pool] == [p.url]
         assert [w.url for w in serving.decode_pool] == [d.url]
-        r = await client.post("/inference/v1/generate",
-                              json={"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 4}})
+        body = {"token_ids": PROMPT, "sampling_params": {"temperature": 0, "max_tokens": 4}}
+        r = await client.post("/inference/v1/generate", json=body)
         assert r.status == 200 and "X-PD-Decode-Only" not in r.headers
         assert len((await r.json())["choices"][0]["token_ids"]) == 4
         assert {"pd-proxy.io/pool=prefill", "pd-proxy.io/pool=decode"} <= set(selectors)

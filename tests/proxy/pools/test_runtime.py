@@ -133,3 +133,21 @@ def test_plain_settings_turn_recovery_off() -> None:
         w.begin()
         rt.decode.release(w, Outcome.FAILURE)
     assert w.circuit is CircuitState.CLOSED
+
+
+def test_one_block_size_setting_for_bypass_prefix_and_suspect_counter() -> None:
+    from proxy.cli import parse_args  # noqa: PLC0415
+    from proxy.metrics import ProxyMetrics  # noqa: PLC0415
+    from proxy.serving import Serving  # noqa: PLC0415
+
+    default = Serving(parse_args(["--prefill", P, "--decode", D]), ProxyMetrics())
+    assert default.settings.kv_block_size == 128  # vLLM CPU's block size
+    assert default.pools.block_size == 128 and default.pools.bypass_threshold == 128
+    small = Serving(parse_args(["--prefill", P, "--decode", D, "--kv-block-size", "16"]), ProxyMetrics())
+    assert small.pools.block_size == 16 and small.pools.bypass_threshold == 16
+    prefix = small.pools.make_policy("prefix")
+    assert getattr(prefix, "block_size", None) == 16
+    off = parse_args(["--prefill", P, "--decode", D, "--bypass-prompt-tokens", "0"])
+    assert Serving(off, ProxyMetrics()).pools.bypass_reason(1) is None
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", P, "--decode", D, "--block-size", "16"])  # one flag, not two
