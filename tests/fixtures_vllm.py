@@ -134,7 +134,11 @@ def vllm_cluster(
 
 
 def vllm_connector() -> aiohttp.TCPConnector:
-    """A client connector for sessions that talk to vLLM directly: idle connections are dropped before
-    vLLM's own keep-alive (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s) closes them, so a reused connection
-    is never one the server is closing (which fails the request with ``ServerDisconnectedError``)."""
-    return aiohttp.TCPConnector(keepalive_timeout=4.0)
+    """A client connector for sessions that talk to vLLM directly: one connection per request.
+
+    vLLM's uvicorn closes an idle keep-alive connection after 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``).
+    A client that reuses a connection as the server closes it fails with ``ServerDisconnectedError``;
+    a shorter client-side keep-alive (4 s) narrows that race but does not close it on a loaded
+    2-core machine, where the client may notice the end of a response a second after the server
+    sent it. Tests are not measuring connection reuse, so they do without it."""
+    return aiohttp.TCPConnector(force_close=True)

@@ -147,7 +147,9 @@ def get_text(url: str) -> str:
 
 def generate_through_proxy(proxy: str) -> None:
     """One non-stream and one stream request, both answered by the decode pool."""
-    body = {"token_ids": list(range(3, 40)), "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    # 157 tokens: past one 128-token KV block, so the proxy runs the prefill hop and the KV crosses
+    # over NIXL (shorter prompts go decode-only); ids stay within the tiny model's vocabulary.
+    body = {"token_ids": list(range(3, 160)), "sampling_params": {"max_tokens": 4, "temperature": 0}}
     status, raw = post_json(f"{proxy}/inference/v1/generate", body)
     reply = json.loads(raw)
     assert status == 200
