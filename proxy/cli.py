@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Sequence
+from typing import Any
 
 from aiohttp import web
 
@@ -24,6 +26,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode worker URLs")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N processes serving the port (SO_REUSEPORT); see proxy/multiproc.py")
     p.add_argument("--api-key", default=os.environ.get("PD_PROXY_API_KEY"),
                    help="guard /inference/* (and /debug/*) like vLLM's --api-key")
     p.add_argument("--upstream-api-key", default=os.environ.get("PD_PROXY_UPSTREAM_API_KEY"),
@@ -83,7 +87,7 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         connect_timeout=a.connect_timeout, drain_timeout=a.drain_timeout,
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
-        kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel,
+        kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
         pools=pool_settings_from_args(a),
     )
 
@@ -100,10 +104,21 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_args(argv)
+    if settings.workers > 1:
+        from proxy.multiproc import run_workers  # noqa: PLC0415
+
+        raise SystemExit(run_workers(settings, settings.workers))
+    serve(settings)
+
+
+def serve(settings: ProxySettings, sock: socket.socket | None = None) -> None:
+    """Run one server process until SIGTERM/SIGINT, on ``sock`` when given (``--workers``)."""
     configure_access_log(settings.log_format)
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
-    web.run_app(build_app(settings), host=settings.host, port=settings.port,
+    where: dict[str, Any] = {"sock": sock} if sock is not None else \
+        {"host": settings.host, "port": settings.port}
+    web.run_app(build_app(settings), **where,
                 shutdown_timeout=settings.drain_timeout, handler_cancellation=True,
                 access_log=None, loop=loop)
 

@@ -26,10 +26,14 @@ probes' verdict, or the last ``GET /health`` when active probes are off) to the 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from proxy import __version__ as _version
 
@@ -64,13 +68,13 @@ class ProxyMetrics:
         self.upstream_errors = Counter("pd_proxy_upstream_errors", "Failed calls to workers",
                                        ["pool", "worker", "error"], registry=r)
         self.inflight = Gauge("pd_proxy_inflight_requests", "Requests in flight per pool", ["pool"],
-                              registry=r)
+                              registry=r, multiprocess_mode="livesum")
         self.aborts = Counter("pd_proxy_aborts", "Aborts by source and state", ["source", "state"],
                               registry=r)
         self.abort_fanout = Counter("pd_proxy_abort_fanout", "Abort calls sent to workers",
                                     ["pool", "result"], registry=r)
         self.kv_leases_open = Gauge("pd_proxy_kv_leases_open", "KV leases open on prefill workers",
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livesum")
         self.kv_lease_duration = Histogram("pd_proxy_kv_lease_duration_seconds",
                                            "How long prefill workers held KV", buckets=_LEASE_BUCKETS,
                                            registry=r)
@@ -84,7 +88,8 @@ class ProxyMetrics:
         self.suspect_no_transfer = Counter(
             "pd_proxy_suspect_no_transfer",
             "Prompts of at least one KV block whose decode shows no transferred KV", registry=r)
-        self.build_info = Gauge("pd_proxy_build_info", "Build information", ["version"], registry=r)
+        self.build_info = Gauge("pd_proxy_build_info", "Build information", ["version"], registry=r,
+                                multiprocess_mode="livemax")
         self.build_info.labels(version=_version).set(1)
         for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
             self.requests.labels(outcome=outcome)
@@ -98,4 +103,23 @@ class ProxyMetrics:
         return found
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        path = os.environ.get(MULTIPROC_DIR_ENV)
+        if not path:
+            return generate_latest(self.registry)
+        # --workers N (proxy.multiproc): every process's values from the shared directory
+        # (counters and histograms summed, gauges by their multiprocess_mode), plus this
+        # process's scrape-time collectors (pool state), which keep no files there.
+        merged = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(merged, path=path)  # type: ignore[no-untyped-call]
+        for collector in _scrape_time_collectors(self.registry):
+            merged.register(collector)
+        return generate_latest(merged)
+
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def _scrape_time_collectors(registry: CollectorRegistry) -> list[Collector]:
+    """Collectors of ``registry`` that are not value-holding metrics (no multiprocess files)."""
+    known: dict[Collector, Any] = getattr(registry, "_collector_to_names", {})
+    return [c for c in list(known) if not isinstance(c, MetricWrapperBase)]

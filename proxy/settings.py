@@ -77,6 +77,9 @@ class ProxySettings:
     otel: bool = False
     """OpenTelemetry spans per hop, ``traceparent`` sent to the workers (``proxy.tracing``; needs
     the ``otel`` extra; exporter and endpoint from the standard ``OTEL_*`` variables)."""
+    workers: int = 1
+    """Processes serving the port (``proxy.multiproc``: ``SO_REUSEPORT``, one request table each;
+    aborts reach other processes through the broadcast). 1: this process serves."""
     extra_health_info: dict[str, str] = field(default_factory=dict)
     pools: PoolSettings = field(default_factory=PoolSettings)
     """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
