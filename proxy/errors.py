@@ -4,6 +4,8 @@
 ├── ``ClientError``            the request is wrong (400), nothing was sent anywhere
 │   ├── ``InvalidRequest``     FastAPI-style validation failure (``type: "Bad Request"``)
 │   └── ``BadRequest``         vLLM's own checks (``type: "BadRequestError"``)
+│   ├── ``PayloadTooLarge``    the body passed ``--max-body-bytes`` (413, never read further)
+│   └── ``BodyTimeout``        the body did not arrive within ``--body-timeout`` (408)
 ├── ``Unauthorized``           missing/wrong API key: 401 ``{"error":"Unauthorized"}`` as vLLM
 └── ``UpstreamError``          a worker failed; names the hop ("prefill"/"decode") and the worker
     ├── ``UpstreamStatusError``   the worker answered an error status (4xx passes through unchanged,
@@ -16,7 +18,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import traceback
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -68,6 +75,16 @@ class BadRequest(ClientError):
     @classmethod
     def from_protocol(cls, exc: VLLMValidationError) -> BadRequest:
         return cls(str(exc), param=exc.parameter)
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    err_type = HTTPStatus(413).phrase  # vLLM's HTTPException handler: the status phrase
+
+
+class BodyTimeout(ClientError):
+    status = 408
+    err_type = HTTPStatus(408).phrase
 
 
 class Unauthorized(ProxyError):
@@ -142,3 +159,45 @@ class StreamOverflow(ProxyError):
 
     status = 503
     err_type = "ServiceUnavailableError"
+
+
+# --------------------------------------------------------------------------------------------
+# The one place where anything a handler raises becomes a response
+
+log = logging.getLogger("pd_proxy")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def http_exception_response(exc: web.HTTPException) -> web.StreamResponse:
+    """aiohttp's own HTTP errors as vLLM (FastAPI/starlette) answers them: an unknown path or
+    method is starlette's ``{"detail": ...}``; anything else vLLM's error JSON with the status
+    phrase as ``type`` (its ``http_exception_handler``)."""
+    if exc.status in (404, 405):
+        resp = json_response({"detail": HTTPStatus(exc.status).phrase}, exc.status)
+        if exc.status == 405 and "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
+    if exc.status == 413:
+        return PayloadTooLarge("Request body too large").to_response()
+    return json_response(error_body(exc.reason, HTTPStatus(exc.status).phrase, exc.status), exc.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost middleware: every error leaves in vLLM's shape, and an unexpected exception
+    is a logged (method, path and type only: never the body) generic 500, not aiohttp's text."""
+    try:
+        return await handler(request)
+    except ProxyError as e:
+        return e.to_response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return http_exception_response(e)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        # The frames (code locations) but not the message: messages can quote request values.
+        log.error("unexpected %s while serving %s %s\n%s", type(e).__name__, request.method,
+                  request.path, "".join(traceback.format_tb(e.__traceback__)).rstrip())
+        return json_response(error_body("Internal server error", "InternalServerError", 500), 500)

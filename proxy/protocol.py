@@ -414,6 +414,63 @@ class GenerateRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays/objects accepted in a request body (vLLM's own fields need 3)."""
+_SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class JSONBodyError(ValueError):
+    """A request body that is not JSON the proxy can handle (and forward as UTF-8)."""
+
+    def __init__(self, reason: str, pos: int = 0) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.pos = pos
+
+
+def _check_nesting_and_text(obj: Any) -> None:
+    """Walk ``obj`` without recursion: too deep, or a string UTF-8 cannot carry (a lone
+    surrogate written as a ``\\u`` escape) raises ``JSONBodyError``."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            items: Any = [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            items = value
+        elif isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise JSONBodyError("lone surrogate in a string (not valid UTF-8)") from None
+            continue
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise JSONBodyError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        stack.extend((item, depth + 1) for item in items if isinstance(item, dict | list | str))
+
+
+def loads_bounded(body: bytes) -> Any:
+    """``json.loads`` for untrusted bodies: every failure (bad JSON, bad UTF-8, nesting that
+    exhausts the parser's recursion, integers past Python's digit limit, lone surrogates,
+    nesting deeper than ``MAX_JSON_DEPTH``) is a ``JSONBodyError``, never anything else."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise JSONBodyError(e.msg, e.pos) from None
+    except UnicodeDecodeError:
+        raise JSONBodyError("invalid UTF-8") from None
+    except RecursionError:
+        raise JSONBodyError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # e.g. an integer literal longer than sys.get_int_max_str_digits()
+        raise JSONBodyError(str(e).split(":", 1)[0]) from None
+    # The walk costs O(size): run it only when the body can be deep or carries a surrogate.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH or _SURROGATE_ESCAPE_RE.search(body):
+        _check_nesting_and_text(data)
+    return data
+
+
 def parse_generate_body(body: bytes, content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
     """Parse and validate a generate request body exactly as vLLM's FastAPI route does.
 
@@ -428,16 +485,11 @@ def parse_generate_body(body: bytes, content_type: str) -> tuple[GenerateRequest
             [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
         )
     try:
-        data = json.loads(body)
-    except json.JSONDecodeError as e:
+        data = loads_bounded(body)
+    except JSONBodyError as e:
         raise format_validation_errors(
             [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
-              "input": {}, "ctx": {"error": e.msg}}]
-        ) from None
-    except UnicodeDecodeError:
-        raise format_validation_errors(
-            [{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
-              "input": {}, "ctx": {"error": "invalid UTF-8"}}]
+              "input": {}, "ctx": {"error": e.reason}}]
         ) from None
     if not isinstance(data, dict):
         raise format_validation_errors(
