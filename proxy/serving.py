@@ -1255,6 +1255,11 @@ class Serving:
                     f.decode_task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await f.decode_task
+                if record.lease is not None and record.lease.end is None and f.decode_task.done():
+                    # The walk that closes it is gone (client left a non-stream decode, or a
+                    # stream before its first event): D answered, so it had the KV; else unknown.
+                    answered = not f.decode_task.cancelled() and f.decode_task.exception() is None
+                    self._close_lease(f, "aborted" if answered else "unknown")
         finally:
             if f.force_end is not None:
                 f.force_end.cancel()
