@@ -438,7 +438,17 @@ class Serving:
 
         # --- DECODING
         try:
-            decode = await self._acquire_decode(f, [])
+            try:
+                decode = await self._acquire_decode(f, [])
+            except NoWorkerAvailable:
+                if kv_params is None or self.pools.preflight.check is None \
+                        or not self.decode_pool.admissible():
+                    raise
+                # No decode worker's pair with this prefill worker passed the preflight: its KV
+                # can go nowhere (no release through a broken link either), so run decode-only.
+                self._decode_only(f, "no_usable_pair")
+                kv_params = None
+                decode = await self._acquire_decode(f, [])
         except ProxyError:
             await self._release_shielded(f)
             raise
@@ -488,13 +498,16 @@ class Serving:
             if record.is_aborted:
                 break  # aborted (client call, deadline) during the backoff
             try:
+                pairless = self._pairless_prefill()
                 try:
-                    worker = await self.prefill_pool.acquire(ctx, exclude=tried, limit=self._queue_limit(f))
+                    worker = await self.prefill_pool.acquire(ctx, exclude=[*tried, *pairless],
+                                                             limit=self._queue_limit(f))
                 except NoWorkerAvailable:
                     if not tried:
                         raise
                     # every admitted worker failed once: any of them again (the failure may pass)
-                    worker = await self.prefill_pool.acquire(ctx, limit=self._queue_limit(f))
+                    worker = await self.prefill_pool.acquire(ctx, exclude=pairless,
+                                                             limit=self._queue_limit(f))
             except NoWorkerAvailable:
                 if last is not None:
                     break  # none left: the last error stands
@@ -541,6 +554,15 @@ class Serving:
             raise
         finally:
             self.prefill_pool.release(worker, outcome)
+
+    def _pairless_prefill(self) -> list[Worker]:
+        """With the preflight on: prefill workers whose every pair with the decode pool failed it
+        (their KV could reach no decode worker), left out of prefill picks."""
+        preflight = self.pools.preflight
+        if preflight.check is None:
+            return []
+        decoders = self.decode_pool.admissible()
+        return [p for p in self.prefill_pool.admissible() if preflight.all_failed(p, decoders)]
 
     def _queue_limit(self, f: Flight) -> float:
         """How long a pick may wait for a worker with room: the queue timeout, or less when

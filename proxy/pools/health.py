@@ -200,6 +200,20 @@ class Preflight:
     def usable(self, p: Worker, d: Worker) -> bool:
         return self.check is None or self.state(p, d) is PairState.OK
 
+    def all_failed(self, p: Worker, decoders: Sequence[Worker]) -> bool:
+        """Every pair of ``p`` with ``decoders`` failed its check (so ``p``'s KV could go nowhere).
+        False without a check, without decoders, or while any pair is unknown, running or passed."""
+        return self.check is not None and bool(decoders) and all(
+            self.state(p, d) is PairState.FAILED for d in decoders)
+
+    def start_all(self, prefill: Iterable[Worker], decode: Iterable[Worker]) -> None:
+        """Start the checks of every pair not yet known (at start and when membership changes),
+        so that pairs are checked before traffic needs them."""
+        decoders = list(decode)
+        for p in prefill:
+            for d in decoders:
+                self.start(p, d)
+
     def start(self, p: Worker, d: Worker) -> asyncio.Task[None] | None:
         """Start the pair's check unless it passed, is running, or failed too recently."""
         if self.check is None:

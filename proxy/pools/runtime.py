@@ -317,9 +317,11 @@ class PoolRuntime:
 
             def prune(_: Pool) -> None:
                 self.preflight.prune([w.url for w in self.prefill], [w.url for w in self.decode])
+                self.preflight.start_all(self.prefill, self.decode)
 
             self.prefill.on_change.append(prune)
             self.decode.on_change.append(prune)
+            self.preflight.start_all(self.prefill, self.decode)
         if s.active_health:
             self.health = HealthChecker(list(self.pools), http_probe(session, s.health_timeout),
                                         fail_threshold=s.health_fail_threshold,

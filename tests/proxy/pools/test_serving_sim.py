@@ -277,6 +277,44 @@ async def test_decode_worker_answering_5xx_is_ejected_and_readmitted(stack: Stac
     await quiet(st)
 
 
+async def test_preflight_keeps_traffic_off_a_pair_whose_kv_link_fails(stack: StackFactory) -> None:
+    """P[1] refuses KV pulls: its pair with the one decode worker fails the preflight (started
+    at app start), so prefill picks leave P[1] out; every request still crosses P[0] -> D."""
+    st = await stack(n_decode=1, pools={"preflight": True, "prefill_policy": "round_robin",
+                                        "preflight_timeout": 5.0})
+    await st.prefill[1].set_faults(refuse_kv_pulls=True)
+    good, bad = st.serving.prefill_pool.workers
+    d = st.serving.decode_pool.workers[0]
+    pf = st.serving.pools.preflight
+    pf.prune([], [])  # forget the checks run at start (before the fault was set)
+    pf.start_all(st.serving.prefill_pool, st.serving.decode_pool)
+
+    async def settled() -> bool:
+        return pf.usable(good, d) and pf.all_failed(bad, [d])
+
+    await eventually(settled)
+    for _ in range(4):
+        status, _, headers = await st.gen(req())
+        assert status == 200 and BYPASS not in headers
+    counts = await upstream_counts(st, "prefill")
+    assert counts == {st.prefill[0].url: 4, st.prefill[1].url: 0}
+    ledger = await (await st.client.get("/debug/kv-leases")).json()
+    assert [c["reason"] for c in ledger["closed"]] == ["pulled"] * 4
+    # Only P[1] left: its KV can reach no decode worker. A request picked while its check still
+    # runs waits for it, then runs decode-only (no_usable_pair); once the check has failed, P[1]
+    # is left out of prefill picks and the request bypasses the prefill pool (prefill_unavailable).
+    st.serving.prefill_pool.remove(good.url)
+    pf.prune([], [])
+    pf.start_all(st.serving.prefill_pool, st.serving.decode_pool)
+    status, _, headers = await st.gen(req())
+    assert status == 200 and headers[BYPASS] in ("no_usable_pair", "prefill_unavailable")
+    await eventually(lambda: asyncio.sleep(0, pf.all_failed(bad, [d])))
+    status, _, headers = await st.gen(req())
+    assert status == 200 and headers[BYPASS] == "prefill_unavailable"
+    assert await st.metric("pd_proxy_upstream_requests_total", pool="prefill", worker=bad.url) <= 1
+    await st.prefill[1].set_faults(refuse_kv_pulls=False)
+
+
 async def test_dead_and_hung_workers_are_probed_out_and_back(stack: StackFactory) -> None:
     st = await stack(n_decode=2, pools={"active_health": False, "health_fail_threshold": 2,
                                         "health_recover_threshold": 1})
