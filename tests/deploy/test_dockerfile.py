@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,7 @@ def test_dockerignore_keeps_sources_and_drops_the_rest() -> None:
 
 
 def test_build_context_is_installable(tmp_path: Path) -> None:
-    """Copy what .dockerignore lets through and let setuptools read the project from it."""
+    """Copy what .dockerignore lets through and build the project's wheel from it."""
     rules = dockerignore_rules()
     context = tmp_path / "context"
     skip = {".git", ".venv", ".venv-vllm", ".cache", "run", "results"}
@@ -173,25 +174,19 @@ def test_build_context_is_installable(tmp_path: Path) -> None:
             dest = context / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dest)
-    out = tmp_path / "meta"
-    out.mkdir()
-    # setuptools' own metadata step (what pip runs first): package discovery and entry points.
+    out = tmp_path / "wheel"
+    # What the image's `pip install` does: a PEP 517 build in an isolated environment with the
+    # build-system's own requirements (setuptools>=77 for the SPDX license; the venv's may be older).
     result = run(
-        [
-            sys.executable,
-            "-c",
-            "import setuptools; setuptools.setup()",
-            "-q",
-            "egg_info",
-            "--egg-base",
-            str(out),
-        ],
-        cwd=context,
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q",
+         "-w", str(out), str(context)],
         timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    (info,) = out.glob("*.egg-info")
-    assert "pd-proxy = proxy.cli:main" in (info / "entry_points.txt").read_text()
-    sources = (info / "SOURCES.txt").read_text().splitlines()
-    assert "proxy/__init__.py" in sources and "kv_transfer/config.py" in sources
-    assert not any(n.startswith(("tests/", "deploy/")) for n in sources)
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = out.glob("pd_proxy-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        assert "pd-proxy = proxy.cli:main" in zf.read(entry_points).decode()
+    assert "proxy/__init__.py" in names and "kv_transfer/config.py" in names
+    assert not any(n.startswith(("tests/", "deploy/")) for n in names)
