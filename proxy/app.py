@@ -29,12 +29,14 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from proxy.errors import ProxyError, Unauthorized, json_response
+from proxy.errors import ProxyError, Unauthorized, error_middleware, json_response
+from proxy.limits import body_middleware
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from proxy.protocol import error_body
+from proxy.protocol import JSONBodyError, error_body, loads_bounded
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
+from proxy.tls import upstream_context
 from proxy.tracing import Tracing
 from proxy.upstream import Upstream
 
@@ -48,6 +50,8 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/debug")
 LEGACY_ABORT_PATH = "/abort_requests"
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -94,12 +98,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def abort_requests(request: web.Request) -> web.Response:
     body = await request.read()
     try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return json_response(error_body(f"JSON decode error: {e}", "Bad Request", 400), status=400)
-    except UnicodeDecodeError:
-        return json_response(error_body("JSON decode error: invalid UTF-8", "Bad Request", 400),
-                                 status=400)
+        obj = loads_bounded(body)  # deep nesting or huge ints are a 400, not a 500
+    except JSONBodyError as e:
+        return json_response(error_body(f"JSON decode error: {e.detail}", "Bad Request", 400), status=400)
     ids = obj.get("request_ids") if isinstance(obj, dict) else None
     if ids is None:
         return json_response(
@@ -166,9 +167,11 @@ async def requests_table(request: web.Request) -> web.Response:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     serving = app[SERVING]
+    tls = upstream_context(settings.upstream_ca_file, settings.upstream_cert_file,
+                           settings.upstream_key_file)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
                                      keepalive_timeout=settings.upstream_keepalive_timeout,
-                                     enable_cleanup_closed=True)
+                                     enable_cleanup_closed=True, ssl=tls if tls is not None else True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     json_serialize=json.dumps,
                                     trace_configs=serving.tracing.client_trace_configs())
@@ -208,8 +211,12 @@ async def _on_shutdown(app: web.Application) -> None:
 def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None = None) -> web.Application:
     """``tracer_provider``: the OpenTelemetry provider for ``settings.otel`` (default: the global
     one, or one built from the ``OTEL_*`` variables; see ``proxy.tracing``)."""
-    middlewares = [_auth_middleware(settings)] if settings.api_key else []
-    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    # Errors outermost (every error in vLLM's shape), then the key, then the body limits (a
+    # client without the key never gets its body read).
+    middlewares = [error_middleware, *([_auth_middleware(settings)] if settings.api_key else []),
+                   body_middleware(settings.max_body_bytes, settings.body_timeout,
+                                   (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH))]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     metrics = ProxyMetrics()
     app[SETTINGS] = settings
     app[METRICS] = metrics

@@ -16,6 +16,7 @@ from proxy.app import build_app
 from proxy.logs import configure_access_log
 from proxy.pools.runtime import add_pool_arguments, pool_settings_from_args
 from proxy.settings import ProxySettings
+from proxy.tls import server_context
 from proxy.tracing import otel_installed
 
 
@@ -63,6 +64,19 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--otel", action="store_true",
                    help="OpenTelemetry spans per hop, traceparent sent to the workers (pd-proxy[otel]; "
                         "exporter from OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+                   help="largest request body accepted (413 beyond it)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive (408 beyond it)")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a connection may take to send a request head (and idle keep-alive)")
+    p.add_argument("--tls-cert-file", default=None, help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key-file", default=None, help="the key of --tls-cert-file (PEM)")
+    p.add_argument("--upstream-ca-file", default=None,
+                   help="verify https:// workers against this CA bundle (default: the system's)")
+    p.add_argument("--upstream-cert-file", default=None,
+                   help="client certificate for https:// workers behind mutual TLS (PEM)")
+    p.add_argument("--upstream-key-file", default=None, help="the key of --upstream-cert-file (PEM)")
     add_pool_arguments(p)
     a = p.parse_args(argv)
     if a.otel and not otel_installed():
@@ -88,6 +102,9 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
+        max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout, header_timeout=a.header_timeout,
+        tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, upstream_ca_file=a.upstream_ca_file,
+        upstream_cert_file=a.upstream_cert_file, upstream_key_file=a.upstream_key_file,
         pools=pool_settings_from_args(a),
     )
 
@@ -118,7 +135,10 @@ def serve(settings: ProxySettings, sock: socket.socket | None = None) -> None:
     asyncio.set_event_loop(loop)
     where: dict[str, Any] = {"sock": sock} if sock is not None else \
         {"host": settings.host, "port": settings.port}
-    web.run_app(build_app(settings), **where,
+    ssl_context = server_context(settings.tls_cert_file, settings.tls_key_file) \
+        if settings.tls_cert_file else None
+    web.run_app(build_app(settings), **where, ssl_context=ssl_context,
+                keepalive_timeout=settings.header_timeout,
                 shutdown_timeout=settings.drain_timeout, handler_cancellation=True,
                 access_log=None, loop=loop)
 

@@ -422,10 +422,12 @@ _SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 class JSONBodyError(ValueError):
     """A request body that is not JSON the proxy can handle (and forward as UTF-8)."""
 
-    def __init__(self, reason: str, pos: int = 0) -> None:
+    def __init__(self, reason: str, pos: int = 0, detail: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.pos = pos
+        self.detail = detail if detail is not None else reason
+        """The reason with its position, as ``str(json.JSONDecodeError)`` words it."""
 
 
 def _check_nesting_and_text(obj: Any) -> None:
@@ -458,7 +460,7 @@ def loads_bounded(body: bytes) -> Any:
     try:
         data = json.loads(body)
     except json.JSONDecodeError as e:
-        raise JSONBodyError(e.msg, e.pos) from None
+        raise JSONBodyError(e.msg, e.pos, str(e)) from None
     except UnicodeDecodeError:
         raise JSONBodyError("invalid UTF-8") from None
     except RecursionError:

@@ -80,6 +80,21 @@ class ProxySettings:
     workers: int = 1
     """Processes serving the port (``proxy.multiproc``: ``SO_REUSEPORT``, one request table each;
     aborts reach other processes through the broadcast). 1: this process serves."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body accepted (413 in vLLM's shape beyond it; ``proxy.limits``)."""
+    body_timeout: float = 30.0
+    """A request body must arrive within this many seconds once its headers did (else 408)."""
+    header_timeout: float = 30.0
+    """A connection must send a complete request head within this many seconds of opening (or of
+    its previous response), else it is closed: aiohttp's server keep-alive timer (``proxy.limits``)."""
+    tls_cert_file: str | None = None
+    """Serve HTTPS with this certificate chain (PEM); ``tls_key_file`` its key (``proxy.tls``)."""
+    tls_key_file: str | None = None
+    upstream_ca_file: str | None = None
+    """Verify ``https://`` workers against this CA bundle instead of the system's."""
+    upstream_cert_file: str | None = None
+    """Client certificate (PEM) presented to ``https://`` workers behind mutual TLS."""
+    upstream_key_file: str | None = None
     extra_health_info: dict[str, str] = field(default_factory=dict)
     pools: PoolSettings = field(default_factory=PoolSettings)
     """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
