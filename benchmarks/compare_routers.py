@@ -8,14 +8,19 @@ the same closed-loop load through three targets:
 * ``floor``: the client doing the two hops itself (prefill hop non-stream with ``max_tokens: 1``
   and ``kv_transfer_params: {do_remote_decode: true, do_remote_prefill: false}``, then the decode
   hop with the returned params; SPEC section 3). No proxy: the best any proxy can do.
-* ``pd-proxy``: this project's proxy (``pd-proxy --prefill URL --decode URL --port P``).
+* ``pd-proxy``: this project's proxy (``pd-proxy --prefill URL --decode URL --port P``), once per
+  ``--pd-proxy-workers`` count (default 1 and 2): ``pd-proxy`` is one process, ``pd-proxy-w2`` is
+  ``--workers 2`` (two processes on one port, ``proxy/multiproc.py``).
 * ``vllm-router``: the vLLM project's Rust router in P/D mode, installed into its own virtual
   environment by ``benchmarks/router_env.sh``.
 
 Every point (stream or not x output tokens x concurrency) is repeated; within a point the targets
 take turns, their order rotated on every repetition so that machine drift hits all alike. The
-medians over the repetitions are reported. Both proxies are pinned (taskset) to the same CPU cores;
-the workers and this client run on the others. The run ends with the memory per open stream: the
+medians over the repetitions are reported. Every proxy is pinned (taskset) to the same CPU cores:
+the last core when pd-proxy runs one process only; the last N cores when a pd-proxy target runs
+N processes (vllm-router's tokio runtime sizes its worker threads by the cores it may use, so it gets
+N threads). The workers and this client run on the other cores, or, on a machine with no core left
+(2 cores, N = 2), on every core, shared with the proxies. The run ends with the memory per open stream: the
 proxies' RSS growth over N idle streams held open by a decode worker with a long inter-token gap.
 
 Metrics per target and point (medians over the repetitions):
@@ -75,8 +80,34 @@ PD_PROXY: Final = "pd-proxy"
 VLLM_ROUTER: Final = "vllm-router"
 TARGETS: Final = (FLOOR, PD_PROXY, VLLM_ROUTER)
 PROXIES: Final = (PD_PROXY, VLLM_ROUTER)
+_WORKERS_SUFFIX: Final = "-w"
 
-RESULT_KEYS: Final = ("meta", "points", "ratios", "memory", "checks")
+
+def pd_proxy_name(workers: int) -> str:
+    """The target name of pd-proxy run with ``--workers N``: ``pd-proxy`` for 1, else ``pd-proxy-wN``."""
+    return PD_PROXY if workers == 1 else f"{PD_PROXY}{_WORKERS_SUFFIX}{workers}"
+
+
+def pd_proxy_workers(name: str) -> int | None:
+    """N of a pd-proxy target name (None: not pd-proxy)."""
+    if name == PD_PROXY:
+        return 1
+    prefix = PD_PROXY + _WORKERS_SUFFIX
+    if name.startswith(prefix) and name[len(prefix) :].isdigit() and int(name[len(prefix) :]) > 1:
+        return int(name[len(prefix) :])
+    return None
+
+
+def is_proxy(name: str) -> bool:
+    return name == VLLM_ROUTER or pd_proxy_workers(name) is not None
+
+
+def target_rank(name: str) -> tuple[int, int]:
+    """Display order: floor, pd-proxy by workers, vllm-router."""
+    workers = pd_proxy_workers(name)
+    return (1, workers) if workers is not None else ((0, 0) if name == FLOOR else (2, 0))
+
+RESULT_KEYS: Final = ("meta", "points", "ratios", "memory", "checks", "checks_by_proxy")
 CHECK_KEYS: Final = ("relay_throughput", "added_ttft", "memory_per_stream", "floor_headroom")
 MEMORY_TARGET_KIB: Final = 64.0
 FLOOR_HEADROOM: Final = 1.2  # "well above": the floor relays at least 1.2x either proxy's tokens/s
@@ -99,6 +130,7 @@ METRIC_KEYS: Final = (
 )
 RATIO_KEYS: Final = (
     "label",
+    "proxy",
     "tokens_per_s",
     "requests_per_s",
     "tokens_per_proxy_cpu_s",
@@ -107,7 +139,7 @@ RATIO_KEYS: Final = (
     "added_ttft_p50_diff_ms",
     "added_ttft_p99_diff_ms",
 )
-_RATIOS: Final = RATIO_KEYS[1:6]
+_RATIOS: Final = RATIO_KEYS[2:7]
 
 # Command templates; {bin} is this interpreter's bin directory, {router_bin} the router venv's.
 # The workers never queue nor run out of KV blocks at these concurrencies.
@@ -292,13 +324,15 @@ def summarise_point(runs: Mapping[str, Sequence[RunStats]]) -> dict[str, dict[st
     return out
 
 
-def point_ratios(label: str, medians: Mapping[str, Mapping[str, float | int | bool]]) -> dict[str, Any]:
+def point_ratios(
+    label: str, medians: Mapping[str, Mapping[str, float | int | bool]], proxy: str = PD_PROXY
+) -> dict[str, Any]:
     """pd-proxy / vllm-router for one point: above 1 is better for throughput, below 1 for added TTFT.
     Added TTFT near zero makes its ratio meaningless, so the difference (pd-proxy minus vllm-router,
     ms; below 0 is better) is given too."""
-    a = medians.get(PD_PROXY, {})
+    a = medians.get(proxy, {})
     b = medians.get(VLLM_ROUTER, {})
-    row: dict[str, Any] = {"label": label}
+    row: dict[str, Any] = {"label": label, "proxy": proxy}
     for key in _RATIOS:
         row[key] = ratio(float(a.get(key, math.nan)), float(b.get(key, math.nan)))
     for q in ("p50", "p99"):
@@ -326,15 +360,19 @@ def issue_checks(
     point_docs: Sequence[Mapping[str, Any]],
     ratio_rows: Sequence[Mapping[str, Any]],
     memory: Mapping[str, Any],
+    proxy: str = PD_PROXY,
 ) -> dict[str, dict[str, Any]]:
-    """The issue's targets, judged on this run. ``met`` is None when the run has nothing to judge
-    (e.g. a target missing); ``failing`` lists the points (or targets) that miss."""
+    """The issue's targets for one pd-proxy target (``proxy``), judged on this run. ``met`` is
+    None when the run has nothing to judge (e.g. a target missing); ``failing`` lists the points
+    (or targets) that miss."""
     by_label = {p["label"]: p for p in point_docs}
     tput_fail: list[str] = []
     tput_judged = 0
     ttft_fail: list[str] = []
     ttft_judged = 0
     for row in ratio_rows:
+        if row.get("proxy", PD_PROXY) != proxy:
+            continue
         point = by_label[row["label"]]
         if point["concurrency"] >= 64:
             values = [row["tokens_per_s"], row["requests_per_s"]]
@@ -350,15 +388,15 @@ def issue_checks(
     mem_fail: list[str] = []
     mem_judged = 0
     for res in memory.get("results", ()):
-        if res.get("target") == PD_PROXY and not math.isnan(float(res.get("per_stream_kib", math.nan))):
+        if res.get("target") == proxy and not math.isnan(float(res.get("per_stream_kib", math.nan))):
             mem_judged += 1
             if res["per_stream_kib"] > MEMORY_TARGET_KIB:
-                mem_fail.append(PD_PROXY)
+                mem_fail.append(proxy)
     floor_fail: list[str] = []
     floor_judged = 0
     for point in point_docs:
         medians = {t: d["median"] for t, d in point["targets"].items()}
-        proxies = [float(medians[t]["tokens_per_s"]) for t in PROXIES if t in medians]
+        proxies = [float(m["tokens_per_s"]) for t, m in medians.items() if is_proxy(t)]
         if FLOOR not in medians or not proxies:
             continue
         floor_judged += 1
@@ -398,13 +436,17 @@ def build_result(
                 },
             }
         )
-        ratio_rows.append(point_ratios(point.label, medians))
+        for name in sorted((t for t in per_target if pd_proxy_workers(t) is not None), key=target_rank):
+            ratio_rows.append(point_ratios(point.label, medians, name))
+    variants = sorted({row["proxy"] for row in ratio_rows}, key=target_rank) or [PD_PROXY]
+    by_proxy = {name: issue_checks(point_docs, ratio_rows, memory, name) for name in variants}
     doc = {
         "meta": dict(meta),
         "points": point_docs,
         "ratios": ratio_rows,
         "memory": dict(memory),
-        "checks": issue_checks(point_docs, ratio_rows, memory),
+        "checks": by_proxy[variants[0]],
+        "checks_by_proxy": by_proxy,
     }
     result: dict[str, Any] = jsonable(doc)
     return result
@@ -877,6 +919,19 @@ def default_cpu_split() -> tuple[str | None, str | None]:
     return str(cpus[-1]), ",".join(str(c) for c in cpus[:-1])
 
 
+def cpu_split(max_workers: int) -> tuple[str | None, str | None]:
+    """The default pinning. One pd-proxy process: ``default_cpu_split``. Several: every proxy gets
+    the same ``max_workers`` last cores (vllm-router's tokio runtime then starts that many worker
+    threads: it sizes itself by the cores it may use); workers and client get the rest, or, when
+    nothing is left, share every core with the proxies."""
+    if max_workers <= 1:
+        return default_cpu_split()
+    cpus = sorted(os.sched_getaffinity(0))
+    proxies = cpus[-max_workers:]
+    rest = cpus[: -max_workers] or cpus
+    return ",".join(map(str, proxies)), ",".join(map(str, rest))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> Config:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.compare_routers",
@@ -908,10 +963,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--run-time-limit", type=float, default=None, help="seconds per run (120; quick 60)")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--memory-streams", type=int, default=1000, help="0 skips the memory measurement")
-    proxy_cpus, worker_cpus = default_cpu_split()
-    p.add_argument("--proxy-cpus", default=proxy_cpus, help="taskset list for both proxies ('' = no pinning)")
-    p.add_argument("--worker-cpus", default=worker_cpus, help="taskset list for the pd-sim workers")
-    p.add_argument("--client-cpus", default=worker_cpus, help="CPU list this client process pins itself to")
+    p.add_argument(
+        "--pd-proxy-workers",
+        default="1,2",
+        help="pd-proxy is run once per N here (--workers N; targets pd-proxy, pd-proxy-w2, ...)",
+    )
+    p.add_argument(
+        "--proxy-cpus",
+        default=None,
+        help="taskset list for every proxy ('' = no pinning; default: the last core, or every core "
+        "when a pd-proxy target runs several processes)",
+    )
+    p.add_argument("--worker-cpus", default=None, help="taskset list for the pd-sim workers")
+    p.add_argument("--client-cpus", default=None, help="CPU list this client process pins itself to")
     p.add_argument("--sim-cmd", default=DEFAULT_SIM_CMD)
     p.add_argument("--slow-decode-cmd", default=DEFAULT_SLOW_DECODE_CMD)
     p.add_argument(
@@ -930,9 +994,27 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         return tuple(int(x) for x in text.split(",") if x.strip())
 
     targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
-    unknown = [t for t in targets if t not in TARGETS]
+    try:
+        pd_workers = sorted(set(ints(a.pd_proxy_workers)))
+    except ValueError:
+        p.error("--pd-proxy-workers takes a comma list of process counts")
+    if not pd_workers or pd_workers[0] < 1:
+        p.error("--pd-proxy-workers takes process counts of at least 1")
+    expanded: list[str] = []
+    for t in targets:
+        for name in [pd_proxy_name(n) for n in pd_workers] if t == PD_PROXY else [t]:
+            if name not in expanded:
+                expanded.append(name)
+    targets = tuple(expanded)
+    unknown = [t for t in targets if t not in TARGETS and pd_proxy_workers(t) is None]
     if unknown:
-        p.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+        p.error(f"unknown targets {unknown}; choose from {list(TARGETS)} (or pd-proxy-wN)")
+    proxy_cpus, worker_cpus = cpu_split(max((pd_proxy_workers(t) or 1) for t in targets))
+    if a.proxy_cpus is not None:
+        proxy_cpus = a.proxy_cpus
+    client_cpus = worker_cpus if a.client_cpus is None else a.client_cpus
+    if a.worker_cpus is not None:
+        worker_cpus = a.worker_cpus
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     if any(m not in ("stream", "nonstream") for m in modes):
         p.error("--modes takes stream and/or nonstream")
@@ -949,9 +1031,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         run_time_limit_s=a.run_time_limit if a.run_time_limit is not None else (60.0 if a.quick else 120.0),
         request_timeout_s=a.request_timeout,
         memory_streams=a.memory_streams,
-        proxy_cpus=a.proxy_cpus or None,
-        worker_cpus=a.worker_cpus or None,
-        client_cpus=a.client_cpus or None,
+        proxy_cpus=proxy_cpus or None,
+        worker_cpus=worker_cpus or None,
+        client_cpus=client_cpus or None,
         sim_cmd=a.sim_cmd,
         slow_decode_cmd=a.slow_decode_cmd,
         pd_proxy_cmd=f"{a.pd_proxy_cmd} {a.pd_proxy_args}".strip(),
@@ -985,8 +1067,10 @@ def make_prompt(length: int) -> list[int]:
 
 
 def proxy_argv(name: str, cfg: Config, port: int, prefill: str, decode: str) -> list[str]:
-    template = cfg.pd_proxy_cmd if name == PD_PROXY else cfg.router_cmd
-    return render(template, cfg, port=port, prefill=prefill, decode=decode, aux_port=free_port())
+    workers = pd_proxy_workers(name)
+    template = cfg.router_cmd if workers is None else cfg.pd_proxy_cmd
+    argv = render(template, cfg, port=port, prefill=prefill, decode=decode, aux_port=free_port())
+    return argv if workers is None or workers == 1 else [*argv, "--workers", str(workers)]
 
 
 async def start_proxy(
@@ -1114,9 +1198,9 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
         )
 
     memory: dict[str, Any] = {"streams": cfg.memory_streams, "results": []}
-    if cfg.memory_streams > 0 and any(t in PROXIES for t in names):
+    if cfg.memory_streams > 0 and any(is_proxy(t) for t in names):
         slow_url, slow_proc = await start_sim(procs, cfg, "decode", cfg.slow_decode_cmd, "sim-decode-slow")
-        for name in (t for t in names if t in PROXIES):
+        for name in (t for t in names if is_proxy(t)):
             # A fresh proxy wired to the slow decode worker: the streams stay open, idle.
             target, proc = await start_proxy(
                 procs,
@@ -1174,10 +1258,13 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines = [
         "pd-proxy / vllm-router (throughput ratios: >= 1 meets the target; added-TTFT ratios: <= 1 does;"
         " d50/d99: pd-proxy's added TTFT minus vllm-router's, <= 0 meets the target)",
-        f"{'point':<22}" + "".join(f"{title:>10}" for _, title in ratio_cols),
+        f"{'point':<22}{'proxy':<13}" + "".join(f"{title:>10}" for _, title in ratio_cols),
     ]
     for row in result["ratios"]:
-        lines.append(f"{row['label']:<22}" + "".join(_fmt(row[key], ".2f", 10) for key, _ in ratio_cols))
+        name = row.get("proxy", PD_PROXY)
+        lines.append(
+            f"{row['label']:<22}{name:<13}" + "".join(_fmt(row[key], ".2f", 10) for key, _ in ratio_cols)
+        )
     lines.append("")
     lines.append(
         "medians per target: added TTFT p50/p99 over the floor (ms) | tokens/s | tokens per proxy CPU-s "
@@ -1201,10 +1288,10 @@ def format_table(result: Mapping[str, Any]) -> str:
                 cell += f" [errors {m['errors']}{', timed out' if m['timed_out'] else ''}]"
             cells.append(cell)
         lines.append(f"{point['label']:<22} " + " | ".join(cells))
-    checks = result.get("checks", {})
-    if checks:
+    by_proxy = result.get("checks_by_proxy") or ({PD_PROXY: result["checks"]} if result.get("checks") else {})
+    for name, checks in by_proxy.items():
         lines.append("")
-        lines.append("issue targets on this run (met / failing points):")
+        lines.append(f"issue targets on this run for {name} (met / failing points):")
         for key, check in checks.items():
             met = {True: "met", False: "MISSED", None: "not judged"}[check["met"]]
             lines.append(f"  {key:<18} {met:<10} {', '.join(check['failing'])}")
@@ -1244,7 +1331,8 @@ def make_plot(result: Mapping[str, Any], path: Path) -> None:
             (p for p in result["points"] if p["stream"] == stream and p["max_tokens"] == max_tokens),
             key=lambda p: p["concurrency"],
         )
-        names = sorted({t for p in pts for t in p["targets"]}, key=TARGETS.index)
+        names = sorted({t for p in pts for t in p["targets"]}, key=target_rank)
+        palette = sorted({t for p in result["points"] for t in p["targets"]}, key=target_rank)
         for i, (key, title) in enumerate(rows):
             ax = axes[i][j]
             for name in names:
@@ -1256,7 +1344,7 @@ def make_plot(result: Mapping[str, Any], path: Path) -> None:
                     continue
                 xs = [p["concurrency"] for p in pts if name in p["targets"]]
                 ys = [p["targets"][name]["median"][key] for p in pts if name in p["targets"]]
-                color = f"C{TARGETS.index(name)}"  # one colour per target in every panel
+                color = f"C{palette.index(name)}"  # one colour per target in every panel
                 ax.plot(xs, [math.nan if y is None else y for y in ys], marker="o", label=name, color=color)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrent streams")
@@ -1283,12 +1371,14 @@ def resolve_targets(cfg: Config) -> tuple[Config, list[str]]:
     """Drops pd-proxy when its command is not installed (said loudly and recorded)."""
     skipped: list[str] = []
     targets = list(cfg.targets)
-    if PD_PROXY in targets:
+    ours = [t for t in targets if pd_proxy_workers(t) is not None]
+    if ours:
         exe = render(cfg.pd_proxy_cmd, cfg, port=0, prefill="x", decode="x", aux_port=0)[0]
         if shutil.which(exe) is None:
             print(f"WARNING: {exe} not found: pd-proxy is left out of this run", file=sys.stderr)
-            targets.remove(PD_PROXY)
-            skipped.append(PD_PROXY)
+            for t in ours:
+                targets.remove(t)
+                skipped.append(t)
     return replace(cfg, targets=tuple(targets)), skipped
 
 

@@ -403,3 +403,63 @@ def test_processes_stop_one_leaves_the_others(tmp_path: Path) -> None:
     finally:
         procs.close()
     assert b.poll() is not None
+
+
+# --- pd-proxy with several processes ------------------------------------------------------
+
+
+def test_pd_proxy_target_names_carry_the_process_count() -> None:
+    assert cr.pd_proxy_name(1) == PD_PROXY
+    assert cr.pd_proxy_name(2) == "pd-proxy-w2"
+    for n in (1, 2, 8):
+        assert cr.pd_proxy_workers(cr.pd_proxy_name(n)) == n
+    for other in (FLOOR, VLLM_ROUTER, "pd-proxy-w", "pd-proxy-w1", "pd-proxy-wx"):
+        assert cr.pd_proxy_workers(other) is None
+    assert cr.is_proxy("pd-proxy-w4") and cr.is_proxy(VLLM_ROUTER) and not cr.is_proxy(FLOOR)
+
+
+def test_pd_proxy_is_run_once_per_process_count_on_the_same_cores() -> None:
+    cfg = cr.parse_args(["--pd-proxy-workers", "2,1"])
+    assert cfg.targets == (FLOOR, PD_PROXY, "pd-proxy-w2", VLLM_ROUTER)
+    argv = cr.proxy_argv("pd-proxy-w2", cfg, 4321, "http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert argv[0].endswith("/pd-proxy") and argv[-2:] == ["--workers", "2"]
+    assert "--workers" not in cr.proxy_argv(PD_PROXY, cfg, 4321, "http://127.0.0.1:1", "http://127.0.0.1:2")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:  # every proxy gets the same two cores; so does vllm-router's runtime
+        assert cfg.proxy_cpus == ",".join(map(str, cpus[-2:]))
+        assert cfg.worker_cpus and cfg.client_cpus
+    single = cr.parse_args(["--pd-proxy-workers", "1"])
+    assert single.targets == (FLOOR, PD_PROXY, VLLM_ROUTER)
+    if len(cpus) >= 2:
+        assert single.proxy_cpus == str(cpus[-1])
+    with pytest.raises(SystemExit):
+        cr.parse_args(["--pd-proxy-workers", "0"])
+
+
+def test_ratios_and_checks_per_pd_proxy_variant(tmp_path: Path) -> None:
+    points = cr.build_points([64], [32], [True])
+    runs = {
+        p: {
+            FLOOR: [_rs(1.0, 2.0, 1000)],
+            PD_PROXY: [_rs(1.5, 3.0, 300)],
+            "pd-proxy-w2": [_rs(1.2, 2.5, 500)],
+            VLLM_ROUTER: [_rs(2.0, 4.0, 400)],
+        }
+        for p in points
+    }
+    mem = {"streams_requested": 1000, "streams_open": 1000, "rss_before_kib": 1, "rss_after_kib": 2}
+    memory = {"results": [{**mem, "target": PD_PROXY, "per_stream_kib": 40.0},
+                          {**mem, "target": "pd-proxy-w2", "per_stream_kib": 80.0}]}
+    result = cr.build_result({}, points, runs, memory)
+    assert [r["proxy"] for r in result["ratios"]] == [PD_PROXY, "pd-proxy-w2"]
+    assert result["ratios"][1]["tokens_per_s"] == pytest.approx(500 / 400)
+    by = result["checks_by_proxy"]
+    assert by[PD_PROXY]["relay_throughput"]["failing"] == ["stream-out32-c64"]  # 300 < 400
+    assert by["pd-proxy-w2"]["relay_throughput"]["met"] is True
+    assert by[PD_PROXY]["memory_per_stream"]["met"] is True
+    assert by["pd-proxy-w2"]["memory_per_stream"]["failing"] == ["pd-proxy-w2"]
+    assert result["checks"] == by[PD_PROXY]
+    table = cr.format_table(result)
+    assert "pd-proxy-w2" in table and "issue targets on this run for pd-proxy-w2" in table
+    cr.make_plot(result, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
