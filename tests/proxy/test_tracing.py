@@ -170,6 +170,22 @@ async def test_a_failed_prefill_is_an_error_span_with_its_status(traced: TracedF
     assert not [s for s in spans if s.name == "decode"]  # no decode hop was made
 
 
+async def test_each_retry_is_its_own_hop_span_and_carries_its_own_traceparent(traced: TracedFactory) -> None:
+    t = await traced(pools=PoolSettings())  # retries on (and short prompts bypass the prefill pool)
+    await t.p.set_faults(fail_next=1, fail_status=503)
+    long_prompt = [3 + i % 500 for i in range(200)]
+    r = await t.client.post(GEN, json=req(token_ids=long_prompt), headers={"X-Request-Id": "t7"})
+    assert r.status == 200
+    spans = await t.spans("t7", want=("decode",))
+    check_tree(spans)
+    prefills = sorted((s for s in spans if s.name == "prefill"), key=lambda s: attrs(s)["pd.attempt"])
+    assert [attrs(s)["pd.attempt"] for s in prefills] == [0, 1]
+    assert [s.status.status_code for s in prefills] == [StatusCode.ERROR, StatusCode.UNSET]
+    assert [attrs(s)["pd.hop.status"] for s in prefills] == ["UpstreamStatusError", "ok"]
+    # pd-sim records a traceparent before its fault answers: one per call, each its own span's
+    assert await received(t.p, "t7") == [traceparent_of(s) for s in prefills]
+
+
 async def test_decode_only_fallback_is_on_the_request_span(traced: TracedFactory) -> None:
     t = await traced(prefill_failure_policy="decode-only")
     await t.p.set_faults(fail_next=1, fail_status=500)
