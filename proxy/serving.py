@@ -962,9 +962,16 @@ class Serving:
                 async for chunk in self.upstream.iter_chunks("decode", worker.url, resp):
                     batch = reader.feed_batch(chunk)
                     # The hot path: what a read completed goes out as one block, unparsed, when
-                    # it is plain vLLM events (no error, [DONE] last) after the first event.
-                    fast = batch.plain and not first
+                    # it is plain vLLM events (no error, [DONE] last); only the stream's first
+                    # event is parsed (its output_mode is checked).
+                    fast = batch.plain and (not first or bool(batch.body))
                     if fast and batch.body:
+                        if first:
+                            first = False
+                            error = self._first_event(f, worker, batch.body[6 : batch.body.index(b"\n\n")])
+                            if error is not None:
+                                protocol = True
+                                break
                         if follower is not None:
                             ids = block_token_ids(batch.body) if follower.cont is None and \
                                 follower.progress.output_mode == "tokens" else None
@@ -998,13 +1005,7 @@ class Serving:
                         last = ev.data
                         if first:
                             first = False
-                            if f.timing.d1 is None:
-                                f.timing.d1 = self.clock()
-                                self.metrics.child(self.metrics.stage, "decode_first_token").observe(
-                                    f.timing.d1 - (f.timing.d0 or f.timing.d1))
-                            self._close_lease(f, "aborted" if record.is_aborted else "pulled")
-                            f.settled.set()
-                            error = self._check_first_event(f, worker, ev.data)
+                            error = self._first_event(f, worker, ev.data)
                             if error is not None:
                                 protocol = True
                                 break
@@ -1063,6 +1064,16 @@ class Serving:
             return
         if isinstance(chunk, dict):
             self._note_usage(f, chunk.get("usage"))
+
+    def _first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
+        """D's first event: D certainly has the request (the KV was pulled); check the event."""
+        if f.timing.d1 is None:
+            f.timing.d1 = self.clock()
+            self.metrics.child(self.metrics.stage, "decode_first_token").observe(
+                f.timing.d1 - (f.timing.d0 or f.timing.d1))
+        self._close_lease(f, "aborted" if f.record.is_aborted else "pulled")
+        f.settled.set()
+        return self._check_first_event(f, worker, data)
 
     def _check_first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
         try:
