@@ -40,8 +40,13 @@ class Pool:
     def __init__(self, name: str, urls: Iterable[str] = (), *, policy: Policy | None = None,
                  breaker: BreakerConfig | None = None, clock: Callable[[], float] = time.monotonic,
                  max_inflight_per_worker: int | None = None, max_waiters: int = 64,
-                 retry_after: float = 1.0, weights: LoadWeights | None = None) -> None:
+                 retry_after: float = 1.0, weights: LoadWeights | None = None,
+                 panic: bool = False) -> None:
         self.name = name
+        self.panic = panic
+        """When every (non-draining) worker failed its health probes, route as if they had not
+        (the breaker and draining still apply): a probe that times out on a loaded worker must not
+        make the pool refuse everything. Envoy's panic threshold, at 0%."""
         self.policy: Policy = policy or LeastLoaded()
         self.breaker_config = breaker or BreakerConfig()
         self.clock = clock
@@ -129,13 +134,23 @@ class Pool:
             value += w.waiting * scraped.waiting + w.kv_usage * scraped.kv_usage
         return value
 
+    @property
+    def in_panic(self) -> bool:
+        """``panic`` is on and no non-draining worker passes its health probes."""
+        return self.panic and not any(w.healthy for w in self._workers.values() if not w.draining)
+
     def candidates(self, exclude: Iterable[Worker] = ()) -> list[Worker]:
         skip = {id(w) for w in exclude}
+        if self.in_panic:
+            return [w for w in self._workers.values()
+                    if w.admissible_in_panic and not w.saturated and id(w) not in skip]
         return [w for w in self._workers.values() if w.available and id(w) not in skip]
 
     def admissible(self, exclude: Iterable[Worker] = ()) -> list[Worker]:
         """Workers that could take a request if they had room (saturated ones included)."""
         skip = {id(w) for w in exclude}
+        if self.in_panic:
+            return [w for w in self._workers.values() if w.admissible_in_panic and id(w) not in skip]
         return [w for w in self._workers.values() if w.admissible and id(w) not in skip]
 
     def retry_in(self) -> float:

@@ -72,10 +72,14 @@ class PoolSettings:
     breaker_open_seconds: float = 5.0
     breaker_max_open_seconds: float = 60.0
     health_interval: float = 2.0
-    health_timeout: float = 2.0
+    health_timeout: float = 5.0
+    """A loaded vLLM CPU worker can take seconds to answer /health; nothing waits on a probe."""
     health_fail_threshold: int = 3
     health_recover_threshold: int = 2
     active_health: bool = True
+    panic_when_all_unhealthy: bool = True
+    """A pool whose every worker failed its probes routes as if they had not (breakers still
+    apply): decode always, prefill only without the bypass (which then takes those requests)."""
     prefill_attempts: int = 3
     decode_attempts: int = 2
     retry_base_delay: float = 0.02
@@ -142,6 +146,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds)
     g.add_argument("--health-interval", type=float, default=d.health_interval)
     g.add_argument("--no-active-health", action="store_true")
+    g.add_argument("--no-health-panic", action="store_true",
+                   help="refuse requests (503) when every worker of a pool failed its probes, instead "
+                        "of routing to them anyway")
     g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts)
     g.add_argument("--decode-attempts", type=int, default=d.decode_attempts)
     g.add_argument("--no-migrate", action="store_true", help="do not migrate streams mid-way")
@@ -172,7 +179,8 @@ def pool_settings_from_args(a: argparse.Namespace) -> PoolSettings:
         max_inflight_per_worker=a.max_inflight_per_worker, max_queue=a.max_queue,
         queue_timeout=a.queue_timeout, breaker_failures=a.breaker_failures,
         breaker_open_seconds=a.breaker_open_seconds, health_interval=a.health_interval,
-        active_health=not a.no_active_health, prefill_attempts=a.prefill_attempts,
+        active_health=not a.no_active_health, panic_when_all_unhealthy=not a.no_health_panic,
+        prefill_attempts=a.prefill_attempts,
         decode_attempts=a.decode_attempts, migrate=not a.no_migrate,
         migrate_prefill_tokens=a.migrate_prefill_tokens,
         deadline_default_ms=a.deadline_default_ms, bypass_prompt_tokens=a.bypass_prompt_tokens,
@@ -242,13 +250,15 @@ class PoolRuntime:
                                 max_open_seconds=max(s.breaker_max_open_seconds, s.breaker_open_seconds))
         weights = LoadWeights(use_scraped=s.use_scraped_load, max_age=max(10.0, 5 * s.scrape_interval))
 
-        def pool(name: str, urls: Iterable[str], policy: str) -> Pool:
+        def pool(name: str, urls: Iterable[str], policy: str, panic: bool) -> Pool:
             return Pool(name, urls, policy=self.make_policy(policy), breaker=breaker, clock=clock,
                         max_inflight_per_worker=s.max_inflight_per_worker, max_waiters=s.max_queue,
-                        retry_after=s.retry_after, weights=weights)
+                        retry_after=s.retry_after, weights=weights, panic=panic)
 
-        self.prefill = pool("prefill", prefill_urls, s.prefill_policy)
-        self.decode = pool("decode", decode_urls, s.decode_policy)
+        panic = s.panic_when_all_unhealthy
+        self.prefill = pool("prefill", prefill_urls, s.prefill_policy,
+                            panic and not s.bypass_when_prefill_unavailable)
+        self.decode = pool("decode", decode_urls, s.decode_policy, panic)
         self.pools = Pools([self.prefill, self.decode], policy_factory=self.make_policy)
         self.admission = Admission(s.max_inflight, max_queue=s.max_queue, queue_timeout=s.queue_timeout,
                                    retry_after=s.retry_after)

@@ -55,6 +55,11 @@ class Worker:
         return self.admissible and not self.saturated
 
     @property
+    def admissible_in_panic(self) -> bool:
+        """As ``admissible``, ignoring the probes' verdict (a pool in panic: every worker failed them)."""
+        return not self.draining and self.breaker.can_take()
+
+    @property
     def circuit(self) -> CircuitState:
         return self.breaker.state
 

@@ -120,3 +120,27 @@ async def test_cancelled_woken_waiter_passes_its_turn_on() -> None:
     with pytest.raises(asyncio.CancelledError):
         await first
     assert w.inflight == 1
+
+
+def test_panic_routes_to_probe_failed_workers_only_when_all_failed() -> None:
+    clock = FakeClock()
+    p = Pool("decode", [A, B, C], policy=RoundRobin(), clock=clock, panic=True,
+             breaker=BreakerConfig(failure_threshold=1, open_seconds=3))
+    a, b, c = p.workers
+    a.healthy = b.healthy = False
+    assert not p.in_panic and {p.pick().url for _ in range(4)} == {C}  # one healthy: no panic
+    c.healthy = False
+    assert p.in_panic  # every worker failed its probes: they may only be slow to answer /health
+    assert {p.pick().url for _ in range(6)} == {A, B, C}
+    b.draining = True
+    a.begin()
+    p.release(a, Outcome.FAILURE)  # the breaker still ejects
+    assert {p.pick().url for _ in range(4)} == {C}
+    c.begin()
+    p.release(c, Outcome.FAILURE)
+    with pytest.raises(NoWorkerAvailable):
+        p.pick()
+    calm = Pool("decode", [A], panic=False)
+    calm.workers[0].healthy = False
+    with pytest.raises(NoWorkerAvailable):
+        calm.pick()

@@ -151,3 +151,14 @@ def test_one_block_size_setting_for_bypass_prefix_and_suspect_counter() -> None:
     assert Serving(off, ProxyMetrics()).pools.bypass_reason(1) is None
     with pytest.raises(SystemExit):
         parse_args(["--prefill", P, "--decode", D, "--block-size", "16"])  # one flag, not two
+
+
+def test_panic_is_on_for_decode_and_for_prefill_only_without_the_bypass() -> None:
+    rt = PoolRuntime(PoolSettings(), [P], [D])
+    assert rt.decode.panic and not rt.prefill.panic  # prefill: the bypass takes those requests
+    rt.prefill.workers[0].healthy = rt.decode.workers[0].healthy = False
+    assert rt.decode.candidates() == rt.decode.workers
+    assert rt.bypass_reason(1000) == "prefill_unavailable"
+    strict = PoolRuntime(PoolSettings(bypass_when_prefill_unavailable=False), [P], [D])
+    assert strict.prefill.panic
+    assert not PoolRuntime(parse("--no-health-panic"), [P], [D]).decode.panic

@@ -315,6 +315,20 @@ async def test_preflight_keeps_traffic_off_a_pair_whose_kv_link_fails(stack: Sta
     await st.prefill[1].set_faults(refuse_kv_pulls=False)
 
 
+async def test_a_lone_decode_worker_failing_its_probes_still_serves(stack: StackFactory) -> None:
+    """Seen on the loaded real-vLLM stack: /health answered slower than the probe's timeout, the
+    only decode worker was probed out and every request got a 503. Now the pool panics: when every
+    worker failed its probes it routes as if they had not (the breaker still ejects)."""
+    st = await stack(n_prefill=1, n_decode=1)
+    st.serving.decode_pool.workers[0].healthy = False  # the probes' verdict
+    status, _, headers = await st.gen(req())
+    assert status == 200 and BYPASS not in headers
+    st.serving.prefill_pool.workers[0].healthy = False  # prefill: the bypass takes over instead
+    status, _, headers = await st.gen(req())
+    assert status == 200 and headers[BYPASS] == "prefill_unavailable"
+    await quiet(st)
+
+
 async def test_dead_and_hung_workers_are_probed_out_and_back(stack: StackFactory) -> None:
     st = await stack(n_decode=2, pools={"active_health": False, "health_fail_threshold": 2,
                                         "health_recover_threshold": 1})
