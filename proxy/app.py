@@ -10,6 +10,7 @@ Routes (``/inference/*`` and ``/debug/*`` behind ``--api-key`` when set, as vLLM
 * ``GET  /metrics``                       Prometheus text (no key)
 * ``GET  /debug/kv-leases``               the KV-lease ledger (open + recent closed)
 * ``GET  /debug/requests``                the request table (state and holders of each request)
+* ``GET  /debug/runtime``                 pending tasks, upstream connections, RSS (``proxy.diagnostics``)
 * ``/admin/workers``                      pool membership and draining, behind ``--admin-key``
                                           (``proxy.pools.admin``; only when that key is set)
 """
@@ -29,6 +30,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from proxy.diagnostics import runtime_snapshot
 from proxy.errors import ProxyError, Unauthorized, error_middleware, json_response
 from proxy.limits import body_middleware
 from proxy.logs import ACCESS_LOG, log_access
@@ -164,6 +166,13 @@ async def requests_table(request: web.Request) -> web.Response:
     })
 
 
+async def runtime(request: web.Request) -> web.Response:
+    serving = request.app[SERVING]
+    return json_response(runtime_snapshot(
+        connector=serving.upstream.session.connector, requests=len(serving.table),
+        background=len(serving.tracker), leases_open=serving.ledger.open_count))
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     serving = app[SERVING]
@@ -232,6 +241,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/debug/kv-leases", kv_leases)
     app.router.add_get("/debug/requests", requests_table)
+    app.router.add_get("/debug/runtime", runtime)
     admin = serving.pools.admin_app()
     if admin is not None:
         app.add_subapp("/admin", admin)  # its own key (--admin-key), not the client API key

@@ -1,0 +1,52 @@
+"""``GET /debug/runtime``: what a long run watches for leaks in this proxy process.
+
+Pending asyncio tasks, upstream connections (checked out / idle in the keep-alive pool), the
+request table, background clean-ups, open KV leases and the process's resident memory. The
+soak benchmark (``benchmarks/soak.py``) samples it; it sits behind the API key like ``/debug/*``.
+With ``--workers N`` each answer is the serving process's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import aiohttp
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int | None:
+    """Resident set size of this process (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def connector_counts(connector: aiohttp.BaseConnector | None) -> dict[str, int]:
+    """Connections checked out (a request is using them) and idle in the keep-alive pool.
+    aiohttp has no public counters: this reads its bookkeeping (``_acquired``, ``_conns``)."""
+    if connector is None:
+        return {"in_use": 0, "idle": 0}
+    acquired = getattr(connector, "_acquired", ())
+    conns = getattr(connector, "_conns", {})
+    return {"in_use": len(acquired), "idle": sum(len(v) for v in conns.values())}
+
+
+def runtime_snapshot(*, connector: aiohttp.BaseConnector | None, requests: int, background: int,
+                     leases_open: int) -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "tasks": sum(1 for t in asyncio.all_tasks() if not t.done()),
+        "upstream_connections": connector_counts(connector),
+        "requests_in_flight": requests,
+        "background_tasks": background,
+        "kv_leases_open": leases_open,
+        "rss_bytes": rss_bytes(),
+    }
+
+
+__all__ = ["connector_counts", "rss_bytes", "runtime_snapshot"]
