@@ -153,7 +153,7 @@ DEFAULT_SLOW_DECODE_CMD: Final = (
     " --prefill-per-token-ms 0 --itl-ms 600000 " + _SIM_ROOM
 )
 DEFAULT_PD_PROXY_CMD: Final = (
-    "{bin}/pd-proxy --host 127.0.0.1 --port {port} --prefill {prefill} --decode {decode}"
+    "{bin}/pd-proxy --host 127.0.0.1 --port {port} --prefill {prefill} --decode {decode} --log-level warning"
 )
 DEFAULT_ROUTER_CMD: Final = (
     "{router_bin}/vllm-router --host 127.0.0.1 --port {port} --vllm-pd-disaggregation"
