@@ -64,6 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--otel", action="store_true",
                    help="OpenTelemetry spans per hop, traceparent sent to the workers (pd-proxy[otel]; "
                         "exporter from OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
+    p.add_argument("--slow-reader-timeout", type=float, default=30.0,
+                   help="seconds a write to a streaming client may block (it stopped reading) before "
+                        "its connection is closed")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="largest request body accepted (413 beyond it)")
     p.add_argument("--body-timeout", type=float, default=30.0,
@@ -102,7 +105,8 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
-        max_body_bytes=a.max_body_bytes, body_timeout=a.body_timeout, header_timeout=a.header_timeout,
+        slow_reader_timeout=a.slow_reader_timeout, max_body_bytes=a.max_body_bytes,
+        body_timeout=a.body_timeout, header_timeout=a.header_timeout,
         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, upstream_ca_file=a.upstream_ca_file,
         upstream_cert_file=a.upstream_cert_file, upstream_key_file=a.upstream_key_file,
         pools=pool_settings_from_args(a),

@@ -795,7 +795,7 @@ class Serving:
             lagging = transport is not None and transport.get_write_buffer_size() > 0
             items, finished = await buffer.take(merge=lagging)
             if items:
-                await resp.write(items[0] if len(items) == 1 else b"".join(items))
+                await self._write_client(request, resp, items[0] if len(items) == 1 else b"".join(items))
                 now = self.clock()
                 if last_write is None:
                     first_write = now
@@ -809,8 +809,7 @@ class Serving:
             err = StreamOverflow(
                 f"stream aborted: the client read too slowly ({self.settings.slow_reader_max_bytes} "
                 "bytes queued)")
-            await resp.write(err.sse_event() + DONE_EVENT)
-            await resp.write_eof()
+            await self._write_client(request, resp, err.sse_event() + DONE_EVENT, eof=True)
             return  # phase stays DECODING: the clean-up aborts D
         if f.timing.d1 is not None:
             self.metrics.child(self.metrics.stage, "decode_stream").observe(self.clock() - f.timing.d1)
@@ -822,11 +821,25 @@ class Serving:
         if want_timing:
             tail.append(comment_event("server-timing " + f.timing.header(self.clock())))
         tail.append(DONE_EVENT)
-        await resp.write(b"".join(tail))
-        await resp.write_eof()
+        await self._write_client(request, resp, b"".join(tail), eof=True)
         if f.decode_task is not None and f.decode_task.done():
             self._set_done(f)
         # else: the proxy ended the stream itself (abort grace passed): the clean-up aborts D.
+
+    async def _write_client(self, request: web.Request, resp: web.StreamResponse, data: bytes, *,
+                            eof: bool = False) -> None:
+        """Write to a streaming client, bounded by ``slow_reader_timeout``: a client that stopped
+        reading (its window is shut) cannot be told anything more, so its connection is closed
+        and the caller sees a disconnect (the clean-up then aborts the decode worker)."""
+        try:
+            async with asyncio.timeout(self.settings.slow_reader_timeout):
+                await resp.write(data)
+                if eof:
+                    await resp.write_eof()
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading its stream") from None
 
     async def _produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
         """Read D's stream into ``buffer`` (never blocks on the client).

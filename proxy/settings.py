@@ -57,6 +57,9 @@ class ProxySettings:
     """On shutdown, how long in-flight requests may take before they are ended."""
     slow_reader_max_bytes: int = 8 * 1024 * 1024
     """Bytes that may queue for one slow streaming client before its stream is aborted."""
+    slow_reader_timeout: float = 30.0
+    """A write to a streaming client that does not complete within this many seconds (it stopped
+    reading) closes its connection; the decode worker is aborted."""
     abort_unknown_broadcast: bool = True
     """An abort naming an id this proxy does not know goes to every worker of both pools."""
     legacy_abort_mirror_vllm: bool = False

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,12 +42,15 @@ def _port(runner: web.AppRunner) -> int:
 
 
 async def serve(app: web.Application, **kwargs: Any) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on 127.0.0.1 with an OS-chosen port."""
+    """Serve ``app`` on 127.0.0.1 with an OS-chosen port (or on ``sock=``, a bound socket);
+    other keyword arguments go to the ``AppRunner`` (e.g. ``keepalive_timeout``)."""
     site_kwargs = {k: kwargs.pop(k) for k in ("ssl_context",) if k in kwargs}
+    sock: socket.socket | None = kwargs.pop("sock", None)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=kwargs.pop("shutdown_timeout", 1.0), **kwargs)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, **site_kwargs)
+    site: web.BaseSite = web.SockSite(runner, sock, **site_kwargs) if sock is not None else \
+        web.TCPSite(runner, "127.0.0.1", 0, **site_kwargs)
     await site.start()
     scheme = "https" if site_kwargs.get("ssl_context") is not None else "http"
     return runner, f"{scheme}://127.0.0.1:{_port(runner)}"
@@ -228,8 +232,10 @@ class World:
 
 
 FAST_TIMEOUTS: dict[str, Any] = {
-    "prefill_timeout": 0.5, "decode_timeout": 3.0, "stream_idle_timeout": 0.5,
-    "control_timeout": 0.5, "abort_grace": 0.2, "connect_timeout": 0.5, "drain_timeout": 1.0,
+    # Generous hop timeouts (a loaded machine must not time out a healthy hop); tests of hangs
+    # shorten the one they exercise.
+    "prefill_timeout": 5.0, "decode_timeout": 10.0, "stream_idle_timeout": 5.0,
+    "control_timeout": 1.0, "abort_grace": 0.2, "connect_timeout": 1.0, "drain_timeout": 1.0,
     "kv_block_size": 16,  # pd-sim's block
 }
 

@@ -110,8 +110,7 @@ def both(name: str, outcome_full: str, outcome_stream: str, act_full: Act, act_s
 
 FAULTS: list[Fault] = [
     # --- no fault, the client acts in each state of the walk
-    *both("none@prefilling", "200:length", "sse:length", "prefill", "prefill", prefill=SLOW_PREFILL,
-          settings={"prefill_timeout": 5.0}),
+    *both("none@prefilling", "200:length", "sse:length", "prefill", "prefill", prefill=SLOW_PREFILL),
     *both("none@kv_held", "200:length", "sse:length", "kv_held", "kv_held",
           settings={"hold_between_hops": 0.5}),
     *both("none@decoding", "200:length", "sse:length", "decode", "first_event"),
@@ -122,9 +121,9 @@ FAULTS: list[Fault] = [
     *both("prefill_400", "400", "400", "now", "now",
           prefill={"faults": {"fail_next": PERSISTENT, "fail_status": 400}}),
     *both("prefill_hang_before_headers", "504", "504", "prefill", "prefill",
-          prefill={"faults": {"hang_before_headers": True}}),
+          prefill={"faults": {"hang_before_headers": True}}, settings={"prefill_timeout": 0.5}),
     *both("prefill_hang_after_headers", "504", "504", "prefill", "prefill",
-          prefill={"faults": {"hang_after_headers": True}}),
+          prefill={"faults": {"hang_after_headers": True}}, settings={"prefill_timeout": 0.5}),
     *both("prefill_no_kv_params", "502", "502", "now", "now",
           prefill={"faults": {"drop_kv_params": True}, "lease_seconds": SHORT_LEASE}, expired_ok=True),
     # --- decode worker faults
@@ -135,11 +134,13 @@ FAULTS: list[Fault] = [
           prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True),
     *both("decode_hang_before_headers", "504", "504", "decode", "decode", hole=HANG_ABORT_HOLE,
           decode={**SLOW_DECODE, "faults": {"hang_before_headers": True}},
-          prefill={"lease_seconds": SHORT_LEASE}, settings={"decode_timeout": 0.5}, expired_ok=True),
+          prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True,
+          settings={"decode_timeout": 0.5, "stream_idle_timeout": 0.5}),
     *both("decode_hang_after_headers", "504", "sse:error:504", "decode", "decode",
           hole=(HANG_ABORT_HOLE, None),
           decode={**SLOW_DECODE, "faults": {"hang_after_headers": True}},
-          prefill={"lease_seconds": SHORT_LEASE}, settings={"decode_timeout": 1.0}, expired_ok=True),
+          prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True,
+          settings={"decode_timeout": 1.0, "stream_idle_timeout": 0.5}),
     Fault("decode_reset_mid_stream", True, "sse:error:502", "first_event",
           decode={**SLOW_DECODE, "faults": {"reset_after_tokens": 25}}),
     Fault("decode_inband_error", True, "sse:error:500", "first_event",
