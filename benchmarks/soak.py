@@ -87,12 +87,13 @@ class SoakConfig:
 class Window:
     t: float
     rss_mib: float | None
-    tasks: int
-    conns_in_use: int
-    conns_idle: int
-    in_flight: int
-    background: int
-    leases_open: int
+    """None (and the proxy-side fields below too) when the proxy did not answer the sample."""
+    tasks: int | None
+    conns_in_use: int | None
+    conns_idle: int | None
+    in_flight: int | None
+    background: int | None
+    leases_open: int | None
     completed: int
     p50_ms: float | None
     p99_ms: float | None
@@ -184,8 +185,9 @@ class Stack:
                 await proc.wait()
 
 
-async def _json(session: aiohttp.ClientSession, method: str, url: str, **kw: Any) -> Any:
-    async with session.request(method, url, timeout=aiohttp.ClientTimeout(total=10), **kw) as r:
+async def _json(session: aiohttp.ClientSession, method: str, url: str, *, limit: float = 10.0,
+                **kw: Any) -> Any:
+    async with session.request(method, url, timeout=aiohttp.ClientTimeout(total=limit), **kw) as r:
         return await r.json()
 
 
@@ -268,14 +270,19 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
             t_end = t_start + cfg.duration
 
             async def sample(t: float) -> Window:
-                rt = await _json(control, "GET", url + "/debug/runtime")
+                try:
+                    rt = await _json(control, "GET", url + "/debug/runtime", limit=30.0)
+                except (aiohttp.ClientError, TimeoutError):
+                    rt = None  # the proxy is too busy to answer in time: a gap, not a failure
                 lat, outcomes = stats.take()
-                conns = rt["upstream_connections"]
-                rss = rt.get("rss_bytes")
-                w = Window(t=round(t, 1), rss_mib=round(rss / 2**20, 2) if rss else None, tasks=rt["tasks"],
-                           conns_in_use=conns["in_use"], conns_idle=conns["idle"],
-                           in_flight=rt["requests_in_flight"], background=rt["background_tasks"],
-                           leases_open=rt["kv_leases_open"], completed=sum(outcomes.values()),
+                conns = rt["upstream_connections"] if rt else {}
+                rss = rt.get("rss_bytes") if rt else None
+                w = Window(t=round(t, 1), rss_mib=round(rss / 2**20, 2) if rss else None,
+                           tasks=rt["tasks"] if rt else None,
+                           conns_in_use=conns.get("in_use"), conns_idle=conns.get("idle"),
+                           in_flight=rt["requests_in_flight"] if rt else None,
+                           background=rt["background_tasks"] if rt else None,
+                           leases_open=rt["kv_leases_open"] if rt else None, completed=sum(outcomes.values()),
                            p50_ms=_ms(percentile(lat, 0.5)), p99_ms=_ms(percentile(lat, 0.99)),
                            outcomes=outcomes, fault=fault_now[0])
                 windows.append(w)
@@ -293,10 +300,12 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
                     await asyncio.sleep(cfg.fault_period / 2)
                     worker, choices = rng.choice(workers)
                     fault = rng.choice(choices)
-                    await _json(control, "POST", worker + "/sim/faults", json=fault)
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        await _json(control, "POST", worker + "/sim/faults", json=fault)
                     fault_now[0] = f"{worker.rsplit(':', 1)[1]}:{','.join(fault)}"
                     await asyncio.sleep(min(cfg.fault_period / 2, max(0.0, t_end - time.monotonic())))
-                    await _json(control, "POST", worker + "/sim/faults", json={"reset": True})
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        await _json(control, "POST", worker + "/sim/faults", json={"reset": True})
                     fault_now[0] = None
 
             async def sampler() -> None:
@@ -328,19 +337,20 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
             await sessions[0].close()
         await stack.stop()
 
-    ref = next((w for w in windows if w.t >= cfg.warmup_s), windows[0] if windows else None)
+    answered = [w for w in windows if w.rss_mib is not None]
+    ref = next((w for w in answered if w.t >= cfg.warmup_s), answered[0] if answered else None)
     steady = [w for w in windows[:-1] if w.t >= cfg.warmup_s and w.p99_ms is not None]
     rss_growth = (final.rss_mib - ref.rss_mib) if ref and ref.rss_mib and final.rss_mib else None
-    leaked_tasks = final.tasks - int(baseline["tasks"])
+    leaked_tasks = None if final.tasks is None else final.tasks - int(baseline["tasks"])
     totals: dict[str, int] = {}
     for w in windows:
         for k, v in w.outcomes.items():
             totals[k] = totals.get(k, 0) + v
     checks = {
         "rss_growth_ok": rss_growth is not None and rss_growth <= cfg.max_rss_growth_mib,
-        "tasks_ok": leaked_tasks <= cfg.task_slack,
+        "tasks_ok": leaked_tasks is not None and leaked_tasks <= cfg.task_slack,
         # in use: none; idle: the keep-alive pool, at most about one per worker once quiet
-        "connections_ok": final.conns_in_use == 0
+        "connections_ok": final.conns_in_use == 0 and final.conns_idle is not None
         and final.conns_idle <= 2 * (cfg.prefill_workers + cfg.decode_workers),
         "nothing_in_flight": final.in_flight == 0 and final.background == 0 and final.leases_open == 0,
         "no_kv_held": kv_held == 0,
@@ -353,6 +363,7 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
         "windows": [asdict(w) for w in windows],
         "summary": {
             "requests": sum(totals.values()),
+            "unanswered_samples": sum(1 for w in windows if w.rss_mib is None),
             "outcomes": totals,
             "rss_reference_mib": ref.rss_mib if ref else None,
             "rss_final_mib": final.rss_mib,
@@ -390,8 +401,14 @@ async def _settle(session: aiohttp.ClientSession, stack: Stack, limit: float,
     deadline = time.monotonic() + limit
     kv_held = -1
     while True:
-        rt = await _json(session, "GET", stack.proxy_url + "/debug/runtime")
-        states = [await _json(session, "GET", u + "/sim/state") for u in (*stack.prefill, *stack.decode)]
+        try:
+            rt = await _json(session, "GET", stack.proxy_url + "/debug/runtime", limit=30.0)
+            states = [await _json(session, "GET", u + "/sim/state", limit=30.0)
+                      for u in (*stack.prefill, *stack.decode)]
+        except (aiohttp.ClientError, TimeoutError):
+            if time.monotonic() > deadline:
+                return False, kv_held
+            continue
         kv_held = sum(len(s["kv_held"]) for s in states)
         busy = rt["requests_in_flight"] or rt["background_tasks"] or rt["kv_leases_open"] \
             or rt["upstream_connections"]["in_use"] or rt["upstream_connections"]["idle"] > max_idle \
@@ -425,7 +442,8 @@ def _row(w: Window) -> str:
 def _summary(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = ["", "soak summary"]
-    for key in ("requests", "outcomes", "rss_reference_mib", "rss_final_mib", "rss_growth_mib",
+    for key in ("requests", "unanswered_samples", "outcomes", "rss_reference_mib", "rss_final_mib",
+                "rss_growth_mib",
                 "tasks_baseline", "tasks_final", "leaked_tasks", "connections_in_use_final",
                 "connections_idle_final", "kv_held_final", "p99_first_ms", "p99_last_ms", "p99_max_ms"):
         lines.append(f"  {key:<26} {s[key]}")
