@@ -193,6 +193,12 @@ class Serving:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
+        # Transfer params name worker-side addresses (the KV and encoder-cache side channels):
+        # a client never chooses them (a null is kept: it names nothing); the proxy sets
+        # kv_transfer_params per hop itself.
+        for key in ("kv_transfer_params", "ec_transfer_params"):
+            if data.get(key) is not None:
+                del data[key]
         s = self.settings
         sp = req.sampling_params
         # The server-level checks of vLLM's serve_tokens, in its order, for the pools' config.
