@@ -241,14 +241,17 @@ FAST_TIMEOUTS: dict[str, Any] = {
 
 
 async def start_world(*, prefill: Sequence[dict[str, Any]] = ({},), decode: Sequence[dict[str, Any]] = ({},),
-                      server_kwargs: dict[str, Any] | None = None, **settings: Any) -> World:
-    """Start sims (``zero_latency`` unless a dict says otherwise) and the proxy in front."""
+                      server_kwargs: dict[str, Any] | None = None, extra_decode_urls: Sequence[str] = (),
+                      **settings: Any) -> World:
+    """Start sims (``zero_latency`` unless a dict says otherwise) and the proxy in front
+    (``extra_decode_urls``: decode workers run elsewhere, e.g. pd-sim processes)."""
     baseline = {t for t in asyncio.all_tasks() if not t.done()}
     session = aiohttp.ClientSession()
     ps = [await start_sim(session, role="prefill", **{"zero_latency": True, **kw}) for kw in prefill]
     ds = [await start_sim(session, role="decode", **{"zero_latency": True, **kw}) for kw in decode]
     lease = min((s.settings.lease_seconds for s in ps), default=30.0)
-    s = ProxySettings(prefill_urls=tuple(p.url for p in ps), decode_urls=tuple(d.url for d in ds),
+    s = ProxySettings(prefill_urls=tuple(p.url for p in ps),
+                      decode_urls=(*(d.url for d in ds), *extra_decode_urls),
                       **{"lease_duration": lease, **FAST_TIMEOUTS, **settings})
     app = build_app(s)
     runner, url = await serve(app, **(server_kwargs or {}))
