@@ -30,6 +30,7 @@ from typing import Any, Literal
 import aiohttp
 import pytest
 
+from proxy.pools.runtime import PoolSettings
 from tests.reliability.harness import GENERATE, World, sse_events, start_world
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,6 +68,8 @@ class Fault:
     """What an aborting client gets, when it acts mid-flight (default: vLLM's abort outcome)."""
     hole: str | None = None
     """A known hole: aborting cells are expected to fail (strict xfail) until it is closed."""
+    pair: bool = False
+    """Two workers per pool (round robin, the faulty one first): the pools retry, migrate."""
 
     @property
     def abort_act(self) -> Act:
@@ -76,7 +79,7 @@ class Fault:
 
     @property
     def id(self) -> str:
-        return f"{self.name}-{'stream' if self.stream else 'full'}"
+        return f"{self.name}{'-x2' if self.pair else ''}-{'stream' if self.stream else 'full'}"
 
     def expect(self, behaviour: Behaviour) -> str:
         if behaviour == "read":
@@ -149,6 +152,26 @@ FAULTS: list[Fault] = [
           decode={**SLOW_DECODE, "faults": {"chunk_delay_ms": 10.0}}),
     *both("decode_refused_kv_pull", "502", "sse:error:500", "now", "now",
           prefill={"faults": {"refuse_kv_pulls": True}, "lease_seconds": SHORT_LEASE}, expired_ok=True),
+]
+
+
+# Two workers per pool: the fault is on the first of each pool, picked first (round robin); the
+# pools' retries and migration turn it into a normal outcome (with one worker per pool the same
+# faults fail the request, above).
+PAIR = {"pair": True}
+FAULTS += [
+    *both("prefill_5xx", "200:length", "sse:length", "now", "now", **PAIR,
+          prefill={"faults": {"fail_next": PERSISTENT, "fail_status": 503}}),
+    *both("prefill_down", "200:length", "sse:length", "now", "now", down="prefill", **PAIR),
+    *both("prefill_hang_before_headers", "200:length", "sse:length", "now", "now", **PAIR,
+          prefill={"faults": {"hang_before_headers": True}}, settings={"prefill_timeout": 0.5}),
+    *both("decode_5xx", "200:length", "sse:length", "now", "now", **PAIR,
+          decode={**SLOW_DECODE, "faults": {"fail_next": PERSISTENT, "fail_status": 503}}),
+    *both("decode_down", "200:length", "sse:length", "now", "now", down="decode", **PAIR),
+    Fault("decode_reset_mid_stream", True, "sse:length", "first_event", pair=True,
+          decode={**SLOW_DECODE, "faults": {"reset_after_tokens": 25}}),
+    Fault("decode_inband_error", True, "sse:length", "first_event", pair=True,
+          decode={**SLOW_DECODE, "faults": {"error_after_tokens": 25}}),
 ]
 
 
@@ -245,14 +268,20 @@ async def reach(act: Act, w: World, client: Client) -> None:
 
 
 async def run_cell(fault: Fault, behaviour: Behaviour) -> tuple[str, World]:
-    w = await start_world(prefill=[{**fault.prefill}], decode=[{**fault.decode}], **fault.settings)
+    prefill, decode = [{**fault.prefill}], [{**fault.decode}]
+    settings = dict(fault.settings)
+    if fault.pair:
+        prefill.append({k: v for k, v in fault.prefill.items() if k != "faults"})
+        decode.append({k: v for k, v in fault.decode.items() if k != "faults"})
+        settings["pools"] = PoolSettings(prefill_policy="round_robin", decode_policy="round_robin")
+    w = await start_world(prefill=prefill, decode=decode, **settings)
     if fault.down == "prefill":
         await w.p.close()
-        w.prefill.clear()
+        del w.prefill[0]
     try:
         if fault.down == "decode":
             await w.d.close()
-            w.decode.clear()
+            del w.decode[0]
         rid = uuid.uuid4().hex
         body = {"token_ids": PROMPT, "stream": fault.stream,
                 "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}}
@@ -287,6 +316,9 @@ async def test_fault_cell(fault: Fault, behaviour: Behaviour) -> None:
     outcome, w = await run_cell(fault, behaviour)
     try:
         assert outcome == fault.expect(behaviour)
+        if fault.pair and behaviour == "read" and not fault.down:
+            faulty = w.p if "faults" in fault.prefill else w.d
+            assert (await faulty.state())["generate_calls"] >= 1, "the faulty worker was never tried"
         await w.wait_clean(limit=SHORT_LEASE + 3.0)
         if not fault.expired_ok and w.prefill:
             assert (await w.releases()).get("expired", 0) == 0, "KV was left to expire"
