@@ -81,7 +81,8 @@ async def start_sim(session: aiohttp.ClientSession, **kwargs: Any) -> Sim:
     if isinstance(faults, dict):
         faults = Faults(**faults)
     settings = SimSettings(**kwargs) if faults is None else SimSettings(faults=faults, **kwargs)
-    runner, url = await serve(build_sim_app(settings))
+    # A short shutdown: the proxy's idle keep-alive connections would hold it for the whole timeout.
+    runner, url = await serve(build_sim_app(settings), shutdown_timeout=0.2)
     return Sim(url, runner, settings, session)
 
 

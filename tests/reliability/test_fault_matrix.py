@@ -39,13 +39,13 @@ Act = Literal["now", "prefill", "kv_held", "decode", "first_event", "after"]
 Behaviour = Literal["read", "disconnect", "abort", "abort_twice"]
 BEHAVIOURS: tuple[Behaviour, ...] = ("read", "disconnect", "abort", "abort_twice")
 
-SLOW_DECODE: dict[str, Any] = {"zero_latency": False, "itl_ms": 15.0, "prefill_base_ms": 0.0,
+SLOW_DECODE: dict[str, Any] = {"zero_latency": False, "itl_ms": 10.0, "prefill_base_ms": 0.0,
                                "prefill_per_token_ms": 0.0, "transfer_per_block_ms": 0.0,
                                "remote_prefill_step_ms": 0.0}
 SLOW_PREFILL: dict[str, Any] = {"zero_latency": False, "prefill_base_ms": 400.0, "prefill_per_token_ms": 0.0,
                                 "itl_ms": 0.0, "transfer_per_block_ms": 0.0}
 PROMPT = [3 + (7 * i) % 500 for i in range(48)]  # three KV blocks of pd-sim: never bypasses prefill
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 SHORT_LEASE = 0.6
 PERSISTENT = 1_000_000  # fail_next: every call fails, retries included
 
@@ -145,9 +145,9 @@ FAULTS: list[Fault] = [
           prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True,
           settings={"decode_timeout": 1.0, "stream_idle_timeout": 0.5}),
     Fault("decode_reset_mid_stream", True, "sse:error:502", "first_event",
-          decode={**SLOW_DECODE, "faults": {"reset_after_tokens": 25}}),
+          decode={**SLOW_DECODE, "faults": {"reset_after_tokens": 20}}),
     Fault("decode_inband_error", True, "sse:error:500", "first_event",
-          decode={**SLOW_DECODE, "faults": {"error_after_tokens": 25}}),
+          decode={**SLOW_DECODE, "faults": {"error_after_tokens": 20}}),
     *both("decode_slow_chunks", "200:length", "sse:length", "decode", "first_event",
           decode={**SLOW_DECODE, "faults": {"chunk_delay_ms": 10.0}}),
     *both("decode_refused_kv_pull", "502", "sse:error:500", "now", "now",
@@ -169,9 +169,9 @@ FAULTS += [
           decode={**SLOW_DECODE, "faults": {"fail_next": PERSISTENT, "fail_status": 503}}),
     *both("decode_down", "200:length", "sse:length", "now", "now", down="decode", **PAIR),
     Fault("decode_reset_mid_stream", True, "sse:length", "first_event", pair=True,
-          decode={**SLOW_DECODE, "faults": {"reset_after_tokens": 25}}),
+          decode={**SLOW_DECODE, "faults": {"reset_after_tokens": 20}}),
     Fault("decode_inband_error", True, "sse:length", "first_event", pair=True,
-          decode={**SLOW_DECODE, "faults": {"error_after_tokens": 25}}),
+          decode={**SLOW_DECODE, "faults": {"error_after_tokens": 20}}),
 ]
 
 
