@@ -465,7 +465,7 @@ class Serving:
         body = self.decode_body(f.data, record.base_id, kv_params)
         if req.is_stream:
             return await self._decode_stream(request, f, decode, body)
-        return await self._decode_full(f, decode, body)
+        return await self._decode_full(f, decode, body, request)
 
     def _accept_prefill_reply(self, f: Flight, prefill: Worker,
                               reply: dict[str, Any]) -> tuple[dict[str, Any] | None, UpstreamError | None]:
@@ -621,7 +621,8 @@ class Serving:
 
     # ---------------------------------------------------------------- decode: non-stream
 
-    async def _decode_full(self, f: Flight, worker: Worker, body: dict[str, Any]) -> web.Response:
+    async def _decode_full(self, f: Flight, worker: Worker, body: dict[str, Any],
+                           request: web.Request) -> web.StreamResponse:
         record = f.record
 
         async def hop() -> tuple[dict[str, Any], bytes]:
@@ -653,6 +654,8 @@ class Serving:
 
         task = self.tracker.spawn(hop())
         f.decode_task = task
+        if not await self._hop_or_abandon(f, task):
+            return await self._respond_aborted(request, f, done=False)
         try:
             reply, raw = await asyncio.shield(task)
         except UpstreamError as e:
@@ -771,6 +774,8 @@ class Serving:
         buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes)
         f.headers_ready = asyncio.get_running_loop().create_future()
         f.decode_task = self.tracker.spawn(self._produce(f, worker, body, buffer))
+        if not await self._hop_or_abandon(f, f.headers_ready):
+            return await self._respond_aborted(request, f, done=False)
         try:
             await asyncio.shield(f.headers_ready)
         except UpstreamError as e:
@@ -1209,9 +1214,26 @@ class Serving:
         if unknown and self.settings.abort_unknown_broadcast:
             self.tracker.spawn(self.broadcast_abort(unknown))
 
-    async def _respond_aborted(self, request: web.Request, f: Flight) -> web.StreamResponse:
-        """What vLLM sends a client whose request was aborted before producing anything."""
-        self._set_done(f)
+    async def _hop_or_abandon(self, f: Flight, fut: asyncio.Future[Any]) -> bool:
+        """Wait for a decode hop's answer (without cancelling it: it outlives the handler). False
+        when the request was aborted and the hop did not end within ``abort_grace`` after: a
+        worker that ignores the abort must not hold the client until the hop times out (the
+        clean-up keeps aborting it)."""
+        aborted = asyncio.ensure_future(f.record.aborted.wait())
+        try:
+            await asyncio.wait({fut, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if not fut.done():
+                await asyncio.wait({fut}, timeout=self.settings.abort_grace)
+        finally:
+            aborted.cancel()
+        return fut.done()
+
+    async def _respond_aborted(self, request: web.Request, f: Flight, *,
+                               done: bool = True) -> web.StreamResponse:
+        """What vLLM sends a client whose request was aborted before producing anything.
+        ``done=False``: a worker still holds the request (the clean-up frees it)."""
+        if done:
+            self._set_done(f)
         req, rid = f.request, f.record.engine_id
         n = req.sampling_params.n
         prompt_tokens = len(req.token_ids)
