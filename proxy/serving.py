@@ -1308,6 +1308,9 @@ class Serving:
             if record.phase is Phase.PREFILLING and f.prefill_task is not None:
                 await self._abort_until(record.prefill_worker, record.engine_id, f.prefill_task,
                                         self.settings.prefill_timeout)
+                if not f.prefill_task.done():
+                    # Its own timeout ends it; its reply may still hold KV (released below).
+                    await asyncio.wait({f.prefill_task})
                 if not f.prefill_task.cancelled() and f.prefill_task.exception() is None \
                         and record.phase is Phase.PREFILLING and record.prefill_worker is not None:
                     self._accept_prefill_reply(f, record.prefill_worker, f.prefill_task.result())
