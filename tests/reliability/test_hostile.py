@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.cli import parse_args
 from tests.reliability.live import Live, Reply, request_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -283,3 +284,11 @@ def test_barrage_of_hostile_clients_does_not_stop_well_formed_ones(live: Live) -
         for fut in bad:
             assert_vllm_error(fut.result(timeout=max(1.0, deadline - time.monotonic())))
     live.run(live.world.wait_clean())
+
+
+def test_limits_are_cli_settings() -> None:
+    s = parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                    "--max-body-bytes", "1024", "--body-timeout", "2.5", "--header-timeout", "3.5",
+                    "--slow-reader-timeout", "4.5"])
+    got = (s.max_body_bytes, s.body_timeout, s.header_timeout, s.slow_reader_timeout)
+    assert got == (1024, 2.5, 3.5, 4.5)
