@@ -1,12 +1,14 @@
 """A worker restarted mid-run: a pd-sim decode *process* is killed in the middle of a stream and
 started again on the same port. The client whose stream broke gets a clean in-band error and
 ``[DONE]`` (one decode worker: nowhere to migrate); nothing is held anywhere; the next request is
-served by the restarted worker. Also the prefill worker: killed while it prefills."""
+served by the restarted worker. Also the prefill worker: killed while it prefills. Processes come
+from the ``sim_process_factory`` fixture, which kills whatever is left at teardown."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -14,10 +16,13 @@ import pytest
 
 from proxy.app import build_app
 from proxy.settings import ProxySettings
-from tests.fixtures_sim import SimProcess, start_sim_process
+from tests.fixtures_sim import SimProcess
 from tests.reliability.harness import GENERATE, serve, sse_events, start_world
 
 pytestmark = pytest.mark.timeout(90)
+
+ProcessFactory = Callable[..., Awaitable[SimProcess]]
+"""``sim_process_factory`` (tests/fixtures_sim.py): every process it started is killed at teardown."""
 
 PROMPT = [3 + (11 * i) % 500 for i in range(48)]
 SLOW = ("--itl-ms", "15", "--prefill-base-ms", "0", "--prefill-per-token-ms", "0",
@@ -60,8 +65,8 @@ async def sim_state(session: aiohttp.ClientSession, proc: SimProcess) -> dict[st
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "full"])
-async def test_decode_worker_restarted_mid_stream(stream: bool) -> None:
-    d = await start_sim_process("--role", "decode", *SLOW)
+async def test_decode_worker_restarted_mid_stream(stream: bool, sim_process_factory: ProcessFactory) -> None:
+    d = await sim_process_factory("--role", "decode", *SLOW)
     w = await start_world(decode=(), extra_decode_urls=[d.url], decode_timeout=5.0)
     try:
         async def client() -> tuple[int, bytes]:
@@ -85,7 +90,7 @@ async def test_decode_worker_restarted_mid_stream(stream: bool) -> None:
             assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 502, events[-3:]
         else:
             assert status == 502 and json.loads(raw)["error"]["code"] == 502
-        d = await start_sim_process("--role", "decode", *SLOW, "--port", str(d.port))
+        d = await sim_process_factory("--role", "decode", *SLOW, "--port", str(d.port))
         await served_again(w.session, w.url)
         await w.wait_clean()
         st = await sim_state(w.session, d)
@@ -97,9 +102,9 @@ async def test_decode_worker_restarted_mid_stream(stream: bool) -> None:
     await w.assert_no_tasks_after_close()
 
 
-async def test_prefill_worker_restarted_while_prefilling() -> None:
-    p = await start_sim_process("--role", "prefill", "--prefill-base-ms", "400",
-                                "--prefill-per-token-ms", "0")
+async def test_prefill_worker_restarted_while_prefilling(sim_process_factory: ProcessFactory) -> None:
+    p = await sim_process_factory("--role", "prefill", "--prefill-base-ms", "400",
+                                  "--prefill-per-token-ms", "0")
     w = await start_world()
     await w.runner.cleanup()  # the same world, its proxy in front of the prefill process instead
     w.app = build_app(ProxySettings(prefill_urls=(p.url,), decode_urls=(w.d.url,), kv_block_size=16))
@@ -116,7 +121,7 @@ async def test_prefill_worker_restarted_while_prefilling() -> None:
             raw = await r.read()
         await killer
         assert r.status == 502 and json.loads(raw)["error"]["code"] == 502
-        p = await start_sim_process("--role", "prefill", "--port", str(p.port))
+        p = await sim_process_factory("--role", "prefill", "--port", str(p.port))
         await served_again(w.session, w.url)
         await w.wait_clean()
         assert not (await sim_state(w.session, p))["kv_held"]
