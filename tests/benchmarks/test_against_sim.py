@@ -12,14 +12,13 @@ on a quiet machine (before pd-bench timed from the write, ran on uvloop, and pd-
 stopped waking up to 1 ms late: 51.8-52.1). With other test suites and vLLM clusters on the 2 cores
 it still fails: 16 of 20 runs over the limit at load 6-13 (51-58 ms), and 4 of 20 for both the old
 and the new harness run alternately at load 3-37 (median of the medians 52.05 -> 51.00 ms, worst
-61 ms); even at load 1.4-4.3, 2 of 20 (median 51.11, worst 53.69 ms). So it runs only with
-PD_BENCH_ACCURACY=1.
+61 ms); even at load 1.4-4.3, 2 of 20 (median 51.11, worst 53.69 ms). So
+the TTFT check takes the best of up to three runs.
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import select
 import subprocess
 import sys
@@ -124,12 +123,18 @@ def test_median_itl_matches_the_configured_itl() -> None:
     assert d["median_itl_token_ms"] == pytest.approx(10.0, rel=0.05)
 
 
-@pytest.mark.skipif(
-    not os.environ.get("PD_BENCH_ACCURACY"), reason="set PD_BENCH_ACCURACY=1 on a quiet machine"
-)
 def test_median_ttft_matches_the_configured_ttft() -> None:
-    d = accuracy_run()
-    assert d["median_ttft_ms"] == pytest.approx(50.0, rel=0.05)
+    # The machine's load only ever adds time (measured above: 51-58 ms at load 6-13), and one run
+    # in ten at load 1-4 lands over the limit. A systematic bias of pd-bench's clock (the 1-2 ms it
+    # had before it timed from the write) fails every run, so up to three runs are taken and the
+    # best must be within 5%; none may be under the configured value by more than the tolerance.
+    medians: list[float] = []
+    for _ in range(3):
+        medians.append(accuracy_run()["median_ttft_ms"])
+        if medians[-1] == pytest.approx(50.0, rel=0.05):
+            break
+    assert min(medians) == pytest.approx(50.0, rel=0.05), medians
+    assert all(m >= 50.0 * 0.95 for m in medians), medians
 
 
 @pytest.mark.parametrize(
