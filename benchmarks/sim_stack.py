@@ -80,6 +80,8 @@ def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen[bytes], st
             decode,
             "--log-level",
             "WARNING",
+            "--kv-block-size",  # pd-sim's KV block (the bypass and the prefix policy count in it)
+            "16",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

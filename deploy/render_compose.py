@@ -173,9 +173,16 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
     return settings
 
 
-def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str) -> list[str]:
-    """pd-proxy's command line for a set of workers (shared with deploy.local)."""
-    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port)]
+# GPU vLLM's KV block (CPU's is 128). Set on every worker and given to pd-proxy (--kv-block-size),
+# whose short-prompt bypass, prefix policy and preflight count in the workers' blocks.
+GPU_BLOCK_SIZE = 16
+
+
+def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str,
+               block_size: int = GPU_BLOCK_SIZE) -> list[str]:
+    """pd-proxy's command line for a set of workers."""
+    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port),
+            "--kv-block-size", str(block_size)]
 
 
 def _q(value: str) -> str:
@@ -213,6 +220,8 @@ def _worker_service(w: Worker, s: Settings) -> list[str]:
         API_FLAGS[s.api_mode],
         "--tensor-parallel-size",
         str(len(w.gpus)),
+        "--block-size",
+        str(GPU_BLOCK_SIZE),
         *connector.cli_args(),
         *s.extra_args,
     ]
