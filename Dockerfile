@@ -3,7 +3,8 @@
 #   docker run --rm -p 8000:8000 pd-proxy:0.1.0 --prefill http://P:8100 --decode http://D:8200
 # The entrypoint listens on 0.0.0.0:8000; arguments are appended, so a later --port wins (set
 # PD_PROXY_PORT to the same port for the health check).
-# Only the runtime dependencies are installed, plus the k8s extra (pool membership from EndpointSlices);
+# Only the runtime dependencies are installed, plus the k8s extra (pool membership from EndpointSlices)
+# and otlp (pd-proxy --otel exporting over OTLP/HTTP);
 # no dev extras. The build stage keeps pip's and setuptools' leftovers out of the final image.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
@@ -14,12 +15,12 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/pd-proxy
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY proxy ./proxy
 COPY kv_transfer ./kv_transfer
 COPY workers ./workers
 COPY benchmarks ./benchmarks
-RUN /opt/pd-proxy/bin/pip install --no-cache-dir ".[k8s]" \
+RUN /opt/pd-proxy/bin/pip install --no-cache-dir ".[k8s,otlp]" \
     && /opt/pd-proxy/bin/pip uninstall --yes pip setuptools wheel
 
 FROM ${PYTHON_IMAGE}
