@@ -252,8 +252,10 @@ async def test_short_prompt_bypass(stack: StackFactory) -> None:
 
 
 async def test_decode_worker_answering_5xx_is_ejected_and_readmitted(stack: StackFactory) -> None:
+    # Open for 3 s: long enough that the circuit is still open through the checks below on a
+    # loaded machine (at 0.2 s it was sometimes half-open already: a flaky assertion).
     st = await stack(n_decode=2, pools={"decode_policy": "round_robin", "breaker_failures": 2,
-                                        "breaker_open_seconds": 0.2, "decode_attempts": 2})
+                                        "breaker_open_seconds": 3.0, "decode_attempts": 2})
     bad = st.serving.decode_pool.get(st.decode[0].url)
     assert bad is not None
     await st.decode[0].set_faults(fail_next=1000, fail_status=503)
@@ -273,7 +275,7 @@ async def test_decode_worker_answering_5xx_is_ejected_and_readmitted(stack: Stac
         await st.gen(req())
         return int(bad.circuit) == 0
 
-    await eventually(readmitted)
+    await eventually(readmitted, limit=20.0)
     await quiet(st)
 
 
