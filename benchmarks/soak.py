@@ -99,6 +99,8 @@ class Window:
     p99_ms: float | None
     outcomes: dict[str, int] = field(default_factory=dict)
     fault: str | None = None
+    """The faults (port:kind) active at any time in the window (the label used to be the fault at
+    the sampling instant, which put the last window's 502s from drop_kv_params under "no fault")."""
 
 
 @dataclass
@@ -249,6 +251,7 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
     windows: list[Window] = []
     stats = Stats()
     fault_now: list[str | None] = [None]
+    window_faults: list[str] = []  # every fault active at some time in the current window
     started = time.monotonic()
 
     def log(msg: str) -> None:
@@ -275,6 +278,8 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
                 except (aiohttp.ClientError, TimeoutError):
                     rt = None  # the proxy is too busy to answer in time: a gap, not a failure
                 lat, outcomes = stats.take()
+                seen = list(dict.fromkeys(window_faults))
+                window_faults[:] = [fault_now[0]] if fault_now[0] else []
                 conns = rt["upstream_connections"] if rt else {}
                 rss = rt.get("rss_bytes") if rt else None
                 w = Window(t=round(t, 1), rss_mib=round(rss / 2**20, 2) if rss else None,
@@ -284,7 +289,7 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
                            background=rt["background_tasks"] if rt else None,
                            leases_open=rt["kv_leases_open"] if rt else None, completed=sum(outcomes.values()),
                            p50_ms=_ms(percentile(lat, 0.5)), p99_ms=_ms(percentile(lat, 0.99)),
-                           outcomes=outcomes, fault=fault_now[0])
+                           outcomes=outcomes, fault=" ".join(seen) or None)
                 windows.append(w)
                 log(_row(w))
                 return w
@@ -302,7 +307,9 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
                     fault = rng.choice(choices)
                     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                         await _json(control, "POST", worker + "/sim/faults", json=fault)
-                    fault_now[0] = f"{worker.rsplit(':', 1)[1]}:{','.join(fault)}"
+                    label = f"{worker.rsplit(':', 1)[1]}:{','.join(fault)}"
+                    fault_now[0] = label
+                    window_faults.append(label)
                     await asyncio.sleep(min(cfg.fault_period / 2, max(0.0, t_end - time.monotonic())))
                     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                         await _json(control, "POST", worker + "/sim/faults", json={"reset": True})
