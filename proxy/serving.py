@@ -528,12 +528,26 @@ class Serving:
                 self.prefill_pool.release(worker, Outcome.NEUTRAL)
                 raise
             f.prefill_task = self.tracker.spawn(self._prefill_hop(f, worker, limit))
+            retry_ok = False
             try:
-                return worker, await asyncio.shield(f.prefill_task), None
+                reply: dict[str, Any] = await asyncio.shield(f.prefill_task)
             except UpstreamError as e:
                 last = e
+                retry_ok = is_transient(e)
+            else:
+                reason = check_prefill_kv_params(reply.get("kv_transfer_params"))
+                untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
+                if reason is None or record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts \
+                        or not untried:
+                    return worker, reply, None  # _walk checks it (and applies --prefill-failure)
+                # An unusable 200 (no usable kv_transfer_params): nothing it holds can be freed
+                # through the proxy (no params to pull with; P frees the blocks at its lease's
+                # end), so another prefill worker may take the request.
+                self.metrics.prefill_missing_kv.inc()
+                last = UpstreamProtocolError("prefill", worker.url, reason)
+                retry_ok = True
             tried.append(worker)
-            if record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts or not is_transient(last):
+            if record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts or not retry_ok:
                 break
             pause = rt.prefill_retry.delay(attempt, rt.rng)
             if f.deadline is not None and f.deadline.remaining() <= pause:
@@ -550,7 +564,11 @@ class Serving:
             reply: dict[str, Any] = await self._call(worker, self.upstream.post_generate(
                 "prefill", worker.url, body, request_id=f.record.base_id, total=limit),
                 f.trace.hop("prefill", worker))
-            outcome = Outcome.SUCCESS
+            # A reply without usable KV params is P's failure; one with them is judged at the
+            # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
+            # every pull, which only the decode hops see.
+            if check_prefill_kv_params(reply.get("kv_transfer_params")) is not None:
+                outcome = Outcome.FAILURE
             return reply
         except UpstreamStatusError as e:
             outcome = Outcome.NEUTRAL if e.passthrough else Outcome.FAILURE
@@ -627,6 +645,7 @@ class Serving:
 
         async def hop() -> tuple[dict[str, Any], bytes]:
             w, current, tried = worker, body, []
+            suspect: Worker | None = None
             try:
                 for attempt in range(self.pools.decode_retry.attempts):
                     outcome = Outcome.NEUTRAL
@@ -636,12 +655,17 @@ class Serving:
                                 "decode", w.url, current, request_id=record.base_id,
                                 total=self._decode_limit(f)), f.trace.hop("decode", w))
                         outcome = Outcome.SUCCESS
+                        self._handoff_done(f, current, suspect)
                         return answer
                     except UpstreamError as e:
                         passthrough = isinstance(e, UpstreamStatusError) and e.passthrough
                         outcome = Outcome.NEUTRAL if passthrough else Outcome.FAILURE
                         last_attempt = attempt + 1 >= self.pools.decode_retry.attempts
-                        if last_attempt or not self._may_retry_decode(f, e):
+                        retry = not last_attempt and self._may_retry_decode(f, e)
+                        outcome, suspect = self._attribute_decode_failure(
+                            f, w, current, e, outcome=outcome, suspect=suspect,
+                            retry_with_kv=retry and attempt == 0)
+                        if not retry:
                             raise
                         error = e
                     finally:
@@ -727,6 +751,47 @@ class Serving:
             return w, body  # decode-only already, or the same KV (P still holds it under the lease)
         self._decode_only(f, "decode_retry")
         return w, self.decode_body(f.data, f.record.base_id, None)
+
+    def _attribute_decode_failure(self, f: Flight, w: Worker, body: dict[str, Any], e: UpstreamError, *,
+                                  outcome: Outcome, suspect: Worker | None,
+                                  retry_with_kv: bool) -> tuple[Outcome, Worker | None]:
+        """Whose breaker a decode failure before D's first byte counts on; returns D's outcome
+        and the decode worker still under suspicion.
+
+        A 5xx on a hop that carried P's KV params is ambiguous (D broke, or its pull from P
+        failed). The first such failure counts NEUTRAL on D when the retry (on another decode
+        worker, same KV) follows; that retry settles it: a success counts the FAILURE on the
+        first D (``_handoff_done``), an ambiguous failure too counts it on P, NEUTRAL on both
+        D. Connect errors, timeouts and failures of decode-only hops count on D as before."""
+        ambiguous = (outcome is Outcome.FAILURE and isinstance(e, UpstreamStatusError)
+                     and e.upstream_status >= 500 and "kv_transfer_params" in body
+                     and f.record.prefill_worker is not None)
+        if not ambiguous:
+            return outcome, None
+        if suspect is not None and suspect is not w:
+            self._blame(f.record.prefill_worker, f, "two decode workers failed its KV")
+            return Outcome.NEUTRAL, None
+        if suspect is None and retry_with_kv and self._lease_valid(f):
+            return Outcome.NEUTRAL, w
+        return outcome, None
+
+    def _handoff_done(self, f: Flight, body: dict[str, Any], suspect: Worker | None) -> None:
+        """A decode hop answered: with P's KV, the hand-off worked (P's success); a decode worker
+        whose failure on the same KV was ambiguous gets the blame now."""
+        if "kv_transfer_params" not in body:
+            return
+        prefill = f.record.prefill_worker
+        if prefill is not None:
+            prefill.breaker.record_success()
+        if suspect is not None:
+            self._blame(suspect, f, "another decode worker served the same KV")
+
+    def _blame(self, worker: Worker | None, f: Flight, why: str) -> None:
+        if worker is None:
+            return
+        log.warning("request %s: failure counted on %s worker %s (%s)", f.record.engine_id,
+                    worker.pool, worker.url, why)
+        worker.breaker.record_failure()
 
     def _decode_only(self, f: Flight, reason: str) -> None:
         """From here on the request runs on a decode worker alone: counted (once per request),
@@ -867,6 +932,7 @@ class Serving:
         tried: list[Worker] = []
         attempt = 0
         w, current = worker, body
+        suspect: Worker | None = None
         while True:
             status, error, exc = "broken", None, None
             try:
@@ -878,6 +944,15 @@ class Serving:
                 outcome = (Outcome.SUCCESS if status == "done" else
                            Outcome.NEUTRAL if status == "closed" or passthrough or record.is_aborted
                            else Outcome.FAILURE)
+                if status == "open_failed" and exc is not None:
+                    retry = attempt == 0 and attempt + 1 < rt.decode_retry.attempts \
+                        and self._may_retry_decode(f, exc)
+                    outcome, suspect = self._attribute_decode_failure(
+                        f, w, current, exc, outcome=outcome, suspect=suspect, retry_with_kv=retry)
+                elif status == "done" and current is body:
+                    self._handoff_done(f, current, suspect)
+                else:
+                    suspect = None  # the retry ended otherwise: it tells nothing about the first
                 self.decode_pool.release(w, outcome, f.ctx.tokens)
             if status == "done":
                 buffer.finish(done=True)

@@ -6,7 +6,8 @@
   prefill worker's KV lease is still valid (the new worker pulls the same blocks).
 
 4xx answers are the client's fault and protocol errors (a 2xx the proxy cannot use) would repeat,
-so neither is retried.
+so neither is retried here; the serving layer alone sends a prefill 200 without usable
+kv_transfer_params to another prefill worker not tried yet (``Serving._prefill_with_retries``).
 """
 
 from __future__ import annotations

@@ -159,6 +159,9 @@ FAULTS += [
     *both("prefill_down", "200:length", "sse:length", "now", "now", down="prefill", **PAIR),
     *both("prefill_hang_before_headers", "200:length", "sse:length", "now", "now", **PAIR,
           prefill={"faults": {"hang_before_headers": True}}, settings={"prefill_timeout": 0.5}),
+    # The prefill retry takes an unusable 200 to the other prefill worker (it was a 502).
+    *both("prefill_no_kv_params", "200:length", "sse:length", "now", "now", **PAIR,
+          prefill={"faults": {"drop_kv_params": True}, "lease_seconds": SHORT_LEASE}, expired_ok=True),
     *both("decode_5xx", "200:length", "sse:length", "now", "now", **PAIR,
           decode={**SLOW_DECODE, "faults": {"fail_next": PERSISTENT, "fail_status": 503}}),
     *both("decode_down", "200:length", "sse:length", "now", "now", down="decode", **PAIR),

@@ -534,3 +534,88 @@ async def test_admin_api_and_workers_file_through_the_app(stack: StackFactory, t
     body = await r.json()
     drained = next(w for w in body["pools"]["decode"] if w["url"] == st.decode[0].url)
     assert drained["draining"] is True and drained["admitted"] is False
+
+
+# ----------------------------------------------------------------------------- blame
+
+
+async def test_a_prefill_worker_refusing_kv_pulls_is_blamed_not_the_decode_workers(
+        stack: StackFactory) -> None:
+    """P[1] refuses KV pulls: the decode workers answer 5xx for its KV. That is ambiguous on one
+    decode worker; when a second one fails on the same KV, P[1] takes the failure. No decode
+    circuit opens (they used to, and every request got a 503); P[1]'s does, and from then on
+    every request crosses the healthy pair. (Non-stream only: pd-sim's stream answers the refused
+    pull with an error event after the headers, a mid-stream break that migration handles.)"""
+    st = await stack(prefill={"lease_seconds": 2.0},
+                     pools={"prefill_policy": "round_robin", "decode_policy": "round_robin",
+                            "breaker_failures": 2, "breaker_open_seconds": 60.0})
+    await st.prefill[1].set_faults(refuse_kv_pulls=True)
+    good, bad = st.serving.prefill_pool.workers
+    statuses: list[int] = []
+    for _ in range(8):
+        status, _, headers = await st.gen(req())
+        ok = status == 200
+        statuses.append(200 if ok else status)
+        if ok:
+            assert BYPASS not in headers  # every success crossed the healthy pair with its KV
+    assert [int(d.circuit) for d in st.serving.decode_pool.workers] == [0, 0]  # closed
+    assert int(bad.circuit) == 2 and int(good.circuit) == 0  # P[1] open
+    assert statuses.count(200) >= 6 and statuses[-4:] == [200] * 4
+    assert await st.metric("pd_proxy_upstream_requests_total", pool="prefill", worker=bad.url) == 2
+    await st.prefill[1].set_faults(refuse_kv_pulls=False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_worker_failing_kv_hops_is_still_blamed(stack: StackFactory, stream: bool) -> None:
+    """D[0] answers 5xx (its own fault) on hops with KV: ambiguous, but D[1] then serves the same
+    KV, so the failure lands on D[0] (its circuit opens), never on the prefill worker."""
+    st = await stack(n_prefill=1, pools={"decode_policy": "round_robin", "breaker_failures": 2,
+                                         "breaker_open_seconds": 60.0})
+    await st.decode[0].set_faults(fail_next=10, fail_status=500)
+    for _ in range(4):
+        if stream:
+            status, events, headers = await st.stream(req())
+            assert events[-1] == "[DONE]"
+        else:
+            status, _, headers = await st.gen(req())
+        assert status == 200 and BYPASS not in headers
+    bad = st.serving.decode_pool.get(st.decode[0].url)
+    assert bad is not None and int(bad.circuit) == 2
+    assert int(st.serving.prefill_pool.workers[0].circuit) == 0
+    await st.decode[0].set_faults(fail_next=0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefill_reply_without_kv_params_is_retried_on_another_prefill_worker(
+        stack: StackFactory, stream: bool) -> None:
+    """P[1] answers 200 without kv_transfer_params: the request goes to P[0] (a prefill retry,
+    a failure on P[1]'s breaker) instead of a 502."""
+    st = await stack(pools={"prefill_policy": "round_robin", "breaker_failures": 2,
+                            "breaker_open_seconds": 60.0})
+    await st.prefill[1].set_faults(drop_kv_params=True)
+    _, bad = st.serving.prefill_pool.workers
+    for _ in range(6):
+        if stream:
+            status, events, headers = await st.stream(req())
+            assert events[-1] == "[DONE]"
+        else:
+            status, _, headers = await st.gen(req())
+        assert status == 200 and BYPASS not in headers
+    bad_calls = await st.metric("pd_proxy_upstream_requests_total", pool="prefill", worker=bad.url)
+    assert bad_calls == 2  # then its circuit opened
+    assert await st.metric("pd_proxy_retries_total", hop="prefill") == bad_calls
+    assert int(bad.circuit) == 2
+    await st.prefill[1].set_faults(drop_kv_params=False)
+
+
+async def test_an_unusable_prefill_reply_with_no_other_worker_still_fails(stack: StackFactory) -> None:
+    """The one prefill worker drops its KV params: nothing to retry on, --prefill-failure fail
+    answers 502 after one prefill call (not one per attempt)."""
+    st = await stack(n_prefill=1, pools={"prefill_attempts": 3})
+    await st.prefill[0].set_faults(drop_kv_params=True)
+    status, _, _ = await st.gen(req())
+    assert status == 502
+    assert await st.metric("pd_proxy_upstream_requests_total", pool="prefill",
+                           worker=st.prefill[0].url) == 1
+    assert await st.metric("pd_proxy_retries_total", hop="prefill") == 0
+    await st.prefill[0].set_faults(drop_kv_params=False)
