@@ -10,14 +10,12 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient
 
-from proxy.app import SERVING, build_app
+from proxy.app import build_app
 from proxy.pools.health import HealthChecker, http_probe
 from proxy.pools.runtime import PoolSettings
-from proxy.serving import Serving
 from proxy.settings import ProxySettings
-from tests.fixtures_sim import SimWorker
+from tests.proxy.conftest import PD
 from workers.sim import SimSettings
 from workers.sim import build_app as sim_app
 
@@ -32,30 +30,11 @@ def req(**kw: Any) -> dict[str, Any]:
 
 
 @dataclass
-class Stack:
-    client: TestClient[web.Request, web.Application]
-    app: web.Application
-    prefill: list[SimWorker]
-    decode: list[SimWorker]
+class Stack(PD):
+    """The proxy tests' ``PD`` (client, app, workers, ``gen``); ``stream`` returns the headers."""
 
-    @property
-    def serving(self) -> Serving:
-        return self.app[SERVING]
-
-    async def gen(self, body: dict[str, Any],
-                  headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:
-        r = await self.client.post("/inference/v1/generate", json=body, headers=headers or {})
-        raw = await r.read()
-        try:
-            payload: Any = json.loads(raw)
-        except ValueError:
-            payload = raw
-        return r.status, payload, r.headers
-
-    async def stream(self, body: dict[str, Any],
-                     headers: dict[str, str] | None = None) -> tuple[int, list[Any], Any]:
-        r = await self.client.post("/inference/v1/generate", json={**body, "stream": True},
-                                   headers=headers or {})
+    async def stream(self, body: dict[str, Any], **kw: Any) -> tuple[int, list[Any], Any]:
+        r = await self.client.post("/inference/v1/generate", json={**body, "stream": True}, **kw)
         raw = await r.read()
         events: list[Any] = []
         for block in raw.split(b"\n\n"):
