@@ -14,12 +14,15 @@ Text mode continuity
 vLLM detokenizes incrementally, starting a new request from the tail of its prompt, so the text
 of a continuation token equals the uninterrupted run's text for it, with one exception: when the
 last streamed tokens are bytes of an unfinished UTF-8 character (or any token whose text vLLM
-held back: their chunks carry token ids with ``text: ""``), the old worker never sent that text,
-and a prompt that ends in the middle of a character makes vLLM's first delta garbage (trace
-``gen-text-stream-prompt-tail-utf8``). So the continuation *rewinds*: those trailing text-less
-tokens are left out of its prompt and regenerated (greedy: the same ids); their ids, which the
-client already has, are stripped from the continuation's chunks (``replay``) while their text,
-which the client never got, is kept.
+held back), the old worker never sent that text, and a prompt that ends in the middle of a
+character makes vLLM's first delta garbage: it repeats the prompt's text (trace
+``gen-text-stream-prompt-tail-utf8``). So the continuation *rewinds* to the last point known to
+end on a whole character, the end of a chunk of exactly one token with text (vLLM sends text only
+when the decoded tail is complete); the tokens after it are left out of its prompt and
+regenerated (greedy: the same ids). Their ids, which the client already has, are stripped from
+the continuation's chunks (``replay``), and so is as much of their text as the client already
+got (``replay_chars``): under load vLLM merges several steps into one chunk, whose text may end
+before its last tokens' (held back), so a chunk with text can still end mid-character.
 
 Stop strings are the other hold-back: vLLM withholds text that could be the start of a stop
 string, and checks stop strings only on text it generated itself, so one spanning the seam would
@@ -36,8 +39,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_REWIND = 8
-"""At most this many trailing text-less tokens are rewound (a UTF-8 character is <= 4 bytes)."""
+MAX_REWIND = 64
+"""At most this many trailing tokens are rewound (beyond it the seam risks the garbage delta; it
+takes 64 tokens merged into chunks with no one-token chunk with text between them)."""
 
 _GENERATED_DEPENDENT = ("presence_penalty", "frequency_penalty")
 _NOT_NULL_BLOCKERS = ("structured_outputs", "guided_decoding", "bad_words", "truncate_prompt_tokens",
@@ -73,23 +77,33 @@ class StreamProgress:
 
     output_mode: str = "tokens"
     generated: list[int] = field(default_factory=list)
-    textless_tail: int = 0
-    """Trailing tokens whose text the client has not received (text mode)."""
+    tail_tokens: int = 0
+    """Text mode: tokens after the last point known to end on a whole character."""
+    tail_text: str = ""
+    """Text mode: the text the client received for those tokens."""
 
-    def feed(self, choice: Mapping[str, Any]) -> None:
+    def feed(self, choice: Mapping[str, Any], sent: Mapping[str, Any] | None = None) -> None:
+        """``choice`` as the worker sent it; ``sent`` what the client got of it, when that was
+        rewritten (a continuation's replayed ids and text stripped)."""
+        whole = choice.get("token_ids") or []
+        if sent is not None:
+            choice = sent
         ids = choice.get("token_ids") or []
         self.generated.extend(int(t) for t in ids)
-        if self.output_mode == "text":
-            if choice.get("text"):
-                self.textless_tail = 0
-            else:
-                self.textless_tail += len(ids)
+        if self.output_mode != "text":
+            return
+        text = choice.get("text") or ""
+        if len(whole) == 1 and ids and text:
+            self.tail_tokens, self.tail_text = 0, ""  # one token whose text came: a whole character
+        elif ids or self.tail_tokens:
+            self.tail_tokens += len(ids)
+            self.tail_text += text
 
     @property
     def rewind(self) -> int:
-        if self.output_mode != "text" or self.textless_tail > MAX_REWIND:
+        if self.output_mode != "text" or self.tail_tokens > MAX_REWIND:
             return 0
-        return min(self.textless_tail, len(self.generated))
+        return min(self.tail_tokens, len(self.generated))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +113,8 @@ class Continuation:
     """Generated tokens moved into the continuation's prompt."""
     replay: int
     """Tokens the continuation regenerates that the client already has (their ids get stripped)."""
+    replay_chars: int
+    """Characters of their text the client already has (stripped from the continuation's text)."""
     prompt_tokens: int
     """The original prompt's length (for usage)."""
 
@@ -110,6 +126,7 @@ def plan_continuation(data: Mapping[str, Any], progress: StreamProgress, *,
     prompt = list(data["token_ids"])
     generated = progress.generated
     replay = progress.rewind
+    replay_chars = len(progress.tail_text) if replay else 0
     kept = len(generated) - replay
     sp = dict(data["sampling_params"])
     max_tokens = sp.get("max_tokens")
@@ -133,29 +150,43 @@ def plan_continuation(data: Mapping[str, Any], progress: StreamProgress, *,
     body.pop("kv_transfer_params", None)
     if request_id is not None:
         body["request_id"] = request_id
-    return Continuation(body, kept=kept, replay=replay, prompt_tokens=len(prompt))
+    return Continuation(body, kept=kept, replay=replay, replay_chars=replay_chars,
+                        prompt_tokens=len(prompt))
 
 
-def rewrite_choice(choice: dict[str, Any], replay_left: int, kept: int) -> tuple[dict[str, Any], int]:
-    """A continuation chunk's choice as the original stream's: strips the first ``replay_left``
-    token ids (and their logprobs), keeps text, shifts ``weight_versions`` positions by ``kept``.
-    Returns the rewritten choice and how many ids are still to strip."""
+@dataclass(slots=True)
+class Replay:
+    """What is still to strip from a continuation's chunks: token ids and text characters."""
+
+    tokens: int = 0
+    chars: int = 0
+
+
+def rewrite_choice(choice: dict[str, Any], replay: Replay, kept: int) -> dict[str, Any]:
+    """A continuation chunk's choice as the original stream's: strips the ``replay`` token ids
+    (and their logprobs) and text characters still due, shifts ``weight_versions`` positions by
+    ``kept``. ``replay`` is updated."""
     out = dict(choice)
     ids = list(choice.get("token_ids") or [])
-    if replay_left > 0 and ids:
-        cut = min(replay_left, len(ids))
+    if replay.tokens > 0 and ids:
+        cut = min(replay.tokens, len(ids))
         out["token_ids"] = ids[cut:]
-        replay_left -= cut
+        replay.tokens -= cut
         logprobs = choice.get("logprobs")
         if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
             out["logprobs"] = {**logprobs, "content": logprobs["content"][cut:]}
+    text = choice.get("text")
+    if replay.chars > 0 and isinstance(text, str) and text:
+        cut = min(replay.chars, len(text))
+        out["text"] = text[cut:]
+        replay.chars -= cut
     versions = choice.get("weight_versions")
     if isinstance(versions, list) and kept:
         out["weight_versions"] = [
             {**v, "start": v["start"] + kept if v.get("start") else v.get("start"),
              "end": v["end"] + kept if isinstance(v.get("end"), int) else v.get("end")}
             if isinstance(v, dict) else v for v in versions]
-    return out, replay_left
+    return out
 
 
 def rewrite_usage(usage: Mapping[str, Any], cont: Continuation) -> dict[str, Any]:
@@ -187,7 +218,7 @@ class StreamFollower:
         self.data = data
         self.progress = StreamProgress(output_mode=output_mode)
         self.cont: Continuation | None = None
-        self.replay_left = 0
+        self.replay = Replay()
         self.migrations = 0
 
     def event(self, payload: bytes) -> bytes | None:
@@ -197,26 +228,28 @@ class StreamFollower:
             return payload
         if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
             return payload
-        if self.cont is not None:
-            choices = []
-            for original in chunk["choices"]:
-                choice = original
-                if isinstance(original, dict):
-                    choice, self.replay_left = rewrite_choice(original, self.replay_left, self.cont.kept)
-                    if _empty(choice):
-                        continue
-                choices.append(choice)
-            usage = chunk.get("usage")
-            if not choices and chunk["choices"] and usage is None:
-                return None
-            chunk["choices"] = choices
-            if isinstance(usage, dict):
-                chunk["usage"] = rewrite_usage(usage, self.cont)
-            payload = json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
-        for choice in chunk["choices"]:
-            if isinstance(choice, dict) and choice.get("index", 0) == 0:
-                self.progress.feed(choice)
-        return payload
+        if self.cont is None:
+            for choice in chunk["choices"]:
+                if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                    self.progress.feed(choice)
+            return payload
+        choices = []
+        for original in chunk["choices"]:
+            choice = original
+            if isinstance(original, dict):
+                choice = rewrite_choice(original, self.replay, self.cont.kept)
+                if original.get("index", 0) == 0:
+                    self.progress.feed(original, choice)
+                if _empty(choice):
+                    continue
+            choices.append(choice)
+        usage = chunk.get("usage")
+        if not choices and chunk["choices"] and usage is None:
+            return None
+        chunk["choices"] = choices
+        if isinstance(usage, dict):
+            chunk["usage"] = rewrite_usage(usage, self.cont)
+        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
 
     def finished(self) -> bool:
         """The client already has every token it asked for (nothing to continue)."""
@@ -228,6 +261,6 @@ class StreamFollower:
         if cont is None:
             return None
         self.cont = cont
-        self.replay_left = cont.replay
+        self.replay = Replay(cont.replay, cont.replay_chars)
         self.migrations += 1
         return cont

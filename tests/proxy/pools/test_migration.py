@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.pools.migration import (
+    Replay,
     StreamFollower,
     StreamProgress,
     migration_blocker,
@@ -62,17 +63,36 @@ def run(prompt: list[int], max_tokens: int, mode: str) -> list[dict[str, Any]]:
     return out
 
 
+def merged(choices: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
+    """``choices`` with consecutive ones merged into chunks of ``sizes`` (cycled), as vLLM merges
+    the steps of a stream its client reads slower than it generates: ids, text and logprobs
+    concatenated, the last finish_reason kept."""
+    out: list[dict[str, Any]] = []
+    i = k = 0
+    while i < len(choices):
+        group = choices[i: i + max(1, sizes[k % len(sizes)])]
+        i, k = i + len(group), k + 1
+        chunk = dict(group[-1])
+        chunk["token_ids"] = [t for c in group for t in c["token_ids"]]
+        chunk["logprobs"] = {"content": [e for c in group for e in c["logprobs"]["content"]]}
+        if "text" in chunk:
+            chunk["text"] = "".join(c["text"] for c in group)
+        out.append(chunk)
+    return out
+
+
 def request(prompt: list[int], max_tokens: int, mode: str, **sp: Any) -> dict[str, Any]:
     return {"token_ids": prompt, "output_mode": mode, "stream": True,
             "sampling_params": {"temperature": 0, "max_tokens": max_tokens, **sp},
             "kv_transfer_params": {"do_remote_prefill": True}}
 
 
-def migrate(data: dict[str, Any], cut: int) -> tuple[list[dict[str, Any]], int]:
-    """Stream `cut` choices from one worker, then continue on a second. Returns what the
-    client received and the continuation's replay count."""
+def migrate(data: dict[str, Any], cut: int, sizes: tuple[list[int], list[int]] = ([1], [1]),
+            ) -> tuple[list[dict[str, Any]], int]:
+    """Stream `cut` chunks from one worker, then continue on a second (each worker's steps merged
+    into chunks of ``sizes``). Returns what the client received and the continuation's replay count."""
     mode = data["output_mode"]
-    first = run(data["token_ids"], data["sampling_params"]["max_tokens"], mode)[:cut]
+    first = merged(run(data["token_ids"], data["sampling_params"]["max_tokens"], mode), sizes[0])[:cut]
     progress = StreamProgress(output_mode=mode)
     for choice in first:
         progress.feed(choice)
@@ -80,12 +100,9 @@ def migrate(data: dict[str, Any], cut: int) -> tuple[list[dict[str, Any]], int]:
     if cont is None:
         return first, 0
     assert cont.body["request_id"] == "r-2" and "kv_transfer_params" not in cont.body
-    second = run(cont.body["token_ids"], cont.body["sampling_params"]["max_tokens"], mode)
-    replay = cont.replay
-    rewritten = []
-    for choice in second:
-        out, replay = rewrite_choice(choice, replay, cont.kept)
-        rewritten.append(out)
+    second = merged(run(cont.body["token_ids"], cont.body["sampling_params"]["max_tokens"], mode), sizes[1])
+    replay = Replay(cont.replay, cont.replay_chars)
+    rewritten = [rewrite_choice(choice, replay, cont.kept) for choice in second]
     return first + rewritten, cont.replay
 
 
@@ -109,6 +126,22 @@ def test_continuation_is_seamless(prompt: list[int], max_tokens: int, cut_frac: 
     assert flatten(got, "logprobs") == flatten(whole, "token_ids")
     if mode == "text":
         assert flatten(got, "text") == flatten(whole, "text")
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+       max_tokens=st.integers(1, 30), cut=st.integers(0, 30),
+       before=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+       after=st.lists(st.integers(1, 6), min_size=1, max_size=5))
+def test_continuation_is_seamless_when_the_worker_merges_steps(
+        prompt: list[int], max_tokens: int, cut: int, before: list[int], after: list[int]) -> None:
+    """Seen on real vLLM under load: a chunk of several steps whose text ends before its last
+    tokens (held back). The seam must still not show, in either worker's chunking."""
+    data = request(prompt, max_tokens, "text")
+    whole = run(prompt, max_tokens, "text")
+    got, _ = migrate(data, cut, (before, after))
+    assert flatten(got, "token_ids") == flatten(whole, "token_ids")
+    assert flatten(got, "text") == flatten(whole, "text")
 
 
 def test_text_mode_rewinds_held_back_tokens() -> None:
@@ -154,7 +187,8 @@ def test_plan_reduces_max_and_min_tokens_and_drops_prompt_logprobs() -> None:
 def test_usage_is_the_original_requests() -> None:
     data = request([1, 2, 3], 10, "text")
     progress = StreamProgress(output_mode="text")
-    progress.feed({"token_ids": [4, 5], "text": "ab"})
+    progress.feed({"token_ids": [4], "text": "a"})
+    progress.feed({"token_ids": [5], "text": "b"})
     progress.feed({"token_ids": [10], "text": ""})
     cont = plan_continuation(data, progress)
     assert cont is not None and cont.kept == 2 and cont.replay == 1
@@ -166,10 +200,11 @@ def test_usage_is_the_original_requests() -> None:
 def test_weight_versions_positions_shift() -> None:
     choice = {"token_ids": [1], "weight_versions": [{"version": "v", "start": 0, "end": 3},
                                                     {"version": "w", "start": 3, "end": 5}]}
-    out, left = rewrite_choice(choice, 0, 4)
+    replay = Replay()
+    out = rewrite_choice(choice, replay, 4)
     assert out["weight_versions"] == [{"version": "v", "start": 0, "end": 7},
                                       {"version": "w", "start": 7, "end": 9}]
-    assert left == 0
+    assert replay == Replay()
 
 
 @pytest.mark.parametrize(("sp", "extra", "reason"), [
