@@ -140,9 +140,9 @@ class Flight:
     """From the decode worker's usage (non-stream reply, or a stream's usage chunk)."""
     deadline: Deadline | None = None
     ctx: PickContext = field(default_factory=PickContext)
+    """The decode pick's context (its ``tokens`` are counted on the decode worker)."""
     trace: RequestTrace = NOOP_TRACE
     """OpenTelemetry spans of this request (``proxy.tracing``; a shared no-op when off)."""
-    """The decode pick's context (its ``tokens`` are counted on the decode worker)."""
 
 
 class Serving:
@@ -762,7 +762,10 @@ class Serving:
         failed). The first such failure counts NEUTRAL on D when the retry (on another decode
         worker, same KV) follows; that retry settles it: a success counts the FAILURE on the
         first D (``_handoff_done``), an ambiguous failure too counts it on P, NEUTRAL on both
-        D. Connect errors, timeouts and failures of decode-only hops count on D as before."""
+        D. With no other decode worker to settle it, P takes the failure: opening the one
+        decode worker's circuit would stop all traffic, while P's moves its requests to other
+        prefill workers or decode-only, where a fault of D's own shows unambiguously. Connect
+        errors, timeouts and failures of decode-only hops count on D as before."""
         ambiguous = (outcome is Outcome.FAILURE and isinstance(e, UpstreamStatusError)
                      and e.upstream_status >= 500 and "kv_transfer_params" in body
                      and f.record.prefill_worker is not None)
@@ -770,6 +773,9 @@ class Serving:
             return outcome, None
         if suspect is not None and suspect is not w:
             self._blame(f.record.prefill_worker, f, "two decode workers failed its KV")
+            return Outcome.NEUTRAL, None
+        if not self.decode_pool.admissible(exclude=(w,)):
+            self._blame(f.record.prefill_worker, f, "the only decode worker failed its KV")
             return Outcome.NEUTRAL, None
         if suspect is None and retry_with_kv and self._lease_valid(f):
             return Outcome.NEUTRAL, w
@@ -944,7 +950,7 @@ class Serving:
                 outcome = (Outcome.SUCCESS if status == "done" else
                            Outcome.NEUTRAL if status == "closed" or passthrough or record.is_aborted
                            else Outcome.FAILURE)
-                if status == "open_failed" and exc is not None:
+                if status in ("open_failed", "kv_failed") and exc is not None:
                     retry = attempt == 0 and attempt + 1 < rt.decode_retry.attempts \
                         and self._may_retry_decode(f, exc)
                     outcome, suspect = self._attribute_decode_failure(
@@ -959,7 +965,10 @@ class Serving:
                 return
             if status == "closed":
                 return
-            if status == "open_failed" and not f.headers_ready.done():
+            kv_failed = status == "kv_failed"
+            if kv_failed or (status == "open_failed" and not f.headers_ready.done()):
+                # Nothing reached the client yet: another decode worker may take the same body
+                # (P's KV while its lease holds), as before D's first byte.
                 assert exc is not None
                 if attempt + 1 < rt.decode_retry.attempts and self._may_retry_decode(f, exc):
                     tried.append(w)
@@ -971,8 +980,12 @@ class Serving:
                         attempt += 1
                         continue
                 f.settled.set()
-                f.headers_ready.set_exception(exc)
-                return
+                if not kv_failed:
+                    f.headers_ready.set_exception(exc)
+                    return
+                # The headers are out: go on as a continuation of zero tokens, decode-only (P's
+                # KV could not be used; P frees it at its lease's end).
+                self._decode_only(f, "decode_retry")
             if status != "protocol" and follower is not None and not record.is_aborted \
                     and not buffer.closed and follower.migrations < rt.settings.max_migrations \
                     and (f.deadline is None or not f.deadline.expired):
@@ -982,12 +995,18 @@ class Serving:
                     return
                 tried.append(w)
                 try:
-                    w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self._queue_limit(f))
+                    try:
+                        w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self._queue_limit(f))
+                    except NoWorkerAvailable:
+                        if not kv_failed:
+                            raise
+                        # the decode workers failed only on P's KV: any of them may go on
+                        w = await self.decode_pool.acquire(f.ctx, exclude=[], limit=self._queue_limit(f))
                 except (NoWorkerAvailable, Overloaded):
                     buffer.finish(done=False, error=error)
                     return
                 record.decode_worker = w
-                current = await self._prefill_continuation(f, cont.body)
+                current = cont.body if kv_failed else await self._prefill_continuation(f, cont.body)
                 rt.count_migration()
                 log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,
                             cont.kept + cont.replay)
@@ -1033,7 +1052,8 @@ class Serving:
                            follower: StreamFollower | None) -> tuple[str, bytes | None, UpstreamError | None]:
         """One decode stream into ``buffer``. Returns ``done`` ([DONE] seen), ``closed`` (the
         buffer was closed: client gone, overflow, forced end), ``open_failed`` (no answer: the
-        error), ``protocol`` (D answered something unusable) or ``broken`` (ended mid-way)."""
+        error), ``kv_failed`` (a server error event first, on a hop with P's KV: nothing was
+        relayed), ``protocol`` (D answered something unusable) or ``broken`` (ended mid-way)."""
         record = f.record
         assert f.headers_ready is not None
         self.metrics.child(self.metrics.inflight, worker.pool).inc()
@@ -1103,6 +1123,9 @@ class Serving:
                             break
                         last = ev.data
                         if first:
+                            kv_exc = self._kv_hop_failed(worker, body, ev.data)
+                            if kv_exc is not None:
+                                return "kv_failed", ev.raw, kv_exc
                             first = False
                             error = self._first_event(f, worker, ev.data)
                             if error is not None:
@@ -1147,6 +1170,23 @@ class Serving:
             if resp is not None:
                 resp.close()
             self.metrics.child(self.metrics.inflight, worker.pool).dec()
+
+    def _kv_hop_failed(self, worker: Worker, body: dict[str, Any], data: bytes) -> UpstreamStatusError | None:
+        """D's first event is a server error on a hop that carried P's KV params (vLLM sends
+        the headers first; a failed KV load then ends the stream this way): as ambiguous as a
+        5xx before the first byte (D broke, or its pull from P failed). Returns it as such."""
+        if not data.startswith(b'{"error"') or "kv_transfer_params" not in body:
+            return None
+        try:
+            err = json.loads(data).get("error")
+        except (ValueError, AttributeError):
+            return None
+        code = err.get("code") if isinstance(err, dict) else None
+        status = code if isinstance(code, int) and not isinstance(code, bool) else 500
+        if status < 500:
+            return None
+        self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "error_event").inc()
+        return UpstreamStatusError("decode", worker.url, status, data, "application/json")
 
     def _protocol_error(self, worker: Worker, reason: str) -> bytes:
         """A decode stream broke the protocol mid-way: count it, return the in-band error event."""
@@ -1359,22 +1399,32 @@ class Serving:
             return  # no decode worker at all: the lease expires on P
         record.decode_worker = worker
         body = self.release_body(f.data, record.base_id, params)
-        try:
-            await self._call(worker, self.upstream.post_generate(
-                "decode", worker.url, body, request_id=record.base_id,
-                total=self.settings.decode_timeout), f.trace.hop("kv_release", worker))
-        except UpstreamStatusError as e:
-            log.warning("KV release for %s failed: %s", record.engine_id, e.message)
-            if e.passthrough:
-                record.kv_params = None  # D refused: the lease will expire on P
-                return
-            self._close_lease(f, "unknown")
+        rt = self.pools
+        attempts = max(2, rt.decode_retry.attempts)
+        for attempt in range(attempts):
+            try:
+                await self._call(worker, self.upstream.post_generate(
+                    "decode", worker.url, body, request_id=record.base_id,
+                    total=self.settings.decode_timeout), f.trace.hop("kv_release", worker))
+            except UpstreamError as e:
+                log.warning("KV release for %s failed: %s", record.engine_id, e.message)
+                if isinstance(e, UpstreamStatusError) and e.passthrough:
+                    record.kv_params = None  # D refused: the lease will expire on P
+                    return
+                # A 5xx, transport failure or timeout (seen: NIXL's first handshake with P timing
+                # out on a loaded host) may pass on another try: while P still holds the blocks,
+                # try again (on another decode worker when there is one; a repeated pull of
+                # blocks already freed is harmless, the one token is thrown away).
+                if attempt + 1 >= attempts or not self._lease_valid(f) or record.kv_params is None:
+                    break
+                await asyncio.sleep(rt.decode_retry.delay(attempt, rt.rng))
+                others = self.decode_pool.admissible(exclude=(worker,))
+                if others:
+                    worker = record.decode_worker = min(others, key=lambda w: w.inflight)
+                continue
+            self._close_lease(f, "aborted")
             return
-        except UpstreamError as e:
-            log.warning("KV release for %s failed: %s", record.engine_id, e.message)
-            self._close_lease(f, "unknown")
-            return
-        self._close_lease(f, "aborted")
+        self._close_lease(f, "unknown")
 
     async def cleanup(self, f: Flight) -> None:
         """Free whatever a worker still holds for a request the walk did not finish."""

@@ -179,6 +179,22 @@ async def test_disconnect_between_hops_frees_prefill_kv(pd_factory: PDFactory, s
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_a_failed_kv_release_is_tried_again_while_the_lease_holds(pd_factory: PDFactory,
+                                                                         stream: bool) -> None:
+    """Seen on real vLLM under load: NIXL's first handshake with P timed out and D answered the
+    release 500. The release is tried again (P still holds the blocks), so P frees them now
+    rather than at its lease's end."""
+    pd = await pd_factory(hold_between_hops=10.0)
+    await pd.decode[0].set_faults(fail_next=1, fail_status=500)
+    await _disconnect_when(pd, "kv_held", {**req(request_id="dr"), "stream": stream})
+    await pd.quiet(limit=2.0)
+    ledger = await leases(pd)
+    assert ledger["open"] == [] and ledger["closed"][0]["reason"] == "aborted"
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert f'pd_proxy_upstream_requests_total{{pool="decode",worker="{pd.decode[0].url}"}} 2.0' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
 async def test_disconnect_while_decoding(pd_factory: PDFactory, stream: bool,
                                          caplog: pytest.LogCaptureFixture) -> None:
     pd = await pd_factory(decode=SLOW_DECODE)

@@ -523,8 +523,7 @@ async def test_a_prefill_worker_refusing_kv_pulls_is_blamed_not_the_decode_worke
     """P[1] refuses KV pulls: the decode workers answer 5xx for its KV. That is ambiguous on one
     decode worker; when a second one fails on the same KV, P[1] takes the failure. No decode
     circuit opens (they used to, and every request got a 503); P[1]'s does, and from then on
-    every request crosses the healthy pair. (Non-stream only: pd-sim's stream answers the refused
-    pull with an error event after the headers, a mid-stream break that migration handles.)"""
+    every request crosses the healthy pair. (Streams: the next test.)"""
     st = await stack(prefill={"lease_seconds": 2.0},
                      pools={"prefill_policy": "round_robin", "decode_policy": "round_robin",
                             "breaker_failures": 2, "breaker_open_seconds": 60.0})
@@ -542,6 +541,58 @@ async def test_a_prefill_worker_refusing_kv_pulls_is_blamed_not_the_decode_worke
     assert statuses.count(200) >= 6 and statuses[-4:] == [200] * 4
     assert await st.metric("pd_proxy_upstream_requests_total", pool="prefill", worker=bad.url) == 2
     await st.prefill[1].set_faults(refuse_kv_pulls=False)
+
+
+async def test_streams_on_a_prefill_worker_refusing_kv_pulls_blame_it_and_complete(
+        stack: StackFactory) -> None:
+    """The same on streams: D sends its headers, then (the pull refused) an error event before
+    any token. With P's KV that is as ambiguous as a 5xx before the first byte: the same KV goes
+    to the other decode worker, the second failure counts on P[1], and the client's stream goes on
+    decode-only with every token and no error event. No decode circuit opens."""
+    st = await stack(prefill={"lease_seconds": 2.0},
+                     pools={"prefill_policy": "round_robin", "decode_policy": "round_robin",
+                            "breaker_failures": 2, "breaker_open_seconds": 60.0})
+    _, want, _ = await st.stream(req())  # a clean run: the tokens every stream must carry
+    assert want[-1] == "[DONE]" and len(tokens(want)) == 12
+    await st.prefill[1].set_faults(refuse_kv_pulls=True)
+    good, bad = st.serving.prefill_pool.workers
+    for _ in range(8):
+        status, events, _ = await st.stream(req())
+        assert status == 200 and events[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in events)
+        assert tokens(events) == tokens(want)
+    assert [int(d.circuit) for d in st.serving.decode_pool.workers] == [0, 0]  # closed
+    assert int(bad.circuit) == 2 and int(good.circuit) == 0  # P[1] open
+    assert await st.metric("pd_proxy_upstream_requests_total", pool="prefill", worker=bad.url) == 2
+    # each of P[1]'s two requests: its KV to both decode workers, then decode-only
+    assert await st.metric("pd_proxy_decode_only_total", reason="decode_retry") == 2
+    errors = [await st.metric("pd_proxy_upstream_errors_total", pool="decode", worker=d.url,
+                              error="error_event") for d in st.decode]
+    assert errors == [2, 2]
+    await st.prefill[1].set_faults(refuse_kv_pulls=False)
+    await quiet(st)
+
+
+async def test_with_one_decode_worker_a_prefill_worker_refusing_kv_pulls_takes_the_blame(
+        stack: StackFactory) -> None:
+    """One decode worker: nothing can tell its fault from P's, and opening its circuit would stop
+    all traffic. P[1] takes the failures (its circuit opens); the decode circuit stays closed and
+    every later request crosses P[0] -> D with its KV."""
+    st = await stack(n_decode=1, prefill={"lease_seconds": 2.0},
+                     pools={"prefill_policy": "round_robin", "breaker_failures": 2,
+                            "breaker_open_seconds": 60.0})
+    await st.prefill[1].set_faults(refuse_kv_pulls=True)
+    good, bad = st.serving.prefill_pool.workers
+    d = st.serving.decode_pool.workers[0]
+    for _ in range(6):
+        status, events, _ = await st.stream(req())
+        assert status == 200 and events[-1] == "[DONE]" and len(tokens(events)) == 12
+    assert int(d.circuit) == 0 and int(bad.circuit) == 2 and int(good.circuit) == 0
+    for _ in range(3):
+        status, _, headers = await st.gen(req())
+        assert status == 200 and BYPASS not in headers
+    await st.prefill[1].set_faults(refuse_kv_pulls=False)
+    await quiet(st)
 
 
 @pytest.mark.parametrize("stream", [False, True])
