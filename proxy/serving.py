@@ -646,9 +646,11 @@ class Serving:
         async def hop() -> tuple[dict[str, Any], bytes]:
             w, current, tried = worker, body, []
             suspect: Worker | None = None
+            attempt, rescued = 0, False
             try:
-                for attempt in range(self.pools.decode_retry.attempts):
+                while True:
                     outcome = Outcome.NEUTRAL
+                    rescue = False
                     try:
                         answer: tuple[dict[str, Any], bytes] = await self._call(
                             w, self.upstream.post_generate_raw(
@@ -665,14 +667,19 @@ class Serving:
                         outcome, suspect = self._attribute_decode_failure(
                             f, w, current, e, outcome=outcome, suspect=suspect,
                             retry_with_kv=retry and attempt == 0)
-                        if not retry:
+                        rescue = not retry and not rescued and self._may_rescue(f, e, current)
+                        if not retry and not rescue:
                             raise
                         error = e
                     finally:
                         self.decode_pool.release(w, outcome, f.ctx.tokens)
                     tried.append(w)
-                    w, current = await self._next_decode(f, body, tried, attempt, error)
-                raise AssertionError("unreachable")  # the last attempt returns or raises
+                    if rescue:
+                        rescued = True
+                        w, current = await self._rescue_decode_only(f, error)
+                    else:
+                        w, current = await self._next_decode(f, body, tried, attempt, error)
+                    attempt += 1
             finally:
                 f.settled.set()
 
@@ -752,6 +759,32 @@ class Serving:
         self._decode_only(f, "decode_retry")
         return w, self.decode_body(f.data, f.record.base_id, None)
 
+    @staticmethod
+    def _kv_ambiguous(e: UpstreamError, body: dict[str, Any]) -> bool:
+        """A 5xx on a decode hop that carried P's KV params: D broke, or its pull from P failed."""
+        return isinstance(e, UpstreamStatusError) and e.upstream_status >= 500 \
+            and "kv_transfer_params" in body
+
+    def _may_rescue(self, f: Flight, e: UpstreamError, body: dict[str, Any]) -> bool:
+        """The retries with P's KV are spent on an ambiguous failure: one more, decode-only
+        (only when decode retries are on at all: ``--decode-attempts 1`` means none)."""
+        return self.pools.decode_retry.attempts > 1 and self._kv_ambiguous(e, body) \
+            and self._may_retry_decode(f, e)
+
+    async def _rescue_decode_only(self, f: Flight, error: UpstreamError) -> tuple[Worker, dict[str, Any]]:
+        """The last decode attempt of a request whose KV no decode worker could use: decode-only
+        (D computes the prompt), on any decode worker; raises ``error`` if there is none."""
+        try:
+            w = await self._acquire_decode(f, [])
+        except (NoWorkerAvailable, Overloaded):
+            raise error from None
+        f.record.decode_worker = w
+        self.pools.count_retry("decode")
+        log.warning("request %s: decode-only on %s after its KV failed: %s", f.record.engine_id, w.url,
+                    error.message)
+        self._decode_only(f, "decode_retry")
+        return w, self.decode_body(f.data, f.record.base_id, None)
+
     def _attribute_decode_failure(self, f: Flight, w: Worker, body: dict[str, Any], e: UpstreamError, *,
                                   outcome: Outcome, suspect: Worker | None,
                                   retry_with_kv: bool) -> tuple[Outcome, Worker | None]:
@@ -762,24 +795,22 @@ class Serving:
         failed). The first such failure counts NEUTRAL on D when the retry (on another decode
         worker, same KV) follows; that retry settles it: a success counts the FAILURE on the
         first D (``_handoff_done``), an ambiguous failure too counts it on P, NEUTRAL on both
-        D. With no other decode worker to settle it, P takes the failure: opening the one
-        decode worker's circuit would stop all traffic, while P's moves its requests to other
-        prefill workers or decode-only, where a fault of D's own shows unambiguously. Connect
-        errors, timeouts and failures of decode-only hops count on D as before."""
-        ambiguous = (outcome is Outcome.FAILURE and isinstance(e, UpstreamStatusError)
-                     and e.upstream_status >= 500 and "kv_transfer_params" in body
-                     and f.record.prefill_worker is not None)
-        if not ambiguous:
+        D. When no such retry can settle it (one decode worker, no attempt left, lease ended),
+        P takes the failure: opening decode circuits for a prefill worker's fault can stop all
+        traffic, while P's circuit moves requests to other prefill workers or decode-only, where
+        a fault of D's own shows unambiguously. Connect errors, timeouts and failures of
+        decode-only hops count on D as before."""
+        if outcome is not Outcome.FAILURE or not self._kv_ambiguous(e, body) \
+                or f.record.prefill_worker is None:
             return outcome, None
         if suspect is not None and suspect is not w:
             self._blame(f.record.prefill_worker, f, "two decode workers failed its KV")
             return Outcome.NEUTRAL, None
-        if not self.decode_pool.admissible(exclude=(w,)):
-            self._blame(f.record.prefill_worker, f, "the only decode worker failed its KV")
-            return Outcome.NEUTRAL, None
-        if suspect is None and retry_with_kv and self._lease_valid(f):
+        if suspect is None and retry_with_kv and self._lease_valid(f) \
+                and self.decode_pool.admissible(exclude=(w,)):
             return Outcome.NEUTRAL, w
-        return outcome, None
+        self._blame(f.record.prefill_worker, f, "a decode worker failed its KV, no other to settle it")
+        return Outcome.NEUTRAL, None
 
     def _handoff_done(self, f: Flight, body: dict[str, Any], suspect: Worker | None) -> None:
         """A decode hop answered: with P's KV, the hand-off worked (P's success); a decode worker
@@ -936,7 +967,7 @@ class Serving:
         follower = (StreamFollower(f.data, f.request.output_mode)
                     if rt.settings.migrate and migration_blocker(f.data) is None else None)
         tried: list[Worker] = []
-        attempt = 0
+        attempt, rescued = 0, False
         w, current = worker, body
         suspect: Worker | None = None
         while True:
@@ -968,24 +999,29 @@ class Serving:
             kv_failed = status == "kv_failed"
             if kv_failed or (status == "open_failed" and not f.headers_ready.done()):
                 # Nothing reached the client yet: another decode worker may take the same body
-                # (P's KV while its lease holds), as before D's first byte.
+                # (P's KV while its lease holds), as before D's first byte; when those retries
+                # are spent on an ambiguous failure, one last attempt goes decode-only.
                 assert exc is not None
-                if attempt + 1 < rt.decode_retry.attempts and self._may_retry_decode(f, exc):
-                    tried.append(w)
-                    try:
+                try:
+                    if attempt + 1 < rt.decode_retry.attempts and self._may_retry_decode(f, exc):
+                        tried.append(w)
                         w, current = await self._next_decode(f, body, tried, attempt, exc)
-                    except UpstreamError:
-                        pass
+                    elif not rescued and self._may_rescue(f, exc, current):
+                        rescued = True
+                        w, current = await self._rescue_decode_only(f, exc)
                     else:
-                        attempt += 1
-                        continue
+                        raise exc
+                except UpstreamError:
+                    pass
+                else:
+                    attempt += 1
+                    continue
                 f.settled.set()
                 if not kv_failed:
                     f.headers_ready.set_exception(exc)
-                    return
-                # The headers are out: go on as a continuation of zero tokens, decode-only (P's
-                # KV could not be used; P frees it at its lease's end).
-                self._decode_only(f, "decode_retry")
+                else:
+                    buffer.finish(done=False, error=error)
+                return
             if status != "protocol" and follower is not None and not record.is_aborted \
                     and not buffer.closed and follower.migrations < rt.settings.max_migrations \
                     and (f.deadline is None or not f.deadline.expired):
@@ -995,18 +1031,12 @@ class Serving:
                     return
                 tried.append(w)
                 try:
-                    try:
-                        w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self._queue_limit(f))
-                    except NoWorkerAvailable:
-                        if not kv_failed:
-                            raise
-                        # the decode workers failed only on P's KV: any of them may go on
-                        w = await self.decode_pool.acquire(f.ctx, exclude=[], limit=self._queue_limit(f))
+                    w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self._queue_limit(f))
                 except (NoWorkerAvailable, Overloaded):
                     buffer.finish(done=False, error=error)
                     return
                 record.decode_worker = w
-                current = cont.body if kv_failed else await self._prefill_continuation(f, cont.body)
+                current = await self._prefill_continuation(f, cont.body)
                 rt.count_migration()
                 log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,
                             cont.kept + cont.replay)

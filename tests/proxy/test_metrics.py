@@ -263,9 +263,11 @@ async def test_circuit_state_opens_after_failures(pd_factory: PDFactory) -> None
     await pd.decode[1].set_faults(fail_next=1, fail_status=503)
     assert (await pd.gen(req()))[0] == 502  # no decode retry in the bare walk: one worker fails
     s = await scrape(pd)
-    states = sorted(val(s, "pd_proxy_circuit_state", pool="decode", worker=d.url) for d in pd.decode)
-    assert states == [0, 2]  # one open (2), one untouched (0)
-    assert val(s, "pd_proxy_circuit_state", pool="prefill", worker=pd.p.url) == 0
+    # A 5xx on a hop with P's KV that no retry settles counts on P (proxy/pools/README.md,
+    # Attribution): P's circuit opens (2), the decode workers' stay closed.
+    assert val(s, "pd_proxy_circuit_state", pool="prefill", worker=pd.p.url) == 2
+    assert [val(s, "pd_proxy_circuit_state", pool="decode", worker=d.url) for d in pd.decode] == [0, 0]
+    assert (await pd.gen(req()))[0] == 503  # no prefill worker admitted while its circuit is open
 
 
 async def test_retries_by_hop_single_workers(pd_factory: PDFactory) -> None:
