@@ -4,7 +4,11 @@
 * open: the worker is ejected (never picked) for ``open_seconds``; each time it re-opens
   without having closed in between, the wait doubles up to ``max_open_seconds``.
 * half-open: up to ``half_open_trials`` requests at a time are let through as trials;
-  ``success_threshold`` successes close the circuit, one failure opens it again.
+  ``success_threshold`` successes close the circuit, one failure opens it again. A trial still
+  running after ``trial_seconds`` (default: ``open_seconds``) no longer holds its slot: a trial
+  that hangs until its hop timeout (seen in the soak: 30 s) would otherwise keep a worker that
+  has recovered out of the pool, and with every other worker's circuit open, every request got
+  a 503. A long healthy stream as a trial only lets one more trial in.
 
 The breaker reads time only from the clock it is given (tests pass a fake one).
 """
@@ -12,6 +16,7 @@ The breaker reads time only from the clock it is given (tests pass a fake one).
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,12 +36,16 @@ class BreakerConfig:
     open_seconds: float = 5.0
     max_open_seconds: float = 60.0
     half_open_trials: int = 1
+    trial_seconds: float | None = None
+    """A trial running longer than this stops holding its slot (None: ``open_seconds``)."""
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1 or self.success_threshold < 1 or self.half_open_trials < 1:
             raise ValueError("breaker thresholds and trials must be at least 1")
         if self.open_seconds <= 0 or self.max_open_seconds < self.open_seconds:
             raise ValueError("breaker open time must be positive and at most max_open_seconds")
+        if self.trial_seconds is not None and self.trial_seconds <= 0:
+            raise ValueError("breaker trial time must be positive")
 
 
 class CircuitBreaker:
@@ -46,7 +55,8 @@ class CircuitBreaker:
         self._state = CircuitState.CLOSED
         self._failures = 0
         self._successes = 0
-        self._trials = 0
+        self._trials: deque[float] = deque()
+        """Start times of the trials running (oldest first; an ended trial removes the oldest)."""
         self._opened_at = 0.0
         self._open_for = config.open_seconds
         self.opened_count = 0
@@ -56,7 +66,7 @@ class CircuitBreaker:
         if self._state is CircuitState.OPEN and self._clock() >= self._opened_at + self._open_for:
             self._state = CircuitState.HALF_OPEN
             self._successes = 0
-            self._trials = 0
+            self._trials.clear()
         return self._state
 
     def retry_in(self) -> float:
@@ -70,18 +80,21 @@ class CircuitBreaker:
         if state is CircuitState.CLOSED:
             return True
         if state is CircuitState.HALF_OPEN:
-            return self._trials < self.config.half_open_trials
+            limit = self.config.trial_seconds or self.config.open_seconds
+            now = self._clock()
+            running = sum(1 for t in self._trials if now - t < limit)
+            return running < self.config.half_open_trials
         return False
 
     def begin(self) -> None:
         """A request was sent to the worker (counts as a trial when half-open)."""
         if self.state is CircuitState.HALF_OPEN:
-            self._trials += 1
+            self._trials.append(self._clock())
 
     def record_success(self) -> None:
         state = self.state
         if state is CircuitState.HALF_OPEN:
-            self._trials = max(0, self._trials - 1)
+            self._end_trial()
             self._successes += 1
             if self._successes >= self.config.success_threshold:
                 self._close()
@@ -91,7 +104,7 @@ class CircuitBreaker:
     def record_failure(self) -> None:
         state = self.state
         if state is CircuitState.HALF_OPEN:
-            self._trials = max(0, self._trials - 1)
+            self._end_trial()
             self._open(backoff=True)
         elif state is CircuitState.CLOSED:
             self._failures += 1
@@ -101,7 +114,11 @@ class CircuitBreaker:
     def record_neutral(self) -> None:
         """A request ended without telling anything about the worker (e.g. client went away)."""
         if self._state is CircuitState.HALF_OPEN:
-            self._trials = max(0, self._trials - 1)
+            self._end_trial()
+
+    def _end_trial(self) -> None:
+        if self._trials:
+            self._trials.popleft()
 
     def trip(self) -> None:
         """Open at once (e.g. the active health probe declared the worker dead)."""
@@ -120,12 +137,12 @@ class CircuitBreaker:
         self._opened_at = self._clock()
         self._failures = 0
         self._successes = 0
-        self._trials = 0
+        self._trials.clear()
         self.opened_count += 1
 
     def _close(self) -> None:
         self._state = CircuitState.CLOSED
         self._failures = 0
         self._successes = 0
-        self._trials = 0
+        self._trials.clear()
         self._open_for = self.config.open_seconds

@@ -80,6 +80,39 @@ def test_neutral_outcome_frees_the_trial_slot() -> None:
     assert b.can_take() and st(b) is CircuitState.HALF_OPEN
 
 
+def test_a_trial_that_hangs_stops_holding_its_slot() -> None:
+    """Seen in the soak: the trial hung until its 30 s hop timeout while the worker had
+    recovered, so the worker stayed out of the pool (and with the other worker's circuit open,
+    every request got a 503). After ``trial_seconds`` another trial goes in and can close it."""
+    clock = FakeClock()
+    b = make(clock, failure_threshold=1, trial_seconds=2.0)
+    b.record_failure()
+    clock.advance(5.0)
+    b.begin()  # the trial that hangs
+    clock.advance(1.9)
+    assert not b.can_take()
+    clock.advance(0.2)
+    assert b.can_take() and st(b) is CircuitState.HALF_OPEN
+    b.begin()
+    assert not b.can_take()  # the new trial holds the slot
+    b.record_success()
+    assert st(b) is CircuitState.CLOSED
+    b.record_failure()  # the hung trial ends late, as a failure: a closed circuit counts it
+    assert st(b) is CircuitState.OPEN
+
+
+def test_trial_time_defaults_to_the_open_time() -> None:
+    clock = FakeClock()
+    b = make(clock, failure_threshold=1)
+    b.record_failure()
+    clock.advance(5.0)
+    b.begin()
+    clock.advance(4.9)
+    assert not b.can_take()
+    clock.advance(0.2)
+    assert b.can_take()
+
+
 def test_trip_and_reset() -> None:
     clock = FakeClock()
     b = make(clock)
@@ -89,7 +122,8 @@ def test_trip_and_reset() -> None:
     assert st(b) is CircuitState.CLOSED
 
 
-@pytest.mark.parametrize("kw", [{"failure_threshold": 0}, {"open_seconds": 0}, {"max_open_seconds": 1.0}])
+@pytest.mark.parametrize("kw", [{"failure_threshold": 0}, {"open_seconds": 0}, {"max_open_seconds": 1.0},
+                                {"trial_seconds": 0.0}])
 def test_bad_config(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         BreakerConfig(**kw)  # type: ignore[arg-type]
