@@ -49,7 +49,7 @@ SIM_TIMING = ("--itl-ms", "4", "--prefill-base-ms", "2", "--prefill-per-token-ms
               "--transfer-per-block-ms", "0.05", "--max-model-len", "1024", "--lease-seconds", "5")
 PROXY_TIMEOUTS = ("--prefill-timeout", "3", "--decode-timeout", "30", "--stream-idle-timeout", "3",
                   "--connect-timeout", "2", "--lease-duration", "5",
-                  "--kv-block-size", "16", "--drain-timeout", "5", "--log-level", "ERROR")
+                  "--kv-block-size", "16", "--drain-timeout", "5")
 
 PREFILL_FAULTS: tuple[dict[str, Any], ...] = (
     {"fail_next": 25, "fail_status": 503}, {"drop_kv_params": True}, {"hang_before_headers": True},
@@ -75,7 +75,12 @@ class SoakConfig:
     task_slack: int = 8
     settle_timeout: float = 30.0
     seed: int = 0
+    faults: tuple[str, ...] = ()
+    """A scripted sequence (``p0:hang_before_headers``, ...) applied in turn, one per half period,
+    instead of random faults: to replay a window sequence a random soak found."""
     out: str | None = None
+    proxy_log: str | None = None
+    """Append the proxy's log (its warnings: retries, blame, migrations) to this file."""
     quiet: bool = False
 
     @property
@@ -156,10 +161,16 @@ class Stack:
         self.prefill = [await self._sim("prefill") for _ in range(cfg.prefill_workers)]
         self.decode = [await self._sim("decode") for _ in range(cfg.decode_workers)]
         port = _free_port()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", str(port),
-            "--prefill", *self.prefill, "--decode", *self.decode, *PROXY_TIMEOUTS,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        log_file = Path(cfg.proxy_log).open("ab") if cfg.proxy_log else None  # noqa: SIM115, ASYNC230 (once, at start)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", str(port),
+                "--prefill", *self.prefill, "--decode", *self.decode, *PROXY_TIMEOUTS,
+                "--log-level", "WARNING" if log_file else "ERROR",
+                stdout=asyncio.subprocess.DEVNULL, stderr=log_file or asyncio.subprocess.DEVNULL)
+        finally:
+            if log_file is not None:
+                log_file.close()  # the child has its own descriptor
         self.procs.append(proc)
         self.proxy_url = f"http://127.0.0.1:{port}"
 
@@ -193,6 +204,28 @@ async def _json(session: aiohttp.ClientSession, method: str, url: str, *, limit:
         return await r.json()
 
 
+def _reason(body: bytes) -> str:
+    """The error message of a refused request (vLLM's error shape), so that a window's 503s say
+    which pool had no worker, its 429s which admission limit, its 502s which hop."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body[:60].decode("utf-8", "replace") or "?"
+    return str(message)[:80]
+
+
+def parse_fault(spec: str) -> tuple[str, int, dict[str, Any]]:
+    """``p0:hang_before_headers`` -> ("prefill", 0, the fault of that kind from the tables)."""
+    where, _, kind = spec.partition(":")
+    role = {"p": "prefill", "d": "decode"}.get(where[:1])
+    table = PREFILL_FAULTS if role == "prefill" else DECODE_FAULTS
+    fault = next((f for f in table if kind in f), None)
+    if role is None or not where[1:].isdigit() or fault is None:
+        kinds = sorted({k for f in (*PREFILL_FAULTS, *DECODE_FAULTS) for k in f if k != "fail_status"})
+        raise ValueError(f"bad fault {spec!r}: want p<N>:<kind> or d<N>:<kind>, kind one of {kinds}")
+    return role, int(where[1:]), fault
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Random, stats: Stats) -> None:
     """One client request with a random shape and behaviour; its outcome goes into ``stats``."""
     stream = rng.random() < 0.6
@@ -214,8 +247,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Rand
         async with session.post(url + GENERATE, json=body, headers={"X-Request-Id": rid},
                                 timeout=aiohttp.ClientTimeout(total=60)) as r:
             if r.status != 200:
-                await r.read()
-                stats.add(f"http_{r.status}", None)
+                stats.add(f"http_{r.status}:{_reason(await r.read())}", None)
                 return
             if behaviour == "disconnect" and stream:
                 await r.content.readuntil(b"\n\n")
@@ -301,10 +333,20 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
             async def faults() -> None:
                 workers = [*((u, PREFILL_FAULTS) for u in stack.prefill),
                            *((u, DECODE_FAULTS) for u in stack.decode)]
+                script = [parse_fault(f) for f in cfg.faults]
+                urls = {"prefill": stack.prefill, "decode": stack.decode}
+                step = 0
                 while time.monotonic() + cfg.fault_period / 2 < t_end:
                     await asyncio.sleep(cfg.fault_period / 2)
-                    worker, choices = rng.choice(workers)
-                    fault = rng.choice(choices)
+                    if script:
+                        if step >= len(script):
+                            break
+                        role, index, fault = script[step]
+                        worker = urls[role][index]
+                        step += 1
+                    else:
+                        worker, choices = rng.choice(workers)
+                        fault = rng.choice(choices)
                     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                         await _json(control, "POST", worker + "/sim/faults", json=fault)
                     label = f"{worker.rsplit(':', 1)[1]}:{','.join(fault)}"
@@ -472,12 +514,26 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
     p.add_argument("--task-slack", type=int, default=8)
     p.add_argument("--settle-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault", action="append", default=[], metavar="pN:KIND",
+                   help="a scripted fault (repeatable, applied in order, one per half period) instead "
+                        "of random ones, e.g. --fault p0:hang_before_headers --fault d0:hang_after_headers")
     p.add_argument("--out", default=None, help="write the JSON record here")
+    p.add_argument("--proxy-log", default=None, metavar="FILE",
+                   help="append the proxy's log at WARNING (retries, blame, migrations) to FILE")
     a = p.parse_args(argv)
-    return SoakConfig(duration=a.duration, concurrency=a.concurrency, interval=a.interval,
+    cfg = SoakConfig(duration=a.duration, concurrency=a.concurrency, interval=a.interval,
                       fault_period=a.fault_period, warmup=a.warmup, prefill_workers=a.prefill_workers,
                       decode_workers=a.decode_workers, max_rss_growth_mib=a.max_rss_growth_mib,
-                      task_slack=a.task_slack, settle_timeout=a.settle_timeout, seed=a.seed, out=a.out)
+                      task_slack=a.task_slack, settle_timeout=a.settle_timeout, seed=a.seed, out=a.out,
+                      faults=tuple(a.fault), proxy_log=a.proxy_log)
+    for spec in cfg.faults:
+        try:
+            _, index, _ = parse_fault(spec)
+        except ValueError as e:
+            p.error(str(e))
+        if index >= (cfg.prefill_workers if spec.startswith("p") else cfg.decode_workers):
+            p.error(f"{spec}: no such worker")
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:

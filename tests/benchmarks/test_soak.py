@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import SoakConfig, parse_args, percentile, soak
+from benchmarks.soak import SoakConfig, _reason, parse_args, parse_fault, percentile, soak
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,3 +41,23 @@ def test_percentile() -> None:
     assert percentile([], 0.99) is None
     assert percentile([5.0], 0.99) == 5.0
     assert percentile([float(i) for i in range(1, 101)], 0.99) == 99.0
+
+
+def test_a_scripted_fault_names_its_worker_and_a_kind_from_the_tables() -> None:
+    assert parse_fault("p1:hang_before_headers") == ("prefill", 1, {"hang_before_headers": True})
+    assert parse_fault("d0:fail_next") == ("decode", 0, {"fail_next": 25, "fail_status": 500})
+    for bad in ("x0:hang_after_headers", "p:hang_after_headers", "p0:no_such_fault", "d0:refuse_kv_pulls"):
+        with pytest.raises(ValueError, match="bad fault"):
+            parse_fault(bad)
+    assert parse_args(["--fault", "p0:drop_kv_params", "--fault", "d1:reset_after_tokens"]).faults == (
+        "p0:drop_kv_params", "d1:reset_after_tokens")
+    with pytest.raises(SystemExit):
+        parse_args(["--fault", "d2:reset_after_tokens"])  # two decode workers: d0 and d1
+
+
+def test_a_refusal_is_counted_with_its_reason() -> None:
+    body = b'{"error":{"message":"no decode worker is available","type":"ServiceUnavailableError",' \
+        b'"code":503}}'
+    assert _reason(body) == "no decode worker is available"
+    assert _reason(b"Bad Request") == "Bad Request"
+    assert _reason(b"") == "?"
