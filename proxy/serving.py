@@ -480,16 +480,25 @@ class Serving:
             blocks = f.kv_blocks = sum(len(g) for g in params.get("remote_block_ids", []))
             record.lease = self.ledger.open(record.engine_id, prefill.url, self.clock(), blocks=blocks)
             self.metrics.kv_leases_open.set(self.ledger.open_count)
-        choices = reply.get("choices")
-        finish = choices[0].get("finish_reason") if isinstance(choices, list) and choices and \
-            isinstance(choices[0], dict) else None
-        if finish == "abort" and not record.is_aborted:
-            return None, UpstreamProtocolError("prefill", prefill.url, "finished with abort")
+        self._note_worker_abort(f, reply)
         if reason is not None:
             if not record.is_aborted:
                 self.metrics.prefill_missing_kv.inc()
             return None, UpstreamProtocolError("prefill", prefill.url, reason)
         return record.kv_params, None
+
+    def _note_worker_abort(self, f: Flight, reply: dict[str, Any]) -> bool:
+        """P ended the request as aborted, and not at this proxy's call: the client's abort went
+        to the workers another way (it reached another ``--workers`` process, or this one
+        before the request, and was broadcast). The client asked for it, so the request is
+        aborted here too, and the client gets vLLM's aborted answer, not an error."""
+        choices = reply.get("choices")
+        finish = choices[0].get("finish_reason") if isinstance(choices, list) and choices and \
+            isinstance(choices[0], dict) else None
+        if finish != "abort":
+            return False
+        self._note_abort(f.record, "worker")
+        return True
 
     async def _prefill_with_retries(
             self, f: Flight) -> tuple[Worker | None, dict[str, Any], UpstreamError | None]:
@@ -537,8 +546,8 @@ class Serving:
             else:
                 reason = check_prefill_kv_params(reply.get("kv_transfer_params"))
                 untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
-                if reason is None or record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts \
-                        or not untried:
+                if reason is None or record.is_aborted or self._note_worker_abort(f, reply) \
+                        or attempt + 1 >= rt.prefill_retry.attempts or not untried:
                     return worker, reply, None  # _walk checks it (and applies --prefill-failure)
                 # An unusable 200 (no usable kv_transfer_params): nothing it holds can be freed
                 # through the proxy (no params to pull with; P frees the blocks at its lease's

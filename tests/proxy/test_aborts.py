@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from proxy.pools.runtime import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply
 
@@ -62,6 +63,36 @@ async def test_abort_while_prefilling(pd_factory: PDFactory, stream: bool) -> No
     else:
         body = json.loads(raw)
         assert body["choices"][0]["finish_reason"] == "abort" and body["choices"][0]["token_ids"] == []
+    await pd.quiet(limit=1.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_abort_that_reached_prefill_another_way_ends_the_request_as_aborted(
+        pd_factory: PDFactory, stream: bool) -> None:
+    """Another proxy process (or this one, before the request arrived) broadcast the client's
+    abort to the workers: P ends the prefill with finish_reason "abort". The client gets vLLM's
+    aborted answer (it asked for it), not a 502, and no other prefill worker is tried."""
+    pd = await pd_factory(prefill=SLOW_PREFILL, n_prefill=2, pools=PoolSettings.plain(prefill_attempts=3))
+    task = asyncio.create_task(pd.client.post("/inference/v1/generate",
+                                              json={**req(request_id="w1"), "stream": stream}))
+    await wait_for_state(pd, "prefilling")
+    await asyncio.sleep(0.05)
+    for p in pd.prefill:  # the broadcast: every worker
+        async with p.session.post(p.url + "/inference/v1/abort_requests",
+                                  json={"request_ids": ["generate-tokens-w1"]}) as r:
+            assert r.status == 200
+    r = await asyncio.wait_for(task, 5)
+    raw = await r.read()
+    assert r.status == 200, raw
+    if stream:
+        events = sse_datas(raw)
+        assert finish_reasons(events) == ["abort"] and events[-1] == "[DONE]"
+    else:
+        assert json.loads(raw)["choices"][0]["finish_reason"] == "abort"
+    served = [(await p.state())["generate_calls"] for p in pd.prefill]
+    assert sorted(served) == [0, 1], served  # not retried on the other prefill worker
+    m = await pd.client.get("/metrics")
+    assert 'pd_proxy_aborts_total{source="worker",state="prefilling"} 1.0' in await m.text()
     await pd.quiet(limit=1.0)
 
 
