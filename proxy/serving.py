@@ -512,6 +512,7 @@ class Serving:
         for attempt in range(rt.prefill_retry.attempts):
             if record.is_aborted:
                 break  # aborted (client call, deadline) during the backoff
+            bypass = rt.settings.bypass_when_prefill_unavailable
             try:
                 pairless = self._pairless_prefill()
                 try:
@@ -524,10 +525,13 @@ class Serving:
                     worker = await self.prefill_pool.acquire(ctx, exclude=pairless,
                                                              limit=self._queue_limit(f))
             except NoWorkerAvailable:
+                if bypass:
+                    # None left (their circuits opened, e.g. on the failure being retried): the
+                    # request holds nothing usable, so the decode worker computes the prompt.
+                    record.prefill_worker = None
+                    return None, {}, None
                 if last is not None:
                     break  # none left: the last error stands
-                if rt.settings.bypass_when_prefill_unavailable:
-                    return None, {}, None
                 raise
             record.prefill_worker = worker
             try:
@@ -613,7 +617,12 @@ class Serving:
             candidates = self.decode_pool.candidates(excluded)
             usable = await rt.preflight.usable_decoders(prefill, candidates, rt.settings.preflight_timeout)
             excluded += [w for w in candidates if all(w is not u for u in usable)]
-        return await self.decode_pool.acquire(f.ctx, exclude=excluded, limit=self._queue_limit(f))
+        # A first pick (or a retry's pick of any worker) waits for a circuit about to let
+        # requests in: the prefill is done (its KV may be held), and a decode hop has no other
+        # way. A retry's pick of an untried worker does not (the caller then picks among all).
+        # A prefill pick never waits: nothing is invested yet (bypass, or a quick 503).
+        return await self.decode_pool.acquire(f.ctx, exclude=excluded, limit=self._queue_limit(f),
+                                              wait_recovering=not tried)
 
     def _decode_limit(self, f: Flight) -> float:
         """A non-stream decode hop's timeout: its cap, or the deadline plus the abort grace (at
@@ -1048,7 +1057,8 @@ class Serving:
                     return
                 tried.append(w)
                 try:
-                    w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self._queue_limit(f))
+                    w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self._queue_limit(f),
+                                                       wait_recovering=True)
                 except (NoWorkerAvailable, Overloaded):
                     buffer.finish(done=False, error=error)
                     return

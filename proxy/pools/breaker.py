@@ -16,9 +16,12 @@ The breaker reads time only from the clock it is given (tests pass a fake one).
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+log = logging.getLogger("pd_proxy.pools")
 
 
 class CircuitState(enum.IntEnum):
@@ -49,8 +52,10 @@ class BreakerConfig:
 
 
 class CircuitBreaker:
-    def __init__(self, config: BreakerConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, config: BreakerConfig, clock: Callable[[], float], name: str = "") -> None:
         self.config = config
+        self.name = name
+        """Who it guards, for the log lines of its transitions (e.g. ``prefill worker URL``)."""
         self._clock = clock
         self._state = CircuitState.CLOSED
         self._failures = 0
@@ -76,15 +81,23 @@ class CircuitBreaker:
         return max(0.0, self._opened_at + self._open_for - self._clock())
 
     def can_take(self) -> bool:
+        return self.available_in() == 0.0
+
+    def available_in(self) -> float:
+        """Seconds until the circuit lets a request in, if nothing else happens: 0 now; open:
+        until the trials begin; half-open with every trial slot taken: until the oldest trial
+        stops holding its slot (a trial that ends frees its slot sooner)."""
         state = self.state
         if state is CircuitState.CLOSED:
-            return True
-        if state is CircuitState.HALF_OPEN:
-            limit = self.config.trial_seconds or self.config.open_seconds
-            now = self._clock()
-            running = sum(1 for t in self._trials if now - t < limit)
-            return running < self.config.half_open_trials
-        return False
+            return 0.0
+        if state is CircuitState.OPEN:
+            return max(0.0, self._opened_at + self._open_for - self._clock())
+        limit = self.config.trial_seconds or self.config.open_seconds
+        now = self._clock()
+        running = [t for t in self._trials if now - t < limit]
+        if len(running) < self.config.half_open_trials:
+            return 0.0
+        return max(1e-3, running[0] + limit - now)
 
     def begin(self) -> None:
         """A request was sent to the worker (counts as a trial when half-open)."""
@@ -139,8 +152,12 @@ class CircuitBreaker:
         self._successes = 0
         self._trials.clear()
         self.opened_count += 1
+        if self.name:
+            log.warning("circuit of %s opened for %.3g s", self.name, self._open_for)
 
     def _close(self) -> None:
+        if self.name and self._state is not CircuitState.CLOSED:
+            log.warning("circuit of %s closed", self.name)
         self._state = CircuitState.CLOSED
         self._failures = 0
         self._successes = 0

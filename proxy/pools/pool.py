@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ class Pool:
         self.weights = weights or LoadWeights()
         self.queue = WaitQueue(max_waiters, retry_after=retry_after, what=f"{name} pool")
         self._workers: dict[str, Worker] = {}
+        self._recovery: asyncio.Future[None] | None = None
+        """Resolved (and dropped) at the next release: what waiters for a recovering worker await."""
         self.on_change: list[Callable[[Pool], None]] = []
         for url in urls:
             self.add(url, STATIC_SOURCE)
@@ -78,8 +81,8 @@ class Pool:
         url = normalize_url(url)
         worker = self._workers.get(url)
         if worker is None:
-            worker = Worker(url, self.name, CircuitBreaker(self.breaker_config, self.clock),
-                            max_inflight=self.max_inflight_per_worker)
+            breaker = CircuitBreaker(self.breaker_config, self.clock, f"{self.name} worker {url}")
+            worker = Worker(url, self.name, breaker, max_inflight=self.max_inflight_per_worker)
             self._workers[url] = worker
             worker.sources.add(source)
             self._changed()
@@ -166,11 +169,23 @@ class Pool:
             raise NoWorkerAvailable(self.name, retry_after=self.retry_in())
         return self.policy.choose(candidates, ctx or PickContext(), self.load)
 
+    def recovery_in(self, exclude: Iterable[Worker] = ()) -> float | None:
+        """Seconds until a worker that cannot take a request now only because of its circuit
+        (open, or half-open with its trials running) may take one; None when there is none."""
+        skip = {id(w) for w in exclude}
+        panic = self.in_panic
+        waits = [w.breaker.available_in() for w in self._workers.values()
+                 if (w.healthy or panic) and not w.draining and id(w) not in skip]
+        return min(waits) if waits else None
+
     async def acquire(self, ctx: PickContext | None = None, exclude: Iterable[Worker] = (),
-                      limit: float | None = None) -> Worker:
+                      limit: float | None = None, *, wait_recovering: bool = False) -> Worker:
         """Choose a worker and count the request on it. When every admissible worker is at its
-        in-flight cap, wait in the pool's bounded queue (``Overloaded`` on overflow/timeout);
-        when none is admissible at all, ``NoWorkerAvailable`` at once."""
+        in-flight cap, wait in the pool's bounded queue (``Overloaded`` on overflow/timeout).
+        When none is admissible: ``NoWorkerAvailable`` at once, or, with ``wait_recovering``
+        and a ``limit``, after waiting up to ``limit`` for a worker whose circuit is about to
+        let a request in (its trial ended, its open time passed): for callers with no other
+        way (a decode hop), a circuit's trial is a short wait, not a reason to refuse."""
         ctx = ctx or PickContext()
         excluded = list(exclude)
         loop = asyncio.get_running_loop()
@@ -181,10 +196,27 @@ class Pool:
                 worker = self.policy.choose(candidates, ctx, self.load)
                 worker.begin(ctx.tokens)
                 return worker
-            if not self.admissible(excluded):
+            if self.admissible(excluded):
+                await self.queue.wait(None if end is None else end - loop.time())
+                continue
+            soon = self.recovery_in(excluded) if wait_recovering and end is not None else None
+            left = 0.0 if end is None else end - loop.time()
+            if soon is None or left <= 0:
                 raise NoWorkerAvailable(self.name, retry_after=self.retry_in())
-            await self.queue.wait(None if end is None else end - loop.time())
+            await self._wait_recovery(min(left, max(soon, 1e-3)))
+
+    async def _wait_recovery(self, limit: float) -> None:
+        """Until the next release (a trial ended, a circuit may have closed) or ``limit``."""
+        if self._recovery is None:
+            self._recovery = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit):
+                await asyncio.shield(self._recovery)
 
     def release(self, worker: Worker, outcome: Outcome, tokens: int = 0) -> None:
         worker.end(tokens, outcome)
         self.queue.wake()
+        if self._recovery is not None:
+            if not self._recovery.done():
+                self._recovery.set_result(None)
+            self._recovery = None

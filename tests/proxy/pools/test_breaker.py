@@ -127,3 +127,18 @@ def test_trip_and_reset() -> None:
 def test_bad_config(kw: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         BreakerConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_available_in_tells_how_long_until_a_request_may_go_in() -> None:
+    clock = FakeClock()
+    b = make(clock, failure_threshold=1, trial_seconds=2.0)
+    assert b.available_in() == 0.0
+    b.record_failure()
+    assert b.available_in() == pytest.approx(5.0)
+    clock.advance(5.0)
+    assert b.available_in() == 0.0  # half-open, the trial slot free
+    b.begin()
+    clock.advance(0.5)
+    assert b.available_in() == pytest.approx(1.5)  # until the running trial stops holding its slot
+    b.record_neutral()
+    assert b.available_in() == 0.0

@@ -108,6 +108,59 @@ async def test_acquire_with_nothing_admissible_fails_fast() -> None:
         await p.acquire(limit=30)
 
 
+async def test_a_recovering_circuit_is_waited_for_only_when_asked() -> None:
+    """A decode pick (P's KV already held) waits, bounded, for a worker whose circuit is about
+    to let requests in; without ``wait_recovering`` it is refused at once, as before."""
+    clock = FakeClock()
+    p = Pool("decode", [A], clock=clock, breaker=BreakerConfig(failure_threshold=1, open_seconds=5.0))
+    w = p.workers[0]
+    w.breaker.record_failure()
+    clock.advance(5.0)
+    trial = await p.acquire()  # half-open: this is its one trial
+    with pytest.raises(NoWorkerAvailable):
+        await p.acquire(limit=30)
+    waiter = asyncio.create_task(p.acquire(limit=30, wait_recovering=True))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    p.release(trial, Outcome.SUCCESS)  # the trial closes the circuit and wakes the waiter
+    assert (await asyncio.wait_for(waiter, 5)) is w
+    assert w.breaker.state is CircuitState.CLOSED
+
+
+async def test_a_recovery_wait_is_bounded_and_ends_in_503() -> None:
+    clock = FakeClock()
+    p = Pool("decode", [A], clock=clock, breaker=BreakerConfig(failure_threshold=1, open_seconds=5.0))
+    p.workers[0].breaker.record_failure()  # open for 5 s of the (frozen) clock
+    with pytest.raises(NoWorkerAvailable):
+        await asyncio.wait_for(p.acquire(limit=0.05, wait_recovering=True), 5)
+    with pytest.raises(NoWorkerAvailable):  # nothing recovering (probes failed): no wait at all
+        p.workers[0].healthy = False
+        await p.acquire(limit=30, wait_recovering=True)
+
+
+async def test_a_cancelled_recovery_wait_leaves_the_others_waiting() -> None:
+    clock = FakeClock()
+    p = Pool("decode", [A], clock=clock, breaker=BreakerConfig(failure_threshold=1, open_seconds=5.0))
+    p.workers[0].breaker.record_failure()
+    clock.advance(5.0)
+    trial = await p.acquire()
+    gone = asyncio.create_task(p.acquire(limit=30, wait_recovering=True))
+    stays = asyncio.create_task(p.acquire(limit=30, wait_recovering=True))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    p.release(trial, Outcome.SUCCESS)
+    assert (await asyncio.wait_for(stays, 5)) is trial and trial.inflight == 1
+
+
+async def test_an_open_circuit_is_waited_for_until_its_trial_may_begin() -> None:
+    p = Pool("decode", [A], breaker=BreakerConfig(failure_threshold=1, open_seconds=0.1))
+    p.workers[0].breaker.record_failure()
+    got = await asyncio.wait_for(p.acquire(limit=5, wait_recovering=True), 5)
+    assert got is p.workers[0] and got.breaker.state is CircuitState.HALF_OPEN
+
+
 async def test_cancelled_woken_waiter_passes_its_turn_on() -> None:
     p = Pool("decode", [A], max_inflight_per_worker=1, max_waiters=4)
     w = await p.acquire()

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from proxy.app import build_app
+from proxy.pools.breaker import CircuitState
 from proxy.pools.health import HealthChecker, http_probe
 from proxy.pools.runtime import PoolSettings
 from proxy.settings import ProxySettings
@@ -215,6 +216,39 @@ async def test_prefill_unavailable_goes_decode_only_and_503_when_not_allowed(sta
     status, body, headers = await st2.gen(req())
     assert status == 503 and "Retry-After" in headers
     assert body["error"]["type"] == "ServiceUnavailableError"
+
+
+async def test_a_prefill_retry_with_no_worker_left_goes_decode_only(stack: StackFactory) -> None:
+    """Seen in the soak: the timeouts of the requests hung on one prefill worker opened its
+    circuit while the other was half-open with its trial running; every retry found no worker
+    and the clients got the timeout (504). The request holds nothing: with the bypass allowed,
+    the decode worker computes the prompt."""
+    st = await stack(n_prefill=1, pools={"breaker_failures": 1, "prefill_attempts": 2})
+    await st.prefill[0].set_faults(fail_next=1, fail_status=500)
+    status, body, headers = await st.gen(req())
+    assert status == 200 and headers[BYPASS] == "prefill_unavailable", body
+    assert len(body["choices"][0]["token_ids"]) == 12
+    assert await st.metric("pd_proxy_decode_only_total", reason="prefill_unavailable") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_pick_waits_for_a_circuit_about_to_let_requests_in(stack: StackFactory,
+                                                                           stream: bool) -> None:
+    """P has prefilled (its KV is held): when the only decode worker's circuit is open for a
+    moment, the decode hop waits for its trial (bounded by the queue timeout), not a 503."""
+    st = await stack(n_prefill=1, n_decode=1, pools={"breaker_failures": 1, "decode_attempts": 1,
+                                                     "breaker_open_seconds": 0.3})
+    d = st.serving.decode_pool.workers[0]
+    d.breaker.record_failure()  # e.g. a connect error: the circuit opens for 0.3 s
+    assert not d.admissible
+    if stream:
+        status, events, headers = await st.stream(req())
+        assert status == 200 and events[-1] == "[DONE]"
+    else:
+        status, body, headers = await st.gen(req())
+        assert status == 200 and len(body["choices"][0]["token_ids"]) == 12, body
+    assert BYPASS not in headers  # the KV hand-off went through
+    assert d.breaker.state is CircuitState.CLOSED  # it was the trial, and closed the circuit
 
 
 async def test_short_prompt_bypass(stack: StackFactory) -> None:
