@@ -551,12 +551,16 @@ class Serving:
                 reason = check_prefill_kv_params(reply.get("kv_transfer_params"))
                 untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
                 if reason is None or record.is_aborted or self._note_worker_abort(f, reply) \
-                        or attempt + 1 >= rt.prefill_retry.attempts or not untried:
+                        or attempt + 1 >= rt.prefill_retry.attempts or not (untried or bypass):
                     return worker, reply, None  # _walk checks it (and applies --prefill-failure)
                 # An unusable 200 (no usable kv_transfer_params): nothing it holds can be freed
                 # through the proxy (no params to pull with; P frees the blocks at its lease's
-                # end), so another prefill worker may take the request.
+                # end), so another prefill worker may take the request; with none left, as
+                # when none is available, the decode worker computes the prompt.
                 self.metrics.prefill_missing_kv.inc()
+                if not untried:
+                    record.prefill_worker = None
+                    return None, {}, None
                 last = UpstreamProtocolError("prefill", worker.url, reason)
                 retry_ok = True
             tried.append(worker)

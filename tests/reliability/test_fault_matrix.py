@@ -124,7 +124,8 @@ FAULTS: list[Fault] = [
           prefill={"faults": {"hang_before_headers": True}}, settings={"prefill_timeout": 0.5}),
     *both("prefill_hang_after_headers", "504", "504", "prefill", "prefill",
           prefill={"faults": {"hang_after_headers": True}}, settings={"prefill_timeout": 0.5}),
-    *both("prefill_no_kv_params", "502", "502", "now", "now",
+    # No other prefill worker to try: the decode worker computes the prompt (it was a 502).
+    *both("prefill_no_kv_params", "200:length", "sse:length", "now", "now",
           prefill={"faults": {"drop_kv_params": True}, "lease_seconds": SHORT_LEASE}, expired_ok=True),
     # --- decode worker faults
     *both("decode_down", "502", "502", "now", "now", down="decode",

@@ -673,14 +673,22 @@ async def test_a_prefill_reply_without_kv_params_is_retried_on_another_prefill_w
     await st.prefill[1].set_faults(drop_kv_params=False)
 
 
-async def test_an_unusable_prefill_reply_with_no_other_worker_still_fails(stack: StackFactory) -> None:
-    """The one prefill worker drops its KV params: nothing to retry on, --prefill-failure fail
-    answers 502 after one prefill call (not one per attempt)."""
-    st = await stack(n_prefill=1, pools={"prefill_attempts": 3})
+@pytest.mark.parametrize("bypass", [True, False])
+async def test_an_unusable_prefill_reply_with_no_other_worker(stack: StackFactory, bypass: bool) -> None:
+    """The one prefill worker drops its KV params: nothing to retry on. With the bypass allowed
+    (the default) the decode worker computes the prompt, as when no prefill worker is available
+    (its circuit would open after a few such failures and send requests there anyway); without
+    it, --prefill-failure fail answers 502. Either way after one prefill call, not one per attempt."""
+    st = await stack(n_prefill=1, pools={"prefill_attempts": 3, "bypass_when_prefill_unavailable": bypass})
     await st.prefill[0].set_faults(drop_kv_params=True)
-    status, _, _ = await st.gen(req())
-    assert status == 502
+    status, body, headers = await st.gen(req())
+    if bypass:
+        assert status == 200 and headers[BYPASS] == "prefill_unavailable"
+        assert len(body["choices"][0]["token_ids"]) == 12
+    else:
+        assert status == 502
     assert await st.metric("pd_proxy_upstream_requests_total", pool="prefill",
                            worker=st.prefill[0].url) == 1
     assert await st.metric("pd_proxy_retries_total", hop="prefill") == 0
+    assert await st.metric("pd_proxy_prefill_missing_kv_params_total") == 1
     await st.prefill[0].set_faults(drop_kv_params=False)
