@@ -1526,6 +1526,12 @@ class Serving:
         finally:
             if f.force_end is not None:
                 f.force_end.cancel()
+            # A hop that failed after the handler left (the client aborted or went away) ended
+            # its task and the headers future with an error nobody awaits: it is known here,
+            # not worth asyncio's "exception was never retrieved" at collection.
+            for fut in (f.prefill_task, f.decode_task, f.headers_ready, f.release_task):
+                if fut is not None and fut.done() and not fut.cancelled():
+                    fut.exception()
             self._set_done(f)
             self._forget(f)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 from typing import Any
@@ -94,6 +95,32 @@ async def test_an_abort_that_reached_prefill_another_way_ends_the_request_as_abo
     m = await pd.client.get("/metrics")
     assert 'pd_proxy_aborts_total{source="worker",state="prefilling"} 1.0' in await m.text()
     await pd.quiet(limit=1.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_hop_that_fails_after_the_client_left_logs_no_unretrieved_error(
+        pd_factory: PDFactory, stream: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Seen in the soak: the client aborted while D hung before its headers; the handler
+    answered (abort grace), the hop then timed out, and its task (or the stream's headers
+    future) ended with an error nobody awaited: asyncio logged it as an ERROR when collected."""
+    pd = await pd_factory(decode_timeout=0.8, stream_idle_timeout=0.8, abort_grace=0.05,
+                          lease_duration=0.2, prefill={"lease_seconds": 0.2})  # the lease ends first
+    await pd.d.set_faults(hang_before_headers=True)
+    task = asyncio.create_task(pd.client.post("/inference/v1/generate",
+                                              json={**req(request_id="gone1"), "stream": stream}))
+    await wait_for_state(pd, "decoding")
+    assert await abort(pd, "generate-tokens-gone1") == 200
+    r = await asyncio.wait_for(task, 5)
+    assert r.status == 200
+    await r.read()
+    await asyncio.sleep(0.3)
+    assert pd.serving.expire_leases() == 1  # as the sweep would: P's lease ends before the hop
+    await pd.d.set_faults(hang_before_headers=False)
+    await pd.quiet(limit=3.0)  # the clean-up outlives the answer
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        gc.collect()
+        await asyncio.sleep(0)
+    assert not [rec for rec in caplog.records if "never retrieved" in rec.getMessage()]
 
 
 @pytest.mark.parametrize("stream", [False, True])
