@@ -1050,7 +1050,7 @@ class Serving:
                 if not kv_failed:
                     f.headers_ready.set_exception(exc)
                 else:
-                    buffer.finish(done=False, error=error)
+                    self._end_stream_with_error(f, buffer, error, exc.message)
                 return
             if status != "protocol" and follower is not None and not record.is_aborted \
                     and not buffer.closed and follower.migrations < rt.settings.max_migrations \
@@ -1063,8 +1063,8 @@ class Serving:
                 try:
                     w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self._queue_limit(f),
                                                        wait_recovering=True)
-                except (NoWorkerAvailable, Overloaded):
-                    buffer.finish(done=False, error=error)
+                except (NoWorkerAvailable, Overloaded) as e:
+                    self._end_stream_with_error(f, buffer, error, f"no decode worker to migrate to ({e})")
                     return
                 record.decode_worker = w
                 current = await self._prefill_continuation(f, cont.body)
@@ -1072,8 +1072,21 @@ class Serving:
                 log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,
                             cont.kept + cont.replay)
                 continue
-            buffer.finish(done=False, error=error)
+            why = ("the worker broke the protocol" if status == "protocol" else
+                   "this request cannot migrate" if follower is None else
+                   "aborted" if record.is_aborted else
+                   f"{follower.migrations} migrations already"
+                   if follower.migrations >= rt.settings.max_migrations else "its deadline passed")
+            self._end_stream_with_error(f, buffer, error,
+                                        f"decode stream {status} on {w.url}, not migrated: {why}")
             return
+
+    def _end_stream_with_error(self, f: Flight, buffer: StreamBuffer, error: bytes | None, why: str) -> None:
+        """End the client's stream with D's error event (or the proxy's): logged, so that a
+        client-visible stream error can be followed (ids, workers and reasons only)."""
+        if not buffer.closed:
+            log.warning("request %s: stream ended with an error: %s", f.record.engine_id, why)
+        buffer.finish(done=False, error=error)
 
     async def _prefill_continuation(self, f: Flight, body: dict[str, Any]) -> dict[str, Any]:
         """A long continuation's prompt goes through a prefill worker (its KV then handed to the

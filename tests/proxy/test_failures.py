@@ -151,7 +151,8 @@ async def test_decode_in_band_error_is_relayed(pd_factory: PDFactory) -> None:
 
 
 async def test_stream_without_done_becomes_in_band_error(scripted_factory: ScriptedFactory,
-                                                         proxy_factory: ProxyFactory) -> None:
+                                                         proxy_factory: ProxyFactory,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     chunk = b'data: {"request_id":"generate-tokens-x","usage":null,"output_mode":"tokens","choices":' \
             b'[{"index":0,"finish_reason":null,"stop_reason":null,"token_ids":[5],"logprobs":null}]}\n\n'
     p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
@@ -162,6 +163,9 @@ async def test_stream_without_done_becomes_in_band_error(scripted_factory: Scrip
     assert events[0]["choices"][0]["token_ids"] == [5]
     assert "stream ended without [DONE]" in events[1]["error"]["message"]
     assert events[2] == "[DONE]" and len(events) == 3
+    # The client-visible error is in the log, with why it was not migrated (migration is off here)
+    ended = [m.getMessage() for m in caplog.records if "stream ended with an error" in m.getMessage()]
+    assert len(ended) == 1 and "not migrated: this request cannot migrate" in ended[0], ended
 
 
 async def test_decode_stream_headers_timeout_is_a_504(pd_factory: PDFactory) -> None:
