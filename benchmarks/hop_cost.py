@@ -1,0 +1,169 @@
+"""Client CPU per upstream hop: pd-proxy's ``Upstream`` (aiohttp) against a minimal HTTP/1.1 client.
+
+    python -m benchmarks.hop_cost [--calls 2000] [--rounds 2] [--prompt-len 128] [--max-tokens 32]
+
+How much of pd-proxy's CPU per request would a cheaper HTTP client for the hops save? Starts
+``pd-sim --zero-latency`` (decode role, pinned to core 0 with ``taskset`` when there is one),
+then, in this process, makes ``--calls`` sequential non-stream generate calls per client and
+round, on one kept-alive connection each:
+
+* ``upstream``: ``proxy.upstream.Upstream.post_generate_raw``, set up as ``proxy.app`` sets it up
+  (pooled ``TCPConnector``, per-call timeouts, the reply parsed to a dict and kept as bytes);
+* ``minimal``: a bare HTTP/1.1 client over ``asyncio`` streams (request bytes by hand,
+  Content-Length or chunked body) that serialises the same body and parses the same reply.
+
+Reports this process's CPU time per call (``time.process_time``: the worker's CPU is not in it)
+as one JSON line. uvloop when installed, as ``pd-proxy`` runs. Bounded: ``--calls`` at most 100,000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from proxy.upstream import Upstream
+
+GENERATE = "/inference/v1/generate"
+_MAX_CALLS = 100_000
+_WARMUP = 50
+
+
+def request_body(prompt_len: int, max_tokens: int) -> dict[str, Any]:
+    return {"token_ids": [3 + (k * 7) % 500 for k in range(prompt_len)],
+            "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True},
+            "stream": False}
+
+
+class MinimalClient:
+    """One kept-alive HTTP/1.1 connection; POST JSON, read the whole reply."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader, self.writer, self.host = reader, writer, host.encode()
+
+    @classmethod
+    async def connect(cls, host: str, port: int) -> MinimalClient:
+        reader, writer = await asyncio.open_connection(host, port)
+        return cls(reader, writer, f"{host}:{port}")
+
+    async def post_json(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], bytes]:
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        self.writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + self.host
+                          + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                          + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        length: int | None = None
+        chunked = False
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+        if length is not None:
+            raw = await self.reader.readexactly(length)
+        elif chunked:
+            parts = []
+            while size := int((await self.reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16):
+                parts.append(await self.reader.readexactly(size))
+                await self.reader.readexactly(2)
+            await self.reader.readuntil(b"\r\n")
+            raw = b"".join(parts)
+        else:
+            raise ValueError("a reply with neither Content-Length nor chunked encoding")
+        return status, json.loads(raw), raw
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+async def _upstream_cost(worker: str, body: dict[str, Any], calls: int) -> float:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                     json_serialize=json.dumps) as session:
+        up = Upstream(session, api_key=None, connect_timeout=2.0)
+        for i in range(_WARMUP):
+            await up.post_generate_raw("decode", worker, body, request_id=f"w{i}", total=30.0)
+        t0 = time.process_time()
+        for i in range(calls):
+            await up.post_generate_raw("decode", worker, body, request_id=f"u{i}", total=30.0)
+        return (time.process_time() - t0) / calls
+
+
+async def _minimal_cost(host: str, port: int, body: dict[str, Any], calls: int) -> float:
+    client = await MinimalClient.connect(host, port)
+    try:
+        for _ in range(_WARMUP):
+            await client.post_json(GENERATE, body)
+        t0 = time.process_time()
+        for _ in range(calls):
+            status, _, _ = await client.post_json(GENERATE, body)
+            if status != 200:
+                raise RuntimeError(f"the worker answered {status}")
+        return (time.process_time() - t0) / calls
+    finally:
+        await client.close()
+
+
+async def measure(calls: int, rounds: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "workers.sim.cli", "--host", "127.0.0.1", "--port", "0",
+           "--role", "decode", "--zero-latency"]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", "0", *cmd]
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        url = str(json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))["url"])
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        body = request_body(prompt_len, max_tokens)
+        upstream: list[float] = []
+        minimal: list[float] = []
+        for _ in range(rounds):  # alternated, so that drift hits both
+            upstream.append(await _upstream_cost(url, body, calls))
+            minimal.append(await _minimal_cost(host, int(port), body, calls))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        await proc.wait()
+    best_u, best_m = min(upstream), min(minimal)
+    return {"calls": calls, "rounds": rounds, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "upstream_us_per_call": [round(x * 1e6, 1) for x in upstream],
+            "minimal_us_per_call": [round(x * 1e6, 1) for x in minimal],
+            "saving_us_per_call": round((best_u - best_m) * 1e6, 1)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hop_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=32)
+    a = p.parse_args(argv)
+    if not 1 <= a.calls <= _MAX_CALLS or a.rounds < 1:
+        p.error(f"--calls must be 1..{_MAX_CALLS} and --rounds at least 1")
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    print(json.dumps(runner(measure(a.calls, a.rounds, a.prompt_len, a.max_tokens))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
