@@ -622,8 +622,12 @@ async def run_load(
     timed_out = False
     async with new_session(point.concurrency, request_timeout_s) as session:
         client = LoadClient(session, point, prompt)
-        # Warm-up (not recorded): a few requests so that first-use costs are off the clock.
-        await asyncio.gather(*(client.one(target) for _ in range(min(point.concurrency, 8))))
+        # Warm-up (not recorded): one request per concurrent stream, all at once, so that every
+        # connection the run uses (client to target, target to workers) is open before the
+        # clock starts. With only a few, each run paid for opening most of them, and unevenly:
+        # a target whose idle upstream connections outlive the other targets' runs paid less
+        # (pd-proxy drops them after 4 s, under vLLM's 5 s keep-alive).
+        await asyncio.gather(*(client.one(target) for _ in range(point.concurrency)))
         tickets = iter(range(n_requests))
         stop_at = time.monotonic() + time_limit_s
 
