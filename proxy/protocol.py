@@ -416,7 +416,10 @@ class GenerateRequest(BaseModel):
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays/objects accepted in a request body (vLLM's own fields need 3)."""
-_SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# A surrogate written as a ``\u`` escape, or as raw bytes (UTF-8 forbids them; ``json.loads``
+# decodes bytes with "surrogatepass" and lets them through): either leaves a lone surrogate in a
+# string, which no later encode can carry (it was a 500 when the hop body was encoded).
+_SURROGATE_ESCAPE_RE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 
 
 class JSONBodyError(ValueError):
