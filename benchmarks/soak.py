@@ -526,12 +526,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
                       decode_workers=a.decode_workers, max_rss_growth_mib=a.max_rss_growth_mib,
                       task_slack=a.task_slack, settle_timeout=a.settle_timeout, seed=a.seed, out=a.out,
                       faults=tuple(a.fault), proxy_log=a.proxy_log)
+    counts = {"prefill": cfg.prefill_workers, "decode": cfg.decode_workers}
     for spec in cfg.faults:
         try:
-            _, index, _ = parse_fault(spec)
+            role, index, _ = parse_fault(spec)
         except ValueError as e:
             p.error(str(e))
-        if index >= (cfg.prefill_workers if spec.startswith("p") else cfg.decode_workers):
+        if index >= counts[role]:
             p.error(f"{spec}: no such worker")
     return cfg
 

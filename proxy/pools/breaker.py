@@ -91,7 +91,7 @@ class CircuitBreaker:
         if state is CircuitState.CLOSED:
             return 0.0
         if state is CircuitState.OPEN:
-            return max(0.0, self._opened_at + self._open_for - self._clock())
+            return self.retry_in()
         limit = self.config.trial_seconds or self.config.open_seconds
         now = self._clock()
         running = [t for t in self._trials if now - t < limit]
