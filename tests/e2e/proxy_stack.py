@@ -9,12 +9,19 @@ from typing import Any
 from aiohttp import web
 
 from proxy.app import build_app
+from proxy.pools.runtime import PoolSettings
 from proxy.settings import ProxySettings
 from workers.launcher import Cluster
 
 
 @contextlib.asynccontextmanager
 async def run_proxy(cluster: Cluster, **settings: Any) -> AsyncIterator[tuple[str, web.Application]]:
+    """The proxy with default settings except one: no decode-only bypass when the prefill pool is
+    unavailable. These tests assert that KV crosses from P to D behind every request, and on the
+    loaded 2-core stack a vLLM CPU worker can miss three /health probes in a row (5 s each): with
+    the bypass on, the proxy then rightly sends requests decode-only (a correct answer, no NIXL
+    transfer). Without it, a pool whose every worker failed its probes still routes to them."""
+    settings.setdefault("pools", PoolSettings(bypass_when_prefill_unavailable=False))
     app = build_app(ProxySettings(prefill_urls=tuple(cluster.prefill_urls),
                                   decode_urls=tuple(cluster.decode_urls), **settings))
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)
