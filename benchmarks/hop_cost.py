@@ -1,14 +1,16 @@
-"""Client CPU per upstream hop: pd-proxy's ``Upstream`` (aiohttp) against a minimal HTTP/1.1 client.
+"""Client CPU per upstream hop: pd-proxy's ``Upstream`` against aiohttp's client and a bare one.
 
     python -m benchmarks.hop_cost [--calls 2000] [--rounds 2] [--prompt-len 128] [--max-tokens 32]
 
-How much of pd-proxy's CPU per request would a cheaper HTTP client for the hops save? Starts
+What does an upstream hop cost pd-proxy in CPU, and what would a cheaper client save? Starts
 ``pd-sim --zero-latency`` (decode role, pinned to core 0 with ``taskset`` when there is one),
 then, in this process, makes ``--calls`` sequential non-stream generate calls per client and
 round, on one kept-alive connection each:
 
-* ``upstream``: ``proxy.upstream.Upstream.post_generate_raw``, set up as ``proxy.app`` sets it up
-  (pooled ``TCPConnector``, per-call timeouts, the reply parsed to a dict and kept as bytes);
+* ``upstream``: ``proxy.upstream.Upstream.post_generate_raw`` as ``proxy.app`` sets it up (the
+  generate hops go through ``proxy.hop.HopClient``; the reply parsed to a dict and kept as bytes);
+* ``aiohttp``: the same call through ``aiohttp.ClientSession`` (pooled ``TCPConnector``, a
+  ``ClientTimeout`` per call), as pd-proxy made its hops before ``proxy.hop``;
 * ``minimal``: a bare HTTP/1.1 client over ``asyncio`` streams (request bytes by hand,
   Content-Length or chunked body) that serialises the same body and parses the same reply.
 
@@ -91,15 +93,36 @@ class MinimalClient:
 
 
 async def _upstream_cost(worker: str, body: dict[str, Any], calls: int) -> float:
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                     json_serialize=json.dumps) as session:
+    async with aiohttp.ClientSession() as session:
         up = Upstream(session, api_key=None, connect_timeout=2.0)
+        try:
+            for i in range(_WARMUP):
+                await up.post_generate_raw("decode", worker, body, request_id=f"w{i}", total=30.0)
+            t0 = time.process_time()
+            for i in range(calls):
+                await up.post_generate_raw("decode", worker, body, request_id=f"u{i}", total=30.0)
+            return (time.process_time() - t0) / calls
+        finally:
+            await up.hops.close()
+
+
+async def _aiohttp_cost(worker: str, body: dict[str, Any], calls: int) -> float:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
+    timeout = aiohttp.ClientTimeout(total=30.0, sock_connect=2.0, connect=2.0)
+
+    async def call(request_id: str) -> tuple[dict[str, Any], bytes]:
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        async with session.post(worker + GENERATE, data=data, headers=headers, timeout=timeout) as r:
+            raw = await r.read()
+        return json.loads(raw), raw
+
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         for i in range(_WARMUP):
-            await up.post_generate_raw("decode", worker, body, request_id=f"w{i}", total=30.0)
+            await call(f"w{i}")
         t0 = time.process_time()
         for i in range(calls):
-            await up.post_generate_raw("decode", worker, body, request_id=f"u{i}", total=30.0)
+            await call(f"a{i}")
         return (time.process_time() - t0) / calls
 
 
@@ -131,19 +154,23 @@ async def measure(calls: int, rounds: int, prompt_len: int, max_tokens: int) -> 
         host, port = url.removeprefix("http://").rsplit(":", 1)
         body = request_body(prompt_len, max_tokens)
         upstream: list[float] = []
+        via_aiohttp: list[float] = []
         minimal: list[float] = []
-        for _ in range(rounds):  # alternated, so that drift hits both
+        for _ in range(rounds):  # alternated, so that drift hits all three
             upstream.append(await _upstream_cost(url, body, calls))
+            via_aiohttp.append(await _aiohttp_cost(url, body, calls))
             minimal.append(await _minimal_cost(host, int(port), body, calls))
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
         await proc.wait()
-    best_u, best_m = min(upstream), min(minimal)
+    best_u, best_a, best_m = min(upstream), min(via_aiohttp), min(minimal)
     return {"calls": calls, "rounds": rounds, "prompt_len": prompt_len, "max_tokens": max_tokens,
             "upstream_us_per_call": [round(x * 1e6, 1) for x in upstream],
+            "aiohttp_us_per_call": [round(x * 1e6, 1) for x in via_aiohttp],
             "minimal_us_per_call": [round(x * 1e6, 1) for x in minimal],
-            "saving_us_per_call": round((best_u - best_m) * 1e6, 1)}
+            "upstream_over_minimal_us": round((best_u - best_m) * 1e6, 1),
+            "aiohttp_over_minimal_us": round((best_a - best_m) * 1e6, 1)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

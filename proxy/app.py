@@ -32,6 +32,7 @@ from aiohttp.typedefs import Middleware
 
 from proxy.diagnostics import runtime_snapshot
 from proxy.errors import ProxyError, Unauthorized, error_middleware, json_response
+from proxy.hop import HopClient
 from proxy.limits import body_middleware
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
@@ -169,7 +170,8 @@ async def requests_table(request: web.Request) -> web.Response:
 async def runtime(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
     return json_response(runtime_snapshot(
-        connector=serving.upstream.session.connector, requests=len(serving.table),
+        connector=serving.upstream.session.connector, hops=serving.upstream.hops,
+        requests=len(serving.table),
         background=len(serving.tracker), leases_open=serving.ledger.open_count))
 
 
@@ -184,13 +186,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     json_serialize=json.dumps,
                                     trace_configs=serving.tracing.client_trace_configs())
+    hops = HopClient(connect_timeout=settings.connect_timeout,
+                     keepalive=settings.upstream_keepalive_timeout, ssl_context=tls)
     serving.attach(Upstream(session, api_key=settings.upstream_api_key,
-                            connect_timeout=settings.connect_timeout))
+                            connect_timeout=settings.connect_timeout, hops=hops,
+                            inject=serving.tracing.hop_header_injector()))
 
     async def sweep() -> None:
         while True:
             await asyncio.sleep(1.0)
             serving.expire_leases()
+            hops.sweep()
 
     sweeper = asyncio.get_running_loop().create_task(sweep())
     await serving.start_pools()
@@ -208,6 +214,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
         await serving.pools.stop()
+        await hops.close()
         await session.close()
         serving.tracing.shutdown()
 

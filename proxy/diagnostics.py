@@ -1,9 +1,10 @@
 """``GET /debug/runtime``: what a long run watches for leaks in this proxy process.
 
-Pending asyncio tasks, upstream connections (checked out / idle in the keep-alive pool), the
-request table, background clean-ups, open KV leases and the process's resident memory. The
-soak benchmark (``benchmarks/soak.py``) samples it; it sits behind the API key like ``/debug/*``.
-With ``--workers N`` each answer is the serving process's own.
+Pending asyncio tasks, upstream connections (checked out / idle in the keep-alive pools of the
+generate hops and of the control calls, summed), the request table, background clean-ups, open
+KV leases and the process's resident memory. The soak benchmark (``benchmarks/soak.py``) samples
+it; it sits behind the API key like ``/debug/*``. With ``--workers N`` each answer is the serving
+process's own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 from typing import Any
 
 import aiohttp
+
+from proxy.hop import HopClient
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -36,12 +39,14 @@ def connector_counts(connector: aiohttp.BaseConnector | None) -> dict[str, int]:
     return {"in_use": len(acquired), "idle": sum(len(v) for v in conns.values())}
 
 
-def runtime_snapshot(*, connector: aiohttp.BaseConnector | None, requests: int, background: int,
-                     leases_open: int) -> dict[str, Any]:
+def runtime_snapshot(*, connector: aiohttp.BaseConnector | None, hops: HopClient | None = None,
+                     requests: int, background: int, leases_open: int) -> dict[str, Any]:
+    control = connector_counts(connector)
+    generate = hops.counts() if hops is not None else {"in_use": 0, "idle": 0}
     return {
         "pid": os.getpid(),
         "tasks": sum(1 for t in asyncio.all_tasks() if not t.done()),
-        "upstream_connections": connector_counts(connector),
+        "upstream_connections": {k: control[k] + generate[k] for k in ("in_use", "idle")},
         "requests_in_flight": requests,
         "background_tasks": background,
         "kv_leases_open": leases_open,

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 
 from kv_transfer.ledger import CloseReason, KVLeaseLedger, Lease
@@ -36,6 +35,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.hop import HopResponse
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
 from proxy.pools import Deadline, DeadlineExceeded, NoWorkerAvailable, Outcome, Overloaded, PickContext
@@ -65,11 +65,14 @@ from proxy.upstream import Upstream
 
 log = logging.getLogger("pd_proxy")
 _COMPACT: dict[str, Any] = {"separators": (",", ":"), "ensure_ascii": False}
-_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
 
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, **_COMPACT).encode()
+
+
+_HOST_CACHE = 1024
 
 
 def _is_loopback_or_unspecified(host: str) -> bool:
@@ -165,6 +168,9 @@ class Serving:
         self.draining = False
         """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""
         self._upstream: Upstream | None = None
+        self._local_hosts: dict[str, bool] = {}
+        """``_is_loopback_or_unspecified`` per host name, for ``rewrite_remote_host`` (a parse per
+        request was 1.6% of the proxy's CPU); bounded by ``_HOST_CACHE``."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -277,12 +283,21 @@ class Serving:
         if not self.settings.rewrite_remote_host:
             return params
         advertised = params.get("remote_host")
+        if not isinstance(advertised, str) or not self._is_local(advertised):
+            return params
         reached = urlsplit(worker.url).hostname
-        if (isinstance(advertised, str) and reached and _is_loopback_or_unspecified(advertised)
-                and not _is_loopback_or_unspecified(reached)):
+        if reached and not self._is_local(reached):
             params = dict(params)
             params["remote_host"] = reached
         return params
+
+    def _is_local(self, host: str) -> bool:
+        local = self._local_hosts.get(host)
+        if local is None:
+            if len(self._local_hosts) >= _HOST_CACHE:
+                self._local_hosts.clear()
+            local = self._local_hosts[host] = _is_loopback_or_unspecified(host)
+        return local
 
     # ---------------------------------------------------------------- the walk
 
@@ -1132,7 +1147,7 @@ class Serving:
         assert f.headers_ready is not None
         self.metrics.child(self.metrics.inflight, worker.pool).inc()
         self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
-        resp: aiohttp.ClientResponse | None = None
+        resp: HopResponse | None = None
         try:
             try:
                 resp = await self.upstream.open(
@@ -1236,6 +1251,7 @@ class Serving:
                 # The stream ended before any event: D answered, so it had the request.
                 self._close_lease(f, "unknown" if error is not None else "pulled")
             if done and error is None:
+                resp.release()  # kept alive once its last chunk is in (``close`` would drop it)
                 return "done", None, None
             if buffer.closed:
                 return "closed", None, None

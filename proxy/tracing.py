@@ -290,6 +290,17 @@ class Tracing:
                         "url.path": "/inference/v1/generate"})
         return _LiveTrace(self, span, trace.set_span_in_context(span), request_id, mono0=mono0, ns0=ns0)
 
+    def hop_header_injector(self) -> Callable[[dict[str, str]], None] | None:
+        """For the generate hops (``proxy.hop``): puts the hop's ``traceparent`` in its headers
+        (``None`` when off)."""
+        if self._tracer is None:
+            return None
+        from opentelemetry import propagate  # noqa: PLC0415
+
+        # The current context is the hop's span (``_LiveHop.__enter__``); outside a hop there is
+        # no valid span and the propagators write nothing.
+        return propagate.inject
+
     def client_trace_configs(self) -> list[aiohttp.TraceConfig] | None:
         """For the upstream ``ClientSession``: the hook that puts the hop's ``traceparent`` on
         every worker call (``None`` when off: the session then has no trace hooks at all)."""

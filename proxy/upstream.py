@@ -1,18 +1,20 @@
 """The transport seam: every byte the proxy exchanges with a worker goes through ``Upstream``.
 
-One pooled keep-alive ``aiohttp.ClientSession`` per process (created and closed by the app's
-``cleanup_ctx``), a timeout on every call, and transport errors translated once into the
-``proxy.errors.UpstreamError`` tree, naming the hop and the worker.
+The generate hops go through ``proxy.hop.HopClient`` (a lean HTTP/1.1 keep-alive pool, see
+there why); aborts and health probes through one pooled ``aiohttp.ClientSession``. Both are
+created and closed by the app's ``cleanup_ctx``. A timeout on every call, and transport errors
+translated once into the ``proxy.errors.UpstreamError`` tree, naming the hop and the worker.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 
+from proxy import __version__
 from proxy.errors import (
     UpstreamError,
     UpstreamProtocolError,
@@ -20,24 +22,40 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.hop import HopClient, HopDisconnected, HopProtocolError, HopResponse, header_lines
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
+
+HeaderInjector = Callable[[dict[str, str]], None]
+"""Adds headers to a hop (the tracing's ``traceparent``)."""
 
 
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def _broken(e: BaseException) -> str:
+    if isinstance(e, HopDisconnected):
+        return "closed the connection"
+    if isinstance(e, HopProtocolError):
+        return f"broke HTTP/1.1 ({e})"
+    return type(e).__name__
+
+
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, *, api_key: str | None,
-                 connect_timeout: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, *, api_key: str | None, connect_timeout: float,
+                 hops: HopClient | None = None, inject: HeaderInjector | None = None,
+                 keepalive: float = 4.0) -> None:
         self.session = session
         self.connect_timeout = connect_timeout
+        self.hops = hops or HopClient(connect_timeout=connect_timeout, keepalive=keepalive)
+        self._inject = inject
         self._headers = {"Content-Type": "application/json"}
         self._timeouts: dict[tuple[float | None, float | None], aiohttp.ClientTimeout] = {}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        self._hop_headers = header_lines({**self._headers, "User-Agent": f"pd-proxy/{__version__}"})
 
     def _timeout(self, total: float | None, sock_read: float | None = None) -> aiohttp.ClientTimeout:
         # ClientTimeout is immutable: build each combination once (a handful per process).
@@ -50,47 +68,50 @@ class Upstream:
         return timeout
 
     async def open(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
-                   total: float | None, sock_read: float | None = None) -> aiohttp.ClientResponse:
+                   total: float | None, sock_read: float | None = None) -> HopResponse:
         """POST a generate body and return the response once its headers arrived (status 2xx).
 
-        The caller owns the response (``close()`` it). Error statuses are read and raised.
+        ``total`` bounds the whole exchange (the body's reading included), ``sock_read`` each
+        wait for bytes. The caller owns the response (``close()`` it). Error statuses are read
+        and raised.
         """
-        headers = dict(self._headers)
-        headers["X-Request-Id"] = request_id
+        extra = {"X-Request-Id": request_id}
+        if self._inject is not None:
+            self._inject(extra)
+        headers = self._hop_headers + header_lines(extra)
+        hops = self.hops
+        deadline = hops.loop.time() + total if total is not None else None
         try:
-            resp = await self.session.post(
-                worker + GENERATE_PATH, data=_dumps(body), headers=headers,
-                timeout=self._timeout(total, sock_read),
-            )
+            resp = await hops.request(worker, GENERATE_PATH, headers, _dumps(body), deadline=deadline,
+                                      read_limit=sock_read)
         except TimeoutError:
             raise UpstreamTimeout(hop, worker, "timed out before answering") from None
-        except aiohttp.ClientError as e:
-            raise UpstreamUnavailable(hop, worker, f"unreachable ({type(e).__name__})") from None
+        except (OSError, HopProtocolError) as e:
+            raise UpstreamUnavailable(hop, worker, f"unreachable ({_broken(e)})") from None
         if resp.status >= 400:
             try:
                 payload = await resp.read()
-            except (TimeoutError, aiohttp.ClientError):
+            except (TimeoutError, OSError, HopProtocolError):
                 payload = b""
             finally:
-                resp.release()
+                resp.close()
             raise UpstreamStatusError(hop, worker, resp.status, payload,
-                                      resp.headers.get("Content-Type", "application/json"))
+                                      resp.headers.get("content-type", "application/json"))
         return resp
 
-    async def read_json(self, hop: str, worker: str, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    async def read_json(self, hop: str, worker: str, resp: HopResponse) -> dict[str, Any]:
         return (await self.read_json_raw(hop, worker, resp))[0]
 
-    async def read_json_raw(self, hop: str, worker: str,
-                            resp: aiohttp.ClientResponse) -> tuple[dict[str, Any], bytes]:
+    async def read_json_raw(self, hop: str, worker: str, resp: HopResponse) -> tuple[dict[str, Any], bytes]:
         """The JSON object of a response and its bytes (to forward untouched)."""
         try:
             raw = await resp.read()
         except TimeoutError:
             raise UpstreamTimeout(hop, worker, "timed out while answering") from None
-        except aiohttp.ClientError as e:
-            raise UpstreamUnavailable(hop, worker, f"connection lost ({type(e).__name__})") from None
+        except (OSError, HopProtocolError) as e:
+            raise UpstreamUnavailable(hop, worker, f"connection lost ({_broken(e)})") from None
         finally:
-            resp.release()
+            resp.close()
         try:
             obj = json.loads(raw)
         except ValueError:
@@ -108,10 +129,10 @@ class Upstream:
         resp = await self.open(hop, worker, body, request_id=request_id, total=total)
         return await self.read_json_raw(hop, worker, resp)
 
-    def iter_chunks(self, hop: str, worker: str, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    def iter_chunks(self, hop: str, worker: str, resp: HopResponse) -> AsyncIterator[bytes]:
         """The body of a streaming response as it arrives (whatever each read gave), errors
         translated. One awaitable per read: no async generator between the socket and the relay."""
-        return _Chunks(hop, worker, resp.content)
+        return _Chunks(hop, worker, resp)
 
     async def abort(self, worker: str, request_ids: list[str], *, limit: float) -> bool:
         """Tell a worker to abort ids; True when it answered 200."""
@@ -136,24 +157,23 @@ class Upstream:
 
 
 class _Chunks:
-    __slots__ = ("_content", "_hop", "_worker")
+    __slots__ = ("_hop", "_resp", "_worker")
 
-    def __init__(self, hop: str, worker: str, content: aiohttp.StreamReader) -> None:
+    def __init__(self, hop: str, worker: str, resp: HopResponse) -> None:
         self._hop = hop
         self._worker = worker
-        self._content = content
+        self._resp = resp
 
     def __aiter__(self) -> _Chunks:
         return self
 
     async def __anext__(self) -> bytes:
         try:
-            chunk = await self._content.readany()
+            chunk = await self._resp.read_any()
         except TimeoutError:
             raise UpstreamTimeout(self._hop, self._worker, "stream stalled") from None
-        except aiohttp.ClientError as e:
-            raise UpstreamUnavailable(self._hop, self._worker,
-                                      f"stream broken ({type(e).__name__})") from None
+        except (OSError, HopProtocolError) as e:
+            raise UpstreamUnavailable(self._hop, self._worker, f"stream broken ({_broken(e)})") from None
         if not chunk:
             raise StopAsyncIteration
         return chunk

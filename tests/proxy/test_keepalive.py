@@ -26,6 +26,7 @@ async def test_upstream_pool_drops_idle_connections_before_vllm_does(aiohttp_cli
     connector = client.app[SERVING].upstream.session.connector
     assert connector is not None
     assert connector._keepalive_timeout == settings.upstream_keepalive_timeout
+    assert client.app[SERVING].upstream.hops.keepalive == settings.upstream_keepalive_timeout
 
 
 def test_keepalive_is_a_cli_setting() -> None:

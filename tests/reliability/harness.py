@@ -157,6 +157,7 @@ class World:
         s.expire_leases()
         connector = s.upstream.session.connector
         acquired = len(connector._acquired) if connector is not None else 0
+        acquired += s.upstream.hops.counts()["in_use"]
         return {
             "table": [r.as_dict() for r in s.table.all()],
             "tracker": len(s.tracker),

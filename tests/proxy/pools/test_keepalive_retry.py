@@ -1,5 +1,7 @@
-"""A prefill hop whose reused keep-alive connection is closed before any response byte is retried,
-also with a single prefill worker (the retry goes to the same worker, on a new connection)."""
+"""A prefill hop whose reused keep-alive connection is closed before any response byte is sent
+again on a new connection to the same worker, also with a single prefill worker. The hop client
+does it (``proxy.hop``): the worker closed an idle connection and never read the request, so
+it is not the worker's failure: no retry, no upstream error, nothing toward its circuit."""
 
 from __future__ import annotations
 
@@ -36,10 +38,9 @@ async def test_reused_connection_closed_before_the_answer_is_retried_on_the_one_
         text = await (await client.get("/metrics")).text()
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(text) for s in f.samples}
-        assert samples[("pd_proxy_retries_total", (("hop", "prefill"),))] == 1
+        assert samples.get(("pd_proxy_retries_total", (("hop", "prefill"),)), 0) == 0
         labels = (("error", "connect"), ("pool", "prefill"), ("worker", url))
-        errors = ("pd_proxy_upstream_errors_total", labels)
-        assert samples[errors] == 1
+        assert samples.get(("pd_proxy_upstream_errors_total", labels), 0) == 0
         assert samples[("pd_proxy_requests_total", (("outcome", "ok"),))] == 2
         assert app[SERVING].ledger.open_count == 0
     finally:

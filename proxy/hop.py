@@ -1,0 +1,557 @@
+"""The HTTP/1.1 client of the generate hops: one keep-alive pool per process, lean per call.
+
+Every generate call the proxy makes (the prefill hop, the decode hop, stream or not) goes through
+``HopClient``; the low-volume control calls (aborts, health probes, metrics scrapes) stay on
+aiohttp's ``ClientSession``. Why not aiohttp here too: ``python -m benchmarks.hop_cost`` measured
+its client at about 150 µs of CPU per sequential hop against about 55 µs for a bare HTTP/1.1
+exchange with the same JSON work, and every request makes two hops: on a warm run that was a
+third of the proxy's CPU per request. The hops need little of a general client: one method, one
+content type, no cookies, redirects, proxies, compression or multipart. What they do need is here:
+
+* a keep-alive pool per worker (``scheme://host:port``), idle connections dropped after
+  ``keepalive`` seconds (under vLLM's 5 s) and at the first sign the worker closed them; a
+  request whose reused connection turns out closed before any byte of the answer is sent again
+  once on a new connection (the worker never read it, as Go's ``net/http`` does);
+* a connect timeout, a deadline for the whole exchange and a limit on each wait for bytes;
+* answers framed by ``Content-Length``, chunked encoding or the connection's end, the body read
+  whole or as it arrives, with back-pressure (reading pauses while 1 MiB waits unread);
+* TLS through the standard library (``ssl=`` context; ``https://`` workers);
+* a connection whose answer was not read to its end is closed, never reused: closing it is what
+  tells vLLM the caller left.
+
+Errors are the standard ones (``OSError``, ``TimeoutError``, ``HopProtocolError``); ``Upstream``
+turns them into the proxy's error tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+_MAX_HEAD = 64 * 1024
+"""Largest status line + headers accepted from a worker."""
+_READ_PAUSE = 1 << 20
+"""Body bytes buffered unread before the socket stops being read."""
+LINGER = 1.0
+"""How long a released answer's connection waits for the end of its framing."""
+_MAX_ORIGINS = 4096
+"""Cached URL parses (workers come and go through the admin API; the cache is bounded)."""
+
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
+
+
+class HopProtocolError(Exception):
+    """The worker broke HTTP/1.1 framing (or closed mid-answer: ``HopDisconnected``)."""
+
+
+class HopDisconnected(HopProtocolError, ConnectionError):
+    """The connection ended before the answer did."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    key: str
+    host: str
+    port: int
+    tls: bool
+    host_header: bytes
+    base_path: str
+
+
+def parse_origin(url: str) -> Origin:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    host = parts.hostname
+    shown = f"[{host}]" if ":" in host else host
+    default = port == (443 if tls else 80)
+    return Origin(key=f"{parts.scheme}://{shown}:{port}", host=host, port=port, tls=tls,
+                  host_header=(shown if default else f"{shown}:{port}").encode("idna"),
+                  base_path=parts.path.rstrip("/"))
+
+
+class _Conn(asyncio.Protocol):
+    """One connection: writes requests, parses one answer at a time into a body queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, origin: Origin) -> None:
+        self.loop = loop
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.uses = 0
+        self.idle_since = 0.0
+        self._pending = b""
+        self._state = _DONE
+        self._remaining = 0
+        self._keep_alive = True
+        self.got_bytes = False
+        self.head: tuple[int, dict[str, str]] | None = None
+        self._body: deque[bytes] = deque()
+        self._buffered = 0
+        self._reading_paused = False
+        self._exc: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._drain: asyncio.Future[None] | None = None
+        self._write_paused = False
+        self.on_done: Callable[[], None] | None = None
+        """Set while lingering (``HopResponse.release``): called when the answer ends."""
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._state == _UNTIL_CLOSE:
+            self._state = _DONE
+        elif self._state != _DONE and self._exc is None:
+            self._exc = HopDisconnected("the worker closed the connection before its answer ended"
+                                        if self.got_bytes else "the worker closed the connection")
+        self._wake()
+        if self.on_done is not None:
+            done, self.on_done = self.on_done, None
+            done()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("connection lost while sending"))
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    def eof_received(self) -> bool:
+        return False  # close the transport; connection_lost settles the answer
+
+    def data_received(self, data: bytes) -> None:
+        if not data:
+            return
+        self.got_bytes = True
+        if self._state == _DONE:
+            self._keep_alive = False  # bytes nobody asked for: never reuse this connection
+            return
+        try:
+            self._feed(data)
+        except HopProtocolError as e:
+            self._fail(e)
+        if self.on_done is not None:  # lingering: the caller has what it wanted of the body
+            self._body.clear()
+            self._buffered = 0
+            if self._state == _DONE or self._exc is not None:
+                done, self.on_done = self.on_done, None
+                done()
+            return
+        self._wake()
+
+    # -- parsing
+
+    def _feed(self, data: bytes) -> None:
+        if self._pending:
+            data, self._pending = self._pending + data, b""
+        pos, end = 0, len(data)
+        while pos < end:
+            state = self._state
+            if state in (_LENGTH, _CHUNK_DATA, _UNTIL_CLOSE):
+                take = end - pos if state == _UNTIL_CLOSE else min(self._remaining, end - pos)
+                self._push(data if pos == 0 and take == end else data[pos:pos + take])
+                pos += take
+                if state != _UNTIL_CLOSE:
+                    self._remaining -= take
+                    if self._remaining == 0:
+                        self._state = _DONE if state == _LENGTH else _CHUNK_END
+            elif state in (_CHUNK_SIZE, _CHUNK_END, _TRAILER):
+                nl = data.find(b"\r\n", pos)
+                if nl < 0:
+                    if end - pos > 4096:
+                        raise HopProtocolError("a chunk header longer than 4 KiB")
+                    self._pending = data[pos:]
+                    return
+                line = data[pos:nl]
+                pos = nl + 2
+                if state == _CHUNK_END:
+                    if line:
+                        raise HopProtocolError("chunk data longer than its declared size")
+                    self._state = _CHUNK_SIZE
+                elif state == _TRAILER:
+                    if not line:
+                        self._state = _DONE
+                else:
+                    try:
+                        size = int(line.split(b";", 1)[0].strip(), 16)
+                    except ValueError:
+                        raise HopProtocolError("a malformed chunk size") from None
+                    if size < 0:
+                        raise HopProtocolError("a malformed chunk size")
+                    if size == 0:
+                        self._state = _TRAILER
+                    else:
+                        self._state, self._remaining = _CHUNK_DATA, size
+            elif state == _HEAD:
+                mark = data.find(b"\r\n\r\n", pos)
+                if mark < 0:
+                    if end - pos > _MAX_HEAD:
+                        raise HopProtocolError("headers larger than 64 KiB")
+                    self._pending = data[pos:]
+                    return
+                head = data[pos:mark]
+                pos = mark + 4
+                self._parse_head(head)
+            else:  # _DONE: bytes past the answer
+                self._keep_alive = False
+                return
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        status_line = lines[0].split(b" ", 2)
+        if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
+            raise HopProtocolError("an answer that is not HTTP/1.x")
+        try:
+            status = int(status_line[1])
+        except ValueError:
+            raise HopProtocolError("a malformed status line") from None
+        if not 100 <= status <= 599:
+            raise HopProtocolError("a malformed status line")
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue): the real one follows
+        headers: dict[str, str] = {}
+        for raw in lines[1:]:
+            name, sep, value = raw.partition(b":")
+            if not sep or not name or name != name.strip():
+                raise HopProtocolError("a malformed header line")
+            headers[name.decode("latin-1").lower()] = value.strip().decode("latin-1")
+        if status_line[0] == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
+            self._keep_alive = False
+        encoding = headers.get("transfer-encoding")
+        length = headers.get("content-length")
+        if status in (204, 304):
+            self._state = _DONE
+        elif encoding is not None:
+            if encoding.lower() != "chunked":
+                raise HopProtocolError(f"an unsupported transfer encoding ({encoding})")
+            self._state = _CHUNK_SIZE
+        elif length is not None:
+            if not length.isdigit():
+                raise HopProtocolError("a malformed Content-Length")
+            self._remaining = int(length)
+            self._state = _LENGTH if self._remaining else _DONE
+        else:
+            self._state, self._keep_alive = _UNTIL_CLOSE, False
+        self.head = (status, headers)
+
+    def _push(self, chunk: bytes) -> None:
+        self._body.append(chunk)
+        self._buffered += len(chunk)
+        if self._buffered > _READ_PAUSE and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._exc is None:
+            self._exc = exc
+        self._keep_alive = False
+        if self.transport is not None:
+            self.transport.close()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- used by HopClient / HopResponse
+
+    @property
+    def reusable(self) -> bool:
+        return (self._state == _DONE and self._keep_alive and self._exc is None and not self.closed
+                and not self._body and self.transport is not None and not self.transport.is_closing())
+
+    def begin(self) -> None:
+        self._state = _HEAD
+        self.head = None
+        self.got_bytes = False
+        self._pending = b""
+        self.uses += 1
+
+    async def send(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+        if self._write_paused and not self.closed:
+            self._drain = self.loop.create_future()
+            await self._drain
+
+    async def wait(self, deadline: float | None) -> None:
+        """Until something arrives (or the connection ends), at most until ``deadline``."""
+        if self._exc is not None:
+            raise self._exc
+        waiter = self._waiter = self.loop.create_future()
+        timer = (self.loop.call_at(deadline, _expire, waiter) if deadline is not None else None)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def take(self) -> bytes:
+        """The body bytes buffered so far (b"" when none)."""
+        body = self._body
+        if not body:
+            return b""
+        data = body.popleft() if len(body) == 1 else b"".join(body)
+        body.clear()
+        self._buffered = 0
+        if self._reading_paused and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return data
+
+    @property
+    def finished(self) -> bool:
+        return self._state == _DONE
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._exc
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _until(loop: asyncio.AbstractEventLoop, deadline: float | None, read_limit: float | None) -> float | None:
+    """When a wait for bytes gives up: the exchange's deadline or ``read_limit`` from now."""
+    if read_limit is None:
+        return deadline
+    until = loop.time() + read_limit
+    return until if deadline is None else min(until, deadline)
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class HopResponse:
+    """An answer whose status line and headers arrived; the body is read through it.
+
+    ``close()`` (always call it) puts a fully read connection back in the pool and closes any
+    other."""
+
+    __slots__ = ("_client", "_conn", "_deadline", "_read_limit", "headers", "status")
+
+    def __init__(self, client: HopClient, conn: _Conn, status: int, headers: dict[str, str], *,
+                 deadline: float | None, read_limit: float | None) -> None:
+        self._client = client
+        self._conn: _Conn | None = conn
+        self._deadline = deadline
+        self._read_limit = read_limit
+        self.status = status
+        self.headers = headers
+        """Header names lower-cased."""
+
+
+    async def read_any(self) -> bytes:
+        """The body bytes that arrived since the last call (waiting for some); b"" at its end."""
+        conn = self._conn
+        if conn is None:
+            return b""
+        while True:
+            data = conn.take()
+            if data:
+                return data
+            if conn.finished:
+                self.close()
+                return b""
+            await conn.wait(_until(conn.loop, self._deadline, self._read_limit))
+
+    async def read(self) -> bytes:
+        """The rest of the body."""
+        parts = []
+        while chunk := await self.read_any():
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        """Done with the answer: a connection that carried it whole goes back to the pool, any
+        other is closed (the worker sees the caller leave)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._client.release(conn)
+
+    def release(self) -> None:
+        """Done with the answer, whose content has all arrived (a stream's ``[DONE]``): the
+        connection waits up to ``LINGER`` seconds for the end of the framing (the last chunk)
+        and then goes back to the pool; ``close()`` would close it."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        conn.take()
+        if conn.finished or conn.error is not None or conn.closed:
+            self._client.release(conn)
+        else:
+            self._client.linger(conn)
+
+
+class HopClient:
+    def __init__(self, *, connect_timeout: float, keepalive: float,
+                 ssl_context: ssl.SSLContext | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.connect_timeout = connect_timeout
+        self.keepalive = keepalive
+        self._ssl = ssl_context
+        self._loop = loop
+        self._origins: dict[str, Origin] = {}
+        self._idle: dict[str, list[_Conn]] = {}
+        self._in_use: set[_Conn] = set()
+        self._closed = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def origin(self, url: str) -> Origin:
+        origin = self._origins.get(url)
+        if origin is None:
+            if len(self._origins) >= _MAX_ORIGINS:
+                self._origins.clear()
+            origin = self._origins[url] = parse_origin(url)
+        return origin
+
+    def counts(self) -> dict[str, int]:
+        return {"in_use": len(self._in_use), "idle": sum(len(v) for v in self._idle.values())}
+
+    async def request(self, url: str, path: str, headers: bytes, body: bytes, *,
+                      deadline: float | None, read_limit: float | None = None) -> HopResponse:
+        """POST ``body`` to ``url + path`` with ``headers`` (complete ``Name: value\\r\\n`` lines,
+        Host and Content-Length added here). Returns once the status and headers arrived.
+
+        ``deadline`` (loop time) bounds the whole exchange, body included; ``read_limit`` each
+        wait for bytes (the headers' included)."""
+        if self._closed:
+            raise HopDisconnected("the hop client is closed")
+        origin = self.origin(url)
+        head = b"".join((b"POST ", (origin.base_path + path).encode(), b" HTTP/1.1\r\nHost: ",
+                         origin.host_header, b"\r\nContent-Length: ", str(len(body)).encode(),
+                         b"\r\n", headers, b"\r\n"))
+        message = head + body if len(body) < 65536 else None
+        while True:
+            conn = await self._acquire(origin, deadline)
+            reused = conn.uses > 0
+            conn.begin()
+            try:
+                if message is not None:
+                    await conn.send(message)
+                else:
+                    await conn.send(head)
+                    await conn.send(body)
+                while conn.head is None:
+                    await conn.wait(_until(self.loop, deadline, read_limit))
+            except BaseException as e:
+                self._in_use.discard(conn)
+                conn.close()
+                # A kept-alive connection the worker had closed: it never read the request.
+                if reused and isinstance(e, HopDisconnected | ConnectionResetError | BrokenPipeError) \
+                        and not conn.got_bytes:
+                    continue
+                raise
+            status, hdrs = conn.head
+            return HopResponse(self, conn, status, hdrs, deadline=deadline, read_limit=read_limit)
+
+    async def _acquire(self, origin: Origin, deadline: float | None) -> _Conn:
+        idle = self._idle.get(origin.key)
+        if idle:
+            now = self.loop.time()
+            while idle:
+                conn = idle.pop()
+                if conn.reusable and now - conn.idle_since < self.keepalive:
+                    self._in_use.add(conn)
+                    return conn
+                conn.close()
+        limit = self.connect_timeout
+        if deadline is not None:
+            limit = min(limit, max(0.0, deadline - self.loop.time()))
+        sslctx: ssl.SSLContext | None = None
+        if origin.tls:
+            if self._ssl is None:  # the system's CAs, full verification
+                self._ssl = ssl.create_default_context()
+            sslctx = self._ssl
+        conn = _Conn(self.loop, origin)
+        async with asyncio.timeout(limit):
+            await self.loop.create_connection(lambda: conn, origin.host, origin.port, ssl=sslctx,
+                                              server_hostname=origin.host if sslctx else None)
+        if self._closed:
+            conn.close()
+            raise HopDisconnected("the hop client is closed")
+        self._in_use.add(conn)
+        return conn
+
+    def release(self, conn: _Conn) -> None:
+        self._in_use.discard(conn)
+        if self._closed or not conn.reusable:
+            conn.close()
+            return
+        conn.idle_since = self.loop.time()
+        self._idle.setdefault(conn.origin.key, []).append(conn)
+
+    def linger(self, conn: _Conn) -> None:
+        def give_up() -> None:
+            if conn.on_done is not None:
+                conn.on_done = None
+                self.release(conn)  # still mid-answer: closes it
+
+        timer = self.loop.call_later(LINGER, give_up)
+
+        def done() -> None:
+            timer.cancel()
+            self.release(conn)
+
+        conn.on_done = done
+
+    def sweep(self) -> None:
+        """Close idle connections past the keep-alive time or closed by their worker."""
+        now = self.loop.time()
+        for key, conns in list(self._idle.items()):
+            keep = [c for c in conns if c.reusable and now - c.idle_since < self.keepalive]
+            for c in conns:
+                if c not in keep:
+                    c.close()
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+
+    async def close(self) -> None:
+        self._closed = True
+        conns = [c for v in self._idle.values() for c in v] + list(self._in_use)
+        self._idle.clear()
+        self._in_use.clear()
+        for c in conns:
+            c.close()
+        await asyncio.sleep(0)  # let the transports run their connection_lost
+
+
+def header_lines(headers: dict[str, str]) -> bytes:
+    """``Name: value\\r\\n`` lines; a value with CR, LF or NUL is left out (never sent broken)."""
+    out = []
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\0" in value:
+            continue
+        out.append(f"{name}: {value}\r\n".encode())
+    return b"".join(out)
+
+
+__all__ = ["HopClient", "HopDisconnected", "HopProtocolError", "HopResponse", "Origin", "header_lines",
+           "parse_origin"]

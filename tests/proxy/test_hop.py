@@ -1,0 +1,423 @@
+"""The generate hops' HTTP/1.1 client (``proxy.hop``) against scripted servers on loopback:
+framing, keep-alive reuse, the resend of a request whose kept-alive connection the worker had
+closed, timeouts, back-pressure, closing, cancellation, and the parser fed byte by byte."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.hop import (
+    HopClient,
+    HopDisconnected,
+    HopProtocolError,
+    _Conn,
+    header_lines,
+    parse_origin,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+class Server:
+    """A TCP server on 127.0.0.1 whose handler gets each connection's number (0, 1, ...)."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.closed_by_client: list[int] = []
+        self.requests: list[bytes] = []
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        n = self.connections
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, n)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def request(self, reader: asyncio.StreamReader) -> bytes:
+        """One request (head + Content-Length body); b"" when the client closed."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return b""
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        body = await reader.readexactly(length)
+        self.requests.append(head + body)
+        return head + body
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler, **client_kw: float) -> AsyncIterator[tuple[Server, str, HopClient]]:
+    server = Server(handler)
+    url = await server.start()
+    client = HopClient(connect_timeout=client_kw.get("connect_timeout", 5.0),
+                       keepalive=client_kw.get("keepalive", 4.0))
+    try:
+        yield server, url, client
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def until(check: Callable[[], bool]) -> None:
+    """Wait (bounded: 2 s) for a state; the assertion after it says what was expected."""
+    for _ in range(200):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body
+
+
+def chunked(*parts: bytes) -> bytes:
+    out = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"
+    for p in parts:
+        out += f"{len(p):x}\r\n".encode() + p + b"\r\n"
+    return out + b"0\r\n\r\n"
+
+
+async def post(client: HopClient, url: str, body: bytes = b"{}", *, deadline: float | None = None,
+               read_limit: float | None = 5.0) -> tuple[int, bytes]:
+    if deadline is None:
+        deadline = asyncio.get_running_loop().time() + 10
+    resp = await client.request(url, "/inference/v1/generate", b"Content-Type: application/json\r\n", body,
+                                deadline=deadline, read_limit=read_limit)
+    try:
+        return resp.status, await resp.read()
+    finally:
+        resp.close()
+
+
+async def test_a_kept_alive_connection_carries_the_next_request() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(ok(b'{"n":%d}' % len(server.requests)))
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url, b'{"a":1}') == (200, b'{"n":1}')
+        assert await post(client, url) == (200, b'{"n":2}')
+        assert server.connections == 1
+        assert client.counts() == {"in_use": 0, "idle": 1}
+    head = server.requests[0].split(b"\r\n\r\n")[0]
+    assert head.startswith(b"POST /inference/v1/generate HTTP/1.1\r\n")
+    assert f"Host: 127.0.0.1:{url.rsplit(':', 1)[1]}".encode() in head
+    assert b"Content-Length: 7" in head and server.requests[0].endswith(b'{"a":1}')
+
+
+async def test_a_chunked_answer_arrives_as_it_is_sent_and_the_connection_is_reused() -> None:
+    go = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(chunked(b"data: 1\n\n")[:-5])  # the first event, not the last chunk yet
+            await w.drain()
+            await go.wait()
+            w.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 10, read_limit=5)
+        assert resp.status == 200 and resp.headers["content-type"] == "text/event-stream"
+        assert await resp.read_any() == b"data: 1\n\n"
+        go.set()
+        assert await resp.read_any() == b"data: 2\n\n"
+        assert await resp.read_any() == b""
+        resp.close()
+        assert client.counts() == {"in_use": 0, "idle": 1}
+        assert (await post(client, url))[0] == 200
+        assert server.connections == 1
+
+
+async def test_a_body_until_the_connection_ends_is_read_whole_and_the_connection_not_kept() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"x\":")
+        await w.drain()
+        w.write(b"1}")
+        w.close()
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b'{"x":1}')
+        assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+@pytest.mark.parametrize("head", [b"HTTP/1.1 200 OK\r\nConnection: close\r\n", b"HTTP/1.0 200 OK\r\n"])
+async def test_an_answer_that_closes_its_connection_is_not_kept(head: bytes) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(head + b"Content-Length: 2\r\n\r\n{}")
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b"{}")
+        assert await post(client, url) == (200, b"{}")
+        assert server.connections == 2
+
+
+async def test_a_request_on_a_connection_the_worker_closed_is_sent_again_once() -> None:
+    """The worker closes a kept-alive connection as the request arrives (its idle timeout): no
+    answer byte, so it never read the request: sent again on a new connection."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            if n == 0 and len(server.requests) == 2:
+                return  # closes without answering
+            w.write(ok(b"{}"))
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b"{}")
+        assert await post(client, url) == (200, b"{}")
+        assert server.connections == 2 and len(server.requests) == 3
+
+
+async def test_a_new_connection_closed_before_the_answer_is_an_error_not_a_resend() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)  # then closes
+
+    async with serving(handler) as (server, url, client):
+        with pytest.raises(HopDisconnected):
+            await post(client, url)
+        assert server.connections == 1
+        assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+async def test_a_connection_lost_mid_body_is_an_error_and_not_kept() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{\"a\"")
+        await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        with pytest.raises(HopDisconnected):
+            await post(client, url)
+        assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+async def test_an_unreachable_worker_is_an_os_error() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        pass
+
+    async with serving(handler) as (server, url, client):
+        await server.close()
+        with pytest.raises(OSError):
+            await post(client, url)
+
+
+@pytest.mark.parametrize("where", ["headers", "body"])
+@pytest.mark.parametrize("limit", ["deadline", "read_limit"])
+async def test_a_silent_worker_times_out_and_its_connection_is_closed(where: str, limit: str) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        if where == "body":
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+            await w.drain()
+        await r.read()  # until the client closes
+        server.closed_by_client.append(n)
+
+    async with serving(handler) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        with pytest.raises(TimeoutError):
+            if limit == "deadline":
+                await post(client, url, deadline=loop.time() + 0.2, read_limit=None)
+            else:
+                await post(client, url, deadline=loop.time() + 60, read_limit=0.2)
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+        assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+async def test_closing_an_answer_before_its_end_closes_the_connection_release_keeps_it() -> None:
+    """``close()`` mid-answer tells the worker the caller left (vLLM aborts on it); ``release()``
+    after the content waits for the framing's end and keeps the connection."""
+    finish = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(chunked(b"data: [DONE]\n\n")[:-5])
+            await w.drain()
+            if len(server.requests) == 1:
+                await r.read()
+                server.closed_by_client.append(n)
+                return
+            await finish.wait()
+            w.write(b"0\r\n\r\n")
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=5)
+        assert await resp.read_any() == b"data: [DONE]\n\n"
+        resp.close()
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 10, read_limit=5)
+        assert await resp.read_any() == b"data: [DONE]\n\n"
+        resp.release()
+        assert client.counts() == {"in_use": 1, "idle": 0}  # lingering for the last chunk
+        finish.set()
+        await until(lambda: client.counts()["idle"] == 1)
+        assert client.counts() == {"in_use": 0, "idle": 1}
+        assert server.connections == 2
+
+
+async def test_an_unread_body_pauses_reading_until_it_is_read() -> None:
+    size = 4 << 20
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        w.write(b"x" * size)
+        await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 30, read_limit=10)
+        conn = resp._conn
+        assert conn is not None
+        await until(lambda: conn._reading_paused)
+        assert conn._reading_paused and conn._buffered < size
+        assert len(await resp.read()) == size
+        resp.close()
+
+
+async def test_a_cancelled_request_closes_its_connection() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        await r.read()
+        server.closed_by_client.append(n)
+
+    async with serving(handler) as (server, url, client):
+        task = asyncio.create_task(post(client, url))
+        await until(lambda: bool(server.requests))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+        assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+async def test_idle_connections_past_the_keepalive_are_not_reused_and_are_swept() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(ok(b"{}"))
+            await w.drain()
+
+    async with serving(handler, keepalive=0.0) as (server, url, client):
+        await post(client, url)
+        await post(client, url)
+        assert server.connections == 2
+        client.sweep()
+        assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+@pytest.mark.parametrize("answer", [
+    b"SPDY/3 200 OK\r\n\r\n",
+    b"HTTP/1.1 abc OK\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",
+])
+async def test_a_broken_answer_is_a_protocol_error(answer: bytes) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        w.write(answer)
+        await w.drain()
+        await r.read()
+
+    async with serving(handler) as (server, url, client):
+        with pytest.raises(HopProtocolError) as e:
+            await post(client, url)
+        assert not isinstance(e.value, HopDisconnected)
+        assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+def test_header_values_with_line_breaks_are_left_out() -> None:
+    assert header_lines({"X-Request-Id": "a\r\nEvil: 1", "X-Ok": "b"}) == b"X-Ok: b\r\n"
+
+
+@pytest.mark.parametrize(("url", "key", "host", "path"), [
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000", b"127.0.0.1:8000", ""),
+    ("http://[::1]:9/", "http://[::1]:9", b"[::1]:9", ""),
+    ("https://w.example/v", "https://w.example:443", b"w.example", "/v"),
+])
+def test_origins(url: str, key: str, host: bytes, path: str) -> None:
+    o = parse_origin(url)
+    assert (o.key, o.host_header, o.base_path) == (key, host, path)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.paused = False
+        self.closing = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def close(self) -> None:
+        self.closing = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=8),
+       cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+       extension=st.booleans())
+def test_the_parser_gives_the_same_body_however_the_bytes_are_split(
+        parts: list[bytes], cuts: list[int], extension: bool) -> None:
+    wire = chunked(*parts)
+    if extension:
+        wire = wire[:-5] + b"0;ext=1\r\nTrailer: x\r\n\r\n"  # the last chunk with both
+    loop = asyncio.new_event_loop()
+    try:
+        conn = _Conn(loop, parse_origin("http://127.0.0.1:1"))
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        conn.begin()
+        points = sorted({c % len(wire) for c in cuts} | {0, len(wire)})
+        body = b""
+        for a, b in itertools.pairwise(points):
+            conn.data_received(wire[a:b])
+            body += conn.take()
+        assert conn.head is not None and conn.head[0] == 200
+        assert body == b"".join(parts)
+        assert conn.finished and conn.reusable
+    finally:
+        loop.close()
