@@ -90,16 +90,21 @@ async def test_without_proxy_the_kv_stays_pinned_for_the_lease(vllm_cluster: Clu
     body = {"request_id": "e2e-nopx", "token_ids": prompt(seed=8), "stream": False,
             "sampling_params": {"temperature": 0, "max_tokens": 1},
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    # Timed from the request's sending: the lease runs from P's finish, which comes before its
+    # answer (on the loaded 2-core stack P's answer once came 24 s after its finish).
+    t0 = time.monotonic()
     async with aiohttp.ClientSession(connector=vllm_connector()) as s, \
             s.post(p + "/inference/v1/generate", json=body) as r:
         assert r.status == 200
         assert (await r.json())["kv_transfer_params"] is not None
-    t0 = time.monotonic()
+    answered = time.monotonic() - t0
     assert await metric(p, USAGE) > 0.0
     freed = await seconds_until(p, USAGE, lambda v: v == 0.0, 60, step=0.5)
-    print(f"\nwithout pd-proxy: P's KV freed {freed} s after the client went away (lease expiry)")
-    assert freed is not None and freed >= 20.0, "expected the blocks pinned until the ~30 s lease"
-    assert time.monotonic() - t0 < 70
+    assert freed is not None
+    print(f"\nwithout pd-proxy: P's KV freed {answered + freed:.1f} s after the request was sent, "
+          f"{freed:.1f} s after its answer (lease expiry)")
+    assert answered + freed >= 20.0, "expected the blocks pinned until the ~30 s lease"
+    assert time.monotonic() - t0 < 130
 
 
 async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> None:
