@@ -14,6 +14,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.logs import configure_access_log
+from proxy.pools.pool import normalize_url
 from proxy.pools.runtime import add_pool_arguments, pool_settings_from_args
 from proxy.settings import ProxySettings
 from proxy.tls import server_context
@@ -86,6 +87,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
         p.error("--otel needs the OpenTelemetry packages: pip install 'pd-proxy[otel]'")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
+        for url in (*a.prefill, *a.decode):
+            normalize_url(url)
         return _settings(a)
     except ValueError as e:
         p.error(str(e))

@@ -64,11 +64,16 @@ class Origin:
 
 
 def parse_origin(url: str) -> Origin:
-    parts = urlsplit(url)
+    """``ValueError`` naming the URL when it has no host or a port out of range."""
+    try:
+        parts = urlsplit(url)
+        port_given = parts.port
+    except ValueError:
+        raise ValueError(f"worker URL has an invalid port: {url!r}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
+        raise ValueError(f"worker URL must be http(s)://host[:port], got {url!r}")
     tls = parts.scheme == "https"
-    port = parts.port or (443 if tls else 80)
+    port = port_given or (443 if tls else 80)
     host = parts.hostname
     shown = f"[{host}]" if ":" in host else host
     default = port == (443 if tls else 80)

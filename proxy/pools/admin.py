@@ -25,7 +25,7 @@ from aiohttp import web
 
 from proxy.errors import ClientError, ProxyError, Unauthorized
 from proxy.pools.membership import ADMIN_SOURCE, Pools
-from proxy.pools.pool import Pool
+from proxy.pools.pool import Pool, normalize_url
 
 POOLS_KEY = web.AppKey("pools", Pools)
 ADMIN_KEY = web.AppKey("admin_key", bytes)
@@ -73,6 +73,10 @@ async def _target(request: web.Request) -> tuple[Pool, str, dict[str, Any]]:
         raise AdminBadRequest(f"'pool' must be one of: {', '.join(pools.names)}", param="pool")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise AdminBadRequest("'url' must be an http:// or https:// URL", param="url")
+    try:
+        url = normalize_url(url)
+    except ValueError as e:
+        raise AdminBadRequest(f"'url': {e}", param="url") from None
     return pools[name], url, data
 
 

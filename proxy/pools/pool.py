@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from proxy.hop import parse_origin
 from proxy.pools.admission import WaitQueue
 from proxy.pools.breaker import BreakerConfig, CircuitBreaker
 from proxy.pools.errors import NoWorkerAvailable
@@ -34,6 +35,7 @@ def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
+    parse_origin(url)  # a host, a valid port: refused here rather than on the first hop
     return url
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from proxy.cli import parse_args
 from proxy.pools.admin import admin_app
 from proxy.pools.membership import ConfigFileSource, Pools, load_config
 from proxy.pools.policies import make_policy
@@ -67,10 +68,12 @@ def test_bad_config_file_keeps_previous_membership(tmp_path: Path, text: str) ->
     assert urls(pools, "decode") == [D1, D2]
 
 
-def test_load_config_reports_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("url", "reason"), [("ftp://x", "http://"), ("http://x:99999", "invalid port"),
+                                           ("https://:443", "host")])
+def test_load_config_reports_reason(tmp_path: Path, url: str, reason: str) -> None:
     cfg = tmp_path / "w.toml"
-    cfg.write_text('[pools.decode]\nworkers = ["ftp://x"]\n')
-    with pytest.raises(ValueError, match="http://"):
+    cfg.write_text(f'[pools.decode]\nworkers = ["{url}"]\n')
+    with pytest.raises(ValueError, match=reason):
         load_config(cfg)
 
 
@@ -126,6 +129,8 @@ async def test_admin_add_list_drain_delete(aiohttp_client: Any) -> None:
 @pytest.mark.parametrize(("method", "path", "kw", "param"), [
     ("post", "/admin/workers", {"json": {"pool": "gpu", "url": D2}}, "pool"),
     ("post", "/admin/workers", {"json": {"pool": "decode", "url": "127.0.0.1:1"}}, "url"),
+    ("post", "/admin/workers", {"json": {"pool": "decode", "url": "http://127.0.0.1:99999"}}, "url"),
+    ("post", "/admin/workers", {"json": {"pool": "decode", "url": "http://:8000"}}, "url"),
     ("post", "/admin/workers", {"data": b"{not json", "headers": {"Content-Type": "application/json"}}, None),
     ("post", "/admin/workers", {"json": [1, 2]}, None),
     ("post", "/admin/workers/drain", {"json": {"pool": "decode", "url": D1, "drain": 3}}, "drain"),
@@ -141,3 +146,11 @@ async def test_admin_bad_requests(aiohttp_client: Any, method: str, path: str, k
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["param"] == param and body["error"]["code"] == 400
     assert urls(pools, "decode") == [D1] and not pools["decode"].workers[0].draining
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "http://127.0.0.1:99999", "http://:8000"])
+def test_the_cli_refuses_a_bad_worker_url_with_a_usage_error(url: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--prefill", "http://127.0.0.1:1", "--decode", url])
+    assert e.value.code == 2 and "worker URL" in capsys.readouterr().err
