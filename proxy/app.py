@@ -184,8 +184,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                                      keepalive_timeout=settings.upstream_keepalive_timeout,
                                      enable_cleanup_closed=True, ssl=tls if tls is not None else True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                    json_serialize=json.dumps,
-                                    trace_configs=serving.tracing.client_trace_configs())
+                                    json_serialize=json.dumps)
     hops = HopClient(connect_timeout=settings.connect_timeout,
                      keepalive=settings.upstream_keepalive_timeout, ssl_context=tls)
     serving.attach(Upstream(session, api_key=settings.upstream_api_key,

@@ -39,10 +39,10 @@ def connector_counts(connector: aiohttp.BaseConnector | None) -> dict[str, int]:
     return {"in_use": len(acquired), "idle": sum(len(v) for v in conns.values())}
 
 
-def runtime_snapshot(*, connector: aiohttp.BaseConnector | None, hops: HopClient | None = None,
-                     requests: int, background: int, leases_open: int) -> dict[str, Any]:
+def runtime_snapshot(*, connector: aiohttp.BaseConnector | None, hops: HopClient, requests: int,
+                     background: int, leases_open: int) -> dict[str, Any]:
     control = connector_counts(connector)
-    generate = hops.counts() if hops is not None else {"in_use": 0, "idle": 0}
+    generate = hops.counts()
     return {
         "pid": os.getpid(),
         "tasks": sum(1 for t in asyncio.all_tasks() if not t.done()),

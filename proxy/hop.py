@@ -26,6 +26,7 @@ turns them into the proxy's error tree.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -416,7 +417,8 @@ class HopClient:
         self.keepalive = keepalive
         self._ssl = ssl_context
         self._loop = loop
-        self._origins: dict[str, Origin] = {}
+        self.origin = functools.lru_cache(maxsize=_MAX_ORIGINS)(parse_origin)
+        """``parse_origin``, each URL parsed once."""
         self._idle: dict[str, list[_Conn]] = {}
         self._in_use: set[_Conn] = set()
         self._closed = False
@@ -427,13 +429,6 @@ class HopClient:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
-    def origin(self, url: str) -> Origin:
-        origin = self._origins.get(url)
-        if origin is None:
-            if len(self._origins) >= _MAX_ORIGINS:
-                self._origins.clear()
-            origin = self._origins[url] = parse_origin(url)
-        return origin
 
     def counts(self) -> dict[str, int]:
         return {"in_use": len(self._in_use), "idle": sum(len(v) for v in self._idle.values())}

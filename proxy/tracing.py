@@ -12,11 +12,11 @@ OpenTelemetry. On, each generate request gives one trace::
       decode                      CLIENT   one per decode call (retries, migrations, a KV release)
 
 Every worker call made inside a ``prefill``/``decode`` span carries that span's ``traceparent``
-(and ``tracestate``/baggage per ``OTEL_PROPAGATORS``), injected by an aiohttp ``TraceConfig``
-hook on the upstream session, so a worker that traces (vLLM's ``--otlp-traces-endpoint``) joins
-the trace under the hop that called it. Attributes: ``pd.request_id`` on every span;
-``pd.pool``, ``pd.worker``, ``pd.attempt`` and ``pd.hop.status`` on hops (``ok`` or the error
-class; streams: ``done``, ``closed``, ``broken``, ``protocol``, ``open_failed``);
+(and ``tracestate``/baggage per ``OTEL_PROPAGATORS``), put in its headers by the hop client
+(``Tracing.hop_header_injector``, ``proxy.upstream``), so a worker that traces (vLLM's
+``--otlp-traces-endpoint``) joins the trace under the hop that called it. Attributes:
+``pd.request_id`` on every span; ``pd.pool``, ``pd.worker``, ``pd.attempt`` and ``pd.hop.status``
+on hops (``ok`` or the error class; streams: ``done``, ``closed``, ``broken``, ``protocol``, ``open_failed``);
 ``pd.outcome``, ``http.response.status_code``, ``pd.prefill_worker``, ``pd.decode_worker``,
 ``pd.decode_only`` and ``pd.abort`` on the request span. No prompt, output or key is recorded.
 
@@ -40,8 +40,6 @@ from collections.abc import Callable
 from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
-
-import aiohttp
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -225,15 +223,6 @@ class _LiveTrace(RequestTrace):
 # ------------------------------------------------------------------------------ the app's tracing
 
 
-async def _inject_traceparent(session: aiohttp.ClientSession, ctx: Any,
-                              params: aiohttp.TraceRequestStartParams) -> None:
-    from opentelemetry import propagate  # noqa: PLC0415
-
-    # The current context is the hop's span (``_LiveHop.__enter__``); outside a hop there is no
-    # valid span and the propagators write nothing.
-    propagate.inject(params.headers)
-
-
 class Tracing:
     """The app's tracing: ``start`` gives each request its trace (``NOOP_TRACE`` when off)."""
 
@@ -300,16 +289,6 @@ class Tracing:
         # The current context is the hop's span (``_LiveHop.__enter__``); outside a hop there is
         # no valid span and the propagators write nothing.
         return propagate.inject
-
-    def client_trace_configs(self) -> list[aiohttp.TraceConfig] | None:
-        """For the upstream ``ClientSession``: the hook that puts the hop's ``traceparent`` on
-        every worker call (``None`` when off: the session then has no trace hooks at all)."""
-        if self._tracer is None:
-            return None
-        config = aiohttp.TraceConfig()
-        config.on_request_start.append(_inject_traceparent)
-        config.freeze()
-        return [config]
 
     def shutdown(self) -> None:
         """Flush and stop a provider this module built (others belong to whoever set them)."""

@@ -79,19 +79,17 @@ class Upstream:
         self.hops = hops or HopClient(connect_timeout=connect_timeout, keepalive=keepalive)
         self._inject = inject
         self._headers = {"Content-Type": "application/json"}
-        self._timeouts: dict[tuple[float | None, float | None], aiohttp.ClientTimeout] = {}
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._hop_headers = header_lines({**self._headers, "User-Agent": f"pd-proxy/{__version__}"})
 
-    def _timeout(self, total: float | None, sock_read: float | None = None) -> aiohttp.ClientTimeout:
-        # ClientTimeout is immutable: build each combination once (a handful per process).
-        key = (total, sock_read)
-        timeout = self._timeouts.get(key)
+    def _timeout(self, total: float) -> aiohttp.ClientTimeout:
+        # ClientTimeout is immutable: build each one once (a handful per process).
+        timeout = self._timeouts.get(total)
         if timeout is None:
-            timeout = self._timeouts[key] = aiohttp.ClientTimeout(
-                total=total, sock_connect=self.connect_timeout, connect=self.connect_timeout,
-                sock_read=sock_read)
+            timeout = self._timeouts[total] = aiohttp.ClientTimeout(
+                total=total, sock_connect=self.connect_timeout, connect=self.connect_timeout)
         return timeout
 
     async def open(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
