@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
+GENERATED = "vllm:generation_tokens_total"
+LEASE = 30.0  # vLLM's default NIXL kv_lease_duration, which the shared cluster keeps
 
 
 async def metric(url: str, name: str) -> float:
@@ -69,9 +71,11 @@ async def test_between_hops_disconnect_frees_prefill_kv_fast(vllm_cluster: Clust
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            freed = await seconds_until(p, USAGE, lambda v: v == 0.0, 10, step=0.05)
+            freed = await seconds_until(p, USAGE, lambda v: v == 0.0, LEASE / 2, step=0.05)
         print(f"\nwith pd-proxy: P's KV freed {freed} s after the between-hops disconnect")
-        assert freed is not None and freed <= 2.0
+        # The proxy's release (D pulls the blocks, P frees them) takes ~0.3 s on a quiet machine and
+        # has taken 2.7 s on a loaded CI machine; without it the blocks stay for the whole lease.
+        assert freed is not None and freed <= LEASE / 3, "P's KV stayed pinned: no release ran"
         # P frees its blocks once D has pulled them; the proxy closes the lease when D's one-token
         # release reply arrives, a moment later (seconds under load).
         deadline = time.monotonic() + 30
@@ -115,6 +119,7 @@ async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> Non
             "sampling_params": {"temperature": 0, "max_tokens": 360, "ignore_eos": True}}
     async with run_proxy(vllm_cluster) as (url, app), \
             aiohttp.ClientSession(connector=vllm_connector()) as s:
+        generated_before = await metric(d, GENERATED)
         async with s.post(url + "/inference/v1/generate", json=body) as r:
             seen = b""
             while seen.count(b"\n\n") < 3:
@@ -131,6 +136,11 @@ async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> Non
         tokens = sum(len(c["token_ids"]) for e in events for c in e["choices"])
         assert tokens < 360
         for w in (p, d):
-            assert await seconds_until(w, RUNNING, lambda v: v == 0.0, 5) is not None
+            assert await seconds_until(w, RUNNING, lambda v: v == 0.0, 30) is not None
+        # D was told to stop: it did not go on to generate the rest of the 360 tokens unseen (vLLM
+        # counts no finish for an aborted request, so its generated tokens are the evidence).
+        generated = await metric(d, GENERATED) - generated_before
+        print(f"\nD generated {generated:.0f} of the 360 tokens; the client saw {tokens}")
+        assert generated < 360, "D was not aborted"
         await wait_idle(p)
         assert len(app[SERVING].table) == 0
