@@ -28,12 +28,12 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.protocol import RequestValidationError, VLLMValidationError, error_body
+from proxy.protocol import RequestValidationError, VLLMValidationError, compact_json, error_body
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     """JSON as vLLM (starlette) writes it: compact, UTF-8 unescaped."""
-    return web.Response(body=json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
+    return web.Response(body=compact_json(body),
                         status=status, headers=headers, content_type="application/json")
 
 

@@ -516,6 +516,15 @@ def parse_generate_body(body: bytes, content_type: str) -> tuple[GenerateRequest
 # --------------------------------------------------------------------------------------------
 # Response / error shapes
 
+_COMPACT_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+"""Built once: ``json.dumps`` with keyword arguments builds a new encoder per call."""
+
+
+def compact_json(obj: Any) -> bytes:
+    """JSON as vLLM (starlette) writes it: compact, UTF-8 unescaped."""
+    return _COMPACT_ENCODE(obj).encode()
+
+
 
 class ErrorInfo(BaseModel):
     message: str

@@ -15,9 +15,8 @@ import asyncio
 import json
 from typing import Any
 
+from proxy.protocol import compact_json
 from proxy.sse import data_event, split_events
-
-_COMPACT = {"separators": (",", ":"), "ensure_ascii": False}
 
 
 def _merge_choice(acc: dict[str, Any], new: dict[str, Any]) -> None:
@@ -95,9 +94,9 @@ def merge_chunks(datas: list[bytes]) -> list[bytes]:
         env = by_index[index]
         if usage_only is None and latest_usage is not None and env.get("usage") is not None:
             env["usage"] = latest_usage
-        out.append(json.dumps(env, **_COMPACT).encode())  # type: ignore[arg-type]
+        out.append(compact_json(env))
     if usage_only is not None:
-        out.append(json.dumps(usage_only, **_COMPACT).encode())  # type: ignore[arg-type]
+        out.append(compact_json(usage_only))
     out.extend(tail)
     return out
 

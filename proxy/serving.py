@@ -53,6 +53,7 @@ from proxy.protocol import (
     abort_full_response,
     abort_stream_chunk,
     check_prefill_kv_params,
+    compact_json,
     engine_request_id,
     parse_generate_body,
 )
@@ -65,12 +66,7 @@ from proxy.tracing import NOOP_HOP, NOOP_TRACE, Hop, RequestTrace, Tracing
 from proxy.upstream import TokenIds, Upstream
 
 log = logging.getLogger("pd_proxy")
-_COMPACT: dict[str, Any] = {"separators": (",", ":"), "ensure_ascii": False}
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, **_COMPACT).encode()
 
 
 _HOST_CACHE = 1024
@@ -739,7 +735,7 @@ class Serving:
             # Non-stream: the decode hop (KV pull and first token included) per output token.
             self.metrics.tpot.observe((f.timing.d1 - f.timing.d0) / f.completion_tokens)
         if self._merge_prefill_info(f, reply):
-            raw = _dumps(reply)  # otherwise D's bytes go out untouched
+            raw = compact_json(reply)  # otherwise D's bytes go out untouched
         now = self.clock()
         self.metrics.ttft.observe(now - f.timing.t0)
         headers = dict(f.headers)
@@ -1382,7 +1378,7 @@ class Serving:
         if buffer is None or buffer.closed:
             return
         for index in range(f.request.sampling_params.n):
-            chunk = _dumps(abort_stream_chunk(f.record.engine_id, f.request.output_mode, index))
+            chunk = compact_json(abort_stream_chunk(f.record.engine_id, f.request.output_mode, index))
             buffer.put(data_event(chunk), chunk)
         buffer.finish(done=True)
 
@@ -1440,17 +1436,17 @@ class Serving:
                                        prompt_tokens=prompt_tokens, output_mode=req.output_mode, n=n)
             headers = dict(f.headers)
             headers["Server-Timing"] = f.timing.header(self.clock())
-            return web.Response(body=_dumps(body), content_type="application/json", headers=headers)
+            return web.Response(body=compact_json(body), content_type="application/json", headers=headers)
         headers = dict(f.headers)
         headers["Content-Type"] = "text/event-stream; charset=utf-8"
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
-        out = [data_event(_dumps(abort_stream_chunk(rid, req.output_mode, i))) for i in range(n)]
+        out = [data_event(compact_json(abort_stream_chunk(rid, req.output_mode, i))) for i in range(n)]
         if req.include_usage:
             usage = {"request_id": rid, "usage": {"prompt_tokens": prompt_tokens,
                      "total_tokens": prompt_tokens, "completion_tokens": 0},
                      "output_mode": req.output_mode, "choices": []}
-            out.append(data_event(_dumps(usage)))
+            out.append(data_event(compact_json(usage)))
         if request.headers.get("X-PD-Timing") == "1":
             out.append(comment_event("server-timing " + f.timing.header(self.clock())))
         out.append(DONE_EVENT)

@@ -23,16 +23,13 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.hop import HopClient, HopDisconnected, HopProtocolError, HopResponse, header_lines
+from proxy.protocol import compact_json
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
 
 HeaderInjector = Callable[[dict[str, str]], None]
 """Adds headers to a hop (the tracing's ``traceparent``)."""
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class TokenIds(list[int]):
@@ -48,7 +45,7 @@ class TokenIds(list[int]):
 
     def json(self) -> bytes:
         if self._json is None:
-            self._json = _dumps(self)
+            self._json = compact_json(self)
         return self._json
 
 
@@ -56,10 +53,10 @@ def encode_body(body: dict[str, Any]) -> bytes:
     """A hop body as JSON, ``TokenIds`` spliced in from their cached text."""
     ids = body.get("token_ids")
     if type(ids) is not TokenIds or len(body) == 1:
-        return _dumps(body)
+        return compact_json(body)
     rest = dict(body)
     del rest["token_ids"]
-    return _dumps(rest)[:-1] + b',"token_ids":' + ids.json() + b"}"
+    return compact_json(rest)[:-1] + b',"token_ids":' + ids.json() + b"}"
 
 
 def _broken(e: BaseException) -> str:
@@ -163,7 +160,7 @@ class Upstream:
         """Tell a worker to abort ids; True when it answered 200."""
         try:
             async with self.session.post(
-                worker + ABORT_PATH, data=_dumps({"request_ids": request_ids}),
+                worker + ABORT_PATH, data=compact_json({"request_ids": request_ids}),
                 headers=self._headers, timeout=self._timeout(limit),
             ) as resp:
                 await resp.read()

@@ -39,6 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.protocol import compact_json
+
 MAX_REWIND = 64
 """At most this many trailing tokens are rewound (beyond it the seam risks the garbage delta; it
 takes 64 tokens merged into chunks with no one-token chunk with text between them)."""
@@ -249,7 +251,7 @@ class StreamFollower:
         chunk["choices"] = choices
         if isinstance(usage, dict):
             chunk["usage"] = rewrite_usage(usage, self.cont)
-        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+        return compact_json(chunk)
 
     def finished(self) -> bool:
         """The client already has every token it asked for (nothing to continue)."""
