@@ -39,7 +39,10 @@ def body_middleware(max_bytes: int, timeout: float, read_paths: Collection[str])
             if request.path not in paths:
                 return await handler(request)
             try:
-                await asyncio.wait_for(request.read(), timeout)
+                if request.content.is_eof():
+                    await request.read()  # it all came with the headers: no timer, no task
+                else:
+                    await asyncio.wait_for(request.read(), timeout)
             except TimeoutError:
                 raise BodyTimeout(f"the request body did not arrive within {timeout:g} s") from None
             except web.HTTPRequestEntityTooLarge:

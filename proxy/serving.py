@@ -1347,10 +1347,8 @@ class Serving:
     # ---------------------------------------------------------------- aborts
 
     def _note_abort(self, record: RequestRecord, source: str) -> bool:
-        if record.abort_source is not None:
+        if not record.mark_aborted(source):
             return False
-        record.abort_source = source
-        record.aborted.set()
         self.metrics.child(self.metrics.aborts, source, record.phase.value).inc()
         return True
 
@@ -1413,13 +1411,25 @@ class Serving:
         when the request was aborted and the hop did not end within ``abort_grace`` after: a
         worker that ignores the abort must not hold the client until the hop times out (the
         clean-up keeps aborting it)."""
-        aborted = asyncio.ensure_future(f.record.aborted.wait())
-        try:
-            await asyncio.wait({fut, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            if not fut.done():
-                await asyncio.wait({fut}, timeout=self.settings.abort_grace)
-        finally:
-            aborted.cancel()
+        record = f.record
+        if not fut.done() and not record.is_aborted:
+            # Callbacks rather than a task waiting on ``record.aborted``: this runs per request.
+            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def wake(_: object = None) -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            fut.add_done_callback(wake)
+            record.on_abort.append(wake)
+            try:
+                await woken
+            finally:
+                fut.remove_done_callback(wake)
+                with contextlib.suppress(ValueError):  # already called (and dropped) on abort
+                    record.on_abort.remove(wake)
+        if not fut.done():
+            await asyncio.wait({fut}, timeout=self.settings.abort_grace)
         return fut.done()
 
     async def _respond_aborted(self, request: web.Request, f: Flight, *,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,10 +49,23 @@ class RequestRecord:
     abort_source: str | None = None
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    on_abort: list[Callable[[], None]] = field(default_factory=list)
+    """Called once when the request is aborted (``mark_aborted``): a waiter that needs no task."""
 
     @property
     def is_aborted(self) -> bool:
         return self.abort_source is not None
+
+    def mark_aborted(self, source: str) -> bool:
+        """Record the abort's source (the first one stands); False when already aborted."""
+        if self.abort_source is not None:
+            return False
+        self.abort_source = source
+        self.aborted.set()
+        callbacks, self.on_abort = self.on_abort, []
+        for callback in callbacks:
+            callback()
+        return True
 
     def holders(self) -> list[Worker]:
         if self.phase is Phase.PREFILLING and self.prefill_worker is not None:

@@ -81,7 +81,8 @@ class CircuitBreaker:
         return max(0.0, self._opened_at + self._open_for - self._clock())
 
     def can_take(self) -> bool:
-        return self.available_in() == 0.0
+        # closed: the common case, asked on every pick
+        return self._state is CircuitState.CLOSED or self.available_in() == 0.0
 
     def available_in(self) -> float:
         """Seconds until the circuit lets a request in, if nothing else happens: 0 now; open:
