@@ -63,7 +63,7 @@ from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_even
 from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
 from proxy.tracing import DISABLED as TRACING_DISABLED
 from proxy.tracing import NOOP_HOP, NOOP_TRACE, Hop, RequestTrace, Tracing
-from proxy.upstream import TokenIds, Upstream
+from proxy.upstream import TokenIds, Upstream, ids_text
 
 log = logging.getLogger("pd_proxy")
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
@@ -201,7 +201,7 @@ class Serving:
         for key in ("kv_transfer_params", "ec_transfer_params"):
             if data.get(key) is not None:
                 del data[key]
-        data["token_ids"] = TokenIds(data["token_ids"])  # encoded once for both hops
+        data["token_ids"] = TokenIds(data["token_ids"], ids_text(body))  # not encoded again
         s = self.settings
         sp = req.sampling_params
         # The server-level checks of vLLM's serve_tokens, in its order, for the pools' config.

@@ -9,6 +9,7 @@ translated once into the ``proxy.errors.UpstreamError`` tree, naming the hop and
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -32,16 +33,34 @@ HeaderInjector = Callable[[dict[str, str]], None]
 """Adds headers to a hop (the tracing's ``traceparent``)."""
 
 
+_IDS_KEY = b'"token_ids"'
+_IDS_VALUE = re.compile(rb'"token_ids"\s*:\s*(\[[^\]]*\])')
+
+
+def ids_text(body: bytes) -> bytes | None:
+    """The JSON text of the top-level ``token_ids`` array in a request body that parsed and
+    validated (so that key exists and holds a flat array), or None when it cannot be told apart
+    for certain: a key can only be spelled other than ``"token_ids"`` with a ``\\u`` escape, and
+    a quote inside a string is always escaped, so with no ``\\u`` in the body and exactly one
+    ``"token_ids"`` in it, that one is the key."""
+    if b"\\u" in body or body.count(_IDS_KEY) != 1:
+        return None
+    found = _IDS_VALUE.search(body)
+    return found.group(1) if found is not None else None
+
+
 class TokenIds(list[int]):
     """A request's prompt token ids, their JSON text made once: the prefill and the decode hop
     bodies both carry them (encoding 128 ids took about as long as the rest of a hop's
-    client-side work). Never mutated once made (migration builds new lists)."""
+    client-side work; 4,096 ids take about 190 us). ``text``: the client's own text of the
+    array (``ids_text``), forwarded as it came, so that nothing is encoded at all. Never
+    mutated once made (migration builds new lists)."""
 
     __slots__ = ("_json",)
 
-    def __init__(self, ids: Iterable[int]) -> None:
+    def __init__(self, ids: Iterable[int], text: bytes | None = None) -> None:
         super().__init__(ids)
-        self._json: bytes | None = None
+        self._json: bytes | None = text
 
     def json(self) -> bytes:
         if self._json is None:
