@@ -142,8 +142,10 @@ RATIO_KEYS: Final = (
 _RATIOS: Final = RATIO_KEYS[2:7]
 
 # Command templates; {bin} is this interpreter's bin directory, {router_bin} the router venv's.
-# The workers never queue nor run out of KV blocks at these concurrencies.
-_SIM_ROOM: Final = "--max-running 100000 --max-num-seqs 100000 --num-kv-blocks 400000"
+# The workers never queue nor run out of KV blocks at these concurrencies, and their context
+# ({max_model_len}) fits the prompt and the longest output.
+_SIM_ROOM: Final = ("--max-running 100000 --max-num-seqs 100000 --num-kv-blocks 400000"
+                    " --max-model-len {max_model_len}")
 DEFAULT_SIM_CMD: Final = (
     "{bin}/pd-sim --host 127.0.0.1 --port {port} --role {role} --zero-latency " + _SIM_ROOM
 )
@@ -152,6 +154,8 @@ DEFAULT_SLOW_DECODE_CMD: Final = (
     "{bin}/pd-sim --host 127.0.0.1 --port {port} --role decode --prefill-base-ms 0"
     " --prefill-per-token-ms 0 --itl-ms 600000 " + _SIM_ROOM
 )
+_MEMORY_TOKENS: Final = 64
+"""max_tokens of the idle streams held open for the memory measurement."""
 DEFAULT_PD_PROXY_CMD: Final = (
     "{bin}/pd-proxy --host 127.0.0.1 --port {port} --prefill {prefill} --decode {decode} --log-level warning"
 )
@@ -718,7 +722,7 @@ async def hold_streams(
     """Opens n streams and waits (bounded) until each has delivered its first token.
     Returns how many did, the tasks holding them, and the session (caller closes both)."""
     session = new_session(n, limit_s + 600)
-    point = Point(stream=True, max_tokens=64, concurrency=n)
+    point = Point(stream=True, max_tokens=_MEMORY_TOKENS, concurrency=n)
     body = json.dumps(request_body(point, prompt), separators=(",", ":")).encode()
     opened = 0
     all_open = asyncio.Event()
@@ -1095,11 +1099,17 @@ async def start_proxy(
     return target, proc
 
 
+def sim_argv(template: str, cfg: Config, port: int, role: str) -> list[str]:
+    """A pd-sim command whose context fits the prompt and the longest output."""
+    room = max(512, cfg.prompt_len + max(max(cfg.max_tokens, default=0), _MEMORY_TOKENS))
+    return render(template, cfg, port=port, role=role, max_model_len=room)
+
+
 async def start_sim(
     procs: Processes, cfg: Config, role: str, template: str, log_name: str
 ) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
-    proc = procs.start(log_name, render(template, cfg, port=port, role=role), cfg.worker_cpus)
+    proc = procs.start(log_name, sim_argv(template, cfg, port, role), cfg.worker_cpus)
     await wait_port(proc, log_name, port, 60)
     return f"http://127.0.0.1:{port}", proc
 

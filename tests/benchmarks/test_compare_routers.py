@@ -362,6 +362,14 @@ def test_commands_render_with_ports_and_urls() -> None:
     assert argv[-2:] == ["--workers", "2"]
 
 
+def test_the_workers_context_fits_a_long_prompt() -> None:
+    cfg = cr.parse_args(["--prompt-len", "2048", "--max-tokens", "32,256"])
+    for template in (cfg.sim_cmd, cfg.slow_decode_cmd):
+        argv = cr.sim_argv(template, cfg, 4321, "decode")
+        assert int(argv[argv.index("--max-model-len") + 1]) >= 2048 + 256
+    assert "--max-model-len" in cr.sim_argv(cr.parse_args([]).sim_cmd, cr.parse_args([]), 1, "prefill")
+
+
 # --- clean-up -----------------------------------------------------------------------------
 
 
