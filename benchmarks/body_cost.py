@@ -1,0 +1,83 @@
+"""CPU per request for the client body: parse and validate it, then write both hop bodies.
+
+    python -m benchmarks.body_cost [--prompt-lens 128,2048,4096] [--calls 2000] [--rounds 3]
+
+The work ``proxy.serving.Serving`` does on every generate call before and between its hops that
+grows with the prompt: ``Serving.validate`` (JSON parse, vLLM's validation, the token ids kept
+for the hops) and ``encode_body`` of the prefill and the decode hop bodies. In this process, no
+network. ``client_text``: the body as compare_routers sends it (compact JSON, so the ids' text is
+forwarded as the client wrote it); ``escaped``: the same body with a ``\\u`` escape in a stop
+string, which makes the proxy encode the ids itself. Prints one JSON line: microseconds of CPU
+(``time.process_time``) per call, per prompt length, one figure per round. Bounded: ``--calls``
+at most 100,000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from proxy.metrics import ProxyMetrics
+from proxy.serving import Serving
+from proxy.settings import ProxySettings
+from proxy.upstream import encode_body
+
+_MAX_CALLS = 100_000
+
+
+def client_body(prompt_len: int, *, escaped: bool) -> bytes:
+    sp: dict[str, Any] = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    if escaped:
+        sp["stop"] = ["\u00e9"]  # written as \u00e9 (ensure_ascii)
+    body = {"token_ids": [(i * 7919) % 250 + 3 for i in range(prompt_len)], "sampling_params": sp,
+            "stream": False}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def one_call(serving: Serving, body: bytes) -> Callable[[], None]:
+    def call() -> None:
+        req, data = serving.validate(body, "application/json")
+        encode_body(serving.prefill_body(data, req, "bench"))
+        encode_body(serving.decode_body(data, "bench", {"do_remote_prefill": True}))
+    return call
+
+
+def measure(prompt_lens: Sequence[int], calls: int, rounds: int) -> dict[str, Any]:
+    calls = max(1, min(calls, _MAX_CALLS))
+    serving = Serving(ProxySettings(prefill_urls=("http://127.0.0.1:1",),
+                                    decode_urls=("http://127.0.0.1:2",)), ProxyMetrics())
+    report: dict[str, Any] = {"calls": calls, "rounds": rounds}
+    for n in prompt_lens:
+        for variant in ("client_text", "escaped"):
+            call = one_call(serving, client_body(n, escaped=variant == "escaped"))
+            for _ in range(min(calls, 50)):
+                call()  # warm
+            figures = []
+            for _ in range(rounds):
+                t0 = time.process_time()
+                for _ in range(calls):
+                    call()
+                figures.append(round((time.process_time() - t0) / calls * 1e6, 1))
+            report[f"{variant}_{n}_us_per_call"] = figures
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.body_cost", description=__doc__.split("\n")[0])
+    p.add_argument("--prompt-lens", default="128,2048,4096")
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args(argv)
+    lens = [int(x) for x in a.prompt_lens.split(",") if x.strip()]
+    if not lens or min(lens) < 1 or a.rounds < 1:
+        p.error("--prompt-lens must be positive integers and --rounds at least 1")
+    sys.stdout.write(json.dumps(measure(lens, a.calls, a.rounds)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

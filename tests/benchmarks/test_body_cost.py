@@ -1,0 +1,28 @@
+"""The body-cost benchmark: both of its variants take the path they are named for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.body_cost import client_body, main, measure
+from proxy.upstream import ids_text
+
+
+def test_the_two_bodies_take_the_forwarded_and_the_encoded_path() -> None:
+    plain, escaped = client_body(16, escaped=False), client_body(16, escaped=True)
+    assert ids_text(plain) is not None and ids_text(escaped) is None
+    assert json.loads(plain)["token_ids"] == json.loads(escaped)["token_ids"]
+
+
+def test_it_reports_cpu_per_call_for_each_length_and_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    report = measure([8, 64], calls=3, rounds=2)
+    for n in (8, 64):
+        for variant in ("client_text", "escaped"):
+            figures = report[f"{variant}_{n}_us_per_call"]
+            assert len(figures) == 2 and all(f >= 0 for f in figures)
+    assert main(["--prompt-lens", "8", "--calls", "2", "--rounds", "1"]) == 0
+    assert "client_text_8_us_per_call" in json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        main(["--prompt-lens", "0"])
