@@ -56,6 +56,7 @@ from proxy.protocol import (
     compact_json,
     engine_request_id,
     parse_generate_body,
+    splice_null_key,
 )
 from proxy.relay import StreamBuffer, block_token_ids
 from proxy.settings import ProxySettings
@@ -734,8 +735,7 @@ class Serving:
                 and f.timing.d0 is not None:
             # Non-stream: the decode hop (KV pull and first token included) per output token.
             self.metrics.tpot.observe((f.timing.d1 - f.timing.d0) / f.completion_tokens)
-        if self._merge_prefill_info(f, reply):
-            raw = compact_json(reply)  # otherwise D's bytes go out untouched
+        raw = self._merge_prefill_info(f, reply, raw)
         now = self.clock()
         self.metrics.ttft.observe(now - f.timing.t0)
         headers = dict(f.headers)
@@ -867,13 +867,14 @@ class Serving:
         self._close_lease(f, "unknown")
         f.record.kv_params = None
 
-    def _merge_prefill_info(self, f: Flight, reply: dict[str, Any]) -> bool:
-        """Put what only the prefill hop knows into D's reply; True when it changed."""
+    def _merge_prefill_info(self, f: Flight, reply: dict[str, Any], raw: bytes) -> bytes:
+        """Put what only the prefill hop knows into D's reply (``reply``, parsed from ``raw``);
+        returns the bytes to send: D's own when nothing changed."""
         prefill_reply = f.prefill_task.result() if f.prefill_task is not None and \
             f.prefill_task.done() and not f.prefill_task.cancelled() and \
             f.prefill_task.exception() is None else None
         if prefill_reply is None or "X-PD-Decode-Only" in f.headers:
-            return False
+            return raw
         changed = False
         if f.request.sampling_params.get("prompt_logprobs") is not None:
             changed = True
@@ -891,9 +892,14 @@ class Serving:
                 if isinstance(cached, int) and cached > 0:
                     details = {"cached_tokens": cached}
             if details is not None:
+                d_null = "prompt_tokens_details" in usage  # D wrote it as null (absent: no splice)
                 usage["prompt_tokens_details"] = details
+                if not changed and d_null:
+                    spliced = splice_null_key(raw, "prompt_tokens_details", details)
+                    if spliced is not None:
+                        return spliced  # D's bytes with one value put in: not written again
                 changed = True
-        return changed
+        return compact_json(reply) if changed else raw
 
     # ---------------------------------------------------------------- decode: stream
 

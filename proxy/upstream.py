@@ -24,7 +24,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.hop import HopClient, HopDisconnected, HopProtocolError, HopResponse, header_lines
-from proxy.protocol import compact_json
+from proxy.protocol import compact_json, key_is_unique
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -40,10 +40,8 @@ _IDS_VALUE = re.compile(rb'"token_ids"\s*:\s*(\[[^\]]*\])')
 def ids_text(body: bytes) -> bytes | None:
     """The JSON text of the top-level ``token_ids`` array in a request body that parsed and
     validated (so that key exists and holds a flat array), or None when it cannot be told apart
-    for certain: a key can only be spelled other than ``"token_ids"`` with a ``\\u`` escape, and
-    a quote inside a string is always escaped, so with no ``\\u`` in the body and exactly one
-    ``"token_ids"`` in it, that one is the key."""
-    if b"\\u" in body or body.count(_IDS_KEY) != 1:
+    for certain (``protocol.key_is_unique``)."""
+    if not key_is_unique(body, _IDS_KEY):
         return None
     found = _IDS_VALUE.search(body)
     return found.group(1) if found is not None else None

@@ -161,6 +161,28 @@ def test_remote_host_rewrite_for_a_routable_host() -> None:
     assert s2.rewrite_remote_host({**KV_PARAMS, "remote_host": "localhost"}, w)["remote_host"] == "localhost"
 
 
+async def test_cached_tokens_go_into_the_decode_workers_own_bytes(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(
+        b, {**KV_PARAMS, "remote_prefill_cached_tokens": 128}))
+    sent: list[bytes] = []
+
+    def decode(b: dict[str, Any], r: web.Request) -> web.Response:
+        # written as no encoder of the proxy's would write it: a space after one colon, 1.50
+        raw = json.dumps({**prefill_reply(b), "kv_transfer_params": None}, separators=(",", ":"))
+        raw = raw.replace('"created":1', '"created": 1').replace('"metrics":null', '"metrics":1.50')
+        sent.append(raw.encode())
+        return web.Response(body=raw.encode(), content_type="application/json")
+
+    d: Scripted = await scripted_factory(decode)
+    client, _ = await proxy_factory([p.url], [d.url])
+    r = await client.post("/inference/v1/generate", json=req())
+    got = await r.read()
+    assert json.loads(got)["usage"]["prompt_tokens_details"] == {"cached_tokens": 128}
+    assert got == sent[0].replace(b'"prompt_tokens_details":null',
+                                  b'"prompt_tokens_details":{"cached_tokens":128}')
+
+
 async def test_prompt_logprobs_and_cached_tokens_come_from_prefill(
         scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
     plp = [None, {"301": {"logprob": -6.0, "rank": 102, "decoded_token": "refi"}}]

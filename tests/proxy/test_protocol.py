@@ -7,6 +7,8 @@ import pathlib
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.protocol import (
     RequestValidationError,
@@ -14,6 +16,7 @@ from proxy.protocol import (
     check_prefill_kv_params,
     error_body,
     parse_generate_body,
+    splice_null_key,
 )
 from tests.traces import TRACE_DIR
 
@@ -89,3 +92,36 @@ def test_prefill_kv_params_checks(params: object, reason: str) -> None:
 def test_prefill_kv_params_ok_even_with_no_blocks() -> None:
     assert check_prefill_kv_params(GOOD_KV) is None
     assert check_prefill_kv_params({**GOOD_KV, "remote_block_ids": []}) is None
+
+
+_DECOY_KEYS = st.sampled_from(["prompt_tokens_details", "x", "usage", "é"]) | st.text(max_size=3)
+_DECOYS = st.recursive(
+    st.none() | st.integers() | st.text()
+    | st.sampled_from(["prompt_tokens_details", '"prompt_tokens_details":null', "\\", "é"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_DECOY_KEYS, inner, max_size=3),
+    max_leaves=8)
+
+
+@given(rest=st.dictionaries(_DECOY_KEYS.filter(lambda k: k != "usage"), _DECOYS, max_size=4),
+       extra=st.dictionaries(_DECOY_KEYS.filter(lambda k: k != "prompt_tokens_details"), _DECOYS,
+                             max_size=2),
+       ascii_only=st.booleans(), spaced=st.booleans())
+def test_a_spliced_null_is_the_usage_one_and_the_rest_is_unchanged(
+        rest: dict[str, Any], extra: dict[str, Any], ascii_only: bool, spaced: bool) -> None:
+    reply = {**rest, "usage": {"prompt_tokens": 3, "prompt_tokens_details": None, **extra}}
+    separators = (", ", ": ") if spaced else (",", ":")
+    raw = json.dumps(reply, separators=separators, ensure_ascii=ascii_only).encode()
+    out = splice_null_key(raw, "prompt_tokens_details", {"cached_tokens": 7})
+    if out is not None:
+        reply["usage"]["prompt_tokens_details"] = {"cached_tokens": 7}
+        assert json.loads(out) == reply
+
+
+def test_a_null_is_spliced_in_a_plain_reply_and_refused_when_ambiguous() -> None:
+    raw = b'{"usage":{"prompt_tokens_details":null},"choices":[{"text":"hi"}]}'
+    assert splice_null_key(raw, "prompt_tokens_details", {"c": 1}) == \
+        b'{"usage":{"prompt_tokens_details":{"c":1}},"choices":[{"text":"hi"}]}'
+    twice = b'{"a":{"prompt_tokens_details":null},"usage":{"prompt_tokens_details":null}}'
+    assert splice_null_key(twice, "prompt_tokens_details", 1) is None
+    escaped = b'{"a":{"prompt_tokens_details":null},"usage":{"prompt_tokens\\u005fdetails":null}}'
+    assert splice_null_key(escaped, "prompt_tokens_details", 1) is None
