@@ -429,7 +429,6 @@ class HopClient:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
-
     def counts(self) -> dict[str, int]:
         return {"in_use": len(self._in_use), "idle": sum(len(v) for v in self._idle.values())}
 

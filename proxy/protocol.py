@@ -525,27 +525,24 @@ def compact_json(obj: Any) -> bytes:
     return _COMPACT_ENCODE(obj).encode()
 
 
-def key_is_unique(raw: bytes, quoted: bytes) -> bool:
-    """Whether ``quoted`` (a key with its quotes, ``b'"token_ids"'``) occurs exactly once in the
-    JSON text ``raw`` and no other spelling of it can: a quote inside a JSON string is always
-    escaped, and only a ``\\u`` escape can spell a key another way. When the parse of ``raw``
-    has that key, the one occurrence is it."""
-    return b"\\u" not in raw and raw.count(quoted) == 1
+def unique_key_end(raw: bytes, quoted: bytes) -> int | None:
+    """Where the one occurrence of ``quoted`` (a key with its quotes, ``b'"token_ids"'``) in the
+    JSON text ``raw`` ends, or None unless it occurs exactly once and no other spelling of it
+    can: a quote inside a JSON string is always escaped, and only a ``\\u`` escape can spell a
+    key another way. When the parse of ``raw`` has that key, the one occurrence is it."""
+    if b"\\u" in raw or raw.count(quoted) != 1:
+        return None
+    return raw.find(quoted) + len(quoted)
 
 
 def splice_null_key(raw: bytes, key: str, value: Any) -> bytes | None:
     """``raw`` (a JSON text whose parse has ``key`` with the value null, at whatever depth) with
     that null replaced by ``value``, without parsing or writing the rest; None when the key
-    cannot be told apart for certain (``key_is_unique``) or is not written ``"key":null``."""
-    quoted = b'"' + key.encode() + b'"'
-    if not key_is_unique(raw, quoted):
+    cannot be told apart for certain (``unique_key_end``) or is not written ``"key":null``."""
+    end = unique_key_end(raw, b'"' + key.encode() + b'"')
+    if end is None or not raw.startswith(b":null", end):
         return None
-    at = raw.find(quoted + b":null")
-    if at < 0:
-        return None
-    end = at + len(quoted) + len(b":null")
-    return raw[:at] + quoted + b":" + compact_json(value) + raw[end:]
-
+    return raw[:end] + b":" + compact_json(value) + raw[end + len(b":null"):]
 
 
 class ErrorInfo(BaseModel):

@@ -24,7 +24,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.hop import HopClient, HopDisconnected, HopProtocolError, HopResponse, header_lines
-from proxy.protocol import compact_json, key_is_unique
+from proxy.protocol import compact_json, unique_key_end
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -34,16 +34,16 @@ HeaderInjector = Callable[[dict[str, str]], None]
 
 
 _IDS_KEY = b'"token_ids"'
-_IDS_VALUE = re.compile(rb'"token_ids"\s*:\s*(\[[^\]]*\])')
+_IDS_VALUE = re.compile(rb'\s*:\s*(\[[^\]]*\])')
+"""What follows the key: the colon and a flat array."""
 
 
 def ids_text(body: bytes) -> bytes | None:
     """The JSON text of the top-level ``token_ids`` array in a request body that parsed and
     validated (so that key exists and holds a flat array), or None when it cannot be told apart
-    for certain (``protocol.key_is_unique``)."""
-    if not key_is_unique(body, _IDS_KEY):
-        return None
-    found = _IDS_VALUE.search(body)
+    for certain (``protocol.unique_key_end``)."""
+    end = unique_key_end(body, _IDS_KEY)
+    found = _IDS_VALUE.match(body, end) if end is not None else None
     return found.group(1) if found is not None else None
 
 
