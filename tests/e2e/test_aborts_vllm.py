@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
 GENERATED = "vllm:generation_tokens_total"
-LEASE = 30.0  # vLLM's default NIXL kv_lease_duration, which the shared cluster keeps
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 
 
 async def metric(url: str, name: str) -> float:
@@ -51,8 +51,9 @@ async def wait_idle(url: str) -> None:
     assert await seconds_until(url, USAGE, lambda v: v == 0.0, 60) is not None, "worker never idle"
 
 
-async def test_between_hops_disconnect_frees_prefill_kv_fast(vllm_cluster: Cluster) -> None:
-    p = vllm_cluster.prefill_urls[0]
+async def test_between_hops_disconnect_releases_prefill_kv_through_the_decode_worker(
+        vllm_cluster: Cluster) -> None:
+    p, d = vllm_cluster.prefill_urls[0], vllm_cluster.decode_urls[0]
     await wait_idle(p)
     body = {"token_ids": prompt(), "sampling_params": {"temperature": 0, "max_tokens": 8}}
     async with run_proxy(vllm_cluster, hold_between_hops=30.0) as (url, app):
@@ -68,14 +69,15 @@ async def test_between_hops_disconnect_frees_prefill_kv_fast(vllm_cluster: Clust
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             assert await metric(p, USAGE) > 0.0, "P should hold the prompt's KV between the hops"
+            pulls_before = await metric(d, XFER_COUNT)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            freed = await seconds_until(p, USAGE, lambda v: v == 0.0, LEASE / 2, step=0.05)
+            freed = await seconds_until(p, USAGE, lambda v: v == 0.0, 60, step=0.05)
+        # Measured, not asserted (about 0.2 s here, 2.7 s once on a loaded CI machine; vLLM's
+        # lease would hold the blocks 30 s): what is asserted is how they were freed.
         print(f"\nwith pd-proxy: P's KV freed {freed} s after the between-hops disconnect")
-        # The proxy's release (D pulls the blocks, P frees them) takes ~0.3 s on a quiet machine and
-        # has taken 2.7 s on a loaded CI machine; without it the blocks stay for the whole lease.
-        assert freed is not None and freed <= LEASE / 3, "P's KV stayed pinned: no release ran"
+        assert freed is not None
         # P frees its blocks once D has pulled them; the proxy closes the lease when D's one-token
         # release reply arrives, a moment later (seconds under load).
         deadline = time.monotonic() + 30
@@ -85,17 +87,22 @@ async def test_between_hops_disconnect_frees_prefill_kv_fast(vllm_cluster: Clust
         leases = serving.ledger.recent_closed()
         assert leases[-1].reason == "aborted" and serving.ledger.open_count == 0
         assert len(serving.table) == 0
+        # The proxy's release made D pull the blocks (the lease's expiry moves nothing over NIXL).
+        assert await seconds_until(d, XFER_COUNT, lambda v: v > pulls_before, 30) is not None, \
+            "no release pulled P's KV"
 
 
 async def test_without_proxy_the_kv_stays_pinned_for_the_lease(vllm_cluster: Cluster) -> None:
-    """The baseline: a client that ran the prefill hop itself and went away."""
-    p = vllm_cluster.prefill_urls[0]
+    """The baseline: a client that ran the prefill hop itself and went away. Nothing pulls the
+    blocks; P frees them at its lease's end (measured and printed, not asserted)."""
+    p, d = vllm_cluster.prefill_urls[0], vllm_cluster.decode_urls[0]
     await wait_idle(p)
     body = {"request_id": "e2e-nopx", "token_ids": prompt(seed=8), "stream": False,
             "sampling_params": {"temperature": 0, "max_tokens": 1},
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
     # Timed from the request's sending: the lease runs from P's finish, which comes before its
     # answer (on the loaded 2-core stack P's answer once came 24 s after its finish).
+    pulls_before = await metric(d, XFER_COUNT)
     t0 = time.monotonic()
     async with aiohttp.ClientSession(connector=vllm_connector()) as s, \
             s.post(p + "/inference/v1/generate", json=body) as r:
@@ -107,8 +114,7 @@ async def test_without_proxy_the_kv_stays_pinned_for_the_lease(vllm_cluster: Clu
     assert freed is not None
     print(f"\nwithout pd-proxy: P's KV freed {answered + freed:.1f} s after the request was sent, "
           f"{freed:.1f} s after its answer (lease expiry)")
-    assert answered + freed >= 20.0, "expected the blocks pinned until the ~30 s lease"
-    assert time.monotonic() - t0 < 130
+    assert await metric(d, XFER_COUNT) == pulls_before
 
 
 async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> None:
