@@ -67,11 +67,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(VLLM_TEST_TIMEOUT_S))
 
 
-def scrape_metrics(url: str, timeout: float = 10.0) -> str:
-    """The Prometheus text a worker serves at ``{url}/metrics``."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
-        body: bytes = resp.read()
-    return body.decode()
+def scrape_metrics(url: str, timeout: float = 15.0, attempts: int = 4) -> str:
+    """The Prometheus text a worker serves at ``{url}/metrics``.
+
+    A scrape that times out is tried again, up to ``attempts`` times: on a loaded 2-core CI host
+    an idle vLLM API server once took more than 10 s to answer one. A refused connection (the
+    worker is gone) is not retried."""
+    attempt = 1
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+                body: bytes = resp.read()
+            return body.decode()
+        except (TimeoutError, urllib.error.URLError) as exc:
+            reason = getattr(exc, "reason", None)  # urllib wraps a connect timeout in URLError
+            timed_out = isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError)
+            if not timed_out or attempt >= attempts:
+                raise
+        attempt += 1
 
 
 def metric_value(text: str, sample: str, labels: Mapping[str, str] | None = None) -> float | None:

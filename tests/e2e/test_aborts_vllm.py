@@ -56,6 +56,9 @@ async def test_between_hops_disconnect_releases_prefill_kv_through_the_decode_wo
     p, d = vllm_cluster.prefill_urls[0], vllm_cluster.decode_urls[0]
     await wait_idle(p)
     body = {"token_ids": prompt(), "sampling_params": {"temperature": 0, "max_tokens": 8}}
+    # Read before the request, while both workers are idle: the hold between the hops is short
+    # of P's 30 s lease, so the test scrapes no more than it must inside it.
+    pulls_before = await metric(d, XFER_COUNT)
     async with run_proxy(vllm_cluster, hold_between_hops=30.0) as (url, app):
         serving = app[SERVING]
         async with aiohttp.ClientSession(connector=vllm_connector()) as s:
@@ -69,7 +72,6 @@ async def test_between_hops_disconnect_releases_prefill_kv_through_the_decode_wo
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             assert await metric(p, USAGE) > 0.0, "P should hold the prompt's KV between the hops"
-            pulls_before = await metric(d, XFER_COUNT)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
