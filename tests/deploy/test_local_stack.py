@@ -135,13 +135,14 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 60) -> tuple[int,
         return int(resp.status), resp.read()
 
 
+# 60 s: on a loaded 2-core CI host an idle vLLM API server once took more than 10 s to answer /metrics.
 def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    with urllib.request.urlopen(url, timeout=60) as resp:
         return json.loads(resp.read())
 
 
 def get_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    with urllib.request.urlopen(url, timeout=60) as resp:
         return str(resp.read().decode())
 
 
