@@ -12,10 +12,9 @@ which the stream is ended with a clear in-band error.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
-from proxy.protocol import compact_json
+from proxy.protocol import compact_json, parse_worker_json
 from proxy.sse import data_event, split_events
 
 
@@ -64,7 +63,7 @@ def merge_chunks(datas: list[bytes]) -> list[bytes]:
     latest_usage: Any = None
     for raw in datas:
         try:
-            chunk = json.loads(raw)
+            chunk = parse_worker_json(raw)
         except ValueError:
             chunk = None
         if not isinstance(chunk, dict) or "error" in chunk or not isinstance(chunk.get("choices"), list):

@@ -56,6 +56,7 @@ from proxy.protocol import (
     compact_json,
     engine_request_id,
     parse_generate_body,
+    parse_worker_json,
     splice_null_key,
 )
 from proxy.relay import StreamBuffer, block_token_ids
@@ -1283,7 +1284,7 @@ class Serving:
         if b'"usage"' not in data:
             return
         try:
-            chunk = json.loads(data)
+            chunk = parse_worker_json(data)
         except ValueError:
             return
         if isinstance(chunk, dict):
@@ -1301,7 +1302,7 @@ class Serving:
 
     def _check_first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
         try:
-            chunk = json.loads(data)
+            chunk = parse_worker_json(data)
         except ValueError:
             return self._protocol_error(worker, "sent an event that is not JSON")
         if isinstance(chunk, dict) and "error" in chunk:

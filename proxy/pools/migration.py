@@ -34,12 +34,11 @@ multimodal inputs. Those fail as before; everything else migrates.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.protocol import compact_json
+from proxy.protocol import compact_json, parse_worker_json
 
 MAX_REWIND = 64
 """At most this many trailing tokens are rewound (beyond it the seam risks the garbage delta; it
@@ -225,7 +224,7 @@ class StreamFollower:
 
     def event(self, payload: bytes) -> bytes | None:
         try:
-            chunk = json.loads(payload)
+            chunk = parse_worker_json(payload)
         except ValueError:
             return payload
         if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
