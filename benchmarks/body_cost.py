@@ -1,4 +1,5 @@
-"""CPU per request for the client body: parse and validate it, then write both hop bodies.
+"""CPU per request for the client body (parse and validate it, then write both hop bodies) and
+for the workers' replies (parse them).
 
     python -m benchmarks.body_cost [--prompt-lens 128,2048,4096] [--calls 2000] [--rounds 3]
 
@@ -7,14 +8,17 @@ grows with the prompt: ``Serving.validate`` (JSON parse, vLLM's validation, the 
 for the hops) and ``encode_body`` of the prefill and the decode hop bodies. In this process, no
 network. ``client_text``: the body as compare_routers sends it (compact JSON, so the ids' text is
 forwarded as the client wrote it); ``escaped``: the same body with a ``\\u`` escape in a stop
-string, which makes the proxy encode the ids itself. Prints one JSON line: microseconds of CPU
-(``time.process_time``) per call, per prompt length, one figure per round. Bounded: ``--calls``
-at most 100,000.
+string, which makes the proxy encode the ids itself. ``reply_N``: ``Upstream``'s parse of a
+worker's non-stream reply with N generated tokens and their text, as vLLM writes it (N = 1 is
+the prefill worker's answer, with its ``kv_transfer_params``). Prints one JSON line:
+microseconds of CPU (``time.process_time``) per call, per prompt length, one figure per round.
+Bounded: ``--calls`` at most 100,000.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -22,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from proxy.metrics import ProxyMetrics
+from proxy.protocol import parse_worker_json
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
 from proxy.upstream import encode_body
@@ -36,6 +41,36 @@ def client_body(prompt_len: int, *, escaped: bool) -> bytes:
     body = {"token_ids": [(i * 7919) % 250 + 3 for i in range(prompt_len)], "sampling_params": sp,
             "stream": False}
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+def worker_reply(tokens: int) -> bytes:
+    """A non-stream reply as vLLM writes it (starlette: compact, UTF-8 unescaped)."""
+    ids = [(i * 104729) % 30000 + 3 for i in range(tokens)]
+    reply: dict[str, Any] = {
+        "request_id": "gen-0123456789abcdef", "choices": [{
+            "index": 0, "token_ids": ids, "text": " word" * tokens, "logprobs": None,
+            "finish_reason": "length", "stop_reason": None}],
+        "prompt_logprobs": None, "kv_transfer_params": None,
+        "usage": {"prompt_tokens": 128, "completion_tokens": tokens, "total_tokens": 128 + tokens,
+                  "prompt_tokens_details": None}}
+    if tokens == 1:
+        reply["kv_transfer_params"] = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2],
+            "remote_engine_id": "0d8c3b2e-5f7a-4c1e-9b6d-2a4f8e1c7d90", "remote_request_id": "gen-0123",
+            "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+    return json.dumps(reply, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def timed(call: Callable[[], object], calls: int, rounds: int) -> list[float]:
+    for _ in range(min(calls, 50)):
+        call()  # warm
+    figures = []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        for _ in range(calls):
+            call()
+        figures.append(round((time.process_time() - t0) / calls * 1e6, 1))
+    return figures
 
 
 def one_call(serving: Serving, body: bytes) -> Callable[[], None]:
@@ -54,15 +89,10 @@ def measure(prompt_lens: Sequence[int], calls: int, rounds: int) -> dict[str, An
     for n in prompt_lens:
         for variant in ("client_text", "escaped"):
             call = one_call(serving, client_body(n, escaped=variant == "escaped"))
-            for _ in range(min(calls, 50)):
-                call()  # warm
-            figures = []
-            for _ in range(rounds):
-                t0 = time.process_time()
-                for _ in range(calls):
-                    call()
-                figures.append(round((time.process_time() - t0) / calls * 1e6, 1))
-            report[f"{variant}_{n}_us_per_call"] = figures
+            report[f"{variant}_{n}_us_per_call"] = timed(call, calls, rounds)
+    for tokens in (1, 32, 256):
+        parse = functools.partial(parse_worker_json, worker_reply(tokens))
+        report[f"reply_{tokens}_us_per_call"] = timed(parse, calls, rounds)
     return report
 
 
