@@ -201,6 +201,10 @@ class _Conn(asyncio.Protocol):
                         raise HopProtocolError("a malformed chunk size")
                     if size == 0:
                         self._state = _TRAILER
+                    elif data[pos + size:pos + size + 2] == b"\r\n":
+                        # The whole chunk and its CRLF are here (an SSE event usually is).
+                        self._push(data[pos:pos + size])
+                        pos += size + 2
                     else:
                         self._state, self._remaining = _CHUNK_DATA, size
             elif state == _HEAD:
