@@ -1,6 +1,7 @@
 """Client CPU per upstream hop: pd-proxy's ``Upstream`` against aiohttp's client and a bare one.
 
     python -m benchmarks.hop_cost [--calls 2000] [--rounds 2] [--prompt-len 128] [--max-tokens 32]
+                                  [--stream]
 
 What does an upstream hop cost pd-proxy in CPU, and what would a cheaper client save? Starts
 ``pd-sim --zero-latency`` (decode role, pinned to core 0 with ``taskset`` when there is one),
@@ -13,6 +14,10 @@ round, on one kept-alive connection each:
   ``ClientTimeout`` per call), as pd-proxy made its hops before ``proxy.hop``;
 * ``minimal``: a bare HTTP/1.1 client over ``asyncio`` streams (request bytes by hand,
   Content-Length or chunked body) that serialises the same body and parses the same reply.
+
+With ``--stream`` the calls are streaming ones (one chunk per token from pd-sim) and each client
+reads the body as it arrives without parsing it: ``Upstream.iter_chunks`` (what the proxy's
+relay reads), aiohttp's ``content.iter_any``, and the bare client's chunk-by-chunk reads.
 
 Reports this process's CPU time per call (``time.process_time``: the worker's CPU is not in it)
 as one JSON line. uvloop when installed, as ``pd-proxy`` runs. Bounded: ``--calls`` at most 100,000.
@@ -39,10 +44,10 @@ _MAX_CALLS = 100_000
 _WARMUP = 50
 
 
-def request_body(prompt_len: int, max_tokens: int) -> dict[str, Any]:
+def request_body(prompt_len: int, max_tokens: int, stream: bool = False) -> dict[str, Any]:
     return {"token_ids": [3 + (k * 7) % 500 for k in range(prompt_len)],
             "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True},
-            "stream": False}
+            "stream": stream}
 
 
 class MinimalClient:
@@ -84,7 +89,7 @@ class MinimalClient:
             raw = b"".join(parts)
         else:
             raise ValueError("a reply with neither Content-Length nor chunked encoding")
-        return status, json.loads(raw), raw
+        return status, ({} if body.get("stream") else json.loads(raw)), raw
 
     async def close(self) -> None:
         self.writer.close()
@@ -92,15 +97,33 @@ class MinimalClient:
             await self.writer.wait_closed()
 
 
+def _check_stream_end(tail: bytes) -> None:
+    if not tail.endswith(b"data: [DONE]\n\n"):
+        raise RuntimeError(f"a stream that did not end with [DONE]: {tail[-80:]!r}")
+
+
 async def _upstream_cost(worker: str, body: dict[str, Any], calls: int) -> float:
     async with aiohttp.ClientSession() as session:
         up = Upstream(session, api_key=None, connect_timeout=2.0)
         try:
+            async def call(request_id: str) -> None:
+                if not body["stream"]:
+                    await up.post_generate_raw("decode", worker, body, request_id=request_id, total=30.0)
+                    return
+                resp = await up.open("decode", worker, body, request_id=request_id, total=30.0)
+                tail = b""
+                try:
+                    async for chunk in up.iter_chunks("decode", worker, resp):
+                        tail = (tail + chunk)[-32:]
+                finally:
+                    resp.close()
+                _check_stream_end(tail)
+
             for i in range(_WARMUP):
-                await up.post_generate_raw("decode", worker, body, request_id=f"w{i}", total=30.0)
+                await call(f"w{i}")
             t0 = time.process_time()
             for i in range(calls):
-                await up.post_generate_raw("decode", worker, body, request_id=f"u{i}", total=30.0)
+                await call(f"u{i}")
             return (time.process_time() - t0) / calls
         finally:
             await up.hops.close()
@@ -110,12 +133,18 @@ async def _aiohttp_cost(worker: str, body: dict[str, Any], calls: int) -> float:
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(total=30.0, sock_connect=2.0, connect=2.0)
 
-    async def call(request_id: str) -> tuple[dict[str, Any], bytes]:
+    async def call(request_id: str) -> None:
         data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         async with session.post(worker + GENERATE, data=data, headers=headers, timeout=timeout) as r:
+            if body["stream"]:
+                tail = b""
+                async for chunk in r.content.iter_any():
+                    tail = (tail + chunk)[-32:]
+                _check_stream_end(tail)
+                return
             raw = await r.read()
-        return json.loads(raw), raw
+        json.loads(raw)
 
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         for i in range(_WARMUP):
@@ -133,15 +162,18 @@ async def _minimal_cost(host: str, port: int, body: dict[str, Any], calls: int) 
             await client.post_json(GENERATE, body)
         t0 = time.process_time()
         for _ in range(calls):
-            status, _, _ = await client.post_json(GENERATE, body)
+            status, _, raw = await client.post_json(GENERATE, body)
             if status != 200:
                 raise RuntimeError(f"the worker answered {status}")
+            if body["stream"]:
+                _check_stream_end(raw)
         return (time.process_time() - t0) / calls
     finally:
         await client.close()
 
 
-async def measure(calls: int, rounds: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+async def measure(calls: int, rounds: int, prompt_len: int, max_tokens: int,
+                  stream: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "workers.sim.cli", "--host", "127.0.0.1", "--port", "0",
            "--role", "decode", "--zero-latency"]
     if shutil.which("taskset"):
@@ -152,7 +184,7 @@ async def measure(calls: int, rounds: int, prompt_len: int, max_tokens: int) -> 
         assert proc.stdout is not None
         url = str(json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))["url"])
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        body = request_body(prompt_len, max_tokens)
+        body = request_body(prompt_len, max_tokens, stream)
         upstream: list[float] = []
         via_aiohttp: list[float] = []
         minimal: list[float] = []
@@ -166,6 +198,7 @@ async def measure(calls: int, rounds: int, prompt_len: int, max_tokens: int) -> 
         await proc.wait()
     best_u, best_a, best_m = min(upstream), min(via_aiohttp), min(minimal)
     return {"calls": calls, "rounds": rounds, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "stream": stream,
             "upstream_us_per_call": [round(x * 1e6, 1) for x in upstream],
             "aiohttp_us_per_call": [round(x * 1e6, 1) for x in via_aiohttp],
             "minimal_us_per_call": [round(x * 1e6, 1) for x in minimal],
@@ -179,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--stream", action="store_true", help="streaming calls, the body read as it arrives")
     a = p.parse_args(argv)
     if not 1 <= a.calls <= _MAX_CALLS or a.rounds < 1:
         p.error(f"--calls must be 1..{_MAX_CALLS} and --rounds at least 1")
@@ -188,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner = asyncio.run
     else:
         runner = uvloop.run
-    print(json.dumps(runner(measure(a.calls, a.rounds, a.prompt_len, a.max_tokens))))
+    print(json.dumps(runner(measure(a.calls, a.rounds, a.prompt_len, a.max_tokens, a.stream))))
     return 0
 
 

@@ -8,8 +8,10 @@ from aiohttp import web
 from benchmarks.hop_cost import MinimalClient, main, measure, request_body
 
 
-async def test_the_three_clients_make_real_calls_and_report_cpu_per_call() -> None:
-    report = await measure(calls=5, rounds=1, prompt_len=16, max_tokens=4)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_three_clients_make_real_calls_and_report_cpu_per_call(stream: bool) -> None:
+    report = await measure(calls=5, rounds=1, prompt_len=16, max_tokens=4, stream=stream)
+    assert report["stream"] is stream
     for client in ("upstream", "aiohttp", "minimal"):
         assert len(report[f"{client}_us_per_call"]) == 1 and report[f"{client}_us_per_call"][0] > 0
 
