@@ -132,7 +132,8 @@ async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> Non
             seen = b""
             while seen.count(b"\n\n") < 3:
                 seen += await r.content.readany()
-            assert await metric(d, RUNNING) >= 1
+            # The abort goes at once: D is generating (the client has its first events), and a
+            # scrape here, slow on a loaded host, could let D finish the 360 tokens first.
             a = await s.post(url + "/inference/v1/abort_requests",
                              json={"request_ids": ["generate-tokens-e2e-long"]})
             assert a.status == 200
