@@ -24,6 +24,7 @@ import pytest
 
 from tests.deploy import dashboards as dash
 from tests.deploy import metric_catalog as cat
+from tests.fixtures_vllm import scrape_metrics
 
 
 @dataclass
@@ -135,14 +136,13 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 60) -> tuple[int,
         return int(resp.status), resp.read()
 
 
-# 60 s: on a loaded 2-core CI host an idle vLLM API server once took more than 10 s to answer /metrics.
 def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=60) as resp:
+    with urllib.request.urlopen(url, timeout=10) as resp:
         return json.loads(resp.read())
 
 
 def get_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=60) as resp:
+    with urllib.request.urlopen(url, timeout=10) as resp:
         return str(resp.read().decode())
 
 
@@ -309,7 +309,7 @@ def test_vllm_stack_serves_scrapes_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         # The dashboards' vLLM names against this run's real scrapes (not only the recorded traces).
         scraped: set[str] = set()
         for url in (*running.info["prefill"], *running.info["decode"]):
-            scraped |= set(cat.parse_exposition(get_text(f"{url}/metrics")))
+            scraped |= set(cat.parse_exposition(scrape_metrics(url)))
         files = dash.dashboard_files()
         named = {s.name for f in files for q in dash.queries(f) for s in dash.selectors(dash.parse(q.expr))}
         vllm_named = {n for n in named if n.startswith("vllm:")}
@@ -318,7 +318,7 @@ def test_vllm_stack_serves_scrapes_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         pulls = [
             float(line.rsplit(" ", 1)[1])
             for url in running.info["decode"]
-            for line in get_text(f"{url}/metrics").splitlines()
+            for line in scrape_metrics(url).splitlines()
             if line.startswith("vllm:nixl_xfer_time_seconds_count")
         ]
         assert sum(pulls) >= 2
