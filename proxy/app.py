@@ -1,12 +1,12 @@
 """The aiohttp application: routes, typed app state, start-up and shutdown.
 
-Routes (``/inference/*`` and ``/debug/*`` behind ``--api-key`` when set, as vLLM guards its
-``/inference`` prefix):
+Routes (``/inference/*`` behind the client keys when set, as vLLM guards its ``/inference`` prefix,
+each key a tenant (``proxy.tenants``); ``/debug/*`` behind ``--admin-key`` when set):
 
 * ``POST /inference/v1/generate``         the P/D walk (``proxy.serving``)
 * ``POST /inference/v1/abort_requests``   vLLM's abort contract, routed by request state
 * ``POST /abort_requests``                legacy alias (key required unless mirroring vLLM)
-* ``GET  /health``                        the proxy and its pools
+* ``GET  /health``                        the proxy and its pools (last known state; URLs for the admin key)
 * ``GET  /metrics``                       Prometheus text (no key)
 * ``GET  /debug/kv-leases``               the KV-lease ledger (open + recent closed)
 * ``GET  /debug/requests``                the request table (state and holders of each request)
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,6 +37,7 @@ from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.protocol import JSONBodyError, error_body, loads_bounded
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
+from proxy.tenants import OPEN, Tenant, Tenants
 from proxy.tls import upstream_context
 from proxy.tracing import Tracing
 from proxy.upstream import Upstream
@@ -50,6 +49,7 @@ SETTINGS = web.AppKey("settings", ProxySettings)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 SERVING = web.AppKey("serving", Serving)
 DRAINING = web.AppKey("draining", asyncio.Event)
+ADMIN_KEYS = web.AppKey("admin_keys", Tenants)
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/debug")
 LEGACY_ABORT_PATH = "/abort_requests"
@@ -59,28 +59,49 @@ ABORT_PATH = "/inference/v1/abort_requests"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _key_ok(request: web.Request, key_hash: bytes) -> bool:
-    value = request.headers.get("Authorization")
-    if not value:
-        return False
-    scheme, _, param = value.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(hashlib.sha256(param.encode()).digest(), key_hash)
+TENANT = web.RequestKey("tenant", Tenant)
+"""Request key: the ``proxy.tenants.Tenant`` whose key the request carried (``OPEN`` without keys)."""
+ADMIN_PREFIXES = ("/debug",)
 
 
-def _auth_middleware(settings: ProxySettings) -> Middleware:
-    assert settings.api_key is not None
-    key_hash = hashlib.sha256(settings.api_key.encode()).digest()
+def _admin_key_ok(request: web.Request, admin: Tenants) -> bool:
+    return admin.identify(request.headers.get("Authorization")) is not None
+
+
+def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) -> Middleware:
+    """Client keys (tenants) on the inference routes; ``/debug/*`` (every tenant's requests) on the
+    admin key when one is set. Without an admin key a single client key still opens ``/debug/*``
+    (one tenant sees only its own requests); with several tenants it stays shut (403)."""
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method != "OPTIONS":
-            path = request.path
-            guarded = path.startswith(GUARDED_PREFIXES) or (
-                path == LEGACY_ABORT_PATH and not settings.legacy_abort_mirror_vllm)
-            if guarded and not _key_ok(request, key_hash):
+        if request.method == "OPTIONS":
+            return await handler(request)
+        path = request.path
+        if path.startswith(ADMIN_PREFIXES):
+            if admin.enabled:
+                if not _admin_key_ok(request, admin):
+                    return Unauthorized("Unauthorized").to_response()
+                return await handler(request)
+            if tenants.namespaced:
+                return json_response(error_body(
+                    "/debug shows every tenant's requests: it needs --admin-key", "Forbidden", 403),
+                    status=403)
+        guarded = path.startswith(GUARDED_PREFIXES) or (
+            path == LEGACY_ABORT_PATH and not settings.legacy_abort_mirror_vllm)
+        if not tenants.enabled:
+            request[TENANT] = OPEN
+        elif guarded:
+            tenant = tenants.identify(request.headers.get("Authorization"))
+            if tenant is None:
                 return Unauthorized("Unauthorized").to_response()
+            request[TENANT] = tenant
+        elif path == LEGACY_ABORT_PATH:
+            # vLLM's keyless legacy abort (--legacy-abort-mirror-vllm): it acts as the only
+            # tenant; with several tenants it would reach everyone's requests, so it is refused.
+            if tenants.namespaced:
+                return Unauthorized("Unauthorized").to_response()
+            request[TENANT] = OPEN
         return await handler(request)
 
     return auth
@@ -95,7 +116,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                          "status": 503}, app[SETTINGS].log_format)
         return json_response(
             error_body("the proxy is shutting down", "ServiceUnavailableError", 503), status=503)
-    return await app[SERVING].generate(request)
+    return await app[SERVING].generate(request, request.get(TENANT, OPEN))
 
 
 async def abort_requests(request: web.Request) -> web.Response:
@@ -111,38 +132,39 @@ async def abort_requests(request: web.Request) -> web.Response:
     if isinstance(ids, str):
         ids = [ids]
     if isinstance(ids, list):
-        request.app[SERVING].abort_ids([i for i in ids if isinstance(i, str)])
+        unique = list(dict.fromkeys(i for i in ids if isinstance(i, str)))
+        limit = request.app[SETTINGS].max_abort_ids
+        if len(unique) > limit:
+            return json_response(error_body(
+                f"at most {limit} distinct request ids per abort call, got {len(unique)}",
+                "Bad Request", 400, "request_ids"), status=400)
+        request.app[SERVING].abort_ids(request.get(TENANT, OPEN), unique)
     return web.Response(status=200)
 
 
 async def health(request: web.Request) -> web.Response:
+    """From the pools' last known state (active probes, circuit breakers, draining): no worker is
+    called per request, so probing ``/health`` costs the workers nothing. Worker URLs and their
+    load only for the admin key; everyone else gets the status and each pool's counts."""
     serving = request.app[SERVING]
-    settings = request.app[SETTINGS]
-    workers = [*serving.prefill_pool, *serving.decode_pool]
-    results = await asyncio.gather(*(serving.upstream.health(w.url, limit=min(2.0, settings.control_timeout))
-                                     for w in workers))
-    reachable = {(w.pool, w.url): ok for w, ok in zip(workers, results, strict=True)}
-    if not serving.pools.settings.active_health:
-        # No active probes: this probe is the only health signal the pools get.
-        for w, ok in zip(workers, results, strict=True):
-            w.healthy = ok
-    # "healthy" is this probe's answer; "admitted" is whether the pool routes to the worker now
-    # (active probes with thresholds, circuit breaker, draining: proxy.pools).
-    pools = {
-        pool.name: [{"url": w.url, "healthy": reachable.get((w.pool, w.url), False),
-                     "admitted": w.available, "circuit": w.circuit.name.lower().replace("_", "-"),
-                     "draining": w.draining, "inflight": w.inflight} for w in pool]
-        for pool in (serving.prefill_pool, serving.decode_pool)
-    }
-    ready = all(any(reachable.get((w.pool, w.url), False) for w in pool)
-                for pool in (serving.prefill_pool, serving.decode_pool))
+    pools = (serving.prefill_pool, serving.decode_pool)
+    ready = all(any(w.available for w in pool) for pool in pools)
     draining = request.app[DRAINING].is_set()
-    body = {
+    body: dict[str, object] = {
         "status": "draining" if draining else ("ok" if ready else "degraded"),
-        "pools": pools,
-        "requests_in_flight": len(serving.table),
-        "kv_leases_open": serving.ledger.open_count,
+        "workers": {pool.name: {"total": len(pool), "available": sum(1 for w in pool if w.available)}
+                    for pool in pools},
     }
+    admin = request.app[ADMIN_KEYS]
+    if admin.enabled and _admin_key_ok(request, admin):
+        body["pools"] = {
+            pool.name: [{"url": w.url, "healthy": w.healthy, "admitted": w.available,
+                         "circuit": w.circuit.name.lower().replace("_", "-"),
+                         "draining": w.draining, "inflight": w.inflight} for w in pool]
+            for pool in pools
+        }
+        body["requests_in_flight"] = len(serving.table)
+        body["kv_leases_open"] = serving.ledger.open_count
     return json_response(body, status=200 if ready and not draining else 503)
 
 
@@ -228,7 +250,10 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     one, or one built from the ``OTEL_*`` variables; see ``proxy.tracing``)."""
     # Errors outermost (every error in vLLM's shape), then the key, then the body limits (a
     # client without the key never gets its body read).
-    middlewares = [error_middleware, *([_auth_middleware(settings)] if settings.api_key else []),
+    tenants = Tenants(settings.client_keys())
+    admin_keys = Tenants([(None, settings.pools.admin_key)] if settings.pools.admin_key else [])
+    auth = tenants.enabled or admin_keys.enabled
+    middlewares = [error_middleware, *([_auth_middleware(settings, tenants, admin_keys)] if auth else []),
                    body_middleware(settings.max_body_bytes, settings.body_timeout,
                                    (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH))]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
@@ -238,6 +263,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app[SERVING] = serving = Serving(settings, metrics,
                                      tracing=Tracing.create(settings.otel, tracer_provider))
     app[DRAINING] = asyncio.Event()
+    app[ADMIN_KEYS] = admin_keys
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/inference/v1/generate", generate)

@@ -7,18 +7,22 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.logs import configure_access_log
+from proxy.logs import EscapingFormatter, configure_access_log
 from proxy.pools.pool import normalize_url
 from proxy.pools.runtime import add_pool_arguments, pool_settings_from_args
 from proxy.settings import ProxySettings
+from proxy.tenants import Tenants, read_key_file
 from proxy.tls import server_context
 from proxy.tracing import otel_installed
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
@@ -30,8 +34,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="N processes serving the port (SO_REUSEPORT); see proxy/multiproc.py")
-    p.add_argument("--api-key", default=os.environ.get("PD_PROXY_API_KEY"),
-                   help="guard /inference/* (and /debug/*) like vLLM's --api-key")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a client key guarding /inference/* like vLLM's --api-key; repeat it for several "
+                        "tenants, each key one tenant (also PD_PROXY_API_KEY: one key, PD_PROXY_API_KEYS: "
+                        "several, comma-separated, so keys stay out of ps)")
+    p.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
+                   help="client keys, one per line: KEY or NAME KEY (NAME shows in the access log)")
     p.add_argument("--upstream-api-key", default=os.environ.get("PD_PROXY_UPSTREAM_API_KEY"),
                    help="API key sent to the workers")
     p.add_argument("--decode-tokens-only", action="store_true",
@@ -85,7 +93,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     a = p.parse_args(argv)
     if a.otel and not otel_installed():
         p.error("--otel needs the OpenTelemetry packages: pip install 'pd-proxy[otel]'")
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=a.log_level.upper(), format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(EscapingFormatter(LOG_FORMAT))
     try:
         for url in (*a.prefill, *a.decode):
             normalize_url(url)
@@ -94,10 +104,22 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
         p.error(str(e))
 
 
+def client_keys(a: argparse.Namespace, env: Mapping[str, str]) -> tuple[tuple[str | None, str], ...]:
+    """Every client key, from the flags, the key file and the environment (all of them count)."""
+    keys: list[tuple[str | None, str]] = [(None, k) for k in a.api_key]
+    if a.api_key_file is not None:
+        keys += read_key_file(a.api_key_file)
+    if env.get("PD_PROXY_API_KEY"):
+        keys.append((None, env["PD_PROXY_API_KEY"]))
+    keys += [(None, k.strip()) for k in env.get("PD_PROXY_API_KEYS", "").split(",") if k.strip()]
+    Tenants(keys)  # an empty or repeated key is an error here, not at the first request
+    return tuple(keys)
+
+
 def _settings(a: argparse.Namespace) -> ProxySettings:
     return ProxySettings(
         prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode), host=a.host, port=a.port,
-        api_key=a.api_key, upstream_api_key=a.upstream_api_key,
+        api_keys=client_keys(a, os.environ), upstream_api_key=a.upstream_api_key,
         decode_tokens_only=a.decode_tokens_only, prefill_tokens_only=a.prefill_tokens_only,
         max_num_seqs=a.max_num_seqs,
         prefill_failure_policy=a.prefill_failure, rewrite_remote_host=not a.no_rewrite_remote_host,

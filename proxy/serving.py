@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from kv_transfer.ledger import CloseReason, KVLeaseLedger, Lease
+from kv_transfer.params import client_transfer_params
 from proxy.errors import (
     BadRequest,
     ClientError,
@@ -37,6 +38,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.hop import HopResponse
+from proxy.ids import Rewrite, abortable_id, client_request_id, upstream_id
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
 from proxy.pools import Deadline, DeadlineExceeded, NoWorkerAvailable, Outcome, Overloaded, PickContext
@@ -63,6 +65,7 @@ from proxy.relay import StreamBuffer, block_token_ids
 from proxy.settings import ProxySettings
 from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_event, last_data
 from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
+from proxy.tenants import OPEN, Tenant
 from proxy.tracing import DISABLED as TRACING_DISABLED
 from proxy.tracing import NOOP_HOP, NOOP_TRACE, Hop, RequestTrace, Tracing
 from proxy.upstream import TokenIds, Upstream, ids_text
@@ -145,6 +148,11 @@ class Flight:
     """The decode pick's context (its ``tokens`` are counted on the decode worker)."""
     trace: RequestTrace = NOOP_TRACE
     """OpenTelemetry spans of this request (``proxy.tracing``; a shared no-op when off)."""
+    client_id: str = ""
+    """The id the client knows the request by (``record.base_id`` is the workers', ``proxy.ids``)."""
+    rewrite: Rewrite | None = None
+    """Puts the client's id back into worker bytes sent to the client (several tenants only)."""
+    tenant: Tenant = OPEN
 
 
 class Serving:
@@ -165,6 +173,8 @@ class Serving:
         self.tracker = TaskTracker()
         self.flights: dict[int, Flight] = {}
         self.draining = False
+        self._broadcast_slots = asyncio.Semaphore(settings.abort_broadcast_concurrency)
+        self._broadcasts_pending = 0
         """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""
         self._upstream: Upstream | None = None
         self._is_local = functools.lru_cache(maxsize=_HOST_CACHE)(_is_loopback_or_unspecified)
@@ -197,12 +207,12 @@ class Serving:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
-        # Transfer params name worker-side addresses (the KV and encoder-cache side channels):
-        # a client never chooses them (a null is kept: it names nothing); the proxy sets
-        # kv_transfer_params per hop itself.
-        for key in ("kv_transfer_params", "ec_transfer_params"):
-            if data.get(key) is not None:
-                del data[key]
+        # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
+        # hop (kv_transfer.params). A top-level null names nothing and passes.
+        where = client_transfer_params(body, data)
+        if where is not None:
+            raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
+                             "remove it from the request.", param=where)
         data["token_ids"] = TokenIds(data["token_ids"], ids_text(body))  # not encoded again
         s = self.settings
         sp = req.sampling_params
@@ -292,11 +302,12 @@ class Serving:
 
     # ---------------------------------------------------------------- the walk
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
         t0 = self.clock()
         body = await request.read()
         try:
             req, data = self.validate(body, request.headers.get("Content-Type", ""))
+            client_id = client_request_id(request.headers.get("X-Request-Id"), req.request_id)
         except ClientError as e:
             self.metrics.child(self.metrics.requests, "client_error").inc()
             if ACCESS_LOG.isEnabledFor(logging.INFO):
@@ -316,23 +327,19 @@ class Serving:
             self.metrics.child(self.metrics.requests, "rejected").inc()
             return e.to_response()
         try:
-            return await self._admitted(request, t0, req, data, deadline)
+            return await self._admitted(request, t0, req, data, deadline, tenant=tenant,
+                                        client_id=client_id if client_id is not None else uuid.uuid4().hex)
         finally:
             self.pools.admission.release()
 
     async def _admitted(self, request: web.Request, t0: float, req: GenerateRequest, data: dict[str, Any],
-                        deadline: Deadline | None) -> web.StreamResponse:
-        header_id = request.headers.get("X-Request-Id")
-        if header_id is not None:
-            base_id = header_id
-        elif req.request_id is not None:
-            base_id = req.request_id
-        else:
-            base_id = uuid.uuid4().hex
+                        deadline: Deadline | None, *, client_id: str, tenant: Tenant) -> web.StreamResponse:
+        base_id = upstream_id(tenant.tag, client_id)
         record = RequestRecord(base_id, engine_request_id(base_id), stream=req.is_stream)
-        flight = Flight(record, req, data, Timing(t0), deadline=deadline)
-        flight.headers["X-Request-Id"] = base_id
-        flight.trace = self.tracing.start(request.headers, base_id, t0)
+        flight = Flight(record, req, data, Timing(t0), deadline=deadline, client_id=client_id,
+                        rewrite=Rewrite.for_ids(base_id, client_id), tenant=tenant)
+        flight.headers["X-Request-Id"] = client_id
+        flight.trace = self.tracing.start(request.headers, client_id, t0)
         self.table.add(record)
         self.flights[id(record)] = flight
         outcome, status = "aborted", 499  # 499: the client went away (no response sent)
@@ -379,7 +386,8 @@ class Serving:
         """The one access line of a request: ids, workers, hop timings, outcome; no content."""
         record = f.record
         fields: dict[str, Any] = {
-            "request_id": record.base_id,
+            "request_id": f.client_id,
+            **({"tenant": f.tenant.name} if f.tenant.tag else {}),
             "prefill": record.prefill_worker.url if record.prefill_worker is not None else None,
             "decode": record.decode_worker.url if record.decode_worker is not None else None,
             "stream": f.request.is_stream,
@@ -737,6 +745,8 @@ class Serving:
             # Non-stream: the decode hop (KV pull and first token included) per output token.
             self.metrics.tpot.observe((f.timing.d1 - f.timing.d0) / f.completion_tokens)
         raw = self._merge_prefill_info(f, reply, raw)
+        if f.rewrite is not None:
+            raw = f.rewrite.apply(raw)
         now = self.clock()
         self.metrics.ttft.observe(now - f.timing.t0)
         headers = dict(f.headers)
@@ -946,6 +956,8 @@ class Serving:
             items, finished = await buffer.take(merge=queued > 0)
             if items:
                 data = items[0] if len(items) == 1 else b"".join(items)
+                if f.rewrite is not None:
+                    data = f.rewrite.apply(data)
                 if queued + len(data) <= high:  # the buffer only drained while we waited
                     await resp.write(data)
                 else:
@@ -1393,25 +1405,43 @@ class Serving:
         return ok
 
     async def broadcast_abort(self, request_ids: list[str]) -> None:
-        workers = [*self.prefill_pool, *self.decode_pool]
-        results = await asyncio.gather(
-            *(self.upstream.abort(w.url, request_ids, limit=self.settings.control_timeout)
-              for w in workers))
+        async with self._broadcast_slots:  # bounded fan-outs at once (``abort_broadcast_concurrency``)
+            workers = [*self.prefill_pool, *self.decode_pool]
+            results = await asyncio.gather(
+                *(self.upstream.abort(w.url, request_ids, limit=self.settings.control_timeout)
+                  for w in workers))
         for w, ok in zip(workers, results, strict=True):
             self.metrics.child(self.metrics.abort_fanout, w.pool, "ok" if ok else "error").inc()
 
-    def abort_ids(self, request_ids: list[str]) -> None:
+    def abort_ids(self, tenant: Tenant, request_ids: list[str]) -> None:
+        """Abort the caller's own requests named by ``request_ids`` (vLLM's engine ids, as the
+        client knows them). Ids this process does not know are sent to every worker (other
+        processes' and replicas' requests), namespaced as the tenant's (``proxy.ids``); only ids
+        that can be this proxy's generate ids are sent anywhere. Raises ``Overloaded`` when
+        ``abort_broadcast_queue`` fan-outs are already waiting."""
         unknown: list[str] = []
         for rid in request_ids:
-            records = self.table.get(rid)
+            client_id = abortable_id(rid)
+            if client_id is None:
+                continue  # vLLM accepts it and aborts nothing
+            engine_id = engine_request_id(upstream_id(tenant.tag, client_id))
+            records = self.table.get(engine_id)
             if not records:
-                unknown.append(rid)
+                unknown.append(engine_id)
             for record in records:
                 self.abort_record(record, "client_call")
         if unknown:
             self.metrics.child(self.metrics.aborts, "client_call", "unknown").inc(len(unknown))
         if unknown and self.settings.abort_unknown_broadcast:
-            self.tracker.spawn(self.broadcast_abort(unknown))
+            if self._broadcasts_pending >= self.settings.abort_broadcast_queue:
+                raise Overloaded("too many abort broadcasts are waiting", retry_after=1.0,
+                                 reason="queue_full")
+            self._broadcasts_pending += 1
+            task = self.tracker.spawn(self.broadcast_abort(unknown))
+            task.add_done_callback(self._broadcast_done)
+
+    def _broadcast_done(self, _: object) -> None:
+        self._broadcasts_pending -= 1
 
     async def _hop_or_abandon(self, f: Flight, fut: asyncio.Future[Any]) -> bool:
         """Wait for a decode hop's answer (without cancelling it: it outlives the handler). False
@@ -1445,7 +1475,7 @@ class Serving:
         ``done=False``: a worker still holds the request (the clean-up frees it)."""
         if done:
             self._set_done(f)
-        req, rid = f.request, f.record.engine_id
+        req, rid = f.request, engine_request_id(f.client_id)
         n = req.sampling_params.n
         prompt_tokens = len(req.token_ids)
         if not req.is_stream:

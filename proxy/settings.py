@@ -19,6 +19,8 @@ class ProxySettings:
     port: int = 8000
     api_key: str | None = None
     """Guards ``/inference/*`` (and ``/debug/*``, and by default the legacy abort path)."""
+    api_keys: tuple[tuple[str | None, str], ...] = ()
+    """More client keys, (name or None, key): each key is a tenant (``proxy.tenants``)."""
     upstream_api_key: str | None = None
     """Sent to the workers as ``Authorization: Bearer``."""
     decode_tokens_only: bool = False
@@ -62,6 +64,12 @@ class ProxySettings:
     reading) closes its connection; the decode worker is aborted."""
     abort_unknown_broadcast: bool = True
     """An abort naming an id this proxy does not know goes to every worker of both pools."""
+    max_abort_ids: int = 1024
+    """Distinct request ids one abort call may name (a 400 beyond)."""
+    abort_broadcast_concurrency: int = 8
+    """Broadcasts of unknown ids (one call per worker each) running at once."""
+    abort_broadcast_queue: int = 256
+    """Broadcasts that may wait for a slot; an abort call beyond it gets a 429."""
     legacy_abort_mirror_vllm: bool = False
     """Serve ``POST /abort_requests`` WITHOUT checking the API key, as vLLM's --tokens-only
     server does. Unsafe: anyone who can reach the proxy can then abort any request by id
@@ -101,6 +109,9 @@ class ProxySettings:
     extra_health_info: dict[str, str] = field(default_factory=dict)
     pools: PoolSettings = field(default_factory=PoolSettings)
     """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
+
+    def client_keys(self) -> list[tuple[str | None, str]]:
+        return [*([(None, self.api_key)] if self.api_key else []), *self.api_keys]
 
     def __post_init__(self) -> None:
         p = self.pools

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
 import pytest
 
+from proxy.pools.runtime import PoolSettings
 from tests.proxy.conftest import PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import Scripted, ScriptedFactory, SSEBytes, prefill_reply
 
@@ -242,16 +244,24 @@ async def test_upstream_api_key_is_sent(pd_factory: PDFactory) -> None:
 
 
 async def test_health_reports_pools(pd_factory: PDFactory, proxy_factory: ProxyFactory) -> None:
-    pd = await pd_factory()
-    r = await pd.client.get("/health")
+    admin = {"Authorization": "Bearer adm"}
+    pd = await pd_factory(pools=PoolSettings.plain(admin_key="adm"))
+    r = await pd.client.get("/health", headers=admin)
     body = await r.json()
     assert r.status == 200 and body["status"] == "ok"
     assert body["pools"]["prefill"][0]["url"] == pd.p.url and body["pools"]["decode"][0]["healthy"]
-    client, _ = await proxy_factory([pd.p.url], [dead_url()])
-    r = await client.get("/health")
+    # The dead decode worker is seen by the active probes; /health reports their last verdict.
+    client, _ = await proxy_factory([pd.p.url], [dead_url()], pools=PoolSettings.plain(
+        admin_key="adm", active_health=True, health_interval=0.05, health_fail_threshold=1))
+    for _ in range(400):  # bounded: 20 s
+        r = await client.get("/health", headers=admin)
+        if r.status == 503:
+            break
+        await asyncio.sleep(0.05)
     body = await r.json()
     assert r.status == 503 and body["status"] == "degraded"
     assert body["pools"]["decode"][0]["healthy"] is False
+    assert body["workers"]["decode"] == {"total": 1, "available": 0}
 
 
 async def test_one_client_session_per_app(pd_factory: PDFactory) -> None:

@@ -72,7 +72,8 @@ def val(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str
 
 
 async def test_successes_count_upstream_calls_health_and_tpot(pd_factory: PDFactory) -> None:
-    pd = await pd_factory()
+    pd = await pd_factory(pools=PoolSettings.plain(active_health=True, health_interval=0.05,
+                                                   health_fail_threshold=1))
     s = await scrape(pd)
     assert val(s, "pd_proxy_worker_healthy", pool="prefill", worker=pd.p.url) == 1
     assert val(s, "pd_proxy_build_info", version=__version__) == 1
@@ -94,6 +95,10 @@ async def test_successes_count_upstream_calls_health_and_tpot(pd_factory: PDFact
     # pd-sim reports no cached tokens and P advertised blocks: nothing suspect.
     assert val(s, "pd_proxy_suspect_no_transfer_total") == 0
     await pd.p.close()
+    for _ in range(400):  # bounded (20 s): /health shows the active probes' last verdict
+        if (await pd.client.get("/health")).status == 503:
+            break
+        await asyncio.sleep(0.05)
     assert (await pd.client.get("/health")).status == 503
     s = await scrape(pd)
     assert val(s, "pd_proxy_worker_healthy", pool="prefill", worker=pd.p.url) == 0

@@ -25,12 +25,14 @@ from proxy.pools.runtime import PoolSettings
 from proxy.settings import ProxySettings
 from proxy.tls import server_context, upstream_context
 from proxy.upstream import Upstream
-from tests.reliability.harness import GENERATE, start_sim, start_world
+from tests.reliability.harness import GENERATE, start_sim, start_world, world
 from tests.reliability.harness import serve as serve_app
 from workers.sim import SimSettings
 from workers.sim import build_app as build_sim_app
 
 pytestmark = pytest.mark.timeout(60)
+
+ABORT_PATH = "/inference/v1/abort_requests"
 
 KEY = "client-key-7Hq2"
 UPSTREAM_KEY = "upstream-key-Zp81"
@@ -160,41 +162,105 @@ class Recorder:
         monkeypatch.setattr(Upstream, "open", open_)
 
 
-@pytest.mark.parametrize("prompt_len", [40, 4], ids=["p-d", "decode-only-bypass"])
-@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
-async def test_clients_can_never_choose_an_upstream(monkeypatch: pytest.MonkeyPatch, stream: bool,
-                                                    prompt_len: int) -> None:
-    rec = Recorder(monkeypatch)
-    # A listener standing for an address the client would like the workers to reach.
+async def start_trap() -> tuple[web.AppRunner, str, int, list[str]]:
+    """A listener standing for an address a client would like a worker to reach (a NIXL side
+    channel, pd-sim's ``/sim/kv/pull``): every request it gets is recorded."""
     hits: list[str] = []
 
     async def trap(request: web.Request) -> web.Response:
         hits.append(request.path)
         return web.Response(status=404)
 
-    trap_app = web.Application()
-    trap_app.router.add_route("*", "/{tail:.*}", trap)
-    trap_runner, trap_url = await serve_app(trap_app)
-    trap_host, trap_port = "127.0.0.1", int(trap_url.rsplit(":", 1)[1])
-    w = await start_world()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", trap)
+    runner, url = await serve_app(app)
+    return runner, "127.0.0.1", int(url.rsplit(":", 1)[1]), hits
+
+
+def evil_params(host: str, port: int) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+            "remote_engine_id": "evil", "remote_request_id": "evil-1", "remote_host": host,
+            "remote_port": port, "remote_num_tokens": 32}
+
+
+def with_transfer_params(body: dict[str, Any], place: str, params: dict[str, Any]) -> bytes:
+    """``body`` carrying ``params`` at ``place`` (every place a client could put them), as bytes."""
+    body = json.loads(json.dumps(body))
+    sp = body["sampling_params"]
+    if place in ("kv_transfer_params", "ec_transfer_params"):
+        body[place] = params
+    elif place.startswith("extra_args."):
+        sp["extra_args"] = {"logits_processor_arg": 1, place.split(".", 1)[1]: params}
+    elif place == "nested":
+        sp["extra_args"] = {"connector": {"kv_transfer_params": params}}
+    elif place == "escaped":  # the key spelled with a JSON escape
+        sp["extra_args"] = {"KEY": params}
+        return json.dumps(body).replace('"KEY"', '"\\u006bv_transfer_params"').encode()
+    else:
+        raise AssertionError(place)
+    return json.dumps(body).encode()
+
+
+PLACES = ["kv_transfer_params", "ec_transfer_params", "extra_args.kv_transfer_params",
+          "extra_args.ec_transfer_params", "nested", "escaped"]
+# Every hop kind a request can take: (world settings, sims' faults, prompt length, stream).
+HOP_KINDS: dict[str, dict[str, Any]] = {
+    "two-hop": {"prompt": 40},
+    "decode-only-bypass": {"prompt": 4},
+    "prefill-failure-decode-only": {"prompt": 40, "p_faults": {"fail_next": 1, "fail_status": 500},
+                                    "settings": {"prefill_failure_policy": "decode-only",
+                                                 "pools": PoolSettings(prefill_attempts=1)}},
+    "decode-retry": {"prompt": 40, "decodes": 2, "d_faults": {"fail_next": 1, "fail_status": 503}},
+    "migration": {"prompt": 40, "decodes": 2, "stream": True, "max_tokens": 12,
+                  "d_faults": {"reset_after_tokens": 3}},
+}
+
+
+@pytest.mark.parametrize("kind", list(HOP_KINDS))
+async def test_clients_can_never_choose_an_upstream(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Transfer params from a client, anywhere in the body, are refused (400, nothing sent
+    anywhere, the trap listener never reached) on every hop kind; the same request without them
+    takes that hop kind and reaches only the configured workers with the proxy's own params."""
+    spec = HOP_KINDS[kind]
+    rec = Recorder(monkeypatch)
+    trap_runner, trap_host, trap_port, hits = await start_trap()
+    w = await start_world(decode=[{}] * spec.get("decodes", 1), **spec.get("settings", {}))
     w.extra_runners.append(trap_runner)
     try:
-        evil = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
-                "remote_engine_id": "evil", "remote_request_id": "evil-1", "remote_host": trap_host,
-                "remote_port": trap_port, "remote_num_tokens": 32}
-        body = {**req(stream=stream), "token_ids": PROMPT[:prompt_len], "kv_transfer_params": evil,
-                "ec_transfer_params": {"remote_host": trap_host, "remote_port": trap_port}}
-        headers = {"Host": f"{trap_host}:{trap_port}", "X-Prefill-Url": trap_url, "X-Decode-Url": trap_url,
-                   "X-Forwarded-Host": f"{trap_host}:{trap_port}", "X-Target-Worker": trap_url,
-                   "X-Upstream": trap_url, "Forwarded": f"host={trap_host}:{trap_port}"}
-        async with w.session.post(w.url + GENERATE, json=body, headers=headers) as r:
+        base = {**req(stream=spec.get("stream", False), max_tokens=spec.get("max_tokens", 6)),
+                "token_ids": PROMPT[:spec["prompt"]]}
+        where = f"{trap_host}:{trap_port}"
+        headers = {"Content-Type": "application/json", "X-Prefill-Url": f"http://{where}",
+                   "X-Forwarded-Host": where, "Forwarded": f"host={where}"}
+        for place in PLACES:
+            raw = with_transfer_params(base, place, evil_params(trap_host, trap_port))
+            async with w.session.post(w.url + GENERATE, data=raw, headers=headers) as r:
+                answer = await r.json()
+                assert r.status == 400, (place, answer)
+            assert answer["error"]["type"] == "BadRequestError" and "client" in answer["error"]["message"]
+            assert rec.calls == [], f"{place}: a worker was called"
+        # The control: the same request without them takes this hop kind.
+        if "p_faults" in spec:
+            await w.p.set_faults(**spec["p_faults"])
+        if "d_faults" in spec:
+            await w.sims[1].set_faults(**spec["d_faults"])  # the first decode worker picked
+        async with w.session.post(w.url + GENERATE, json=base, headers=headers) as r:
             raw = await r.read()
             assert r.status == 200, raw[:300]
+            decode_only = r.headers.get("X-PD-Decode-Only")
         await w.wait_clean()
+        decode_urls = {d.url for d in w.sims[1:]}
+        decode_calls = [url for url, _ in rec.calls if url in decode_urls]
+        if kind.endswith("decode-only") or kind.endswith("bypass"):
+            assert decode_only is not None
+        if kind in ("decode-retry", "migration"):
+            assert len(set(decode_calls)) == 2, rec.calls  # retried / migrated to the other worker
         workers = {s.url for s in w.sims}
         assert rec.calls and all(url in workers for url, _ in rec.calls)
         for _, sent in rec.calls:
             assert str(trap_port) not in json.dumps(sent), "a client-chosen address was forwarded"
+            assert "ec_transfer_params" not in sent
+            assert "extra_args" not in sent["sampling_params"]
         assert hits == [], "a worker was sent to the client's address"
     finally:
         await w.close()
@@ -286,3 +352,228 @@ def test_upstream_context_rules(certs: dict[str, Path]) -> None:
     assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
     with pytest.raises(ValueError, match="key file needs"):
         upstream_context(key_file=str(certs["client_key"]))
+
+
+# ------------------------------------------------------------------ request ids
+
+BAD_IDS = ["a" * 129, "two words", "line\r\nrequest_id=forged", "tab\tid", "quote\"id", "näive",
+           "nul\x00id", "tilde~id", "del\x7fid"]
+
+
+@pytest.mark.parametrize("where", ["header", "body"])
+async def test_request_ids_are_bounded_and_plain(monkeypatch: pytest.MonkeyPatch, where: str,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    rec = Recorder(monkeypatch)
+    async with world() as w:
+        for bad in BAD_IDS:
+            if where == "body":
+                status, raw = await w.post({**req(), "request_id": bad})
+            else:
+                if any(c in bad for c in "\r\n\x00\x7f") or not bad.isascii():
+                    continue  # not sendable through aiohttp's client: the raw socket test below
+                status, raw = await w.post(req(), headers={"X-Request-Id": bad})
+            assert status == 400, (bad, raw)
+            err = json.loads(raw)["error"]
+            assert err["type"] == "BadRequestError" and err["code"] == 400, err
+            assert err["param"] == ("request_id" if where == "body" else "X-Request-Id")
+        assert rec.calls == []
+        good = "req-1_a.b:c@d+e=f/g"
+        status, raw = await w.post({**req(), "request_id": good} if where == "body" else req(),
+                                   headers={"X-Request-Id": good} if where == "header" else None)
+        assert status == 200 and json.loads(raw)["request_id"] == f"generate-tokens-{good}"
+        await w.wait_clean()
+    lines = [r.getMessage() for r in caplog.records if r.name == "pd_proxy.access"]
+    assert lines and all("\n" not in line and "\r" not in line for line in lines)
+    assert not any(line.startswith("request_id=forged") or " request_id=forged" in line for line in lines)
+
+
+async def test_raw_header_bytes_in_a_request_id_are_a_400_not_a_500() -> None:
+    """Bytes aiohttp's client would not send: non-UTF-8, a bare CR, control characters."""
+    async with world() as w:
+        host, port = w.url.removeprefix("http://").split(":")
+        body = json.dumps(req()).encode()
+        for value in (b"\xff\xfe-id", b"id\x01x", b"caf\xc3\xa9", b"a" * 300):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST " + GENERATE.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nX-Request-Id: " + value
+                         + b"\r\nContent-Length: " + str(len(body)).encode()
+                         + b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.read(65536), 30)
+            writer.close()
+            status = int(head.split(b" ", 2)[1])
+            assert status == 400, (value, head[:300])
+        await w.wait_clean()
+
+
+def test_text_access_lines_escape_what_they_print() -> None:
+    from proxy.logs import EscapingFormatter, format_access  # noqa: PLC0415
+
+    line = format_access({"request_id": "x\r\noutcome=ok", "worker": "http://p:1", "n": 3}, "text")
+    assert "\n" not in line and "\r" not in line
+    assert line == 'request_id="x\\r\\noutcome=ok" worker=http://p:1 n=3'
+    record = logging.LogRecord("pd_proxy", logging.WARNING, __file__, 1, "request %s failed: %s",
+                               ("id\n2026-01-01 INFO forged", "reason\r"), None)
+    out = EscapingFormatter("%(levelname)s %(message)s").format(record)
+    assert out == "WARNING request id\\n2026-01-01 INFO forged failed: reason\\r"
+
+
+# ------------------------------------------------------------------ tenants
+
+TENANT_A, TENANT_B = "tenant-a-key-Qx1", "tenant-b-key-Wz2"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_a_tenant_aborts_only_its_own_requests() -> None:
+    """Two tenants use the same request id at once. A's abort by that id ends A's request only;
+    the broadcast of an id A's proxy does not know (B's request runs on another proxy in front of
+    the same workers, as another process or replica would) does not touch B's request either.
+    Each client sees its own id in every chunk."""
+    slow = {"zero_latency": False, "prefill_base_ms": 1.0, "itl_ms": 40.0}
+    w = await start_world(prefill=[slow], decode=[slow], api_keys=((None, TENANT_A), ("b", TENANT_B)))
+    other = build_app(ProxySettings(prefill_urls=(w.p.url,), decode_urls=(w.d.url,),
+                                    lease_duration=w.p.settings.lease_seconds, kv_block_size=16,
+                                    api_keys=((None, TENANT_A), ("b", TENANT_B))))
+    runner2, url2 = await serve_app(other)
+    try:
+        body = {**req(stream=True, max_tokens=40), "request_id": "shared-1"}
+
+        async def run(url: str, key: str) -> list[Any]:
+            async with w.session.post(url + GENERATE, json=body, headers=bearer(key)) as r:
+                assert r.status == 200
+                return [json.loads(b[6:]) for b in (await r.read()).split(b"\n\n")
+                        if b.startswith(b"data: {")]
+
+        a = asyncio.create_task(run(w.url, TENANT_A))
+        b_same = asyncio.create_task(run(w.url, TENANT_B))
+        b_other = asyncio.create_task(run(url2, TENANT_B))
+        for _ in range(400):  # bounded: every request is decoding
+            if len((await w.d.state())["inflight"]) == 3:
+                break
+            await asyncio.sleep(0.02)
+        async with w.session.post(w.url + ABORT_PATH, json={"request_ids": ["generate-tokens-shared-1"]},
+                                  headers=bearer(TENANT_A)) as r:
+            assert r.status == 200
+        events_a = await asyncio.wait_for(a, 30)
+        assert events_a[-1]["choices"][0]["finish_reason"] == "abort"
+        events_b, events_b2 = await asyncio.wait_for(asyncio.gather(b_same, b_other), 30)
+        for events in (events_b, events_b2):
+            assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+            assert sum(len(e["choices"][0]["token_ids"]) for e in events if e["choices"]) == 40
+        for events in (events_a, events_b, events_b2):
+            assert {e["request_id"] for e in events} == {"generate-tokens-shared-1"}
+        # The workers knew three different ids; none of them is the client's bare id.
+        assert "generate-tokens-shared-1" not in json.dumps(await w.d.state())
+        await runner2.cleanup()
+        await w.wait_clean()
+    finally:
+        await runner2.cleanup()
+        await w.close()
+
+
+async def test_unknown_id_broadcast_is_namespaced_to_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[list[str]] = []
+
+    async def abort(self: Upstream, worker: str, request_ids: list[str], **kw: Any) -> bool:
+        sent.append(list(request_ids))
+        return True
+
+    monkeypatch.setattr(Upstream, "abort", abort)
+    async with world(api_keys=((None, TENANT_A), (None, TENANT_B))) as w:
+        ids = ["generate-tokens-x1", "generate-tokens-x1", "x2", "generate-tokens-bad id",
+               "generate-tokens-" + "a" * 200, "generate-tokens-x3"]
+        async with w.session.post(w.url + ABORT_PATH, json={"request_ids": ids},
+                                  headers=bearer(TENANT_A)) as r:
+            assert r.status == 200
+        for _ in range(200):
+            if len(sent) == 2:
+                break
+            await asyncio.sleep(0.01)
+    from proxy.tenants import key_tag  # noqa: PLC0415
+
+    tag = key_tag(TENANT_A)
+    # Deduplicated; only ids that can be generate ids; the caller's namespace; one call per worker.
+    assert sent == [[f"generate-tokens-{tag}~x1", f"generate-tokens-{tag}~x3"]] * 2
+
+
+async def test_abort_calls_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = asyncio.Event()
+    running = 0
+    most = 0
+
+    async def abort(self: Upstream, worker: str, request_ids: list[str], **kw: Any) -> bool:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await release.wait()
+        running -= 1
+        return True
+
+    monkeypatch.setattr(Upstream, "abort", abort)
+    async with world(max_abort_ids=4, abort_broadcast_concurrency=2, abort_broadcast_queue=3) as w:
+        r = await w.session.post(w.url + ABORT_PATH,
+                                 json={"request_ids": [f"generate-tokens-{i}" for i in range(5)]})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "request_ids"
+        # Repeats count once: 5 names, 4 distinct ids.
+        r = await w.session.post(w.url + ABORT_PATH, json={"request_ids": ["generate-tokens-a"] * 5 + [
+            "generate-tokens-b", "generate-tokens-c", "generate-tokens-d"]})
+        assert r.status == 200
+        statuses = []
+        for i in range(4):
+            r = await w.session.post(w.url + ABORT_PATH, json={"request_ids": [f"generate-tokens-q{i}"]})
+            statuses.append(r.status)
+            if r.status == 429:
+                assert r.headers.get("Retry-After")
+        assert statuses == [200, 200, 429, 429]  # 3 waiting broadcasts at most
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+        assert most == 2 * 2  # two broadcasts at once, each one call per worker (2 workers)
+        release.set()
+
+
+# ------------------------------------------------------------------ /health and /debug
+
+async def test_health_calls_no_worker_and_shows_urls_only_to_the_admin(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    probes: list[str] = []
+    real = Upstream.health
+
+    async def health(self: Upstream, worker: str, **kw: Any) -> bool:
+        probes.append(worker)
+        return await real(self, worker, **kw)
+
+    monkeypatch.setattr(Upstream, "health", health)
+    async with world(api_key=KEY, pools=PoolSettings(active_health=False, admin_key=ADMIN_KEY)) as w:
+        for _ in range(20):
+            async with w.session.get(w.url + "/health") as r:
+                body = await r.json()
+                assert r.status == 200 and body["status"] == "ok"
+                assert "pools" not in body and w.p.url not in json.dumps(body)
+                assert body["workers"] == {"prefill": {"total": 1, "available": 1},
+                                           "decode": {"total": 1, "available": 1}}
+        for headers in (bearer(KEY), bearer("wrong")):
+            async with w.session.get(w.url + "/health", headers=headers) as r:
+                assert "pools" not in await r.json()
+        async with w.session.get(w.url + "/health", headers=bearer(ADMIN_KEY)) as r:
+            body = await r.json()
+            assert body["pools"]["prefill"][0]["url"] == w.p.url and "requests_in_flight" in body
+        assert probes == [], "GET /health called a worker"
+
+
+async def test_debug_is_behind_the_admin_key() -> None:
+    async with world(api_key=KEY, pools=PoolSettings(admin_key=ADMIN_KEY)) as w:
+        for path in ("/debug/requests", "/debug/kv-leases", "/debug/runtime"):
+            async with w.session.get(w.url + path, headers=bearer(KEY)) as r:
+                assert r.status == 401, path  # a client key sees no other client's requests
+            async with w.session.get(w.url + path, headers=bearer(ADMIN_KEY)) as r:
+                assert r.status == 200, path
+    async with world(api_keys=((None, TENANT_A), (None, TENANT_B))) as w:
+        r = await w.session.get(w.url + "/debug/requests", headers=bearer(TENANT_A))
+        assert r.status == 403  # several tenants and no admin key: shut
+    async with world(api_key=KEY) as w:  # one key, no admin key: as before
+        r = await w.session.get(w.url + "/debug/requests", headers=bearer(KEY))
+        assert r.status == 200

@@ -346,3 +346,27 @@ async def test_params_naming_another_engine_fail_the_pull(sim_factory: SimFactor
         )
     assert st == 500 and res["error"]["message"] == "Internal server error"
     assert len((await p.state())["kv_held"]) == 1
+
+
+async def test_decode_acts_on_kv_params_in_extra_args_as_vllm(sim_factory: SimFactory) -> None:
+    """vLLM's engine reads ``sampling_params.extra_args["kv_transfer_params"]``; the top-level field
+    (copied there by its server) wins when not null. pd-sim does the same: a decode request whose
+    params come only through extra_args pulls P's KV."""
+    agg = await sim_factory(role="aggregated", zero_latency=True)
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", zero_latency=True)
+    async with aiohttp.ClientSession() as s:
+        _, a = await post_json(s, agg.url + GEN, body(PROMPT, max_tokens=6))
+        kv = await do_prefill(s, p, "xa")
+        st, dec = await post_json(s, d.url + GEN, body(PROMPT, max_tokens=6, request_id="xa",
+                                                       sp={"extra_args": {"kv_transfer_params": kv}}))
+        assert st == 200, dec
+        assert dec["choices"][0]["token_ids"] == a["choices"][0]["token_ids"]
+        assert await releases(p) == {"pulled": 1, "aborted": 0, "expired": 0}
+        # The top-level field wins over extra_args (here: stale params in extra_args are ignored).
+        kv2 = await do_prefill(s, p, "xb")
+        st, dec = await post_json(s, d.url + GEN, body(
+            PROMPT, max_tokens=6, request_id="xb", kv_transfer_params=kv2,
+            sp={"extra_args": {"kv_transfer_params": {**kv2, "remote_port": 1}}}))
+        assert st == 200, dec
+        assert await releases(p) == {"pulled": 2, "aborted": 0, "expired": 0}

@@ -50,6 +50,7 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     prompt_logprob_token_ids: list[list[int]] | None = None
+    extra_args: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -72,6 +73,16 @@ class GenerateRequest(BaseModel):
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
+
+    def engine_kv_transfer_params(self) -> dict[str, Any] | None:
+        """What vLLM's engine acts on: the top-level field when not null (the server copies it
+        into ``sampling_params.extra_args``), else ``extra_args["kv_transfer_params"]`` as the
+        client sent it (``vllm/v1/request.py`` reads only ``extra_args``)."""
+        if self.kv_transfer_params is not None:
+            return self.kv_transfer_params
+        extra = self.sampling_params.extra_args
+        params = extra.get("kv_transfer_params") if extra is not None else None
+        return params if isinstance(params, dict) else None
 
     @field_validator("token_ids")
     @classmethod

@@ -58,7 +58,7 @@ class _Run:
         opts = req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous_usage = self.include_usage and bool(opts and opts.continuous_usage_stats)
-        kv = req.kv_transfer_params or {}
+        kv = req.engine_kv_transfer_params() or {}
         role = self.settings.role
         self.kv_producer = role == "prefill" and bool(kv.get("do_remote_decode"))
         self.kv_consumer = role == "decode" and bool(kv.get("do_remote_prefill"))

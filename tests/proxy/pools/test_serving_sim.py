@@ -543,7 +543,7 @@ async def test_admin_api_and_workers_file_through_the_app(stack: StackFactory, t
         assert (await st.gen(req()))[0] == 200
     assert await st.metric("pd_proxy_upstream_requests_total", pool="decode", worker=st.decode[0].url) == 0
     assert await st.metric("pd_proxy_upstream_requests_total", pool="decode", worker=extra.url) == 3
-    r = await st.client.get("/health")
+    r = await st.client.get("/health", headers={"Authorization": "Bearer adm"})  # URLs: admin only
     body = await r.json()
     drained = next(w for w in body["pools"]["decode"] if w["url"] == st.decode[0].url)
     assert drained["draining"] is True and drained["admitted"] is False
