@@ -1,8 +1,10 @@
 # pd-proxy container image: small (python slim), non-root, health-checked.
 #   docker build -t pd-proxy:0.1.0 .
-#   docker run --rm -p 8000:8000 pd-proxy:0.1.0 --prefill http://P:8100 --decode http://D:8200
+#   docker run --rm -p 127.0.0.1:8000:8000 -e PD_PROXY_API_KEY pd-proxy:0.1.0 \
+#       --prefill http://P:8100 --decode http://D:8200
 # The entrypoint listens on 0.0.0.0:8000; arguments are appended, so a later --port wins (set
-# PD_PROXY_PORT to the same port for the health check).
+# PD_PROXY_PORT to the same port for the health check). The client API key comes from the
+# environment (PD_PROXY_API_KEY; never bake it into the image): without it pd-proxy logs a WARNING.
 # Only the runtime dependencies are installed, plus the k8s extra (pool membership from EndpointSlices)
 # and otlp (pd-proxy --otel exporting over OTLP/HTTP);
 # no dev extras. The build stage keeps pip's and setuptools' leftovers out of the final image.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from proxy.tls import server_context
 from proxy.tracing import otel_installed
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+log = logging.getLogger(__name__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
@@ -148,8 +150,28 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1); any other name or address is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_unguarded(settings: ProxySettings) -> None:
+    """A WARNING when the proxy listens beyond loopback with no client API key (anyone who can reach
+    the port may then generate and abort requests)."""
+    if settings.client_keys() or is_loopback(settings.host):
+        return
+    log.warning("pd-proxy listens on %s:%d with no client API key: anyone who can reach it may generate "
+                "and abort requests; set --api-key or PD_PROXY_API_KEY", settings.host, settings.port)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_args(argv)
+    warn_if_unguarded(settings)
     if settings.workers > 1:
         from proxy.multiproc import run_workers  # noqa: PLC0415
 

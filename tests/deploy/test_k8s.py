@@ -81,6 +81,7 @@ def test_objects_pass_strict_schema_validation(path: str, version: str) -> None:
         "ServiceAccount",
         "ServiceMonitor",
         "ConfigMap",
+        "NetworkPolicy",
     }
 
 

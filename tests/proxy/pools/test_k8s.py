@@ -29,6 +29,7 @@ class FakeAPI:
     queries: list[dict[str, str]] = field(default_factory=list)
     listed: asyncio.Event = field(default_factory=asyncio.Event)
     lists: int = 0
+    extra_items: list[dict[str, Any]] = field(default_factory=list)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         assert request.match_info["ns"] == "serving"
@@ -46,7 +47,7 @@ class FakeAPI:
         self.lists += 1
         if self.lists >= 2:
             self.listed.set()
-        return web.json_response(DATA["list"])
+        return web.json_response({**DATA["list"], "items": [*DATA["list"]["items"], *self.extra_items]})
 
 
 @pytest.fixture
@@ -120,3 +121,47 @@ async def test_slice_urls_numbered_port_missing_port_and_unknown_pool() -> None:
     async with client.ApiClient(client.Configuration(host="http://127.0.0.1:1")) as api_client:
         with pytest.raises(ValueError):
             EndpointSliceSource(Pools([Pool("decode")]), SliceSelector("gpu", "ns", "a=b", 80), api_client)
+
+
+def foreign_slice(name: str, address: str, managed_by: str | None) -> dict[str, Any]:
+    """A slice that carries the Service's label but was not made by the EndpointSlice controller: anyone
+    allowed to create EndpointSlices in the namespace could make it to steer traffic to ``address``."""
+    labels = {"kubernetes.io/service-name": "vllm-decode"}
+    if managed_by is not None:
+        labels["endpointslice.kubernetes.io/managed-by"] = managed_by
+    return {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
+            "metadata": {"name": name, "namespace": "serving", "resourceVersion": "1000", "labels": labels},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+            "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}]}
+
+
+CONTROLLER_URLS = ["http://10.1.0.11:8000", "http://10.1.0.12:8000", STATIC, "http://[fd00::21]:8000"]
+
+
+@pytest.mark.parametrize("managed_by", [None, "someone-else.example.com", ""])
+async def test_list_ignores_slices_not_made_by_the_endpointslice_controller(
+        api: tuple[FakeAPI, client.ApiClient], managed_by: str | None) -> None:
+    fake, api_client = api
+    fake.extra_items.append(foreign_slice("vllm-decode-rogue", "10.9.9.9", managed_by))
+    pools, source = make_source(api_client)
+    await source.sync()
+    assert urls(pools) == CONTROLLER_URLS
+    assert source.ignored == {"vllm-decode-rogue"}
+
+
+async def test_watch_ignores_foreign_slices_and_drops_a_slice_that_loses_the_label(
+        api: tuple[FakeAPI, client.ApiClient]) -> None:
+    fake, api_client = api
+    pools, source = make_source(api_client)
+    relabelled = foreign_slice("vllm-decode-abc12", "10.1.0.11", "someone-else.example.com")
+    fake.watch_events.append([
+        {"type": "ADDED", "object": foreign_slice("vllm-decode-rogue", "10.9.9.9", None)},
+        {"type": "MODIFIED", "object": relabelled},  # the controller's slice, relabelled by someone else
+    ])
+    rv = await source.sync()
+    assert urls(pools) == CONTROLLER_URLS
+    await source.watch_once(rv)
+    # Neither the rogue slice's address nor the relabelled slice's addresses are workers.
+    assert urls(pools) == [STATIC, "http://[fd00::21]:8000"]
+    assert source.ignored == {"vllm-decode-rogue", "vllm-decode-abc12"}

@@ -20,7 +20,8 @@ def endpoint_slice(name: str, pool: str, port: int) -> dict[str, Any]:
     return {
         "kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
         "metadata": {"name": name, "namespace": "serving", "resourceVersion": "7",
-                     "labels": {"pd-proxy.io/pool": pool}},
+                     "labels": {"pd-proxy.io/pool": pool,  # made by the controller: pd-proxy uses it
+                                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
         "addressType": "IPv4",
         "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
