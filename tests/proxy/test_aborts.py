@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from proxy.app import SERVING
 from proxy.pools.runtime import PoolSettings
 from proxy.state import RequestRecord
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
@@ -288,10 +289,19 @@ async def test_unknown_ids_are_broadcast(scripted_factory: ScriptedFactory,
         await asyncio.sleep(0.01)
     assert all(w.aborts == [{"request_ids": ["generate-tokens-zz"]}] for w in workers)
 
-    client2, _ = await proxy_factory([workers[0].url], [workers[2].url], abort_unknown_broadcast=False)
+    # Without the broadcast: the decision is made before the call answers (the handler runs
+    # abort_ids to its end), so a recorder on the broadcast sees the final word, with no waiting.
+    client2, app2 = await proxy_factory([workers[0].url], [workers[2].url], abort_unknown_broadcast=False)
+    broadcasts: list[list[str]] = []
+
+    async def record(ids: list[str]) -> None:
+        broadcasts.append(ids)
+
+    app2[SERVING].broadcast_abort = record  # type: ignore[method-assign,assignment]
     r = await client2.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-yy"]})
     assert r.status == 200
-    await asyncio.sleep(0.1)
+    assert broadcasts == [] and len(app2[SERVING].tracker) == 0
+    assert app2[SERVING].metrics.aborts.labels(source="client_call", state="unknown")._value.get() == 1
     assert len(workers[0].aborts) == 1
 
 
