@@ -158,14 +158,22 @@ async def test_preflight_close_cancels_running_checks() -> None:
     p = Pool("prefill", [A]).workers[0]
     d = Pool("decode", [B]).workers[0]
     started = asyncio.Event()
+    seen: list[str] = []
 
     async def check(pw: Worker, dw: Worker) -> None:
         started.set()
-        await asyncio.Event().wait()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.append("cancelled")  # the check itself was cancelled, not merely abandoned
+            raise
 
     pf = Preflight(check, timeout=60)
     task = pf.start(p, d)
     assert task is not None
     await started.wait()
-    await pf.close()
+    await asyncio.wait_for(pf.close(), 10)  # a close that does not cancel would wait forever
+    assert seen == ["cancelled"]
     assert task.cancelled() and pf.state(p, d) is PairState.UNKNOWN
+    assert pf.start(p, d) is not None  # the pair is checked again later (state forgotten)
+    await asyncio.wait_for(pf.close(), 10)
