@@ -172,8 +172,14 @@ async def test_preflight_close_cancels_running_checks() -> None:
     task = pf.start(p, d)
     assert task is not None
     await started.wait()
-    await asyncio.wait_for(pf.close(), 10)  # a close that does not cancel would wait forever
+    # asyncio.wait, not wait_for: its timeout must not do the cancelling for close().
+    closing = asyncio.ensure_future(pf.close())
+    done, _ = await asyncio.wait([closing], timeout=10)
+    if not done:
+        task.cancel()
+        raise AssertionError("close() did not cancel the running check")
     assert seen == ["cancelled"]
     assert task.cancelled() and pf.state(p, d) is PairState.UNKNOWN
-    assert pf.start(p, d) is not None  # the pair is checked again later (state forgotten)
-    await asyncio.wait_for(pf.close(), 10)
+    again = pf.start(p, d)  # the pair is checked again later (its state was forgotten)
+    assert again is not None
+    again.cancel()
