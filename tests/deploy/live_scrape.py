@@ -50,7 +50,7 @@ async def traffic_and_scrape(
     async with aiohttp.ClientSession(timeout=timeout) as s:
         assert await _generate(s, proxy, stream=True, rid="dash-1") == 200
         assert await _generate(s, proxy, stream=False, rid="dash-2") == 200
-        abort = {"request_ids": ["dash-unknown"]}
+        abort = {"request_ids": ["generate-tokens-dash-unknown"]}  # a generate id: only those are broadcast
         async with s.post(proxy + "/inference/v1/abort_requests", json=abort) as r:
             assert r.status == 200
         if fail_prefill is not None:
