@@ -1,19 +1,11 @@
-"""pd-bench against pd-sim: the harness's accuracy at low load, and failures counted per fault.
+"""pd-bench against pd-sim: the harness's accuracy, and failures counted per fault.
 
-Accuracy (the timing check the issue allows): pd-sim set to a TTFT of 50 ms and an ITL of 10 ms,
-one request at a time. The always-on test compares the harness with pd-sim's own clock (its
-vLLM-style histograms): mean TPOT within 5% (under 1% when the machine is quiet), TTFT and E2E
-never below pd-sim's. The literal checks against the configured values run what ``pd-bench run``
-runs (its synchronous entry, on uvloop) against a pd-sim process: the median ITL within 5% of 10 ms
-is always on (pd-sim paces tokens on an absolute schedule; medians 10.2-10.4 ms measured, 9.5-9.8
-only with the machine at load 15-35). The median TTFT within 5% of 50 ms (52.5 ms) includes the
-loopback HTTP round trip of two Python processes and pd-sim's request parsing: medians 50.9-51.1 ms
-on a quiet machine (before pd-bench timed from the write, ran on uvloop, and pd-sim's first token
-stopped waking up to 1 ms late: 51.8-52.1). With other test suites and vLLM clusters on the 2 cores
-it still fails: 16 of 20 runs over the limit at load 6-13 (51-58 ms), and 4 of 20 for both the old
-and the new harness run alternately at load 3-37 (median of the medians 52.05 -> 51.00 ms, worst
-61 ms); even at load 1.4-4.3, 2 of 20 (median 51.11, worst 53.69 ms). So
-the TTFT check takes the best of up to three runs.
+Accuracy is judged on pd-sim's own clock in the same run (its vLLM-style histograms), never on
+wall-clock tolerances: the machine is shared and its load moves every wall-clock figure, pd-sim's
+and the harness's alike. pd-sim is set to a TTFT of 50 ms and an ITL of 10 ms, one request at a
+time; the harness must agree with what pd-sim itself measured for the same requests (TPOT and
+ITL within 5%; TTFT and E2E never below pd-sim's, and the harness's overhead over pd-sim's clock
+the same at both ends of a request, so a clock started or stopped at the wrong point fails).
 """
 from __future__ import annotations
 
@@ -22,6 +14,7 @@ import json
 import select
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -107,34 +100,55 @@ def sim_subprocess(*args: str) -> Iterator[str]:
         proc.wait()
 
 
-def accuracy_run() -> dict[str, Any]:
+def sim_means(url: str) -> dict[str, float]:
+    """Means of pd-sim's own histograms (ms), read synchronously from its /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name.endswith("_sum"):
+                sums[fam.name] = sums.get(fam.name, 0.0) + sample.value
+            elif sample.name.endswith("_count"):
+                counts[fam.name] = counts.get(fam.name, 0.0) + sample.value
+    names = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds",
+             "e2e": "vllm:e2e_request_latency_seconds"}
+    return {k: 1000.0 * sums[n] / counts[n] for k, n in names.items() if counts.get(n)}
+
+
+def accuracy_run() -> tuple[dict[str, Any], dict[str, float]]:
     """What ``pd-bench run`` does (its synchronous entry, on uvloop): 20 requests one at a time
-    after 2 warm-up requests, against pd-sim set to a 50 ms TTFT and a 10 ms ITL."""
+    against pd-sim set to a 50 ms TTFT and a 10 ms ITL; the harness's summary and pd-sim's own
+    means for the same 20 requests (no warm-up, so that both saw the same requests)."""
     with sim_subprocess(*SIM_50_10) as url:
-        res = run_benchmark(cfg(url, n=20, out=16, max_concurrency=1, warmup=2))
+        res = run_benchmark(cfg(url, n=20, out=16, max_concurrency=1))
+        sim = sim_means(url)
     d = res.data
     assert d["completed"] == 20, [r.error for r in res.records]
-    return d
+    return d, sim
 
 
-def test_median_itl_matches_the_configured_itl() -> None:
-    d = accuracy_run()
-    assert d["median_itl_ms"] == pytest.approx(10.0, rel=0.05)
-    assert d["median_itl_token_ms"] == pytest.approx(10.0, rel=0.05)
+def test_itl_matches_pd_sims_clock() -> None:
+    d, sim = accuracy_run()
+    # pd-sim paces tokens on an absolute schedule: every gap is its ITL, so the harness's median
+    # gap (per event and per token) is pd-sim's mean gap.
+    assert d["median_itl_ms"] == pytest.approx(sim["itl"], rel=0.05)
+    assert d["median_itl_token_ms"] == pytest.approx(sim["itl"], rel=0.05)
+    assert d["mean_tpot_ms"] == pytest.approx(sim["itl"], rel=0.05)
 
 
-def test_median_ttft_matches_the_configured_ttft() -> None:
-    # The machine's load only ever adds time (measured above: 51-58 ms at load 6-13), and one run
-    # in ten at load 1-4 lands over the limit. A systematic bias of pd-bench's clock (the 1-2 ms it
-    # had before it timed from the write) fails every run, so up to three runs are taken and the
-    # best must be within 5%; none may be under the configured value by more than the tolerance.
-    medians: list[float] = []
-    for _ in range(3):
-        medians.append(accuracy_run()["median_ttft_ms"])
-        if medians[-1] == pytest.approx(50.0, rel=0.05):
-            break
-    assert min(medians) == pytest.approx(50.0, rel=0.05), medians
-    assert all(m >= 50.0 * 0.95 for m in medians), medians
+def test_ttft_matches_pd_sims_clock() -> None:
+    d, sim = accuracy_run()
+    # The client writes before pd-sim starts its clock and reads after it stops: never less.
+    assert d["mean_ttft_ms"] >= sim["ttft"]
+    assert d["mean_e2el_ms"] >= sim["e2e"]
+    # What the harness adds is the loopback round trip, the same for the first token and for the
+    # last: a TTFT clock started late or stopped early (or a bias of the harness's own) makes the
+    # two overheads differ. Judged against pd-sim's TTFT, 5% of it.
+    ttft_overhead = d["mean_ttft_ms"] - sim["ttft"]
+    e2e_overhead = d["mean_e2el_ms"] - sim["e2e"]
+    assert ttft_overhead == pytest.approx(e2e_overhead, abs=0.05 * sim["ttft"]), (d["mean_ttft_ms"], sim)
 
 
 @pytest.mark.parametrize(
