@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kv_transfer.handoff import decode_body, prefill_body
 from proxy.metrics import ProxyMetrics
 from proxy.protocol import parse_worker_json
 from proxy.serving import Serving
@@ -76,8 +77,8 @@ def timed(call: Callable[[], object], calls: int, rounds: int) -> list[float]:
 def one_call(serving: Serving, body: bytes) -> Callable[[], None]:
     def call() -> None:
         req, data = serving.validate(body, "application/json")
-        encode_body(serving.prefill_body(data, req, "bench"))
-        encode_body(serving.decode_body(data, "bench", {"do_remote_prefill": True}))
+        encode_body(prefill_body(data, "bench", stream=req.is_stream))
+        encode_body(decode_body(data, "bench", {"do_remote_prefill": True}))
     return call
 
 

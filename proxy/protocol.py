@@ -625,33 +625,3 @@ def abort_full_response(
         "ec_transfer_params": None, "output_mode": output_mode,
         "choices": [abort_choice(i, output_mode) for i in range(n)],
     }
-
-
-KV_PARAMS_REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "do_remote_prefill": bool,
-    "remote_block_ids": list,
-    "remote_engine_id": str,
-    "remote_host": str,
-    "remote_port": int,
-}
-
-
-def check_prefill_kv_params(params: object) -> str | None:
-    """Why ``params`` (a prefill reply's ``kv_transfer_params``) cannot drive a decode hop,
-    or None when it is well formed."""
-    if params is None:
-        return "kv_transfer_params is null"
-    if not isinstance(params, dict):
-        return "kv_transfer_params is not an object"
-    for key, tp in KV_PARAMS_REQUIRED.items():
-        if key not in params:
-            return f"kv_transfer_params.{key} is missing"
-        value = params[key]
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            return f"kv_transfer_params.{key} has the wrong type"
-    if params["do_remote_prefill"] is not True:
-        return "kv_transfer_params.do_remote_prefill is not true"
-    blocks = params["remote_block_ids"]
-    if not all(isinstance(g, list) and all(isinstance(b, int) for b in g) for g in blocks):
-        return "kv_transfer_params.remote_block_ids is not a list of lists of ints"
-    return None

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import ipaddress
 import json
 import logging
 import time
@@ -19,10 +17,17 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from kv_transfer.handoff import (
+    RemoteHostRewrite,
+    check_prefill_params,
+    decode_body,
+    prefill_body,
+    release_body,
+    remote_blocks,
+)
 from kv_transfer.ledger import CloseReason, KVLeaseLedger, Lease
 from kv_transfer.params import client_transfer_params
 from proxy.errors import (
@@ -54,7 +59,6 @@ from proxy.protocol import (
     VLLMValidationError,
     abort_full_response,
     abort_stream_chunk,
-    check_prefill_kv_params,
     compact_json,
     engine_request_id,
     parse_generate_body,
@@ -71,20 +75,6 @@ from proxy.tracing import NOOP_HOP, NOOP_TRACE, Hop, RequestTrace, Tracing
 from proxy.upstream import TokenIds, Upstream, ids_text
 
 log = logging.getLogger("pd_proxy")
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-
-
-_HOST_CACHE = 1024
-
-
-def _is_loopback_or_unspecified(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        addr = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return addr.is_loopback or addr.is_unspecified
 
 
 @dataclass(slots=True)
@@ -177,8 +167,7 @@ class Serving:
         self._broadcasts_pending = 0
         """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""
         self._upstream: Upstream | None = None
-        self._is_local = functools.lru_cache(maxsize=_HOST_CACHE)(_is_loopback_or_unspecified)
-        """Per host name, for ``rewrite_remote_host`` (a parse per request was 1.6% of CPU)."""
+        self.rewrite_remote_host = RemoteHostRewrite(enabled=settings.rewrite_remote_host)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -236,69 +225,6 @@ class Serving:
                 "that loads a tokenizer, or use output_mode='tokens'."
             )
         return req, data
-
-    # ---------------------------------------------------------------- hop bodies
-
-    def prefill_body(self, data: dict[str, Any], req: GenerateRequest, base_id: str) -> dict[str, Any]:
-        body = dict(data)
-        sp = dict(data["sampling_params"])
-        sp["max_tokens"] = 1
-        sp.pop("min_tokens", None)
-        if self.settings.prefill_tokens_only:
-            sp.pop("stop", None)
-        if req.is_stream:
-            sp.pop("prompt_logprobs", None)  # vLLM drops them on streams anyway
-        body["sampling_params"] = sp
-        body["request_id"] = base_id
-        body["stream"] = False
-        body.pop("stream_options", None)
-        body["output_mode"] = "tokens"
-        body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
-        return body
-
-    @staticmethod
-    def decode_body(data: dict[str, Any], base_id: str, kv_params: dict[str, Any] | None) -> dict[str, Any]:
-        body = dict(data)
-        body["request_id"] = base_id
-        sp = data["sampling_params"]
-        if "prompt_logprobs" in sp or "prompt_logprob_token_ids" in sp:
-            # The prefill worker computed them; the decode worker cannot for transferred tokens.
-            sp = {k: v for k, v in sp.items() if k not in ("prompt_logprobs", "prompt_logprob_token_ids")}
-            body["sampling_params"] = sp
-        if kv_params is not None:
-            body["kv_transfer_params"] = kv_params
-        else:
-            body.pop("kv_transfer_params", None)
-        return body
-
-    @staticmethod
-    def release_body(data: dict[str, Any], base_id: str, kv_params: dict[str, Any]) -> dict[str, Any]:
-        """A decode request whose only job is to make D pull (so P frees) the KV blocks."""
-        body = dict(data)
-        sp = dict(data["sampling_params"])
-        sp["max_tokens"] = 1
-        sp["n"] = 1
-        for key in ("min_tokens", "prompt_logprobs", "logprobs", "stop", "prompt_logprob_token_ids"):
-            sp.pop(key, None)
-        body["sampling_params"] = sp
-        body["request_id"] = base_id
-        body["stream"] = False
-        body.pop("stream_options", None)
-        body["output_mode"] = "tokens"
-        body["kv_transfer_params"] = kv_params
-        return body
-
-    def rewrite_remote_host(self, params: dict[str, Any], worker: Worker) -> dict[str, Any]:
-        if not self.settings.rewrite_remote_host:
-            return params
-        advertised = params.get("remote_host")
-        if not isinstance(advertised, str) or not self._is_local(advertised):
-            return params
-        reached = urlsplit(worker.url).hostname
-        if reached and not self._is_local(reached):
-            params = dict(params)
-            params["remote_host"] = reached
-        return params
 
     # ---------------------------------------------------------------- the walk
 
@@ -476,7 +402,7 @@ class Serving:
         record.phase = Phase.DECODING
         f.timing.d0 = self.clock()
         self.metrics.child(self.metrics.stage, "handoff").observe(f.timing.d0 - f.timing.p1)
-        body = self.decode_body(f.data, record.base_id, kv_params)
+        body = decode_body(f.data, record.base_id, kv_params)
         if req.is_stream:
             return await self._decode_stream(request, f, decode, body)
         return await self._decode_full(f, decode, body, request)
@@ -486,12 +412,12 @@ class Serving:
         """Check a 200 prefill reply; on success the KV is held (state KV_HELD, lease open)."""
         record = f.record
         params = reply.get("kv_transfer_params")
-        reason = check_prefill_kv_params(params)
+        reason = check_prefill_params(params)
         if reason is None and isinstance(params, dict):
-            params = self.rewrite_remote_host(params, prefill)
+            params = self.rewrite_remote_host(params, prefill.url)
             record.kv_params = params
             record.phase = Phase.KV_HELD
-            blocks = f.kv_blocks = sum(len(g) for g in params.get("remote_block_ids", []))
+            blocks = f.kv_blocks = remote_blocks(params)
             record.lease = self.ledger.open(record.engine_id, prefill.url, self.clock(), blocks=blocks)
             self.metrics.kv_leases_open.set(self.ledger.open_count)
         self._note_worker_abort(f, reply)
@@ -562,7 +488,7 @@ class Serving:
                 last = e
                 retry_ok = is_transient(e)
             else:
-                reason = check_prefill_kv_params(reply.get("kv_transfer_params"))
+                reason = check_prefill_params(reply.get("kv_transfer_params"))
                 untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
                 if reason is None or record.is_aborted or self._note_worker_abort(f, reply) \
                         or attempt + 1 >= rt.prefill_retry.attempts or not (untried or bypass):
@@ -589,7 +515,8 @@ class Serving:
         return record.prefill_worker, {}, last
 
     async def _prefill_hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
-        body = self.prefill_body(f.data, f.request, f.record.base_id)
+        body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,
+                            keep_stop=not self.settings.prefill_tokens_only)
         outcome = Outcome.NEUTRAL
         try:
             reply: dict[str, Any] = await self._call(worker, self.upstream.post_generate(
@@ -598,7 +525,7 @@ class Serving:
             # A reply without usable KV params is P's failure; one with them is judged at the
             # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
             # every pull, which only the decode hops see.
-            if check_prefill_kv_params(reply.get("kv_transfer_params")) is not None:
+            if check_prefill_params(reply.get("kv_transfer_params")) is not None:
                 outcome = Outcome.FAILURE
             return reply
         except UpstreamStatusError as e:
@@ -794,7 +721,7 @@ class Serving:
         if "kv_transfer_params" not in body or (attempt == 0 and self._lease_valid(f)):
             return w, body  # decode-only already, or the same KV (P still holds it under the lease)
         self._decode_only(f, "decode_retry")
-        return w, self.decode_body(f.data, f.record.base_id, None)
+        return w, decode_body(f.data, f.record.base_id, None)
 
     @staticmethod
     def _kv_ambiguous(e: UpstreamError, body: dict[str, Any]) -> bool:
@@ -820,7 +747,7 @@ class Serving:
         log.warning("request %s: decode-only on %s after its KV failed: %s", f.record.engine_id, w.url,
                     error.message)
         self._decode_only(f, "decode_retry")
-        return w, self.decode_body(f.data, f.record.base_id, None)
+        return w, decode_body(f.data, f.record.base_id, None)
 
     def _attribute_decode_failure(self, f: Flight, w: Worker, body: dict[str, Any], e: UpstreamError, *,
                                   outcome: Outcome, suspect: Worker | None,
@@ -1127,7 +1054,8 @@ class Serving:
         outcome = Outcome.FAILURE
         try:
             reply = await self._call(p, self.upstream.post_generate(
-                "prefill", p.url, self.prefill_body(body, f.request, record.base_id),
+                "prefill", p.url, prefill_body(body, record.base_id, stream=f.request.is_stream,
+                             keep_stop=not self.settings.prefill_tokens_only),
                 request_id=record.base_id, total=limit), f.trace.hop("prefill", p))
             outcome = Outcome.SUCCESS
         except UpstreamError as e:
@@ -1136,9 +1064,9 @@ class Serving:
         finally:
             self.prefill_pool.release(p, outcome)
         params = reply.get("kv_transfer_params")
-        if check_prefill_kv_params(params) is not None or not isinstance(params, dict):
+        if check_prefill_params(params) is not None or not isinstance(params, dict):
             return body
-        params = self.rewrite_remote_host(params, p)
+        params = self.rewrite_remote_host(params, p.url)
         record.prefill_worker, record.kv_params = p, params
         blocks = sum(len(g) for g in params.get("remote_block_ids", []))
         record.lease = self.ledger.open(record.engine_id, p.url, self.clock(), blocks=blocks)
@@ -1524,7 +1452,7 @@ class Serving:
         if worker is None:
             return  # no decode worker at all: the lease expires on P
         record.decode_worker = worker
-        body = self.release_body(f.data, record.base_id, params)
+        body = release_body(f.data, record.base_id, params)
         rt = self.pools
         attempts = max(2, rt.decode_retry.attempts)
         for attempt in range(attempts):

@@ -28,6 +28,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
+from kv_transfer.handoff import prefill_params
 from workers import model as tiny_model
 from workers.launcher import Cluster, ClusterSettings, LaunchError, start_cluster
 
@@ -78,7 +79,7 @@ def prefill_body(body: Mapping[str, Any], request_id: str) -> dict[str, Any]:
     hop["stream"] = False
     hop["output_mode"] = "tokens"
     hop["request_id"] = request_id
-    hop["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    hop["kv_transfer_params"] = prefill_params()
     return hop
 
 

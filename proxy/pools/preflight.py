@@ -14,9 +14,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from kv_transfer.handoff import check_prefill_params, prefill_params
 from proxy.pools.health import PreflightFn
 from proxy.pools.worker import Worker
-from proxy.protocol import check_prefill_kv_params
 
 FIRST_TOKEN = 3  # clear of the usual special ids (0 <s>, 1 </s>, 2 <pad>)
 
@@ -31,7 +31,7 @@ class GeneratePoster(Protocol):
 
 
 def handoff_check(upstream: GeneratePoster, *, block_size: int, timeout: float,
-                  rewrite: Callable[[dict[str, Any], Worker], dict[str, Any]] | None = None,
+                  rewrite: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
                   model: str | None = None) -> PreflightFn:
     prompt = [FIRST_TOKEN + (i % 64) for i in range(block_size + 1)]
 
@@ -43,15 +43,14 @@ def handoff_check(upstream: GeneratePoster, *, block_size: int, timeout: float,
         if model is not None:
             base["model"] = model
         reply = await upstream.post_generate(
-            "prefill", p.url, {**base, "kv_transfer_params": {"do_remote_decode": True,
-                                                               "do_remote_prefill": False}},
+            "prefill", p.url, {**base, "kv_transfer_params": prefill_params()},
             request_id=rid, total=timeout)
         params = reply.get("kv_transfer_params")
-        reason = check_prefill_kv_params(params)
+        reason = check_prefill_params(params)
         if reason is not None or not isinstance(params, dict):
             raise PreflightError(f"prefill {p.url}: {reason}")
         if rewrite is not None:
-            params = rewrite(params, p)
+            params = rewrite(params, p.url)
         answer = await upstream.post_generate("decode", d.url, {**base, "kv_transfer_params": params},
                                               request_id=rid, total=timeout)
         choices = answer.get("choices")

@@ -10,10 +10,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.metrics import ProxyMetrics
-from proxy.serving import Serving
-from proxy.settings import ProxySettings
-from proxy.state import Worker
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import PROMPT, PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
@@ -147,18 +143,6 @@ async def test_hop_bodies_follow_spec(scripted_factory: ScriptedFactory, proxy_f
     for h in (p.headers[0], d.headers[0]):
         assert h["x-request-id"] == "rid"
         assert h["authorization"] == "Bearer up-key"
-
-
-def test_remote_host_rewrite_for_a_routable_host() -> None:
-    s = Serving(ProxySettings(prefill_urls=("http://10.1.2.3:8000",), decode_urls=("http://x",)),
-                ProxyMetrics())
-    w = Worker("http://10.1.2.3:8000", "prefill")
-    assert s.rewrite_remote_host({**KV_PARAMS, "remote_host": "localhost"}, w)["remote_host"] == "10.1.2.3"
-    assert s.rewrite_remote_host({**KV_PARAMS, "remote_host": "::"}, w)["remote_host"] == "10.1.2.3"
-    assert s.rewrite_remote_host({**KV_PARAMS, "remote_host": "10.9.9.9"}, w)["remote_host"] == "10.9.9.9"
-    s2 = Serving(ProxySettings(prefill_urls=("http://10.1.2.3:8000",), decode_urls=("http://x",),
-                               rewrite_remote_host=False), ProxyMetrics())
-    assert s2.rewrite_remote_host({**KV_PARAMS, "remote_host": "localhost"}, w)["remote_host"] == "localhost"
 
 
 async def test_cached_tokens_go_into_the_decode_workers_own_bytes(

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kv_transfer.handoff import check_prefill_params
 from proxy.protocol import (
     RequestValidationError,
     VLLMValidationError,
-    check_prefill_kv_params,
     error_body,
     parse_generate_body,
     splice_null_key,
@@ -85,13 +85,13 @@ GOOD_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_i
     ({**GOOD_KV, "remote_block_ids": [1, 2]}, "not a list of lists"),
 ])
 def test_prefill_kv_params_checks(params: object, reason: str) -> None:
-    got = check_prefill_kv_params(params)
+    got = check_prefill_params(params)
     assert got is not None and reason in got
 
 
 def test_prefill_kv_params_ok_even_with_no_blocks() -> None:
-    assert check_prefill_kv_params(GOOD_KV) is None
-    assert check_prefill_kv_params({**GOOD_KV, "remote_block_ids": []}) is None
+    assert check_prefill_params(GOOD_KV) is None
+    assert check_prefill_params({**GOOD_KV, "remote_block_ids": []}) is None
 
 
 _DECOY_KEYS = st.sampled_from(["prompt_tokens_details", "x", "usage", "é"]) | st.text(max_size=3)
