@@ -15,7 +15,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -42,6 +41,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from proxy.flight import Flight, Timing
 from proxy.hop import HopResponse
 from proxy.ids import Rewrite, abortable_id, client_request_id, upstream_id
 from proxy.logs import ACCESS_LOG, log_access
@@ -71,34 +71,10 @@ from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_even
 from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
 from proxy.tenants import OPEN, Tenant
 from proxy.tracing import DISABLED as TRACING_DISABLED
-from proxy.tracing import NOOP_HOP, NOOP_TRACE, Hop, RequestTrace, Tracing
+from proxy.tracing import NOOP_HOP, Hop, Tracing
 from proxy.upstream import TokenIds, Upstream, ids_text
 
 log = logging.getLogger("pd_proxy")
-
-
-@dataclass(slots=True)
-class Timing:
-    t0: float
-    p0: float | None = None
-    p1: float | None = None
-    d0: float | None = None
-    d1: float | None = None
-
-    def durations_ms(self, now: float) -> dict[str, float]:
-        def ms(a: float | None, b: float | None) -> float:
-            return 0.0 if a is None or b is None else max(0.0, (b - a) * 1000.0)
-
-        return {
-            "queue": ms(self.t0, self.p0 if self.p0 is not None else self.d0),
-            "prefill": ms(self.p0, self.p1),
-            "handoff": ms(self.p1, self.d0),
-            "decode_ttft": ms(self.d0, self.d1),
-            "total": ms(self.t0, now),
-        }
-
-    def header(self, now: float) -> str:
-        return ", ".join(f"{name};dur={value:.3f}" for name, value in self.durations_ms(now).items())
 
 
 def error_class(e: UpstreamError) -> str:
@@ -110,39 +86,6 @@ def error_class(e: UpstreamError) -> str:
     if isinstance(e, UpstreamStatusError):
         return "http_4xx" if e.passthrough else "http_5xx"
     return "protocol"
-
-
-@dataclass(eq=False, slots=True)
-class Flight:
-    """What the walk and the clean-up share about one request's upstream calls."""
-
-    record: RequestRecord
-    request: GenerateRequest
-    data: dict[str, Any]
-    timing: Timing
-    prefill_task: asyncio.Task[dict[str, Any]] | None = None
-    decode_task: asyncio.Task[Any] | None = None
-    release_task: asyncio.Task[None] | None = None
-    buffer: StreamBuffer | None = None
-    headers_ready: asyncio.Future[None] | None = None
-    settled: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set once the decode worker certainly registered the request (first event) or ended."""
-    force_end: asyncio.TimerHandle | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    kv_blocks: int | None = None
-    """Blocks the prefill worker advertised (``remote_block_ids``), once its reply is accepted."""
-    completion_tokens: int | None = None
-    """From the decode worker's usage (non-stream reply, or a stream's usage chunk)."""
-    deadline: Deadline | None = None
-    ctx: PickContext = field(default_factory=PickContext)
-    """The decode pick's context (its ``tokens`` are counted on the decode worker)."""
-    trace: RequestTrace = NOOP_TRACE
-    """OpenTelemetry spans of this request (``proxy.tracing``; a shared no-op when off)."""
-    client_id: str = ""
-    """The id the client knows the request by (``record.base_id`` is the workers', ``proxy.ids``)."""
-    rewrite: Rewrite | None = None
-    """Puts the client's id back into worker bytes sent to the client (several tenants only)."""
-    tenant: Tenant = OPEN
 
 
 class Serving:
@@ -339,7 +282,7 @@ class Serving:
                                         tokens=max_tokens if isinstance(max_tokens, int) else 0)
 
         # --- PREFILLING
-        f.timing.p0 = self.clock()
+        f.timing.prefill_start = prefill_start = self.clock()
         bypass = self.pools.bypass_reason(len(req.token_ids))
         failure: str | None = None
         failure_error: UpstreamError | None = None
@@ -351,12 +294,12 @@ class Serving:
                 bypass = "prefill_unavailable"
             elif failure_error is not None:
                 if isinstance(failure_error, UpstreamStatusError) and failure_error.passthrough:
-                    f.timing.p1 = self.clock()
+                    f.timing.prefill_end = self.clock()
                     raise failure_error
                 failure = "prefill_timeout" if isinstance(failure_error, UpstreamTimeout) else "prefill_error"
-        f.timing.p1 = self.clock()
-        self.metrics.child(self.metrics.stage, "queue").observe(f.timing.p0 - f.timing.t0)
-        self.metrics.child(self.metrics.stage, "prefill").observe(f.timing.p1 - f.timing.p0)
+        f.timing.prefill_end = prefill_end = self.clock()
+        self.metrics.child(self.metrics.stage, "queue").observe(prefill_start - f.timing.received)
+        self.metrics.child(self.metrics.stage, "prefill").observe(prefill_end - prefill_start)
         if bypass is not None:
             self._decode_only(f, bypass)
         elif failure is None and prefill is not None:
@@ -400,8 +343,9 @@ class Serving:
             raise
         record.decode_worker = decode
         record.phase = Phase.DECODING
-        f.timing.d0 = self.clock()
-        self.metrics.child(self.metrics.stage, "handoff").observe(f.timing.d0 - f.timing.p1)
+        f.timing.decode_start = self.clock()
+        self.metrics.child(self.metrics.stage, "handoff").observe(
+            f.timing.decode_start - f.timing.prefill_end)
         body = decode_body(f.data, record.base_id, kv_params)
         if req.is_stream:
             return await self._decode_stream(request, f, decode, body)
@@ -656,10 +600,11 @@ class Serving:
             self._close_lease_after_decode_error(f, e)
             self._set_done(f)
             raise
-        f.timing.d1 = self.clock()
+        f.timing.first_token = self.clock()
         self._close_lease(f, "aborted" if record.is_aborted else "pulled")
         self._set_done(f)
-        self.metrics.child(self.metrics.stage, "decode_first_token").observe(f.timing.d1 - (f.timing.d0 or 0))
+        self.metrics.child(self.metrics.stage, "decode_first_token").observe(
+            f.timing.first_token - (f.timing.decode_start or 0))
         if reply.get("output_mode") != f.request.output_mode:
             self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "protocol").inc()
             raise UpstreamProtocolError(
@@ -667,15 +612,15 @@ class Serving:
                 f"answered output_mode {reply.get('output_mode')!r} for a {f.request.output_mode!r} "
                 "request (a server that predates output_mode?)")
         self._note_usage(f, reply.get("usage"))
-        if f.completion_tokens and f.request.sampling_params.n == 1 and f.timing.d1 is not None \
-                and f.timing.d0 is not None:
+        if f.completion_tokens and f.request.sampling_params.n == 1 and f.timing.first_token is not None \
+                and f.timing.decode_start is not None:
             # Non-stream: the decode hop (KV pull and first token included) per output token.
-            self.metrics.tpot.observe((f.timing.d1 - f.timing.d0) / f.completion_tokens)
+            self.metrics.tpot.observe((f.timing.first_token - f.timing.decode_start) / f.completion_tokens)
         raw = self._merge_prefill_info(f, reply, raw)
         if f.rewrite is not None:
             raw = f.rewrite.apply(raw)
         now = self.clock()
-        self.metrics.ttft.observe(now - f.timing.t0)
+        self.metrics.ttft.observe(now - f.timing.received)
         headers = dict(f.headers)
         headers["Server-Timing"] = f.timing.header(now)
         return web.Response(body=raw, content_type="application/json", headers=headers)
@@ -892,7 +837,7 @@ class Serving:
                 now = self.clock()
                 if last_write is None:
                     first_write = now
-                    self.metrics.ttft.observe(now - f.timing.t0)
+                    self.metrics.ttft.observe(now - f.timing.received)
                 else:
                     self.metrics.itl.observe(now - last_write)
                 last_write = now
@@ -904,8 +849,9 @@ class Serving:
                 "bytes queued)")
             await self._write_client(request, resp, err.sse_event() + DONE_EVENT, eof=True)
             return  # phase stays DECODING: the clean-up aborts D
-        if f.timing.d1 is not None:
-            self.metrics.child(self.metrics.stage, "decode_stream").observe(self.clock() - f.timing.d1)
+        if f.timing.first_token is not None:
+            self.metrics.child(self.metrics.stage, "decode_stream").observe(
+                self.clock() - f.timing.first_token)
         tokens = f.completion_tokens  # known only when the client asked for include_usage
         if tokens is not None and tokens > 1 and f.request.sampling_params.n == 1 \
                 and first_write is not None and last_write is not None:
@@ -1232,10 +1178,10 @@ class Serving:
 
     def _first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
         """D's first event: D certainly has the request (the KV was pulled); check the event."""
-        if f.timing.d1 is None:
-            f.timing.d1 = self.clock()
+        if f.timing.first_token is None:
+            f.timing.first_token = self.clock()
             self.metrics.child(self.metrics.stage, "decode_first_token").observe(
-                f.timing.d1 - (f.timing.d0 or f.timing.d1))
+                f.timing.first_token - (f.timing.decode_start or f.timing.first_token))
         self._close_lease(f, "aborted" if f.record.is_aborted else "pulled")
         f.settled.set()
         return self._check_first_event(f, worker, data)

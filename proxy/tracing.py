@@ -39,19 +39,43 @@ import time
 from collections.abc import Callable
 from contextvars import Token
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
     from proxy.pools.worker import Worker
-    from proxy.serving import Flight
+    from proxy.state import RequestRecord
 
 REQUEST_SPAN: Final = "POST /inference/v1/generate"
 INSTRUMENTATION: Final = "pd_proxy"
 _BYPASS_HEADER: Final = "X-PD-Decode-Only"
 _NS: Final = 1_000_000_000
+
+
+class StageTimes(Protocol):
+    """The points of the walk a trace draws stages between (``proxy.flight.Timing``)."""
+
+    @property
+    def received(self) -> float: ...
+    @property
+    def prefill_start(self) -> float | None: ...
+    @property
+    def prefill_end(self) -> float | None: ...
+    @property
+    def decode_start(self) -> float | None: ...
+
+
+class Traced(Protocol):
+    """What a finished request tells its trace (``proxy.flight.Flight``)."""
+
+    @property
+    def timing(self) -> StageTimes: ...
+    @property
+    def record(self) -> RequestRecord: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
 
 
 class TracingUnavailable(RuntimeError):
@@ -99,7 +123,7 @@ class RequestTrace:
     def hop(self, name: str, worker: Worker) -> Hop:
         return NOOP_HOP
 
-    def finish(self, flight: Flight, outcome: str, status: int) -> None:
+    def finish(self, flight: Traced, outcome: str, status: int) -> None:
         """End the request span (and add the queue and hand-off spans from the walk's timing)."""
 
 
@@ -197,12 +221,12 @@ class _LiveTrace(RequestTrace):
             attributes={"pd.request_id": self._request_id})
         span.end(end_time=self.ns(max(start, end)))
 
-    def finish(self, flight: Flight, outcome: str, status: int) -> None:
+    def finish(self, flight: Traced, outcome: str, status: int) -> None:
         from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415
 
         t = flight.timing
-        self._stage("queue", t.t0, t.p0 if t.p0 is not None else t.d0)
-        self._stage("handoff", t.p1, t.d0)
+        self._stage("queue", t.received, t.prefill_start if t.prefill_start is not None else t.decode_start)
+        self._stage("handoff", t.prefill_end, t.decode_start)
         record = flight.record
         span = self._span
         span.set_attribute("pd.outcome", outcome)
