@@ -8,7 +8,8 @@ Python API (what ``pd-bench`` and ``make demo`` use)::
                                        result_dir="results/demo"))
     print(summary_text(result))
 
-pd-bench speaks HTTP only; it imports nothing of ``proxy`` or ``workers``.
+pd-bench speaks HTTP only; it imports nothing of ``proxy`` or ``workers`` (the micro-benchmarks
+of the proxy's own code, which do, live apart in ``benchmarks.internals``).
 """
 
 from benchmarks.datasets import DatasetConfig, RequestSpec

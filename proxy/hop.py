@@ -2,7 +2,7 @@
 
 Every generate call the proxy makes (the prefill hop, the decode hop, stream or not) goes through
 ``HopClient``; the low-volume control calls (aborts, health probes, metrics scrapes) stay on
-aiohttp's ``ClientSession``. Why not aiohttp here too: ``python -m benchmarks.hop_cost`` measured
+aiohttp's ``ClientSession``. Why not aiohttp here too: ``python -m benchmarks.internals.hop_cost`` measured
 its client at about 150 µs of CPU per sequential hop against about 55 µs for a bare HTTP/1.1
 exchange with the same JSON work, and every request makes two hops: on a warm run that was a
 third of the proxy's CPU per request. The hops need little of a general client: one method, one

@@ -1,7 +1,7 @@
 """CPU per request for the client body (parse and validate it, then write both hop bodies) and
 for the workers' replies (parse them).
 
-    python -m benchmarks.body_cost [--prompt-lens 128,2048,4096] [--calls 2000] [--rounds 3]
+    python -m benchmarks.internals.body_cost [--prompt-lens 128,2048,4096] [--calls 2000] [--rounds 3]
 
 The work ``proxy.serving.Serving`` does on every generate call before and between its hops that
 grows with the prompt: ``Serving.validate`` (JSON parse, vLLM's validation, the token ids kept
@@ -98,7 +98,8 @@ def measure(prompt_lens: Sequence[int], calls: int, rounds: int) -> dict[str, An
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.body_cost", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.internals.body_cost",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--prompt-lens", default="128,2048,4096")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=3)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.body_cost import client_body, main, measure, worker_reply
+from benchmarks.internals.body_cost import client_body, main, measure, worker_reply
 from proxy.upstream import ids_text
 
 

@@ -1,6 +1,6 @@
 """Client CPU per upstream hop: pd-proxy's ``Upstream`` against aiohttp's client and a bare one.
 
-    python -m benchmarks.hop_cost [--calls 2000] [--rounds 2] [--prompt-len 128] [--max-tokens 32]
+    python -m benchmarks.internals.hop_cost [--calls 2000] [--rounds 2] [--prompt-len 128] [--max-tokens 32]
                                   [--stream]
 
 What does an upstream hop cost pd-proxy in CPU, and what would a cheaper client save? Starts
@@ -207,7 +207,8 @@ async def measure(calls: int, rounds: int, prompt_len: int, max_tokens: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.hop_cost", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.internals.hop_cost",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from benchmarks.hop_cost import MinimalClient, main, measure, request_body
+from benchmarks.internals.hop_cost import MinimalClient, main, measure, request_body
 
 
 @pytest.mark.parametrize("stream", [False, True])
