@@ -164,7 +164,7 @@ async def health(request: web.Request) -> web.Response:
             for pool in pools
         }
         body["requests_in_flight"] = len(serving.table)
-        body["kv_leases_open"] = serving.ledger.open_count
+        body["kv_leases_open"] = serving.leases.open_count
     return json_response(body, status=200 if ready and not draining else 503)
 
 
@@ -178,7 +178,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
 async def kv_leases(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
     serving.expire_leases()
-    return json_response(serving.ledger.snapshot(serving.clock()))
+    return json_response(serving.leases.snapshot())
 
 
 async def requests_table(request: web.Request) -> web.Response:
@@ -194,7 +194,7 @@ async def runtime(request: web.Request) -> web.Response:
     return json_response(runtime_snapshot(
         connector=serving.upstream.session.connector, hops=serving.upstream.hops,
         requests=len(serving.table),
-        background=len(serving.tracker), leases_open=serving.ledger.open_count))
+        background=len(serving.tracker), leases_open=serving.leases.open_count))
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -35,6 +35,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from kv_transfer.ledger import Lease
 from proxy import __version__ as _version
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
@@ -93,6 +94,16 @@ class ProxyMetrics:
         self.build_info.labels(version=_version).set(1)
         for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
             self.requests.labels(outcome=outcome)
+
+    def lease_opened(self, lease: Lease, open_count: int) -> None:
+        self.kv_leases_open.set(open_count)
+
+    def lease_closed(self, lease: Lease, open_count: int) -> None:
+        """``kv_transfer.leases``' observer: one lease ended (its duration, its reason)."""
+        if lease.duration is not None:
+            self.kv_lease_duration.observe(lease.duration)
+        self.child(self.kv_leases_closed, lease.reason or "unknown").inc()
+        self.kv_leases_open.set(open_count)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached: the hot path should not pay for the label lookup."""

@@ -25,9 +25,9 @@ from kv_transfer.handoff import (
     decode_body,
     prefill_body,
     release_body,
-    remote_blocks,
 )
-from kv_transfer.ledger import CloseReason, KVLeaseLedger, Lease
+from kv_transfer.leases import RequestLeases
+from kv_transfer.ledger import CloseReason
 from kv_transfer.params import client_transfer_params
 from proxy.errors import (
     BadRequest,
@@ -96,8 +96,8 @@ class Serving:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
-        self.ledger = KVLeaseLedger(lease_duration=settings.lease_duration,
-                                    keep_closed=settings.ledger_recent, on_close=self._lease_closed)
+        self.leases = RequestLeases(lease_duration=settings.lease_duration,
+                                    keep_closed=settings.ledger_recent, clock=clock, observer=metrics)
         self.pools = PoolRuntime(settings.pools, settings.prefill_urls, settings.decode_urls,
                                  block_size=settings.kv_block_size, registry=metrics.registry, clock=clock)
         self.prefill_pool = self.pools.prefill
@@ -358,12 +358,8 @@ class Serving:
         params = reply.get("kv_transfer_params")
         reason = check_prefill_params(params)
         if reason is None and isinstance(params, dict):
-            params = self.rewrite_remote_host(params, prefill.url)
-            record.kv_params = params
             record.phase = Phase.KV_HELD
-            blocks = f.kv_blocks = remote_blocks(params)
-            record.lease = self.ledger.open(record.engine_id, prefill.url, self.clock(), blocks=blocks)
-            self.metrics.kv_leases_open.set(self.ledger.open_count)
+            f.kv_blocks = self.leases.hold(record, prefill.url, self.rewrite_remote_host(params, prefill.url))
         self._note_worker_abort(f, reply)
         if reason is not None:
             if not record.is_aborted:
@@ -522,9 +518,7 @@ class Serving:
         return min(cap, max(0.0, f.deadline.remaining()) + self.settings.abort_grace)
 
     def _lease_valid(self, f: Flight) -> bool:
-        lease = f.record.lease
-        return (f.record.kv_params is not None and lease is not None and lease.end is None
-                and lease.expires > self.clock())
+        return self.leases.valid(f.record)
 
     def _deadline_passed(self, record: RequestRecord) -> None:
         if record.phase is not Phase.DONE:
@@ -1013,10 +1007,8 @@ class Serving:
         if check_prefill_params(params) is not None or not isinstance(params, dict):
             return body
         params = self.rewrite_remote_host(params, p.url)
-        record.prefill_worker, record.kv_params = p, params
-        blocks = sum(len(g) for g in params.get("remote_block_ids", []))
-        record.lease = self.ledger.open(record.engine_id, p.url, self.clock(), blocks=blocks)
-        self.metrics.kv_leases_open.set(self.ledger.open_count)
+        record.prefill_worker = p
+        self.leases.hold(record, p.url, params)
         return {**body, "kv_transfer_params": params}
 
     async def _stream_once(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
@@ -1203,10 +1195,7 @@ class Serving:
     # ---------------------------------------------------------------- leases
 
     def _close_lease(self, f: Flight, reason: CloseReason) -> None:
-        lease = f.record.lease
-        if lease is not None and self.ledger.close(lease, reason, self.clock()):
-            f.record.kv_params = None
-            self.metrics.kv_leases_open.set(self.ledger.open_count)
+        self.leases.close(f.record, reason)
 
     def _close_lease_after_decode_error(self, f: Flight, e: UpstreamError) -> None:
         if isinstance(e, UpstreamStatusError) and e.passthrough:
@@ -1228,14 +1217,8 @@ class Serving:
                 return
         self._close_lease(f, "unknown")
 
-    def _lease_closed(self, lease: Lease) -> None:
-        if lease.duration is not None:
-            self.metrics.kv_lease_duration.observe(lease.duration)
-        self.metrics.child(self.metrics.kv_leases_closed, lease.reason or "unknown").inc()
-        self.metrics.kv_leases_open.set(self.ledger.open_count)
-
     def expire_leases(self) -> int:
-        return self.ledger.expire(self.clock())
+        return self.leases.expire()
 
     # ---------------------------------------------------------------- aborts
 

@@ -83,11 +83,11 @@ async def test_between_hops_disconnect_releases_prefill_kv_through_the_decode_wo
         # P frees its blocks once D has pulled them; the proxy closes the lease when D's one-token
         # release reply arrives, a moment later (seconds under load).
         deadline = time.monotonic() + 30
-        while serving.ledger.open_count or len(serving.table):
+        while serving.leases.open_count or len(serving.table):
             assert time.monotonic() < deadline, "the release never finished"
             await asyncio.sleep(0.05)
-        leases = serving.ledger.recent_closed()
-        assert leases[-1].reason == "aborted" and serving.ledger.open_count == 0
+        leases = serving.leases.ledger.recent_closed()
+        assert leases[-1].reason == "aborted" and serving.leases.open_count == 0
         assert len(serving.table) == 0
         # The proxy's release made D pull the blocks (the lease's expiry moves nothing over NIXL).
         assert await seconds_until(d, XFER_COUNT, lambda v: v > pulls_before, 30) is not None, \

@@ -177,7 +177,7 @@ async def test_stream_cut_mid_way_continues_with_identical_tokens(
     lines = (await serving_metrics(url)).splitlines()
     migrations = next(float(ln.split()[1]) for ln in lines if ln.startswith("pd_proxy_migrations_total "))
     assert migrations >= len(cut)
-    assert len(serving.table) == 0 and serving.ledger.open_count == 0
+    assert len(serving.table) == 0 and serving.leases.open_count == 0
 
 
 async def serving_metrics(url: str) -> str:

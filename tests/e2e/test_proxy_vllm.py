@@ -73,7 +73,7 @@ async def test_twenty_prompts_identical_to_aggregated(
     url, app = proxy
     decode = vllm_cluster.decode_urls[0]
     aggregated = vllm_cluster.aggregated_urls[0]
-    ledger = app[SERVING].ledger
+    ledger = app[SERVING].leases.ledger
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout, connector=vllm_connector()) as s:
         for i, prompt in enumerate(prompts()):

@@ -161,7 +161,7 @@ class World:
         return {
             "table": [r.as_dict() for r in s.table.all()],
             "tracker": len(s.tracker),
-            "leases_open": s.ledger.open_count,
+            "leases_open": s.leases.open_count,
             "inflight": {w.url: w.inflight for w in (*s.prefill_pool, *s.decode_pool) if w.inflight},
             "acquired": acquired,
         }

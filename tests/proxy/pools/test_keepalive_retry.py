@@ -42,6 +42,6 @@ async def test_reused_connection_closed_before_the_answer_is_retried_on_the_one_
         labels = (("error", "connect"), ("pool", "prefill"), ("worker", url))
         assert samples.get(("pd_proxy_upstream_errors_total", labels), 0) == 0
         assert samples[("pd_proxy_requests_total", (("outcome", "ok"),))] == 2
-        assert app[SERVING].ledger.open_count == 0
+        assert app[SERVING].leases.open_count == 0
     finally:
         await relay.close()

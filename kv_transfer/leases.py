@@ -1,0 +1,83 @@
+"""Requests' KV leases: the one place a lease opens or closes.
+
+A request holds KV on a prefill worker from the moment the proxy accepts P's
+``kv_transfer_params`` until it knows the blocks were freed (``kv_transfer.ledger`` says how each
+lease ends). ``RequestLeases`` opens the lease with the params, closes it with the reason, and
+tells an observer (the proxy's metrics) of both; the request itself (anything with ``engine_id``,
+``kv_params`` and ``lease``) keeps the params exactly while its lease is open, so "may this
+request's KV still be pulled" is one question (``valid``).
+
+Imports nothing of the proxy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kv_transfer.handoff import remote_blocks
+from kv_transfer.ledger import CloseReason, KVLeaseLedger, Lease
+
+
+class Holder(Protocol):
+    """A request as the leases see it (``proxy.state.RequestRecord``)."""
+
+    @property
+    def engine_id(self) -> str: ...
+    kv_params: dict[str, Any] | None
+    lease: Lease | None
+
+
+class LeaseObserver(Protocol):
+    def lease_opened(self, lease: Lease, open_count: int) -> None: ...
+    def lease_closed(self, lease: Lease, open_count: int) -> None: ...
+
+
+class RequestLeases:
+    def __init__(self, *, lease_duration: float, keep_closed: int, clock: Callable[[], float],
+                 observer: LeaseObserver) -> None:
+        self.clock = clock
+        self._observer = observer
+        self.ledger = KVLeaseLedger(lease_duration=lease_duration, keep_closed=keep_closed,
+                                    on_close=self._closed)
+
+    def hold(self, holder: Holder, worker_url: str, params: dict[str, Any]) -> int:
+        """P at ``worker_url`` holds ``holder``'s KV, as ``params`` (checked) say: open the
+        lease. Returns the blocks held."""
+        blocks = remote_blocks(params)
+        holder.kv_params = params
+        holder.lease = lease = self.ledger.open(holder.engine_id, worker_url, self.clock(), blocks=blocks)
+        self._observer.lease_opened(lease, self.ledger.open_count)
+        return blocks
+
+    def close(self, holder: Holder, reason: CloseReason) -> bool:
+        """The proxy knows how ``holder``'s KV ended: close its lease (the first reason wins)
+        and forget the params (no hop may pull with them any more)."""
+        lease = holder.lease
+        if lease is None or not self.ledger.close(lease, reason, self.clock()):
+            return False
+        holder.kv_params = None
+        return True
+
+    def valid(self, holder: Holder) -> bool:
+        """``holder``'s KV may still be pulled: params kept and P's lease not run out."""
+        lease = holder.lease
+        return (holder.kv_params is not None and lease is not None and lease.end is None
+                and lease.expires > self.clock())
+
+    def expire(self) -> int:
+        """Close every lease whose worker-side lease has run out."""
+        return self.ledger.expire(self.clock())
+
+    @property
+    def open_count(self) -> int:
+        return self.ledger.open_count
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.ledger.snapshot(self.clock())
+
+    def _closed(self, lease: Lease) -> None:
+        self._observer.lease_closed(lease, self.ledger.open_count)
+
+
+__all__ = ["Holder", "LeaseObserver", "RequestLeases"]
