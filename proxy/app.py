@@ -226,8 +226,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         app[DRAINING].set()
         # Handlers are drained by the runner (shutdown_timeout); what is left are clean-ups.
-        for record in serving.table.all():
-            serving.abort_record(record, "shutdown")
+        for flight in serving.table.all_entries():
+            serving.abort(flight, "shutdown")
         await serving.tracker.wait(settings.drain_timeout)
         serving.tracker.cancel_all()
         await serving.tracker.wait(1.0)

@@ -102,9 +102,8 @@ class Serving:
                                  block_size=settings.kv_block_size, registry=metrics.registry, clock=clock)
         self.prefill_pool = self.pools.prefill
         self.decode_pool = self.pools.decode
-        self.table = RequestTable()
+        self.table: RequestTable[Flight] = RequestTable()
         self.tracker = TaskTracker()
-        self.flights: dict[int, Flight] = {}
         self.draining = False
         self._broadcast_slots = asyncio.Semaphore(settings.abort_broadcast_concurrency)
         self._broadcasts_pending = 0
@@ -209,11 +208,10 @@ class Serving:
                         rewrite=Rewrite.for_ids(base_id, client_id), tenant=tenant)
         flight.headers["X-Request-Id"] = client_id
         flight.trace = self.tracing.start(request.headers, client_id, t0)
-        self.table.add(record)
-        self.flights[id(record)] = flight
+        self.table.add(flight)
         outcome, status = "aborted", 499  # 499: the client went away (no response sent)
         timer = None if deadline is None else asyncio.get_running_loop().call_later(
-            max(0.0, deadline.remaining()), self._deadline_passed, record)
+            max(0.0, deadline.remaining()), self._deadline_passed, flight)
         try:
             response = await self._walk(request, flight)
         except ProxyError as e:
@@ -520,9 +518,9 @@ class Serving:
     def _lease_valid(self, f: Flight) -> bool:
         return self.leases.valid(f.record)
 
-    def _deadline_passed(self, record: RequestRecord) -> None:
-        if record.phase is not Phase.DONE:
-            self.abort_record(record, "deadline")
+    def _deadline_passed(self, f: Flight) -> None:
+        if f.record.phase is not Phase.DONE:
+            self.abort(f, "deadline")
 
     async def _call(self, worker: Worker, coro: Any, hop: Hop = NOOP_HOP) -> Any:
         """Count one call to ``worker`` (its in-flight count is the pool's: ``Pool.acquire``);
@@ -1228,20 +1226,20 @@ class Serving:
         self.metrics.child(self.metrics.aborts, source, record.phase.value).inc()
         return True
 
-    def abort_record(self, record: RequestRecord, source: str) -> None:
+    def abort(self, f: Flight, source: str) -> None:
         """An abort for a known request: route it to whoever holds it now."""
+        record = f.record
         if not self._note_abort(record, source):
             return
-        f = self.flights.get(id(record))
         if record.phase is Phase.PREFILLING and record.prefill_worker is not None:
             self.tracker.spawn(self._send_abort(record.prefill_worker, record.engine_id))
         elif record.phase is Phase.DECODING and record.decode_worker is not None:
-            if f is not None and f.decode_task is not None:
+            if f.decode_task is not None:
                 self.tracker.spawn(self._abort_until(record.decode_worker, record.engine_id,
                                                      f.decode_task, self.settings.decode_timeout))
             else:
                 self.tracker.spawn(self._send_abort(record.decode_worker, record.engine_id))
-            if f is not None and f.buffer is not None:
+            if f.buffer is not None:
                 loop = asyncio.get_running_loop()
                 f.force_end = loop.call_later(self.settings.abort_grace, self._force_end, f)
         # KV_HELD: the walk (or its clean-up) releases the KV as soon as it sees the flag.
@@ -1282,11 +1280,11 @@ class Serving:
             if client_id is None:
                 continue  # vLLM accepts it and aborts nothing
             engine_id = engine_request_id(upstream_id(tenant.tag, client_id))
-            records = self.table.get(engine_id)
-            if not records:
+            flights = self.table.entries(engine_id)
+            if not flights:
                 unknown.append(engine_id)
-            for record in records:
-                self.abort_record(record, "client_call")
+            for f in flights:
+                self.abort(f, "client_call")
         if unknown:
             self.metrics.child(self.metrics.aborts, "client_call", "unknown").inc(len(unknown))
         if unknown and self.settings.abort_unknown_broadcast:
@@ -1477,5 +1475,4 @@ class Serving:
             f.force_end = None
 
     def _forget(self, f: Flight) -> None:
-        self.table.remove(f.record)
-        self.flights.pop(id(f.record), None)
+        self.table.remove(f)

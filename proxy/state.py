@@ -20,13 +20,15 @@ import asyncio
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from kv_transfer.ledger import Lease
 from proxy.pools.worker import Worker
 
 __all__ = ["Phase", "RequestRecord", "RequestTable", "TaskTracker", "Worker"]
 """``Worker`` is re-exported: the pools (``proxy.pools``) own it."""
+
+E = TypeVar("E", bound="Entry")
 
 
 class Phase(enum.Enum):
@@ -88,32 +90,46 @@ class RequestRecord:
         }
 
 
-class RequestTable:
-    """Requests in flight by the id vLLM knows (several may share an id: vLLM allows it)."""
+class Entry(Protocol):
+    """What the table keeps per request (``proxy.flight.Flight``): its record and more."""
+
+    @property
+    def record(self) -> RequestRecord: ...
+
+
+class RequestTable(Generic[E]):
+    """Requests in flight by the id vLLM knows (several may share an id: vLLM allows it). It
+    keeps whatever the serving layer keeps per request (``E``, which has the ``record``)."""
 
     def __init__(self) -> None:
-        self._by_id: dict[str, list[RequestRecord]] = {}
+        self._by_id: dict[str, list[E]] = {}
 
-    def add(self, record: RequestRecord) -> None:
-        self._by_id.setdefault(record.engine_id, []).append(record)
+    def add(self, entry: E) -> None:
+        self._by_id.setdefault(entry.record.engine_id, []).append(entry)
 
-    def remove(self, record: RequestRecord) -> None:
-        records = self._by_id.get(record.engine_id)
-        if records is None:
+    def remove(self, entry: E) -> None:
+        entries = self._by_id.get(entry.record.engine_id)
+        if entries is None:
             return
-        if record in records:
-            records.remove(record)
-        if not records:
-            del self._by_id[record.engine_id]
+        if entry in entries:
+            entries.remove(entry)
+        if not entries:
+            del self._by_id[entry.record.engine_id]
+
+    def entries(self, engine_id: str) -> list[E]:
+        return list(self._by_id.get(engine_id, ()))
+
+    def all_entries(self) -> list[E]:
+        return [e for entries in self._by_id.values() for e in entries]
 
     def get(self, engine_id: str) -> list[RequestRecord]:
-        return list(self._by_id.get(engine_id, ()))
+        return [e.record for e in self._by_id.get(engine_id, ())]
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_id.values())
 
     def all(self) -> list[RequestRecord]:
-        return [r for records in self._by_id.values() for r in records]
+        return [e.record for entries in self._by_id.values() for e in entries]
 
 
 class TaskTracker:
