@@ -297,7 +297,7 @@ async def test_unknown_ids_are_broadcast(scripted_factory: ScriptedFactory,
     async def record(ids: list[str]) -> None:
         broadcasts.append(ids)
 
-    app2[SERVING].broadcast_abort = record  # type: ignore[method-assign,assignment]
+    app2[SERVING].aborts.broadcast_abort = record  # type: ignore[method-assign,assignment]
     r = await client2.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-yy"]})
     assert r.status == 200
     assert broadcasts == [] and len(app2[SERVING].tracker) == 0

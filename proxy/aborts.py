@@ -1,0 +1,185 @@
+"""Aborts: a client's abort call, a deadline, a disconnect, shutdown; each routed to whoever holds
+the request now. Unknown ids are broadcast to every worker (bounded); a request aborted before
+it produced anything gets vLLM's aborted answer (``respond_aborted``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from proxy.core import Core, Part
+from proxy.flight import Flight
+from proxy.ids import abortable_id, upstream_id
+from proxy.pools import Overloaded
+from proxy.pools.worker import Worker
+from proxy.protocol import (
+    abort_full_response,
+    abort_stream_chunk,
+    compact_json,
+    engine_request_id,
+)
+from proxy.sse import DONE_EVENT, comment_event, data_event
+from proxy.state import Phase
+from proxy.tenants import Tenant
+
+log = logging.getLogger("pd_proxy")
+
+
+class Aborts(Part):
+    def __init__(self, core: Core) -> None:
+        super().__init__(core)
+        self._broadcast_slots = asyncio.Semaphore(core.settings.abort_broadcast_concurrency)
+        self._broadcasts_pending = 0
+
+    def abort(self, f: Flight, source: str) -> None:
+        """An abort for a known request: route it to whoever holds it now."""
+        record = f.record
+        if not self.core.note_abort(record, source):
+            return
+        if record.phase is Phase.PREFILLING and record.prefill_worker is not None:
+            self.tracker.spawn(self.send_abort(record.prefill_worker, record.engine_id))
+        elif record.phase is Phase.DECODING and record.decode_worker is not None:
+            if f.decode_task is not None:
+                self.tracker.spawn(self.abort_until(record.decode_worker, record.engine_id,
+                                                     f.decode_task, self.settings.decode_timeout))
+            else:
+                self.tracker.spawn(self.send_abort(record.decode_worker, record.engine_id))
+            if f.buffer is not None:
+                loop = asyncio.get_running_loop()
+                f.force_end = loop.call_later(self.settings.abort_grace, self.force_end, f)
+
+    def force_end(self, f: Flight) -> None:
+        """D did not end an aborted stream in time: end the client's stream as vLLM would."""
+        buffer = f.buffer
+        if buffer is None or buffer.closed:
+            return
+        for index in range(f.request.sampling_params.n):
+            chunk = compact_json(abort_stream_chunk(f.record.engine_id, f.request.output_mode, index))
+            buffer.put(data_event(chunk), chunk)
+        buffer.finish(done=True)
+
+    async def send_abort(self, worker: Worker, engine_id: str) -> bool:
+        ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
+        self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
+        return ok
+
+    async def broadcast_abort(self, request_ids: list[str]) -> None:
+        async with self._broadcast_slots:  # bounded fan-outs at once (``abort_broadcast_concurrency``)
+            workers = [*self.prefill_pool, *self.decode_pool]
+            results = await asyncio.gather(
+                *(self.upstream.abort(w.url, request_ids, limit=self.settings.control_timeout)
+                  for w in workers))
+        for w, ok in zip(workers, results, strict=True):
+            self.metrics.child(self.metrics.abort_fanout, w.pool, "ok" if ok else "error").inc()
+
+    def abort_ids(self, tenant: Tenant, request_ids: list[str]) -> None:
+        """Abort the caller's own requests named by ``request_ids`` (vLLM's engine ids, as the
+        client knows them). Ids this process does not know are sent to every worker (other
+        processes' and replicas' requests), namespaced as the tenant's (``proxy.ids``); only ids
+        that can be this proxy's generate ids are sent anywhere. Raises ``Overloaded`` when
+        ``abort_broadcast_queue`` fan-outs are already waiting."""
+        unknown: list[str] = []
+        for rid in request_ids:
+            client_id = abortable_id(rid)
+            if client_id is None:
+                continue  # vLLM accepts it and aborts nothing
+            engine_id = engine_request_id(upstream_id(tenant.tag, client_id))
+            flights = self.table.entries(engine_id)
+            if not flights:
+                unknown.append(engine_id)
+            for f in flights:
+                self.abort(f, "client_call")
+        if unknown:
+            self.metrics.child(self.metrics.aborts, "client_call", "unknown").inc(len(unknown))
+        if unknown and self.settings.abort_unknown_broadcast:
+            if self._broadcasts_pending >= self.settings.abort_broadcast_queue:
+                raise Overloaded("too many abort broadcasts are waiting", retry_after=1.0,
+                                 reason="queue_full")
+            self._broadcasts_pending += 1
+            task = self.tracker.spawn(self.broadcast_abort(unknown))
+            task.add_done_callback(self._broadcast_done)
+
+    def _broadcast_done(self, _: object) -> None:
+        self._broadcasts_pending -= 1
+
+    async def hop_or_abandon(self, f: Flight, fut: asyncio.Future[Any]) -> bool:
+        """Wait for a decode hop's answer (without cancelling it: it outlives the handler). False
+        when the request was aborted and the hop did not end within ``abort_grace`` after: a
+        worker that ignores the abort must not hold the client until the hop times out (the
+        clean-up keeps aborting it)."""
+        record = f.record
+        if not fut.done() and not record.is_aborted:
+            # Callbacks rather than a task waiting on ``record.aborted``: this runs per request.
+            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def wake(_: object = None) -> None:
+                if not woken.done():
+                    woken.set_result(None)
+
+            fut.add_done_callback(wake)
+            record.on_abort.append(wake)
+            try:
+                await woken
+            finally:
+                fut.remove_done_callback(wake)
+                with contextlib.suppress(ValueError):  # already called (and dropped) on abort
+                    record.on_abort.remove(wake)
+        if not fut.done():
+            await asyncio.wait({fut}, timeout=self.settings.abort_grace)
+        return fut.done()
+
+    async def respond_aborted(self, request: web.Request, f: Flight, *,
+                               done: bool = True) -> web.StreamResponse:
+        """What vLLM sends a client whose request was aborted before producing anything.
+        ``done=False``: a worker still holds the request (the clean-up frees it)."""
+        if done:
+            self.core.set_done(f)
+        req, rid = f.request, engine_request_id(f.client_id)
+        n = req.sampling_params.n
+        prompt_tokens = len(req.token_ids)
+        if not req.is_stream:
+            body = abort_full_response(rid, model=req.model, created=int(time.time()),
+                                       prompt_tokens=prompt_tokens, output_mode=req.output_mode, n=n)
+            headers = dict(f.headers)
+            headers["Server-Timing"] = f.timing.header(self.clock())
+            return web.Response(body=compact_json(body), content_type="application/json", headers=headers)
+        headers = dict(f.headers)
+        headers["Content-Type"] = "text/event-stream; charset=utf-8"
+        resp = web.StreamResponse(status=200, headers=headers)
+        await resp.prepare(request)
+        out = [data_event(compact_json(abort_stream_chunk(rid, req.output_mode, i))) for i in range(n)]
+        if req.include_usage:
+            usage = {"request_id": rid, "usage": {"prompt_tokens": prompt_tokens,
+                     "total_tokens": prompt_tokens, "completion_tokens": 0},
+                     "output_mode": req.output_mode, "choices": []}
+            out.append(data_event(compact_json(usage)))
+        if request.headers.get("X-PD-Timing") == "1":
+            out.append(comment_event("server-timing " + f.timing.header(self.clock())))
+        out.append(DONE_EVENT)
+        with contextlib.suppress(ConnectionResetError):  # the client is gone: nothing to tell
+            await resp.write(b"".join(out))
+            await resp.write_eof()
+        return resp
+
+    async def abort_until(self, worker: Worker | None, engine_id: str, task: asyncio.Future[Any],
+                           limit: float) -> None:
+        """Send abort to ``worker`` and repeat it every ``abort_grace`` until ``task`` is done
+        (an abort that reaches vLLM before it registered the request is lost)."""
+        deadline = self.clock() + limit
+        while not task.done():
+            if worker is not None:
+                await self.send_abort(worker, engine_id)
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                break
+            await asyncio.wait({task}, timeout=min(self.settings.abort_grace, remaining))
+
+    def deadline_passed(self, f: Flight) -> None:
+        if f.record.phase is not Phase.DONE:
+            self.abort(f, "deadline")

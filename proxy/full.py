@@ -1,0 +1,151 @@
+"""The non-stream decode: one decode hop (retried through ``proxy.decode``), D's reply sent as its
+own bytes with what only P knows spliced in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from proxy.aborts import Aborts
+from proxy.cleanup import Cleanup
+from proxy.core import Core, Part
+from proxy.decode import DecodeEngine
+from proxy.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+)
+from proxy.flight import Flight
+from proxy.pools import Outcome
+from proxy.pools.worker import Worker
+from proxy.protocol import (
+    compact_json,
+    splice_null_key,
+)
+
+log = logging.getLogger("pd_proxy")
+
+
+class FullDecode(Part):
+    def __init__(self, core: Core, engine: DecodeEngine, aborts: Aborts, cleanup: Cleanup) -> None:
+        super().__init__(core)
+        self.engine = engine
+        self.aborts = aborts
+        self.cleanup = cleanup
+
+    async def decode(self, f: Flight, worker: Worker, body: dict[str, Any],
+                           request: web.Request) -> web.StreamResponse:
+        record = f.record
+
+        async def hop() -> tuple[dict[str, Any], bytes]:
+            w, current, tried = worker, body, []
+            suspect: Worker | None = None
+            attempt, rescued = 0, False
+            try:
+                while True:
+                    outcome = Outcome.NEUTRAL
+                    rescue = False
+                    try:
+                        answer: tuple[dict[str, Any], bytes] = await self.core.call(
+                            w, self.upstream.post_generate_raw(
+                                "decode", w.url, current, request_id=record.base_id,
+                                total=self.engine.limit(f)), f.trace.hop("decode", w))
+                        outcome = Outcome.SUCCESS
+                        self.engine.handoff_done(f, current, suspect)
+                        return answer
+                    except UpstreamError as e:
+                        passthrough = isinstance(e, UpstreamStatusError) and e.passthrough
+                        outcome = Outcome.NEUTRAL if passthrough else Outcome.FAILURE
+                        last_attempt = attempt + 1 >= self.pools.decode_retry.attempts
+                        retry = not last_attempt and self.engine.may_retry(f, e)
+                        outcome, suspect = self.engine.attribute_failure(
+                            f, w, current, e, outcome=outcome, suspect=suspect,
+                            retry_with_kv=retry and attempt == 0)
+                        rescue = not retry and not rescued and self.engine.may_rescue(f, e, current)
+                        if not retry and not rescue:
+                            raise
+                        error = e
+                    finally:
+                        self.decode_pool.release(w, outcome, f.ctx.tokens)
+                    tried.append(w)
+                    if rescue:
+                        rescued = True
+                        w, current = await self.engine.rescue(f, error)
+                    else:
+                        w, current = await self.engine.next_decode(f, body, tried, attempt, error)
+                    attempt += 1
+            finally:
+                f.settled.set()
+
+        task = self.tracker.spawn(hop())
+        f.decode_task = task
+        if not await self.aborts.hop_or_abandon(f, task):
+            return await self.aborts.respond_aborted(request, f, done=False)
+        try:
+            reply, raw = await asyncio.shield(task)
+        except UpstreamError as e:
+            self.cleanup.after_decode_error(f, e)
+            self.core.set_done(f)
+            raise
+        f.timing.first_token = self.clock()
+        self.core.close_lease(f, "aborted" if record.is_aborted else "pulled")
+        self.core.set_done(f)
+        self.metrics.child(self.metrics.stage, "decode_first_token").observe(
+            f.timing.first_token - (f.timing.decode_start or 0))
+        if reply.get("output_mode") != f.request.output_mode:
+            self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "protocol").inc()
+            raise UpstreamProtocolError(
+                "decode", worker.url,
+                f"answered output_mode {reply.get('output_mode')!r} for a {f.request.output_mode!r} "
+                "request (a server that predates output_mode?)")
+        self.core.note_usage(f, reply.get("usage"))
+        if f.completion_tokens and f.request.sampling_params.n == 1 and f.timing.first_token is not None \
+                and f.timing.decode_start is not None:
+            # Non-stream: the decode hop (KV pull and first token included) per output token.
+            self.metrics.tpot.observe((f.timing.first_token - f.timing.decode_start) / f.completion_tokens)
+        raw = self.merge_prefill_info(f, reply, raw)
+        if f.rewrite is not None:
+            raw = f.rewrite.apply(raw)
+        now = self.clock()
+        self.metrics.ttft.observe(now - f.timing.received)
+        headers = dict(f.headers)
+        headers["Server-Timing"] = f.timing.header(now)
+        return web.Response(body=raw, content_type="application/json", headers=headers)
+
+    def merge_prefill_info(self, f: Flight, reply: dict[str, Any], raw: bytes) -> bytes:
+        """Put what only the prefill hop knows into D's reply (``reply``, parsed from ``raw``);
+        returns the bytes to send: D's own when nothing changed."""
+        prefill_reply = f.prefill_task.result() if f.prefill_task is not None and \
+            f.prefill_task.done() and not f.prefill_task.cancelled() and \
+            f.prefill_task.exception() is None else None
+        if prefill_reply is None or "X-PD-Decode-Only" in f.headers:
+            return raw
+        changed = False
+        if f.request.sampling_params.get("prompt_logprobs") is not None:
+            changed = True
+            reply["prompt_logprobs"] = prefill_reply.get("prompt_logprobs")
+            if prefill_reply.get("prompt_token_id_logprobs") is not None:
+                reply["prompt_token_id_logprobs"] = prefill_reply["prompt_token_id_logprobs"]
+        usage = reply.get("usage")
+        if self.settings.report_cached_tokens and isinstance(usage, dict) and \
+                usage.get("prompt_tokens_details") is None:
+            p_usage = prefill_reply.get("usage")
+            details = p_usage.get("prompt_tokens_details") if isinstance(p_usage, dict) else None
+            if details is None:
+                p_params = prefill_reply.get("kv_transfer_params")
+                cached = p_params.get("remote_prefill_cached_tokens") if isinstance(p_params, dict) else None
+                if isinstance(cached, int) and cached > 0:
+                    details = {"cached_tokens": cached}
+            if details is not None:
+                d_null = "prompt_tokens_details" in usage  # D wrote it as null (absent: no splice)
+                usage["prompt_tokens_details"] = details
+                if not changed and d_null:
+                    spliced = splice_null_key(raw, "prompt_tokens_details", details)
+                    if spliced is not None:
+                        return spliced  # D's bytes with one value put in: not written again
+                changed = True
+        return compact_json(reply) if changed else raw

@@ -1,0 +1,203 @@
+"""The prefill hop: pick a prefill worker, send the hop (retried on another worker after a
+transient failure), accept P's reply (the KV is then held under a lease); and the prefill of a
+migrated stream's continuation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from kv_transfer.handoff import (
+    check_prefill_params,
+    prefill_body,
+)
+from proxy.core import Core, Part
+from proxy.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+)
+from proxy.flight import Flight
+from proxy.pools import DeadlineExceeded, NoWorkerAvailable, Outcome, Overloaded, PickContext
+from proxy.pools.admission import hop_budget
+from proxy.pools.retry import is_transient
+from proxy.pools.worker import Worker
+from proxy.state import Phase
+
+log = logging.getLogger("pd_proxy")
+
+
+class Prefill(Part):
+    def __init__(self, core: Core) -> None:
+        super().__init__(core)
+
+    async def with_retries(
+            self, f: Flight) -> tuple[Worker | None, dict[str, Any], UpstreamError | None]:
+        """The prefill hop, retried on another prefill worker after a connect error, a 5xx or a
+        timeout (nothing is held then). Returns the worker, its reply and the last error; no
+        worker and no error when no prefill worker is available and the bypass may take it."""
+        record, rt = f.record, self.pools
+        ctx = PickContext(token_ids=f.ctx.token_ids, session_id=f.ctx.session_id)
+        tried: list[Worker] = []
+        last: UpstreamError | None = None
+        for attempt in range(rt.prefill_retry.attempts):
+            if record.is_aborted:
+                break  # aborted (client call, deadline) during the backoff
+            bypass = rt.settings.bypass_when_prefill_unavailable
+            try:
+                pairless = self.pairless()
+                try:
+                    worker = await self.prefill_pool.acquire(ctx, exclude=[*tried, *pairless],
+                                                             limit=self.core.queue_limit(f))
+                except NoWorkerAvailable:
+                    if not tried:
+                        raise
+                    # every admitted worker failed once: any of them again (the failure may pass)
+                    worker = await self.prefill_pool.acquire(ctx, exclude=pairless,
+                                                             limit=self.core.queue_limit(f))
+            except NoWorkerAvailable:
+                if bypass:
+                    # None left (their circuits opened, e.g. on the failure being retried): the
+                    # request holds nothing usable, so the decode worker computes the prompt.
+                    record.prefill_worker = None
+                    return None, {}, None
+                if last is not None:
+                    break  # none left: the last error stands
+                raise
+            record.prefill_worker = worker
+            try:
+                limit = hop_budget(f.deadline, "prefill", self.settings.prefill_timeout,
+                                   rt.settings.deadline_prefill_share)
+            except DeadlineExceeded:
+                self.prefill_pool.release(worker, Outcome.NEUTRAL)
+                raise
+            f.prefill_task = self.tracker.spawn(self.hop(f, worker, limit))
+            retry_ok = False
+            try:
+                reply: dict[str, Any] = await asyncio.shield(f.prefill_task)
+            except UpstreamError as e:
+                last = e
+                retry_ok = is_transient(e)
+            else:
+                reason = check_prefill_params(reply.get("kv_transfer_params"))
+                untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
+                if reason is None or record.is_aborted or self.note_worker_abort(f, reply) \
+                        or attempt + 1 >= rt.prefill_retry.attempts or not (untried or bypass):
+                    return worker, reply, None  # _walk checks it (and applies --prefill-failure)
+                # An unusable 200 (no usable kv_transfer_params): nothing it holds can be freed
+                # through the proxy (no params to pull with; P frees the blocks at its lease's
+                # end), so another prefill worker may take the request; with none left, as
+                # when none is available, the decode worker computes the prompt.
+                self.metrics.prefill_missing_kv.inc()
+                if not untried:
+                    record.prefill_worker = None
+                    return None, {}, None
+                last = UpstreamProtocolError("prefill", worker.url, reason)
+                retry_ok = True
+            tried.append(worker)
+            if record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts or not retry_ok:
+                break
+            pause = rt.prefill_retry.delay(attempt, rt.rng)
+            if f.deadline is not None and f.deadline.remaining() <= pause:
+                break
+            rt.count_retry("prefill")
+            log.warning("request %s: retrying prefill after %s", record.engine_id, last.message)
+            await asyncio.sleep(pause)
+        return record.prefill_worker, {}, last
+
+    async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
+        body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,
+                            keep_stop=not self.settings.prefill_tokens_only)
+        outcome = Outcome.NEUTRAL
+        try:
+            reply: dict[str, Any] = await self.core.call(worker, self.upstream.post_generate(
+                "prefill", worker.url, body, request_id=f.record.base_id, total=limit),
+                f.trace.hop("prefill", worker))
+            # A reply without usable KV params is P's failure; one with them is judged at the
+            # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
+            # every pull, which only the decode hops see.
+            if check_prefill_params(reply.get("kv_transfer_params")) is not None:
+                outcome = Outcome.FAILURE
+            return reply
+        except UpstreamStatusError as e:
+            outcome = Outcome.NEUTRAL if e.passthrough else Outcome.FAILURE
+            raise
+        except UpstreamError:
+            outcome = Outcome.FAILURE
+            raise
+        finally:
+            self.prefill_pool.release(worker, outcome)
+
+    def pairless(self) -> list[Worker]:
+        """With the preflight on: prefill workers whose every pair with the decode pool failed it
+        (their KV could reach no decode worker), left out of prefill picks."""
+        preflight = self.pools.preflight
+        if preflight.check is None:
+            return []
+        decoders = self.decode_pool.admissible()
+        return [p for p in self.prefill_pool.admissible() if preflight.all_failed(p, decoders)]
+
+    def accept_reply(self, f: Flight, prefill: Worker,
+                              reply: dict[str, Any]) -> tuple[dict[str, Any] | None, UpstreamError | None]:
+        """Check a 200 prefill reply; on success the KV is held (state KV_HELD, lease open)."""
+        record = f.record
+        params = reply.get("kv_transfer_params")
+        reason = check_prefill_params(params)
+        if reason is None and isinstance(params, dict):
+            record.phase = Phase.KV_HELD
+            params = self.core.rewrite_remote_host(params, prefill.url)
+            f.kv_blocks = self.leases.hold(record, prefill.url, params)
+        self.note_worker_abort(f, reply)
+        if reason is not None:
+            if not record.is_aborted:
+                self.metrics.prefill_missing_kv.inc()
+            return None, UpstreamProtocolError("prefill", prefill.url, reason)
+        return record.kv_params, None
+
+    def note_worker_abort(self, f: Flight, reply: dict[str, Any]) -> bool:
+        """P ended the request as aborted, and not at this proxy's call: the client's abort went
+        to the workers another way (it reached another ``--workers`` process, or this one
+        before the request, and was broadcast). The client asked for it, so the request is
+        aborted here too, and the client gets vLLM's aborted answer, not an error."""
+        choices = reply.get("choices")
+        finish = choices[0].get("finish_reason") if isinstance(choices, list) and choices and \
+            isinstance(choices[0], dict) else None
+        if finish != "abort":
+            return False
+        self.core.note_abort(f.record, "worker")
+        return True
+
+    async def continuation(self, f: Flight, body: dict[str, Any]) -> dict[str, Any]:
+        """A long continuation's prompt goes through a prefill worker (its KV then handed to the
+        decode worker, under a lease); a short one, or one whose prefill fails, is computed by
+        the decode worker itself."""
+        rt, record = self.pools, f.record
+        if len(body["token_ids"]) < rt.settings.migrate_prefill_tokens or record.is_aborted:
+            return body
+        try:
+            p = await self.prefill_pool.acquire(PickContext(token_ids=body["token_ids"]), limit=0.0)
+        except (NoWorkerAvailable, Overloaded):
+            return body
+        limit = self.settings.prefill_timeout if f.deadline is None else \
+            min(self.settings.prefill_timeout, max(0.0, f.deadline.remaining()))
+        outcome = Outcome.FAILURE
+        try:
+            reply = await self.core.call(p, self.upstream.post_generate(
+                "prefill", p.url, prefill_body(body, record.base_id, stream=f.request.is_stream,
+                             keep_stop=not self.settings.prefill_tokens_only),
+                request_id=record.base_id, total=limit), f.trace.hop("prefill", p))
+            outcome = Outcome.SUCCESS
+        except UpstreamError as e:
+            log.warning("request %s: continuation prefill failed: %s", record.engine_id, e.message)
+            return body
+        finally:
+            self.prefill_pool.release(p, outcome)
+        params = reply.get("kv_transfer_params")
+        if check_prefill_params(params) is not None or not isinstance(params, dict):
+            return body
+        params = self.core.rewrite_remote_host(params, p.url)
+        record.prefill_worker = p
+        self.leases.hold(record, p.url, params)
+        return {**body, "kv_transfer_params": params}

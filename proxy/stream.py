@@ -1,0 +1,425 @@
+"""The streamed decode: D's stream read into a buffer by a producer task (retried before its first
+byte, migrated to another decode worker when it breaks later), and relayed to the client by the
+handler, bounded for slow readers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from proxy.aborts import Aborts
+from proxy.cleanup import Cleanup
+from proxy.core import Core, Part, error_class
+from proxy.decode import DecodeEngine
+from proxy.errors import (
+    StreamOverflow,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+)
+from proxy.flight import Flight
+from proxy.hop import HopResponse
+from proxy.pools import NoWorkerAvailable, Outcome, Overloaded
+from proxy.pools.migration import StreamFollower, migration_blocker
+from proxy.pools.worker import Worker
+from proxy.prefill import Prefill
+from proxy.protocol import (
+    parse_worker_json,
+)
+from proxy.relay import StreamBuffer, block_token_ids
+from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_event, last_data
+
+log = logging.getLogger("pd_proxy")
+
+
+class StreamDecode(Part):
+    def __init__(self, core: Core, engine: DecodeEngine, aborts: Aborts, cleanup: Cleanup,
+                 prefill: Prefill) -> None:
+        super().__init__(core)
+        self.engine = engine
+        self.aborts = aborts
+        self.cleanup = cleanup
+        self.prefill = prefill
+
+    async def decode(self, request: web.Request, f: Flight, worker: Worker,
+                             body: dict[str, Any]) -> web.StreamResponse:
+        buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes)
+        f.headers_ready = asyncio.get_running_loop().create_future()
+        f.decode_task = self.tracker.spawn(self.produce(f, worker, body, buffer))
+        if not await self.aborts.hop_or_abandon(f, f.headers_ready):
+            return await self.aborts.respond_aborted(request, f, done=False)
+        try:
+            await asyncio.shield(f.headers_ready)
+        except UpstreamError as e:
+            self.cleanup.after_decode_error(f, e)
+            self.core.set_done(f)
+            raise
+        headers = dict(f.headers)
+        headers["Content-Type"] = "text/event-stream; charset=utf-8"
+        headers["Cache-Control"] = "no-cache"
+        resp = web.StreamResponse(status=200, headers=headers)
+        await resp.prepare(request)
+        try:
+            await self.relay(request, f, resp, buffer)
+        except ConnectionResetError:
+            # The client went away mid-stream: return quietly (aiohttp ignores the failed
+            # write_eof); the clean-up aborts D because the state is still DECODING.
+            self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
+        return resp
+
+    async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
+                     buffer: StreamBuffer) -> None:
+        want_timing = request.headers.get("X-PD-Timing") == "1"
+        last_write: float | None = None
+        first_write: float | None = None
+        transport = request.transport
+        # A write that leaves the transport's buffer at or below its high-water mark cannot pause
+        # writing, so it cannot block: it needs no timer (profiled: the per-write timeout was the
+        # relay loop's largest cost of its own).
+        high = transport.get_write_buffer_limits()[1] if transport is not None else -1
+        while True:
+            # The client lags when what we wrote before is still in the transport's buffer.
+            queued = transport.get_write_buffer_size() if transport is not None else 0
+            items, finished = await buffer.take(merge=queued > 0)
+            if items:
+                data = items[0] if len(items) == 1 else b"".join(items)
+                if f.rewrite is not None:
+                    data = f.rewrite.apply(data)
+                if queued + len(data) <= high:  # the buffer only drained while we waited
+                    await resp.write(data)
+                else:
+                    await self.write_client(request, resp, data)
+                now = self.clock()
+                if last_write is None:
+                    first_write = now
+                    self.metrics.ttft.observe(now - f.timing.received)
+                else:
+                    self.metrics.itl.observe(now - last_write)
+                last_write = now
+            if finished:
+                break
+        if buffer.overflowed:
+            err = StreamOverflow(
+                f"stream aborted: the client read too slowly ({self.settings.slow_reader_max_bytes} "
+                "bytes queued)")
+            await self.write_client(request, resp, err.sse_event() + DONE_EVENT, eof=True)
+            return  # phase stays DECODING: the clean-up aborts D
+        if f.timing.first_token is not None:
+            self.metrics.child(self.metrics.stage, "decode_stream").observe(
+                self.clock() - f.timing.first_token)
+        tokens = f.completion_tokens  # known only when the client asked for include_usage
+        if tokens is not None and tokens > 1 and f.request.sampling_params.n == 1 \
+                and first_write is not None and last_write is not None:
+            self.metrics.tpot.observe((last_write - first_write) / (tokens - 1))
+        tail = [buffer.error_event] if buffer.error_event is not None else []
+        if want_timing:
+            tail.append(comment_event("server-timing " + f.timing.header(self.clock())))
+        tail.append(DONE_EVENT)
+        await self.write_client(request, resp, b"".join(tail), eof=True)
+        if f.decode_task is not None and f.decode_task.done():
+            self.core.set_done(f)
+
+    async def write_client(self, request: web.Request, resp: web.StreamResponse, data: bytes, *,
+                            eof: bool = False) -> None:
+        """Write to a streaming client, bounded by ``slow_reader_timeout``: a client that stopped
+        reading (its window is shut) cannot be told anything more, so its connection is closed
+        and the caller sees a disconnect (the clean-up then aborts the decode worker)."""
+        try:
+            async with asyncio.timeout(self.settings.slow_reader_timeout):
+                await resp.write(data)
+                if eof:
+                    await resp.write_eof()
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading its stream") from None
+
+    async def produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
+        """Read D's stream into ``buffer`` (never blocks on the client).
+
+        Before D's first byte, a failed open goes to another decode worker (``_next_decode``).
+        A stream that breaks later (the worker died, reset, or sent an error event) continues on
+        another decode worker as a continuation (``proxy.pools.migration``) when the request
+        allows it: the client's stream goes on with no visible seam."""
+        record = f.record
+        assert f.headers_ready is not None
+        rt = self.pools
+        follower = (StreamFollower(f.data, f.request.output_mode)
+                    if rt.settings.migrate and migration_blocker(f.data) is None else None)
+        tried: list[Worker] = []
+        attempt, rescued = 0, False
+        w, current = worker, body
+        suspect: Worker | None = None
+        while True:
+            status, error, exc = "broken", None, None
+            try:
+                with f.trace.hop("decode", w) as hop:
+                    status, error, exc = await self.once(f, w, current, buffer, follower)
+                    hop.outcome(status)
+            finally:
+                passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
+                outcome = (Outcome.SUCCESS if status == "done" else
+                           Outcome.NEUTRAL if status == "closed" or passthrough or record.is_aborted
+                           else Outcome.FAILURE)
+                if status in ("open_failed", "kv_failed") and exc is not None:
+                    retry = attempt == 0 and attempt + 1 < rt.decode_retry.attempts \
+                        and self.engine.may_retry(f, exc)
+                    outcome, suspect = self.engine.attribute_failure(
+                        f, w, current, exc, outcome=outcome, suspect=suspect, retry_with_kv=retry)
+                elif status == "done" and current is body:
+                    self.engine.handoff_done(f, current, suspect)
+                else:
+                    suspect = None  # the retry ended otherwise: it tells nothing about the first
+                self.decode_pool.release(w, outcome, f.ctx.tokens)
+            if status == "done":
+                buffer.finish(done=True)
+                return
+            if status == "closed":
+                return
+            kv_failed = status == "kv_failed"
+            if kv_failed or (status == "open_failed" and not f.headers_ready.done()):
+                # Nothing reached the client yet: another decode worker may take the same body
+                # (P's KV while its lease holds), as before D's first byte; when those retries
+                # are spent on an ambiguous failure, one last attempt goes decode-only.
+                assert exc is not None
+                try:
+                    if attempt + 1 < rt.decode_retry.attempts and self.engine.may_retry(f, exc):
+                        tried.append(w)
+                        w, current = await self.engine.next_decode(f, body, tried, attempt, exc)
+                    elif not rescued and self.engine.may_rescue(f, exc, current):
+                        rescued = True
+                        w, current = await self.engine.rescue(f, exc)
+                    else:
+                        raise exc
+                except UpstreamError:
+                    pass
+                else:
+                    attempt += 1
+                    continue
+                f.settled.set()
+                if not kv_failed:
+                    f.headers_ready.set_exception(exc)
+                else:
+                    self.end_with_error(f, buffer, error, exc.message)
+                return
+            if status != "protocol" and follower is not None and not record.is_aborted \
+                    and not buffer.closed and follower.migrations < rt.settings.max_migrations \
+                    and (f.deadline is None or not f.deadline.expired):
+                cont = follower.continue_elsewhere(record.base_id)
+                if cont is None:  # the client already has every token
+                    buffer.finish(done=True)
+                    return
+                tried.append(w)
+                try:
+                    w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self.core.queue_limit(f),
+                                                       wait_recovering=True)
+                except (NoWorkerAvailable, Overloaded) as e:
+                    self.end_with_error(f, buffer, error, f"no decode worker to migrate to ({e})")
+                    return
+                record.decode_worker = w
+                current = await self.prefill.continuation(f, cont.body)
+                rt.count_migration()
+                log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,
+                            cont.kept + cont.replay)
+                continue
+            why = ("the worker broke the protocol" if status == "protocol" else
+                   "this request cannot migrate" if follower is None else
+                   "aborted" if record.is_aborted else
+                   f"{follower.migrations} migrations already"
+                   if follower.migrations >= rt.settings.max_migrations else "its deadline passed")
+            self.end_with_error(f, buffer, error,
+                                        f"decode stream {status} on {w.url}, not migrated: {why}")
+            return
+
+    def end_with_error(self, f: Flight, buffer: StreamBuffer, error: bytes | None, why: str) -> None:
+        """End the client's stream with D's error event (or the proxy's): logged, so that a
+        client-visible stream error can be followed (ids, workers and reasons only)."""
+        if not buffer.closed:
+            log.warning("request %s: stream ended with an error: %s", f.record.engine_id, why)
+        buffer.finish(done=False, error=error)
+
+    async def once(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
+                           follower: StreamFollower | None) -> tuple[str, bytes | None, UpstreamError | None]:
+        """One decode stream into ``buffer``. Returns ``done`` ([DONE] seen), ``closed`` (the
+        buffer was closed: client gone, overflow, forced end), ``open_failed`` (no answer: the
+        error), ``kv_failed`` (a server error event first, on a hop with P's KV: nothing was
+        relayed), ``protocol`` (D answered something unusable) or ``broken`` (ended mid-way)."""
+        record = f.record
+        assert f.headers_ready is not None
+        self.metrics.child(self.metrics.inflight, worker.pool).inc()
+        self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
+        resp: HopResponse | None = None
+        try:
+            try:
+                resp = await self.upstream.open(
+                    "decode", worker.url, body, request_id=record.base_id, total=None,
+                    sock_read=self.settings.stream_idle_timeout)
+            except UpstreamError as e:
+                self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
+                                   error_class(e)).inc()
+                return "open_failed", e.sse_event(), e
+            if not f.headers_ready.done():
+                f.headers_ready.set_result(None)
+            reader = SSEReader()
+            first = True
+            done = False
+            protocol = False
+            error: bytes | None = None
+            last: bytes = b""
+            exc: UpstreamError | None = None
+            try:
+                async for chunk in self.upstream.iter_chunks("decode", worker.url, resp):
+                    batch = reader.feed_batch(chunk)
+                    # The hot path: what a read completed goes out as one block, unparsed, when
+                    # it is plain vLLM events (no error, [DONE] last); only the stream's first
+                    # event is parsed (its output_mode is checked).
+                    fast = batch.plain and (not first or bool(batch.body))
+                    if fast and batch.body:
+                        if first:
+                            first = False
+                            error = self.first_event(f, worker, batch.body[6 : batch.body.index(b"\n\n")])
+                            if error is not None:
+                                protocol = True
+                                break
+                        if follower is not None:
+                            ids = block_token_ids(batch.body) if follower.cont is None and \
+                                follower.progress.output_mode == "tokens" else None
+                            if ids is None:
+                                fast = False  # parse event by event (text mode, migrated, odd)
+                            else:
+                                follower.progress.generated.extend(ids)
+                        if fast:
+                            buffer.put(batch.body)
+                            if f.request.include_usage:
+                                last = last_data(batch.body)
+                    if fast:
+                        if batch.done:
+                            done = True
+                            if f.request.include_usage:
+                                self.note_stream_usage(f, last)
+                            break
+                        if buffer.closed:
+                            break
+                        if len(reader.pending) > self.settings.slow_reader_max_bytes:
+                            error = self.protocol_error(worker, "sent an SSE event larger than the byte cap")
+                            protocol = True
+                            break
+                        continue
+                    for ev in batch.events():
+                        if ev.data == DONE_DATA:
+                            done = True
+                            if f.request.include_usage:
+                                self.note_stream_usage(f, last)
+                            break
+                        last = ev.data
+                        if first:
+                            kv_exc = self.kv_hop_failed(worker, body, ev.data)
+                            if kv_exc is not None:
+                                return "kv_failed", ev.raw, kv_exc
+                            first = False
+                            error = self.first_event(f, worker, ev.data)
+                            if error is not None:
+                                protocol = True
+                                break
+                        if ev.data.startswith(b'{"error"'):
+                            # vLLM's in-band error event (the stream had started): a failed call.
+                            self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
+                                               "error_event").inc()
+                            error = ev.raw
+                            break
+                        if follower is not None:
+                            payload = follower.event(ev.data)
+                            if payload is None:
+                                continue  # only tokens the client already has
+                            if payload is not ev.data:
+                                buffer.put(data_event(payload), payload)
+                                continue
+                        buffer.put(ev.raw, ev.data)
+                    if done or error is not None or buffer.closed:
+                        break
+                    if len(reader.pending) > self.settings.slow_reader_max_bytes:
+                        error = self.protocol_error(worker, "sent an SSE event larger than the byte cap")
+                        protocol = True
+                        break
+            except UpstreamError as e:
+                self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
+                                   error_class(e)).inc()
+                error, exc = e.sse_event(), e
+            if not done and error is None and not buffer.closed:
+                error = self.protocol_error(worker, "stream ended without [DONE]")
+            f.settled.set()
+            if first and (done or error is not None):
+                # The stream ended before any event: D answered, so it had the request.
+                self.core.close_lease(f, "unknown" if error is not None else "pulled")
+            if done and error is None:
+                resp.release()  # kept alive once its last chunk is in (``close`` would drop it)
+                return "done", None, None
+            if buffer.closed:
+                return "closed", None, None
+            return ("protocol" if protocol else "broken"), error, exc
+        finally:
+            if resp is not None:
+                resp.close()
+            self.metrics.child(self.metrics.inflight, worker.pool).dec()
+
+    def kv_hop_failed(self, worker: Worker, body: dict[str, Any], data: bytes) -> UpstreamStatusError | None:
+        """D's first event is a server error on a hop that carried P's KV params (vLLM sends
+        the headers first; a failed KV load then ends the stream this way): as ambiguous as a
+        5xx before the first byte (D broke, or its pull from P failed). Returns it as such."""
+        if not data.startswith(b'{"error"') or "kv_transfer_params" not in body:
+            return None
+        try:
+            err = json.loads(data).get("error")
+        except (ValueError, AttributeError):
+            return None
+        code = err.get("code") if isinstance(err, dict) else None
+        status = code if isinstance(code, int) and not isinstance(code, bool) else 500
+        if status < 500:
+            return None
+        self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "error_event").inc()
+        return UpstreamStatusError("decode", worker.url, status, data, "application/json")
+
+    def protocol_error(self, worker: Worker, reason: str) -> bytes:
+        """A decode stream broke the protocol mid-way: count it, return the in-band error event."""
+        self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "protocol").inc()
+        return UpstreamProtocolError("decode", worker.url, reason).sse_event()
+
+    def note_stream_usage(self, f: Flight, data: bytes) -> None:
+        """The usage chunk is the last event before ``[DONE]``: one parse per stream."""
+        if b'"usage"' not in data:
+            return
+        try:
+            chunk = parse_worker_json(data)
+        except ValueError:
+            return
+        if isinstance(chunk, dict):
+            self.core.note_usage(f, chunk.get("usage"))
+
+    def first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
+        """D's first event: D certainly has the request (the KV was pulled); check the event."""
+        if f.timing.first_token is None:
+            f.timing.first_token = self.clock()
+            self.metrics.child(self.metrics.stage, "decode_first_token").observe(
+                f.timing.first_token - (f.timing.decode_start or f.timing.first_token))
+        self.core.close_lease(f, "aborted" if f.record.is_aborted else "pulled")
+        f.settled.set()
+        return self.check_first_event(f, worker, data)
+
+    def check_first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
+        try:
+            chunk = parse_worker_json(data)
+        except ValueError:
+            return self.protocol_error(worker, "sent an event that is not JSON")
+        if isinstance(chunk, dict) and "error" in chunk:
+            return None
+        mode = chunk.get("output_mode") if isinstance(chunk, dict) else None
+        if mode != f.request.output_mode:
+            return self.protocol_error(
+                worker, f"answered output_mode {mode!r} for a {f.request.output_mode!r} request "
+                "(a server that predates output_mode?)")
+        return None
