@@ -169,6 +169,7 @@ class Serving:
                                  block_size=settings.kv_block_size, registry=metrics.registry, clock=clock)
         self.prefill_pool = self.pools.prefill
         self.decode_pool = self.pools.decode
+        self.pools.pools.forget_workers_in(metrics)  # a removed worker's series go with it
         self.table = RequestTable()
         self.tracker = TaskTracker()
         self.flights: dict[int, Flight] = {}
