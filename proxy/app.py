@@ -1,7 +1,7 @@
 """The aiohttp application: routes, typed app state, start-up and shutdown.
 
 Routes (``/inference/*`` behind the client keys when set, as vLLM guards its ``/inference`` prefix,
-each key a tenant (``proxy.tenants``); ``/debug/*`` behind ``--admin-key`` when set):
+each key a tenant (``proxy.tenants``); ``/debug/*`` behind the admin key when set):
 
 * ``POST /inference/v1/generate``         the P/D walk (``proxy.serving``)
 * ``POST /inference/v1/abort_requests``   vLLM's abort contract, routed by request state
@@ -88,7 +88,8 @@ def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) 
                 return await handler(request)
             if tenants.namespaced:
                 return json_response(error_body(
-                    "/debug shows every tenant's requests: it needs --admin-key", "Forbidden", 403),
+                    "/debug shows every tenant's requests: it needs the admin key (PD_PROXY_ADMIN_KEY or "
+                    "--admin-key-file)", "Forbidden", 403),
                     status=403)
         guarded = path.startswith(GUARDED_PREFIXES) or (
             path == LEGACY_ABORT_PATH and not settings.legacy_abort_mirror_vllm)

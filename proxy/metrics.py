@@ -26,7 +26,8 @@ probes' verdict, or the last ``GET /health`` when active probes are off) to the 
 Series of a worker that left its pool are removed (``forget_worker``, called by the pools' on-leave
 hook): a fleet whose workers come and go (Kubernetes, the admin API) does not grow ``/metrics``
 forever. A request still running on the removed worker counts nowhere once the worker left
-(``members``), so its end does not bring the series back; a worker that rejoins starts afresh.
+(``members``), so its end does not bring the series back; a worker that rejoins starts afresh
+(with ``--workers N``, from the totals the files kept).
 With ``--workers N`` the values live in the multiprocess directory, where nothing can be deleted:
 ``render`` leaves out the series of workers that are not members of this process's pools.
 """
