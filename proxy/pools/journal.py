@@ -11,7 +11,8 @@ user can write a change into it), given to the children as ``PoolSettings.admin_
   section holds no ``await``: it costs microseconds of the event loop (a few small reads and a
   write on a local file).
 * Every process reads the lines appended since its last look every ``POLL_INTERVAL`` (0.25 s) and
-  applies them in file order. Every process applies the same changes in the same order, so their
+  applies them in file order (at most ``READ_LIMIT`` bytes per look, so a burst of changes never
+  holds the event loop long). Every process applies the same changes in the same order, so their
   admin-declared membership and draining agree within a poll interval.
 * A line that is not a valid change (it cannot come from pd-proxy; a process that died while
   writing) is logged and skipped. A torn last line found under the lock is terminated, so that the
@@ -40,8 +41,10 @@ log = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.25
 """Seconds between two looks at the journal: how long other processes may lag behind a change."""
-READ_LIMIT = 1 << 20
-"""Bytes read per look (the rest at the next one)."""
+READ_LIMIT = 64 * 1024
+"""Bytes read at a time: about 800 changes, some 30 ms of the event loop to apply. A poll reads at
+most this much (a burst of changes is spread over several polls); a caller about to record a
+change reads everything (it must decide on the latest state)."""
 
 Op = Literal["add", "remove", "drain"]
 
@@ -102,8 +105,9 @@ class Journal:
         """A ``Record`` that applies a change (inside the block: decide and record together)."""
         yield lambda c: apply_change(self.pools, c)
 
-    def catch_up(self) -> int:
-        """Apply what other processes recorded since the last look; how many changes."""
+    def catch_up(self, chunks: int | None = None) -> int:
+        """Apply what other processes recorded since the last look (at most ``chunks`` reads of
+        ``READ_LIMIT`` bytes; None: all of it); how many changes."""
         return 0
 
     def close(self) -> None:
@@ -133,10 +137,12 @@ class FileJournal(Journal):
             os.close(self._fd)
             self._fd = None
 
-    def catch_up(self) -> int:
+    def catch_up(self, chunks: int | None = None) -> int:
         """Apply the whole lines appended since the last look; how many were applied."""
         done = 0
-        while True:
+        reads = 0
+        while chunks is None or reads < chunks:
+            reads += 1
             size = os.fstat(self.fd).st_size
             if size <= self.offset:
                 return done
@@ -145,11 +151,12 @@ class FileJournal(Journal):
             if end == 0:
                 if len(data) < READ_LIMIT:
                     return done  # a line being written: the rest at the next look
-                end = len(data)  # a megabyte without a newline is no change of ours: skip it
+                end = len(data)  # READ_LIMIT bytes without a newline are no change of ours: skip
             for line in data[:end].splitlines():
                 if line.strip():
                     done += self._apply(line)
             self.offset += end
+        return done
 
     def _apply(self, line: bytes) -> int:
         try:

@@ -407,7 +407,7 @@ class PoolRuntime:
             journal.catch_up()  # what other processes already changed; then poll
 
             async def look() -> None:
-                journal.catch_up()
+                journal.catch_up(chunks=1)
 
             self._tasks.append(loop.create_task(repeat(POLL_INTERVAL, look), name="pool-admin-journal"))
         if self.config_source is not None:

@@ -349,3 +349,28 @@ async def test_admin_change_reaches_another_app_through_the_journal(
         return one.serving.decode_pool.get(extra.url) is None
 
     await eventually(removed, 10.0)
+
+
+def test_a_poll_applies_a_bounded_slice_a_caller_everything(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of changes is spread over several polls (the event loop is never held long); a
+    process about to record a change first applies all of them."""
+    monkeypatch.setattr("proxy.pools.journal.READ_LIMIT", 256)
+    a, ja, b, jb = two_processes(tmp_path)
+    added = [f"http://127.0.0.1:{9000 + i}" for i in range(20)]  # ~70 bytes a line
+    with ja.changing() as record:
+        for url in added:
+            record(change("add", "decode", url))
+    first = jb.catch_up(chunks=1)
+    assert 0 < first < len(added)
+    looks = 1
+    while jb.catch_up(chunks=1):
+        looks += 1
+    assert looks > 2 and urls(b, "decode") == urls(a, "decode") == sorted([D1, *added])
+    jc = FileJournal(ja.path, make_pools())  # a third process, behind by the whole burst
+    with jc.changing() as record:  # everything applied before it decides
+        assert urls(jc.pools, "decode") == sorted([D1, *added])
+        record(change("remove", "decode", D1))
+    assert urls(jc.pools, "decode") == sorted(added)
+    for j in (ja, jb, jc):
+        j.close()
