@@ -1,7 +1,7 @@
 """The aiohttp application: routes, typed app state, start-up and shutdown.
 
 Routes (``/inference/*`` behind the client keys when set, as vLLM guards its ``/inference`` prefix,
-each key a tenant (``proxy.tenants``); ``/debug/*`` behind ``--admin-key`` when set):
+each key a tenant (``proxy.tenants``); ``/debug/*`` behind the admin key when set):
 
 * ``POST /inference/v1/generate``         the P/D walk (``proxy.serving``)
 * ``POST /inference/v1/abort_requests``   vLLM's abort contract, routed by request state
@@ -11,8 +11,10 @@ each key a tenant (``proxy.tenants``); ``/debug/*`` behind ``--admin-key`` when 
 * ``GET  /debug/kv-leases``               the KV-lease ledger (open + recent closed)
 * ``GET  /debug/requests``                the request table (state and holders of each request)
 * ``GET  /debug/runtime``                 pending tasks, upstream connections, RSS (``proxy.diagnostics``)
-* ``/admin/workers``                      pool membership and draining, behind ``--admin-key``
-                                          (``proxy.pools.admin``; only when that key is set)
+* ``/admin/workers``                      pool membership and draining, behind the admin key
+                                          (``proxy.pools.admin``; only when that key is set); with
+                                          ``--admin-port`` on its own listener instead (the main
+                                          port then answers 404 for ``/admin/*``)
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from proxy.protocol import JSONBodyError, error_body, loads_bounded
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
 from proxy.tenants import OPEN, Tenant, Tenants
-from proxy.tls import upstream_context
+from proxy.tls import server_context, upstream_context
 from proxy.tracing import Tracing
 from proxy.upstream import Upstream
 
@@ -50,6 +52,7 @@ METRICS = web.AppKey("metrics", ProxyMetrics)
 SERVING = web.AppKey("serving", Serving)
 DRAINING = web.AppKey("draining", asyncio.Event)
 ADMIN_KEYS = web.AppKey("admin_keys", Tenants)
+log = logging.getLogger("pd_proxy")
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/debug")
 LEGACY_ABORT_PATH = "/abort_requests"
@@ -85,7 +88,8 @@ def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) 
                 return await handler(request)
             if tenants.namespaced:
                 return json_response(error_body(
-                    "/debug shows every tenant's requests: it needs --admin-key", "Forbidden", 403),
+                    "/debug shows every tenant's requests: it needs the admin key (PD_PROXY_ADMIN_KEY or "
+                    "--admin-key-file)", "Forbidden", 403),
                     status=403)
         guarded = path.startswith(GUARDED_PREFIXES) or (
             path == LEGACY_ABORT_PATH and not settings.legacy_abort_mirror_vllm)
@@ -240,6 +244,65 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         serving.tracing.shutdown()
 
 
+class AdminListener:
+    """The admin API on its own address (``--admin-host``/``--admin-port``), up while the app is.
+    With ``--workers N`` every process listens on it with ``SO_REUSEPORT`` (an admin call may reach
+    any of them; the journal takes its change to the others)."""
+
+    def __init__(self, app: web.Application, settings: ProxySettings) -> None:
+        self.app = app
+        self.settings = settings
+        self.runner: web.AppRunner | None = None
+        self.address: tuple[str, int] | None = None
+        """(host, port) once listening (the port resolved when 0 was asked)."""
+
+    async def start(self) -> None:
+        s = self.settings
+        port = s.pools.admin_port
+        if port is None:
+            raise RuntimeError("no --admin-port")
+        tls = server_context(s.tls_cert_file, s.tls_key_file) if s.tls_cert_file else None
+        self.runner = runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                                  shutdown_timeout=1.0)
+        await runner.setup()
+        site: web.BaseSite
+        if s.workers > 1:
+            from proxy.multiproc import LISTEN_BACKLOG, reuseport_socket  # noqa: PLC0415
+
+            sock = reuseport_socket(s.pools.admin_host, port)
+            sock.listen(LISTEN_BACKLOG)
+            site = web.SockSite(runner, sock, ssl_context=tls)
+        else:
+            site = web.TCPSite(runner, s.pools.admin_host, port, ssl_context=tls)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            self.runner = None
+            raise
+        host, bound = runner.addresses[0][:2]
+        self.address = (str(host), int(bound))
+        log.info("pd-proxy admin API on %s://%s:%d/admin/workers", "https" if tls else "http",
+                 s.pools.admin_host, self.address[1])
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+ADMIN_LISTENER = web.AppKey("admin_listener", AdminListener)
+
+
+async def _admin_listener(app: web.Application) -> AsyncIterator[None]:
+    listener = app[ADMIN_LISTENER]
+    await listener.start()
+    try:
+        yield
+    finally:
+        await listener.stop()
+
+
 async def _on_shutdown(app: web.Application) -> None:
     app[DRAINING].set()
     app[SERVING].draining = True
@@ -275,9 +338,14 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app.router.add_get("/debug/requests", requests_table)
     app.router.add_get("/debug/runtime", runtime)
     admin = serving.pools.admin_app()
-    if admin is not None:
-        app.add_subapp("/admin", admin)  # its own key (--admin-key), not the client API key
+    if admin is not None and settings.pools.admin_port is None:
+        app.add_subapp("/admin", admin)  # its own key (the admin key), not the client API keys
+    elif admin is not None:
+        root = web.Application(middlewares=[error_middleware])  # 404s too in vLLM's shape
+        root.add_subapp("/admin", admin)
+        app[ADMIN_LISTENER] = AdminListener(root, settings)
+        app.cleanup_ctx.append(_admin_listener)  # after the pools start, stopped before they stop
     return app
 
 
-__all__ = ["METRICS", "SERVING", "SETTINGS", "ProxyError", "build_app"]
+__all__ = ["ADMIN_LISTENER", "METRICS", "SERVING", "SETTINGS", "AdminListener", "ProxyError", "build_app"]

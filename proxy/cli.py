@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import ipaddress
 import logging
 import os
@@ -30,12 +31,14 @@ log = logging.getLogger(__name__)
 def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p = argparse.ArgumentParser(prog="pd-proxy", description=__doc__)
     p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
-                   help="prefill worker URLs (or --workers-file / --k8s-endpointslices / --admin-key)")
+                   help="prefill worker URLs (or --workers-file / --k8s-endpointslices / the admin API)")
     p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode worker URLs")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="N processes serving the port (SO_REUSEPORT); see proxy/multiproc.py")
+                   help="N processes serving the port (SO_REUSEPORT); see proxy/multiproc.py. Admin "
+                        "changes reach every process; limits (in-flight, queues, per-worker caps, "
+                        "buffers) are PER PROCESS")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="a client key guarding /inference/* like vLLM's --api-key; repeat it for several "
                         "tenants, each key one tenant (also PD_PROXY_API_KEY: one key, PD_PROXY_API_KEYS: "
@@ -119,9 +122,17 @@ def client_keys(a: argparse.Namespace, env: Mapping[str, str]) -> tuple[tuple[st
 
 
 def _settings(a: argparse.Namespace) -> ProxySettings:
+    api_keys = client_keys(a, os.environ)
+    pools = pool_settings_from_args(a, os.environ)
+    if pools.admin_key is not None and any(hmac.compare_digest(pools.admin_key.encode(), k.encode())
+                                           for _, k in api_keys):
+        raise ValueError("the admin key is also a client API key: every tenant could change the "
+                         "pools; use a key of its own")
+    if pools.admin_port and pools.admin_port == a.port and pools.admin_host == a.host:
+        raise ValueError("--admin-port must differ from --port (the admin API's own listener)")
     return ProxySettings(
         prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode), host=a.host, port=a.port,
-        api_keys=client_keys(a, os.environ), upstream_api_key=a.upstream_api_key,
+        api_keys=api_keys, upstream_api_key=a.upstream_api_key,
         decode_tokens_only=a.decode_tokens_only, prefill_tokens_only=a.prefill_tokens_only,
         max_num_seqs=a.max_num_seqs,
         prefill_failure_policy=a.prefill_failure, rewrite_remote_host=not a.no_rewrite_remote_host,
@@ -136,7 +147,7 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         body_timeout=a.body_timeout, header_timeout=a.header_timeout,
         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, upstream_ca_file=a.upstream_ca_file,
         upstream_cert_file=a.upstream_cert_file, upstream_key_file=a.upstream_key_file,
-        pools=pool_settings_from_args(a),
+        pools=pools,
     )
 
 

@@ -63,6 +63,7 @@ class Core:
                                  block_size=settings.kv_block_size, registry=metrics.registry, clock=clock)
         self.prefill_pool = self.pools.prefill
         self.decode_pool = self.pools.decode
+        self.pools.pools.forget_workers_in(metrics)  # a removed worker's series go with it
         self.table: RequestTable[Flight] = RequestTable()
         self.tracker = TaskTracker()
         self.draining = False

@@ -22,14 +22,24 @@ The pools (``proxy.pools.runtime.PoolMetrics``) add ``pd_proxy_retries_total{hop
 ``pd_proxy_migrations_total``, ``pd_proxy_queue_rejections_total`` and the gauges
 ``pd_proxy_circuit_state{pool,worker}`` and ``pd_proxy_worker_healthy{pool,worker}`` (the active
 probes' verdict, or the last ``GET /health`` when active probes are off) to the same registry.
+
+Series of a worker that left its pool are removed (``forget_worker``, called by the pools' on-leave
+hook): a fleet whose workers come and go (Kubernetes, the admin API) does not grow ``/metrics``
+forever. A request still running on the removed worker counts nowhere once the worker left
+(``members``), so its end does not bring the series back; a worker that rejoins starts afresh
+(with ``--workers N``, from the totals the files kept).
+With ``--workers N`` the values live in the multiprocess directory, where nothing can be deleted:
+``render`` leaves out the series of workers that are not members of this process's pools.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -45,6 +55,28 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0
 _LEASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+Members = Callable[[str, str], bool]
+"""``members(pool, worker_url)``: is that worker a member of that pool now."""
+
+
+class _Uncounted:
+    """Stands in for the child of a worker that left its pool: counts nothing."""
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def dec(self, amount: float = 1) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+_UNCOUNTED = _Uncounted()
 
 
 class ProxyMetrics:
@@ -94,6 +126,14 @@ class ProxyMetrics:
         self.build_info.labels(version=_version).set(1)
         for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
             self.requests.labels(outcome=outcome)
+        self.members: Members | None = None
+        """Set by the app to its pools' membership: no series is made for a worker outside them."""
+        self._per_worker: dict[int, tuple[MetricWrapperBase, int, int]] = {}
+        """Every metric with a ``worker`` label (by id): the positions of ``pool`` and ``worker``."""
+        for m in vars(self).values():
+            if isinstance(m, MetricWrapperBase) and "worker" in m._labelnames:
+                names = list(m._labelnames)
+                self._per_worker[id(m)] = (m, names.index("pool"), names.index("worker"))
 
     def lease_opened(self, lease: Lease, open_count: int) -> None:
         self.kv_leases_open.set(open_count)
@@ -110,8 +150,23 @@ class ProxyMetrics:
         key = (id(metric), values)
         found = self._children.get(key)
         if found is None:
+            where = self._per_worker.get(id(metric))
+            if where is not None and self.members is not None and \
+                    not self.members(values[where[1]], values[where[2]]):
+                return _UNCOUNTED  # the worker left: its series stay gone (not cached)
             found = self._children[key] = metric.labels(*values)
         return found
+
+    def forget_worker(self, pool: str, worker: str) -> None:
+        """Remove every series labelled with this worker (the pools' on-leave hook)."""
+        for key in [k for k in self._children if k[0] in self._per_worker]:
+            _, at_pool, at_worker = self._per_worker[key[0]]
+            if key[1][at_pool] == pool and key[1][at_worker] == worker:
+                del self._children[key]
+        with warnings.catch_warnings():  # multiprocess mode: the files keep it (render filters)
+            warnings.simplefilter("ignore", UserWarning)
+            for metric, _, _ in self._per_worker.values():
+                metric.remove_by_labels({"pool": pool, "worker": worker})
 
     def render(self) -> bytes:
         path = os.environ.get(MULTIPROC_DIR_ENV)
@@ -121,13 +176,33 @@ class ProxyMetrics:
         # (counters and histograms summed, gauges by their multiprocess_mode), plus this
         # process's scrape-time collectors (pool state), which keep no files there.
         merged = CollectorRegistry(auto_describe=False)
-        MultiProcessCollector(merged, path=path)  # type: ignore[no-untyped-call]
+        files = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(files, path=path)  # type: ignore[no-untyped-call]
+        merged.register(_MembersOnly(files, self.members))
         for collector in _scrape_time_collectors(self.registry):
             merged.register(collector)
         return generate_latest(merged)
 
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class _MembersOnly(Collector):
+    """The multiprocess files' metrics without the series of workers that left their pool (the
+    files keep every series ever written; a departed worker's stay there, unseen)."""
+
+    def __init__(self, source: CollectorRegistry, members: Members | None) -> None:
+        self.source = source
+        self.members = members
+
+    def collect(self) -> Iterable[Metric]:
+        members = self.members
+        for family in self.source.collect():
+            if members is not None:
+                family.samples = [
+                    s for s in family.samples
+                    if "worker" not in s.labels or members(s.labels.get("pool", ""), s.labels["worker"])]
+            yield family
 
 
 def _scrape_time_collectors(registry: CollectorRegistry) -> list[Collector]:

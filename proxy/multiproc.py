@@ -22,6 +22,18 @@ serves it, sums counters and histograms over all children, dead ones included, a
 gauges per their mode (``proxy.metrics``). Scrape-time collectors (pool state) report the view
 of the process that served the scrape.
 
+Admin changes: with the admin API on, the parent makes a directory for the run
+(``tempfile.mkdtemp``, mode 0700) holding an append-only journal file, given to every child as
+``PoolSettings.admin_journal``. A change (add, remove, drain a worker) taken by one child is
+applied there at once and appended; the others apply it within 0.25 s (``proxy.pools.journal``).
+With ``--admin-port`` the parent also reserves the admin port (``SO_REUSEPORT``, resolving 0) and
+every child listens on it too.
+
+Limits are per process: ``--max-inflight``, ``--max-queue``, ``--max-inflight-per-worker``, the
+abort-broadcast queue and the slow-reader buffers each hold for one child, so the run as a whole
+admits up to N times as much. Health probes, circuit breakers, preflight and KV leases are per
+process too (each child probes every worker).
+
 Shutdown: SIGTERM or SIGINT to the parent sends SIGTERM to every child once (each drains as a
 single process does, ``--drain-timeout``); children still alive ``drain_timeout + 10`` s later
 are killed. The children run in their own process group, so a terminal's Ctrl-C reaches the
@@ -45,6 +57,7 @@ import tempfile
 import time
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 
 from proxy.settings import ProxySettings
@@ -106,7 +119,17 @@ class Supervisor:
         self.workers = workers
         self._reserved = reuseport_socket(settings.host, settings.port)
         port = self._reserved.getsockname()[1]
-        self.settings = replace(settings, port=port)
+        self._admin_reserved: socket.socket | None = None
+        pools = settings.pools
+        if pools.admin_key and pools.admin_port is not None:
+            try:
+                self._admin_reserved = reuseport_socket(pools.admin_host, pools.admin_port)
+            except OSError:
+                self._reserved.close()
+                raise
+            pools = replace(pools, admin_port=self._admin_reserved.getsockname()[1])
+        self.settings = replace(settings, port=port, pools=pools)
+        self.journal_dir = ""
         self.children: list[BaseProcess] = []
         self._stopping = False
         self._own_metrics_dir = False
@@ -116,11 +139,21 @@ class Supervisor:
     def port(self) -> int:
         return self.settings.port
 
+    @property
+    def admin_port(self) -> int | None:
+        return self.settings.pools.admin_port if self.settings.pools.admin_key else None
+
     def start(self) -> None:
         if not self.metrics_dir:
             self.metrics_dir = tempfile.mkdtemp(prefix="pd-proxy-metrics-")
             self._own_metrics_dir = True
             os.environ[METRICS_DIR_ENV] = self.metrics_dir  # inherited by the spawned children
+        if self.settings.pools.admin_key and not self.journal_dir:
+            self.journal_dir = tempfile.mkdtemp(prefix="pd-proxy-admin-")  # 0700: ours only
+            journal = Path(self.journal_dir) / "journal.jsonl"
+            os.close(os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            self.settings = replace(self.settings,
+                                    pools=replace(self.settings.pools, admin_journal=journal))
         ctx = multiprocessing.get_context("spawn")
         for i in range(self.workers):
             proc = ctx.Process(target=child_main, args=(self.settings, i, os.getpid(),
@@ -131,6 +164,10 @@ class Supervisor:
         log.info("pd-proxy: %d worker processes on http://%s:%d (pids %s; metrics in %s)",
                  self.workers, self.settings.host, self.port,
                  ",".join(str(c.pid) for c in self.children), self.metrics_dir)
+        if self.admin_port is not None:
+            log.info("pd-proxy: admin API on %s://%s:%d/admin/workers (every process)",
+                     "https" if self.settings.tls_cert_file else "http", self.settings.pools.admin_host,
+                     self.admin_port)
 
     def stop(self) -> None:
         """SIGTERM once to every live child (idempotent)."""
@@ -185,6 +222,10 @@ class Supervisor:
 
     def close(self) -> None:
         self._reserved.close()
+        if self._admin_reserved is not None:
+            self._admin_reserved.close()
+        if self.journal_dir:
+            shutil.rmtree(self.journal_dir, ignore_errors=True)
         if self._own_metrics_dir:
             os.environ.pop(METRICS_DIR_ENV, None)
             shutil.rmtree(self.metrics_dir, ignore_errors=True)

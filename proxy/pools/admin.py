@@ -3,32 +3,54 @@
 Mounted by the app as a sub-application (``app.add_subapp("/admin", admin_app(pools, key))``):
 
 ==========================  ==================================================================
-``GET /admin/workers``      every pool's workers with load, health, circuit, sources
+``GET /admin/workers``      every pool's workers with load, health, circuit, sources; the pid
 ``POST /admin/workers``     ``{"pool", "url"}``: add (201; 200 if already a member)
 ``DELETE /admin/workers``   ``{"pool", "url"}`` (body or query): remove, whatever declared it
 ``POST /admin/workers/drain`` ``{"pool", "url", "drain": true|false}``: stop/resume new traffic
 ==========================  ==================================================================
 
-``Authorization: Bearer <admin key>``, compared in constant time (``hmac.compare_digest``).
-The admin key is separate from the client API key; with no admin key the API is not mounted.
-Errors use vLLM's error JSON.
+``Authorization: Bearer <admin key>``: the SHA-256 digests of the presented and the configured key
+are compared with ``hmac.compare_digest`` (equal lengths always, so the time tells nothing of the
+key's length or of how much of it matched); the app keeps the digest only. The admin key is separate
+from the client API keys; with no admin key the API is not mounted. Errors use vLLM's error JSON.
+
+Worker URLs are ``normalize_url``'d: user info, a query or a fragment is a 400 (``param: "url"``)
+whose message shows the URL redacted. With ``pd-proxy --workers N`` every change goes through the
+run's journal (``proxy.pools.journal``) and reaches every process; ``GET`` shows the view of the
+process that answered (its in-flight counts, health and circuits are its own).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from proxy.errors import ClientError, ProxyError, Unauthorized
-from proxy.pools.membership import ADMIN_SOURCE, Pools
+from proxy.pools.journal import Journal, change
+from proxy.pools.membership import Pools
 from proxy.pools.pool import Pool, normalize_url
 
 POOLS_KEY = web.AppKey("pools", Pools)
-ADMIN_KEY = web.AppKey("admin_key", bytes)
+ADMIN_KEY_DIGEST = web.AppKey("admin_key_digest", bytes)
+JOURNAL_KEY = web.AppKey("journal", Journal)
+
+
+def key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def key_matches(authorization: str | None, digest: bytes) -> bool:
+    """``Authorization: Bearer <key>`` carries the key whose SHA-256 is ``digest``. One
+    ``hmac.compare_digest`` of two 32-byte digests, whatever the header holds (none included)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" else ""
+    return hmac.compare_digest(key_digest(given), digest) and bool(given)
 
 
 class AdminBadRequest(ClientError):
@@ -45,11 +67,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def _auth_and_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    # compare_digest always runs (no early return on a missing header)
-    if not hmac.compare_digest(given, request.app[ADMIN_KEY]) or not given:
+    if not key_matches(request.headers.get("Authorization"), request.app[ADMIN_KEY_DIGEST]):
         return Unauthorized("admin key required").to_response()
     try:
         return await handler(request)
@@ -81,21 +99,27 @@ async def _target(request: web.Request) -> tuple[Pool, str, dict[str, Any]]:
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    return web.json_response({"pools": request.app[POOLS_KEY].snapshot()})
+    """``process``: the pid that answered (with ``--workers N``, the view is that process's)."""
+    return web.json_response({"pools": request.app[POOLS_KEY].snapshot(), "process": os.getpid()})
 
 
 async def add_worker(request: web.Request) -> web.Response:
     pool, url, _ = await _target(request)
-    existed = pool.get(url) is not None
-    worker = pool.add(url, ADMIN_SOURCE)
+    with request.app[JOURNAL_KEY].changing() as record:
+        existed = pool.get(url) is not None
+        record(change("add", pool.name, url))
+        worker = pool.get(url)
+    assert worker is not None
     return web.json_response({"worker": worker.as_dict()}, status=200 if existed else 201)
 
 
 async def delete_worker(request: web.Request) -> web.Response:
     pool, url, _ = await _target(request)
-    if not pool.remove(url):
-        raise AdminNotFound(f"no worker {url} in pool {pool.name}")
-    return web.json_response({"removed": {"pool": pool.name, "url": url.rstrip("/")}})
+    with request.app[JOURNAL_KEY].changing() as record:
+        if pool.get(url) is None:
+            raise AdminNotFound(f"no worker {url} in pool {pool.name}")
+        record(change("remove", pool.name, url))
+    return web.json_response({"removed": {"pool": pool.name, "url": url}})
 
 
 async def drain_worker(request: web.Request) -> web.Response:
@@ -105,21 +129,22 @@ async def drain_worker(request: web.Request) -> web.Response:
         drain = drain.lower() in ("1", "true", "yes")
     if not isinstance(drain, bool):
         raise AdminBadRequest("'drain' must be a boolean", param="drain")
-    worker = pool.get(url)
-    if worker is None:
-        raise AdminNotFound(f"no worker {url} in pool {pool.name}")
-    worker.draining = drain
-    if not drain:
-        pool.queue.wake()
+    with request.app[JOURNAL_KEY].changing() as record:
+        worker = pool.get(url)
+        if worker is None:
+            raise AdminNotFound(f"no worker {url} in pool {pool.name}")
+        record(change("drain", pool.name, url, drain))
     return web.json_response({"worker": worker.as_dict()})
 
 
-def admin_app(pools: Pools, admin_key: str) -> web.Application:
+def admin_app(pools: Pools, admin_key: str, journal: Journal | None = None) -> web.Application:
+    """The admin API; ``journal``: where changes go (default: this process only)."""
     if not admin_key:
         raise ValueError("the admin API needs a non-empty admin key")
     app = web.Application(middlewares=[_auth_and_errors])
     app[POOLS_KEY] = pools
-    app[ADMIN_KEY] = admin_key.encode()
+    app[ADMIN_KEY_DIGEST] = key_digest(admin_key)
+    app[JOURNAL_KEY] = journal if journal is not None else Journal(pools)
     app.router.add_get("/workers", list_workers)
     app.router.add_post("/workers", add_worker)
     app.router.add_delete("/workers", delete_worker)

@@ -27,6 +27,7 @@ import os
 import tomllib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -38,6 +39,14 @@ log = logging.getLogger(__name__)
 
 FILE_SOURCE = "file"
 ADMIN_SOURCE = "admin"
+
+
+class WorkerMetrics(Protocol):
+    """What ``Pools.forget_workers_in`` needs of the app's metrics (``proxy.metrics.ProxyMetrics``)."""
+
+    members: Callable[[str, str], bool] | None
+
+    def forget_worker(self, pool: str, worker: str) -> None: ...
 
 
 class Pools:
@@ -67,6 +76,17 @@ class Pools:
             raise ValueError(f"unknown pool(s): {', '.join(sorted(unknown))}")
         for name, pool in self._pools.items():
             pool.replace_source(source, members.get(name, ()))
+
+    def is_member(self, pool: str, url: str) -> bool:
+        """``url`` (normalized, as ``Worker.url``) is a member of ``pool`` now."""
+        found = self._pools.get(pool)
+        return found is not None and found.has(url)
+
+    def forget_workers_in(self, metrics: WorkerMetrics) -> None:
+        """Keep ``metrics`` to the members: series made only for them, removed when one leaves."""
+        metrics.members = self.is_member
+        for pool in self._pools.values():
+            pool.on_leave.append(lambda p, w: metrics.forget_worker(p.name, w.url))
 
     def set_policy(self, pool: str, name: str) -> None:
         current = self._pools[pool].policy
@@ -111,7 +131,7 @@ def load_config(path: Path) -> FileConfig:
     try:
         return FileConfig.model_validate(data)
     except ValidationError as e:
-        raise ValueError(f"{path}: {e.errors(include_url=False)}") from None
+        raise ValueError(f"{path}: {e.errors(include_url=False, include_input=False)}") from None
 
 
 class ConfigFileSource:

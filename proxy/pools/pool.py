@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 from proxy.hop import parse_origin
 from proxy.pools.admission import WaitQueue
@@ -31,10 +32,40 @@ class LoadWeights:
     """Scrapes older than this (seconds) are ignored."""
 
 
+def redact_url(url: str) -> str:
+    """``url`` as it may be logged or echoed: user info, query and fragment become ``***``."""
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:
+        return "<a URL that does not parse>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if "?" in url else "",
+                       "***" if "#" in url else ""))
+
+
 def normalize_url(url: str) -> str:
+    """A worker's base URL, ``http(s)://host[:port][/path]`` without a trailing ``/``. ``ValueError``
+    (a message that never carries user info, a query or a fragment) for anything else: user info
+    (``user:password@``: credentials belong in ``--upstream-api-key``, never in a URL that is logged
+    and shown by ``/admin/workers``), a query, a fragment, a backslash, spaces or control or
+    non-ASCII characters (parsers disagree on such URLs), no host, a bad port."""
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
+        raise ValueError(f"worker URL must start with http:// or https://, got {redact_url(url)!r}")
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:
+        raise ValueError(f"worker URL does not parse: {redact_url(url)!r}") from None
+    if "@" in netloc:
+        raise ValueError("worker URL must not carry user info (user:password@), got "
+                         f"{redact_url(url)!r}: give the workers' key with --upstream-api-key")
+    if "?" in url or "#" in url:
+        raise ValueError(f"worker URL must not carry a query or a fragment, got {redact_url(url)!r}")
+    if "\\" in url or not url.isascii() or not url.isprintable() or " " in url:
+        raise ValueError("worker URL must be printable ASCII without spaces or backslashes, got "
+                         f"{redact_url(url)!r}")
     parse_origin(url)  # a host, a valid port: refused here rather than on the first hop
     return url
 
@@ -61,6 +92,9 @@ class Pool:
         self._recovery: asyncio.Future[None] | None = None
         """Resolved (and dropped) at the next release: what waiters for a recovering worker await."""
         self.on_change: list[Callable[[Pool], None]] = []
+        self.on_leave: list[Callable[[Pool, Worker], None]] = []
+        """Called with each worker that left the pool (no source declares it any more, or an
+        admin removed it): the app forgets its metric series there."""
         for url in urls:
             self.add(url, STATIC_SOURCE)
 
@@ -75,6 +109,10 @@ class Pool:
 
     def __len__(self) -> int:
         return len(self._workers)
+
+    def has(self, url: str) -> bool:
+        """``url`` exactly as ``Worker.url`` (normalized) is a member."""
+        return url in self._workers
 
     def get(self, url: str) -> Worker | None:
         return self._workers.get(normalize_url(url))
@@ -104,7 +142,7 @@ class Pool:
         if worker.sources:
             return False
         del self._workers[url]
-        self._changed()
+        self._left(worker)
         return True
 
     def remove(self, url: str) -> bool:
@@ -113,7 +151,7 @@ class Pool:
         if worker is None:
             return False
         worker.sources.clear()
-        self._changed()
+        self._left(worker)
         return True
 
     def replace_source(self, source: str, urls: Iterable[str]) -> None:
@@ -128,6 +166,11 @@ class Pool:
     def _changed(self) -> None:
         for callback in list(self.on_change):
             callback(self)
+
+    def _left(self, worker: Worker) -> None:
+        for callback in list(self.on_leave):
+            callback(self, worker)
+        self._changed()
 
     # ------------------------------------------------------------------ choosing
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -35,7 +36,9 @@ from proxy.pools.health import (
     PreflightFn,
     http_fetch,
     http_probe,
+    repeat,
 )
+from proxy.pools.journal import POLL_INTERVAL, make_journal
 from proxy.pools.membership import ConfigFileSource, Pools
 from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
 from proxy.pools.pool import LoadWeights, Pool
@@ -103,6 +106,14 @@ class PoolSettings:
     config_file: Path | None = None
     config_poll_interval: float = 2.0
     admin_key: str | None = None
+    """Turns the admin API on (``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file``)."""
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
+    """Serve the admin API on its own listener (``admin_host``:``admin_port``) instead of the main
+    port, which then answers 404 for ``/admin/*``. None: on the main port."""
+    admin_journal: Path | None = None
+    """``--workers N``: the run's shared journal of admin changes (``proxy.pools.journal``), made
+    by ``proxy.multiproc``; None: changes stay in this process."""
     k8s: tuple[K8sSelector, ...] = ()
     kubeconfig: str | None = None
 
@@ -138,9 +149,12 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks)
     g.add_argument("--use-scraped-load", action="store_true",
                    help="let workers' own queue and KV usage (/metrics) feed the choice")
-    g.add_argument("--max-inflight", type=int, default=None, help="requests in flight, whole proxy")
-    g.add_argument("--max-inflight-per-worker", type=int, default=None)
-    g.add_argument("--max-queue", type=int, default=d.max_queue, help="bounded wait queue length")
+    g.add_argument("--max-inflight", type=int, default=None,
+                   help="requests in flight through the proxy, PER PROCESS (--workers N admits N times it)")
+    g.add_argument("--max-inflight-per-worker", type=int, default=None,
+                   help="requests in flight on one worker, PER PROCESS (--workers N: up to N times it)")
+    g.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="bounded wait queue length, PER PROCESS (and per pool)")
     g.add_argument("--queue-timeout", type=float, default=d.queue_timeout)
     g.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
     g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds)
@@ -162,7 +176,15 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preflight", action="store_true",
                    help="send one tiny P->D hand-off through each new pair before using it")
     g.add_argument("--workers-file", type=Path, default=None, help="TOML pool membership, reloaded")
-    g.add_argument("--admin-key", default=None, help="enables /admin/workers behind this key")
+    g.add_argument("--admin-key-file", type=Path, default=None, metavar="PATH",
+                   help="the admin key (one line): turns /admin/workers on behind it; or set "
+                        f"{ADMIN_KEY_ENV} (one source, not both)")
+    g.add_argument("--admin-key", default=None, help=argparse.SUPPRESS)  # refused: ps shows it
+    g.add_argument("--admin-host", default=None, metavar="HOST",
+                   help=f"with --admin-port: the admin API's own address (default {d.admin_host})")
+    g.add_argument("--admin-port", type=int, default=None, metavar="PORT",
+                   help="serve the admin API on its own listener on this port; the main port then "
+                        "answers 404 for /admin/*")
     g.add_argument("--k8s-endpointslices", type=_k8s_selector, action="append", default=[],
                    metavar="POOL:NS:SELECTOR:PORT",
                    help="pool members from the EndpointSlices in namespace NS matching the label "
@@ -172,7 +194,43 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                    help="outside a pod: the kubeconfig for --k8s-endpointslices (default ~/.kube/config)")
 
 
-def pool_settings_from_args(a: argparse.Namespace) -> PoolSettings:
+ADMIN_KEY_ENV = "PD_PROXY_ADMIN_KEY"
+
+
+def admin_key_from(a: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    """The admin key, from ``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file`` (one source). ``ValueError``
+    for the key on the command line (``--admin-key``: ``ps`` and shell histories show it), both
+    sources, an empty or unreadable file, or a key with whitespace inside."""
+    if a.admin_key is not None:
+        raise ValueError(f"--admin-key would show the admin key in ps: set {ADMIN_KEY_ENV} or "
+                         "--admin-key-file instead")
+    from_env = env.get(ADMIN_KEY_ENV, "").strip()
+    if from_env and a.admin_key_file is not None:
+        raise ValueError(f"the admin key comes from {ADMIN_KEY_ENV} or --admin-key-file, not both")
+    key = from_env
+    if a.admin_key_file is not None:
+        try:
+            key = a.admin_key_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--admin-key-file {a.admin_key_file}: cannot read it "
+                             f"({type(e).__name__})") from None
+        if not key:
+            raise ValueError(f"--admin-key-file {a.admin_key_file} is empty")
+    if any(c.isspace() for c in key):
+        raise ValueError("the admin key must be one word (whitespace inside it)")
+    if (a.admin_port is not None or a.admin_host is not None) and not key:
+        raise ValueError(f"--admin-port/--admin-host serve the admin API, which needs an admin key "
+                         f"({ADMIN_KEY_ENV} or --admin-key-file)")
+    if a.admin_host is not None and a.admin_port is None:
+        raise ValueError("--admin-host needs --admin-port")
+    if a.admin_port is not None and not 0 <= a.admin_port <= 65535:
+        raise ValueError(f"--admin-port must be 0..65535, got {a.admin_port}")
+    return key or None
+
+
+def pool_settings_from_args(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> PoolSettings:
+    """``env``: where ``PD_PROXY_ADMIN_KEY`` is read (default ``os.environ``)."""
+    d = PoolSettings()
     return PoolSettings(
         prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
         prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load, max_inflight=a.max_inflight,
@@ -185,7 +243,9 @@ def pool_settings_from_args(a: argparse.Namespace) -> PoolSettings:
         migrate_prefill_tokens=a.migrate_prefill_tokens,
         deadline_default_ms=a.deadline_default_ms, bypass_prompt_tokens=a.bypass_prompt_tokens,
         bypass_when_prefill_unavailable=not a.no_bypass_when_prefill_unavailable,
-        preflight=a.preflight, config_file=a.workers_file, admin_key=a.admin_key,
+        preflight=a.preflight, config_file=a.workers_file,
+        admin_key=admin_key_from(a, os.environ if env is None else env),
+        admin_host=a.admin_host or d.admin_host, admin_port=a.admin_port,
         k8s=tuple(a.k8s_endpointslices), kubeconfig=a.kubeconfig,
     )
 
@@ -273,6 +333,8 @@ class PoolRuntime:
         self.health: HealthChecker | None = None
         self.config_source = (ConfigFileSource(s.config_file, self.pools)
                               if s.config_file is not None else None)
+        self.journal = make_journal(s.admin_journal, self.pools)
+        """Admin changes: this process only, or (``--workers N``) every process of the run."""
         self._tasks: list[asyncio.Task[None]] = []
         self._closers: list[Callable[[], Any]] = []
 
@@ -303,7 +365,7 @@ class PoolRuntime:
 
     def admin_app(self) -> web.Application | None:
         key = self.settings.admin_key
-        return admin_app(self.pools, key) if key else None
+        return admin_app(self.pools, key, self.journal) if key else None
 
     def count_retry(self, hop: str) -> None:
         if self.metrics is not None:
@@ -340,6 +402,14 @@ class PoolRuntime:
         if s.use_scraped_load:
             scraper = LoadScraper(list(self.pools), http_fetch(session, s.health_timeout), self.clock)
             self._tasks.append(loop.create_task(scraper.run(s.scrape_interval), name="pool-scrape"))
+        if s.admin_journal is not None:
+            journal = self.journal
+            journal.catch_up()  # what other processes already changed; then poll
+
+            async def look() -> None:
+                journal.catch_up(chunks=1)
+
+            self._tasks.append(loop.create_task(repeat(POLL_INTERVAL, look), name="pool-admin-journal"))
         if self.config_source is not None:
             self.config_source.check()  # apply at once; then poll
             self._tasks.append(loop.create_task(self.config_source.run(s.config_poll_interval),
@@ -367,6 +437,7 @@ class PoolRuntime:
                 await task
         self._tasks.clear()
         await self.preflight.close()
+        self.journal.close()
         for close in self._closers:
             await close()
         self._closers.clear()

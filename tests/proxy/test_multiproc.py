@@ -1,5 +1,6 @@
 """``pd-proxy --workers N``: N processes on one port, metrics summed, aborts reach any process,
-every process stops on SIGTERM/SIGINT, a crashed child stops the rest."""
+admin changes reach every process, every process stops on SIGTERM/SIGINT, a crashed child stops
+the rest."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ ABORT = "/inference/v1/abort_requests"
 PROMPT = [260 + (j * 7) % 200 for j in range(40)]
 _LISTENING = re.compile(rb"(\d+) worker processes on http://127\.0\.0\.1:(\d+) \(pids ([\d,]+); "
                         rb"metrics in ([^)]+)\)")
+_ADMIN = re.compile(rb"admin API on http://127\.0\.0\.1:(\d+)/admin/workers \(every process\)")
+ADMIN_KEY = "admin-key-Mp62"
+ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @dataclass
@@ -65,14 +69,16 @@ async def _wait_dead(pids: list[int], limit: float) -> bool:
 async def multiproxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[MultiProxy]]]:
     started: list[MultiProxy] = []
 
-    async def start(prefill: str, decode: str, *extra: str, workers: int = 2) -> MultiProxy:
+    async def start(prefill: str, decode: str, *extra: str, workers: int = 2,
+                    env: dict[str, str] | None = None) -> MultiProxy:
         log = tmp_path / f"proxy-{len(started)}.log"
         with log.open("wb") as out:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", "0",
                 "--workers", str(workers), "--prefill", prefill, "--decode", decode,
                 "--kv-block-size", "16", "--drain-timeout", "5", *extra,
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT)
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **(env or {})})
         match = None
         for _ in range(300):  # bounded: 30 s
             match = _LISTENING.search(log.read_bytes())
@@ -260,3 +266,74 @@ async def test_a_crashed_child_stops_the_others(sim_factory: Any, multiproxy: An
     assert await asyncio.wait_for(mp.process.wait(), 30) == 1
     assert await _wait_dead(mp.child_pids, 10)
     assert "exited with code" in mp.log_text()
+
+
+# ---------------------------------------------------------------- admin changes, every process
+
+
+async def _views(admin: str, tries: int = 1) -> dict[int, dict[str, Any]]:
+    """``GET /admin/workers`` over ``tries`` fresh connections: each answering process's view."""
+    views: dict[int, dict[str, Any]] = {}
+    for _ in range(tries):
+        async with fresh() as s, s.get(admin + "/admin/workers", headers=ADMIN_AUTH) as r:
+            assert r.status == 200
+            doc = await r.json()
+        views[doc["process"]] = {w["url"]: w for w in doc["pools"]["decode"]}
+    return views
+
+
+async def _until_every_process(mp: MultiProxy, admin: str, check: Callable[[dict[str, Any]], bool]) -> None:
+    """Poll (bounded: 300 fresh connections) until every child's last seen view passes ``check``."""
+    last: dict[int, dict[str, Any]] = {}
+    for _ in range(300):
+        last.update(await _views(admin))
+        if set(last) == set(mp.child_pids) and all(check(v) for v in last.values()):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not every process applied the change: {last}")
+
+
+async def test_admin_changes_reach_every_process(sim_factory: Any, multiproxy: Any) -> None:
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", zero_latency=True)
+    d2 = await sim_factory(role="decode", zero_latency=True)
+    mp = await multiproxy(p.url, d.url, "--admin-port", "0", env={"PD_PROXY_ADMIN_KEY": ADMIN_KEY})
+    match = _ADMIN.search(mp.log.read_bytes())
+    assert match is not None, mp.log_text()
+    admin = f"http://127.0.0.1:{int(match[1])}"
+    async with fresh() as s, s.get(mp.url + "/admin/workers", headers=ADMIN_AUTH) as r:
+        assert r.status == 404  # the admin API is on its own port only
+
+    # add: one process takes the call, both end up with the worker
+    async with fresh() as s, s.post(admin + "/admin/workers", json={"pool": "decode", "url": d2.url},
+                                    headers=ADMIN_AUTH) as r:
+        assert r.status == 201
+    await _until_every_process(mp, admin, lambda v: d2.url in v)
+
+    # drain the first decode worker: no process sends it anything from then on
+    async with fresh() as s, s.post(admin + "/admin/workers/drain", json={"pool": "decode", "url": d.url},
+                                    headers=ADMIN_AUTH) as r:
+        assert r.status == 200
+    await _until_every_process(mp, admin, lambda v: v[d.url]["draining"])
+    before = await metric(mp.url, "pd_proxy_upstream_requests_total", pool="decode", worker=d.url)
+    n = 16
+    async with fresh() as s:
+        for i in range(n):
+            body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "temperature": 0}}
+            async with s.post(mp.url + GEN, json=body, headers={"X-Request-Id": f"dr{i}"}) as r:
+                assert r.status == 200
+    assert served_by(mp.log_text()) == {"0", "1"}
+    assert await metric(mp.url, "pd_proxy_upstream_requests_total", pool="decode", worker=d.url) == before
+    assert await metric(mp.url, "pd_proxy_upstream_requests_total", pool="decode", worker=d2.url) == n
+
+    # remove the worker that served: every process drops it, and /metrics (whichever process
+    # answers, from the shared files) no longer shows its series
+    async with fresh() as s, s.delete(admin + "/admin/workers", json={"pool": "decode", "url": d2.url},
+                                      headers=ADMIN_AUTH) as r:
+        assert r.status == 200
+    await _until_every_process(mp, admin, lambda v: d2.url not in v)
+    for _ in range(8):
+        async with fresh() as s, s.get(mp.url + "/metrics") as r:
+            text = await r.text()
+        assert f'worker="{d2.url}"' not in text
+        assert f'worker="{d.url}"' in text

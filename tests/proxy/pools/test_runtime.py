@@ -26,14 +26,16 @@ P, D = "http://127.0.0.1:8101", "http://127.0.0.1:8201"
 def parse(*argv: str) -> PoolSettings:
     parser = argparse.ArgumentParser()
     add_pool_arguments(parser)
-    return pool_settings_from_args(parser.parse_args(argv))
+    return pool_settings_from_args(parser.parse_args(argv), {})
 
 
 def test_cli_defaults_and_flags(tmp_path: Path) -> None:
     d = parse()
     assert d == PoolSettings()
+    (tmp_path / "admin.key").write_text("k\n")
     s = parse("--prefill-policy", "prefix", "--decode-policy", "session", "--max-inflight", "8",
-              "--max-queue", "3", "--no-migrate", "--bypass-prompt-tokens", "0", "--admin-key", "k",
+              "--max-queue", "3", "--no-migrate", "--bypass-prompt-tokens", "0",
+              "--admin-key-file", str(tmp_path / "admin.key"),
               "--workers-file", str(tmp_path / "w.toml"),
               "--k8s-endpointslices", "decode:serving:app=vllm,role=decode:http",
               "--k8s-endpointslices", "prefill:serving:app=p:8000")

@@ -1,0 +1,376 @@
+"""The admin API's hardening (issue 17, point 9) and its journal (point 8, within one test process):
+the key compared as digests, worker URLs with credentials/query/fragment refused everywhere without
+echoing them, a removed worker's metric series gone, the API on its own listener, and changes
+taken by one process applied by another through the shared journal."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.app import ADMIN_LISTENER, build_app
+from proxy.cli import parse_args
+from proxy.metrics import ProxyMetrics
+from proxy.pools.admin import admin_app
+from proxy.pools.journal import FileJournal, change
+from proxy.pools.membership import ConfigFileSource, Pools
+from proxy.pools.policies import make_policy
+from proxy.pools.pool import Pool, normalize_url, redact_url
+from proxy.pools.runtime import PoolSettings
+from proxy.settings import ProxySettings
+from tests.proxy.conftest import req
+from tests.proxy.pools import test_serving_sim
+from tests.proxy.pools.test_serving_sim import StackFactory, eventually
+
+P1, D1, D2 = "http://127.0.0.1:8101", "http://127.0.0.1:8201", "http://127.0.0.1:8202"
+KEY = "admin-key-Rv73"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SECRET = "pw-Hx19"
+stack = test_serving_sim.stack  # the fixture: the proxy app in front of pd-sim pools
+
+BAD_URLS = [
+    (f"http://user:{SECRET}@127.0.0.1:8300", "user info"),
+    (f"http://{SECRET}@127.0.0.1:8300", "user info"),
+    (f"http://127.0.0.1:8300/?token={SECRET}", "query"),
+    (f"http://127.0.0.1:8300/#{SECRET}", "fragment"),
+    (f"http://evil\\{SECRET}@127.0.0.1:8300", "user info"),
+    ("http://127.0.0.1:8300/a b", "spaces"),
+]
+
+
+def make_pools() -> Pools:
+    return Pools([Pool("prefill", [P1]), Pool("decode", [D1])], policy_factory=make_policy)
+
+
+def urls(pools: Pools, name: str) -> list[str]:
+    return sorted(w.url for w in pools[name])
+
+
+async def admin_client(aiohttp_client: Any, pools: Pools, journal: Any = None) -> Any:
+    app = web.Application()
+    app.add_subapp("/admin", admin_app(pools, KEY, journal))
+    return await aiohttp_client(app, server_kwargs={"host": "127.0.0.1"})
+
+
+# ------------------------------------------------------------------ the key
+
+
+async def test_the_admin_key_is_compared_as_digests_of_equal_length(
+        aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hmac.compare_digest`` on raw keys returns at once when the lengths differ: the time tells
+    the key's length. Every comparison must be of two SHA-256 digests, never of the key itself."""
+    seen: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: Any, b: Any) -> bool:
+        seen.append((a, b))
+        return real(a, b)
+
+    client = await admin_client(aiohttp_client, make_pools())
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    for token, want in ((None, 401), ("x", 401), (KEY[:-1], 401), (KEY + "x", 401), ("y" * 500, 401),
+                        (KEY, 200)):
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        r = await client.get("/admin/workers", headers=headers)
+        assert r.status == want, token
+    assert len(seen) == 6  # one comparison per call, a missing header included
+    for a, b in seen:
+        assert len(a) == len(b) == 32
+        assert KEY.encode() not in (a, b)
+
+
+def test_the_admin_app_keeps_only_the_digest() -> None:
+    app = admin_app(make_pools(), KEY)
+    assert all(KEY not in repr(v) and KEY.encode() != v for v in app._state.values())
+
+
+# ------------------------------------------------------------------ worker URLs
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_URLS)
+def test_normalize_url_refuses_credentials_query_fragment_without_echoing_them(url: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why) as e:
+        normalize_url(url)
+    assert SECRET not in str(e.value)
+    assert SECRET not in redact_url(url)
+
+
+def test_redact_url_keeps_what_locates_the_worker() -> None:
+    assert redact_url(f"https://u:{SECRET}@w.example:8443/base?k={SECRET}#f") == \
+        "https://***@w.example:8443/base?***#***"
+    assert redact_url(D1) == D1
+    assert normalize_url("http://[::1]:8000/base/") == "http://[::1]:8000/base"
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_URLS)
+async def test_admin_refuses_such_urls_with_a_400_in_vllm_shape(aiohttp_client: Any, url: str,
+                                                                why: str) -> None:
+    pools = make_pools()
+    client = await admin_client(aiohttp_client, pools)
+    for method, path, body in (("post", "/admin/workers", {"pool": "decode", "url": url}),
+                               ("delete", "/admin/workers", {"pool": "decode", "url": url}),
+                               ("post", "/admin/workers/drain", {"pool": "decode", "url": url})):
+        r = await getattr(client, method)(path, json=body, headers=AUTH)
+        assert r.status == 400
+        doc = await r.json()
+        assert set(doc["error"]) == {"message", "type", "param", "code"}
+        assert doc["error"]["param"] == "url" and doc["error"]["code"] == 400
+        assert why in doc["error"]["message"] and SECRET not in doc["error"]["message"]
+    assert urls(pools, "decode") == [D1]
+
+
+@pytest.mark.parametrize(("url", "why"), BAD_URLS[:4])
+def test_the_cli_refuses_such_urls_without_echoing_them(url: str, why: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--prefill", P1, "--decode", url])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and why in err and SECRET not in err
+
+
+def test_a_workers_file_with_such_a_url_is_not_applied_and_not_echoed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = tmp_path / "w.toml"
+    cfg.write_text(f'[pools.decode]\nworkers = ["{D2}", "http://u:{SECRET}@127.0.0.1:8300"]\n')
+    pools = make_pools()
+    src = ConfigFileSource(cfg, pools)
+    with caplog.at_level(logging.DEBUG):
+        assert src.check() is False
+    assert urls(pools, "decode") == [D1]
+    assert src.last_error is not None and "user info" in src.last_error
+    assert SECRET not in src.last_error and SECRET not in caplog.text
+
+
+# ------------------------------------------------------------------ metric series of removed workers
+
+
+def series(text: str, worker: str) -> list[str]:
+    return [f"{s.name}{s.labels}" for f in text_string_to_metric_families(text) for s in f.samples
+            if s.labels.get("worker") == worker]
+
+
+def test_forget_worker_removes_every_worker_series_and_late_counts_stay_gone() -> None:
+    m = ProxyMetrics()
+    pools = make_pools()
+    pools.forget_workers_in(m)
+    pools["decode"].add(D2, "admin")
+    m.child(m.upstream_requests, "decode", D2).inc()
+    m.child(m.upstream_errors, "decode", D2, "timeout").inc()
+    m.child(m.upstream_requests, "decode", D1).inc()
+    assert series(m.render().decode(), D2)
+    assert pools["decode"].remove(D2)
+    assert series(m.render().decode(), D2) == []
+    # a request that was still running on it ends after it left: counted nowhere
+    m.child(m.upstream_errors, "decode", D2, "connect").inc()
+    assert series(m.render().decode(), D2) == []
+    assert series(m.render().decode(), D1)  # the other worker untouched
+    # it joins again: counted afresh
+    pools["decode"].add(D2, "admin")
+    m.child(m.upstream_requests, "decode", D2).inc()
+    assert {x.split("{")[0] for x in series(m.render().decode(), D2)} == {
+        "pd_proxy_upstream_requests_total", "pd_proxy_upstream_requests_created"}
+
+
+async def test_deleting_a_worker_removes_its_series_from_metrics(stack: StackFactory) -> None:
+    st = await stack(n_prefill=1, n_decode=2, pools={"admin_key": KEY, "decode_policy": "round_robin"})
+    gone = st.decode[1].url
+    for _ in range(4):
+        assert (await st.gen(req()))[0] == 200
+    text = await (await st.client.get("/metrics")).text()
+    names = {s.split("{")[0] for s in series(text, gone)}
+    assert {"pd_proxy_upstream_requests_total", "pd_proxy_circuit_state"} <= names
+    r = await st.client.delete("/admin/workers", json={"pool": "decode", "url": gone}, headers=AUTH)
+    assert r.status == 200
+    for _ in range(2):
+        assert (await st.gen(req()))[0] == 200
+    text = await (await st.client.get("/metrics")).text()
+    assert series(text, gone) == []
+    assert series(text, st.decode[0].url)
+
+
+# ------------------------------------------------------------------ the admin API on its own listener
+
+
+async def test_admin_api_on_its_own_listener(stack: StackFactory, sim_factory: Any) -> None:
+    st = await stack(n_prefill=1, n_decode=1, pools={"admin_key": KEY, "admin_port": 0})
+    listener = st.app[ADMIN_LISTENER]
+    assert listener.address is not None
+    admin = f"http://127.0.0.1:{listener.address[1]}"
+    extra = await sim_factory(role="decode", zero_latency=True)
+    # the main port has no admin API at all (vLLM's 404 for an unknown path, key or not)
+    for headers in ({}, AUTH):
+        r = await st.client.get("/admin/workers", headers=headers)
+        assert r.status == 404
+        assert await r.json() == {"detail": "Not Found"}
+    r = await st.client.post("/admin/workers", json={"pool": "decode", "url": extra.url}, headers=AUTH)
+    assert r.status == 404
+    assert [w.url for w in st.serving.decode_pool] == [st.decode[0].url]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(admin + "/admin/workers") as r:
+            assert r.status == 401
+        async with s.post(admin + "/admin/workers", json={"pool": "decode", "url": extra.url},
+                          headers=AUTH) as r:
+            assert r.status == 201
+        async with s.post(admin + "/inference/v1/generate", json=req(), headers=AUTH) as r:
+            assert r.status == 404  # only the admin API there
+            assert await r.json() == {"detail": "Not Found"}
+    assert sorted(w.url for w in st.serving.decode_pool) == sorted([st.decode[0].url, extra.url])
+    assert (await st.gen(req()))[0] == 200
+
+
+async def test_the_admin_listener_closes_with_the_app() -> None:
+    s = ProxySettings(prefill_urls=(P1,), decode_urls=(D1,),
+                      pools=PoolSettings.plain(admin_key=KEY, admin_port=0))
+    app = build_app(s)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    listener = app[ADMIN_LISTENER]
+    assert listener.address is not None
+    port = listener.address[1]
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/admin/workers", headers=AUTH) as r:
+            assert r.status == 200
+        await runner.cleanup()
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with session.get(f"http://127.0.0.1:{port}/admin/workers", headers=AUTH):
+                pass
+
+
+# ------------------------------------------------------------------ the journal, two "processes"
+
+
+def two_processes(tmp_path: Path) -> tuple[Pools, FileJournal, Pools, FileJournal]:
+    path = tmp_path / "journal.jsonl"
+    a, b = make_pools(), make_pools()
+    return a, FileJournal(path, a), b, FileJournal(path, b)
+
+
+def test_journal_changes_reach_the_other_process_in_order(tmp_path: Path) -> None:
+    a, ja, b, jb = two_processes(tmp_path)
+    with ja.changing() as record:
+        record(change("add", "decode", D2))
+    assert urls(a, "decode") == [D1, D2]  # the caller applies at once
+    assert urls(b, "decode") == [D1]
+    assert jb.catch_up() == 1
+    assert urls(b, "decode") == [D1, D2] and b["decode"].get(D2).sources == {"admin"}  # type: ignore[union-attr]
+    # B drains and removes; A learns both, in order
+    with jb.changing() as record:
+        record(change("drain", "decode", D1, True))
+        record(change("remove", "decode", D2))
+    assert ja.catch_up() == 2
+    assert urls(a, "decode") == [D1] and a["decode"].get(D1).draining  # type: ignore[union-attr]
+    with ja.changing() as record:
+        record(change("drain", "decode", D1, False))
+    jb.catch_up()
+    assert not b["decode"].get(D1).draining  # type: ignore[union-attr]
+    assert ja.catch_up() == 0 and jb.catch_up() == 0  # nobody applies a change twice
+    ja.close()
+    jb.close()
+
+
+def test_journal_caller_catches_up_before_deciding(tmp_path: Path) -> None:
+    """B has not polled yet when its call to remove D2 (added through A) arrives: under the lock it
+    first applies A's add, so it removes D2 (not a 404) and both end the same."""
+    a, ja, b, jb = two_processes(tmp_path)
+    with ja.changing() as record:
+        record(change("add", "decode", D2))
+    with jb.changing() as record:
+        assert b["decode"].get(D2) is not None
+        record(change("remove", "decode", D2))
+    ja.catch_up()
+    assert urls(a, "decode") == urls(b, "decode") == [D1]
+
+
+def test_journal_skips_lines_that_are_not_changes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    a, ja, b, jb = two_processes(tmp_path)
+    with ja.path.open("ab") as f:
+        f.write(b'not json\n{"op":"add","pool":"gpu","url":"http://127.0.0.1:1"}\n[1]\n')
+        f.write(b'{"op":"add","pool":"decode","url":"http://u:pw@127.0.0.1:1"}\n')
+        f.write(b'{"op":"add","pool":"decode","url":"http://127.0.0')  # torn: its writer died
+    with caplog.at_level(logging.ERROR):
+        with ja.changing() as record:  # ends the torn line, then appends on a line of its own
+            record(change("add", "decode", D2))
+        jb.catch_up()
+    assert urls(a, "decode") == urls(b, "decode") == [D1, D2]
+    assert jb.skipped == 5 and jb.applied == 1
+    assert "pw@" not in caplog.text
+    ja.close()
+    jb.close()
+
+
+def test_journal_reads_only_whole_lines(tmp_path: Path) -> None:
+    _, ja, b, jb = two_processes(tmp_path)
+    line = json.dumps(change("add", "decode", D2)).encode()
+    with ja.path.open("ab") as f:
+        f.write(line[:10])
+        f.flush()
+        assert jb.catch_up() == 0 and urls(b, "decode") == [D1]
+        f.write(line[10:] + b"\n")
+    assert jb.catch_up() == 1 and urls(b, "decode") == [D1, D2]
+    ja.close()
+    jb.close()
+
+
+async def test_admin_change_reaches_another_app_through_the_journal(
+        stack: StackFactory, sim_factory: Any, tmp_path: Path) -> None:
+    """Two apps sharing a journal, as two processes of ``--workers 2`` do: a change taken by one
+    is applied by the other's polling."""
+    journal = tmp_path / "journal.jsonl"
+    pools = {"admin_key": KEY, "admin_journal": journal}
+    one = await stack(n_prefill=1, n_decode=1, pools=pools)
+    two = await stack(n_prefill=1, n_decode=1, pools=pools)
+    extra = await sim_factory(role="decode", zero_latency=True)
+    r = await one.client.post("/admin/workers", json={"pool": "decode", "url": extra.url}, headers=AUTH)
+    assert r.status == 201
+    r = await one.client.post("/admin/workers/drain", json={"pool": "decode", "url": one.decode[0].url},
+                              headers=AUTH)
+    assert r.status == 200
+
+    async def applied() -> bool:
+        w = two.serving.decode_pool.get(extra.url)
+        return w is not None and w.sources == {"admin"}
+
+    await eventually(applied, 10.0)
+    # two's own decode worker is not one's: draining a worker it does not have changes nothing there
+    assert not two.serving.decode_pool.get(two.decode[0].url).draining  # type: ignore[union-attr]
+    assert one.serving.decode_pool.get(one.decode[0].url).draining  # type: ignore[union-attr]
+    r = await two.client.delete("/admin/workers", json={"pool": "decode", "url": extra.url}, headers=AUTH)
+    assert r.status == 200
+
+    async def removed() -> bool:
+        return one.serving.decode_pool.get(extra.url) is None
+
+    await eventually(removed, 10.0)
+
+
+def test_a_poll_applies_a_bounded_slice_a_caller_everything(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of changes is spread over several polls (the event loop is never held long); a
+    process about to record a change first applies all of them."""
+    monkeypatch.setattr("proxy.pools.journal.READ_LIMIT", 256)
+    a, ja, b, jb = two_processes(tmp_path)
+    added = [f"http://127.0.0.1:{9000 + i}" for i in range(20)]  # ~70 bytes a line
+    with ja.changing() as record:
+        for url in added:
+            record(change("add", "decode", url))
+    first = jb.catch_up(chunks=1)
+    assert 0 < first < len(added)
+    looks = 1
+    while jb.catch_up(chunks=1):
+        looks += 1
+    assert looks > 2 and urls(b, "decode") == urls(a, "decode") == sorted([D1, *added])
+    jc = FileJournal(ja.path, make_pools())  # a third process, behind by the whole burst
+    with jc.changing() as record:  # everything applied before it decides
+        assert urls(jc.pools, "decode") == sorted([D1, *added])
+        record(change("remove", "decode", D1))
+    assert urls(jc.pools, "decode") == sorted(added)
+    for j in (ja, jb, jc):
+        j.close()
