@@ -151,3 +151,59 @@ class DecodeEngine(Part):
         log.warning("request %s: failure counted on %s worker %s (%s)", f.record.engine_id,
                     worker.pool, worker.url, why)
         worker.breaker.record_failure()
+
+
+class DecodeAttempts:
+    """One request's decode attempts, the same bookkeeping for the non-stream and the streamed
+    decode: the worker and body of the attempt running (``worker``, ``body``), the workers that
+    failed it (``tried``), the attempt's number, whether the last decode-only rescue is spent,
+    and the decode worker whose failure on P's KV is still ambiguous (``suspect``)."""
+
+    __slots__ = ("attempt", "body", "engine", "f", "first_body", "rescued", "suspect", "tried", "worker")
+
+    def __init__(self, engine: DecodeEngine, f: Flight, worker: Worker, body: dict[str, Any]) -> None:
+        self.engine, self.f = engine, f
+        self.worker, self.body, self.first_body = worker, body, body
+        self.tried: list[Worker] = []
+        self.attempt = 0
+        self.rescued = False
+        self.suspect: Worker | None = None
+
+    def failed(self, e: UpstreamError, outcome: Outcome) -> Outcome:
+        """The attempt failed before D's first byte: the outcome its worker's breaker gets, once
+        the failure is attributed (``DecodeEngine.attribute_failure``)."""
+        engine = self.engine
+        retry = self.attempt + 1 < engine.pools.decode_retry.attempts and engine.may_retry(self.f, e)
+        outcome, self.suspect = engine.attribute_failure(
+            self.f, self.worker, self.body, e, outcome=outcome, suspect=self.suspect,
+            retry_with_kv=retry and self.attempt == 0)
+        return outcome
+
+    def answered(self) -> None:
+        """The attempt's worker answered: with P's KV (the first body), the hand-off worked."""
+        if self.body is self.first_body:
+            self.engine.handoff_done(self.f, self.body, self.suspect)
+        else:
+            self.suspect = None
+
+    async def next(self, e: UpstreamError) -> bool:
+        """After ``e`` (the worker released): on to a retry on another decode worker (with P's KV
+        while its lease holds, else decode-only), or the decode-only rescue when the retries are
+        spent on an ambiguous failure. False when neither may follow; raises ``e`` when no
+        worker is left to take the request."""
+        engine, f = self.engine, self.f
+        if self.attempt + 1 < engine.pools.decode_retry.attempts and engine.may_retry(f, e):
+            self.tried.append(self.worker)
+            self.worker, self.body = await engine.next_decode(f, self.first_body, self.tried, self.attempt, e)
+        elif not self.rescued and engine.may_rescue(f, e, self.body):
+            self.rescued = True
+            self.tried.append(self.worker)
+            self.worker, self.body = await engine.rescue(f, e)
+        else:
+            return False
+        self.attempt += 1
+        return True
+
+    def move(self, worker: Worker, body: dict[str, Any]) -> None:
+        """A stream migrated: the next attempt is ``body`` on ``worker``."""
+        self.worker, self.body = worker, body

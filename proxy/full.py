@@ -13,7 +13,7 @@ from aiohttp import web
 from proxy.aborts import Aborts
 from proxy.cleanup import Cleanup
 from proxy.core import Core, Part
-from proxy.decode import DecodeEngine
+from proxy.decode import DecodeAttempts, DecodeEngine
 from proxy.errors import (
     UpstreamError,
     UpstreamProtocolError,
@@ -38,50 +38,8 @@ class FullDecode(Part):
         self.cleanup = cleanup
 
     async def decode(self, f: Flight, worker: Worker, body: dict[str, Any],
-                           request: web.Request) -> web.StreamResponse:
-        record = f.record
-
-        async def hop() -> tuple[dict[str, Any], bytes]:
-            w, current, tried = worker, body, []
-            suspect: Worker | None = None
-            attempt, rescued = 0, False
-            try:
-                while True:
-                    outcome = Outcome.NEUTRAL
-                    rescue = False
-                    try:
-                        answer: tuple[dict[str, Any], bytes] = await self.core.call(
-                            w, self.upstream.post_generate_raw(
-                                "decode", w.url, current, request_id=record.base_id,
-                                total=self.engine.limit(f)), f.trace.hop("decode", w))
-                        outcome = Outcome.SUCCESS
-                        self.engine.handoff_done(f, current, suspect)
-                        return answer
-                    except UpstreamError as e:
-                        passthrough = isinstance(e, UpstreamStatusError) and e.passthrough
-                        outcome = Outcome.NEUTRAL if passthrough else Outcome.FAILURE
-                        last_attempt = attempt + 1 >= self.pools.decode_retry.attempts
-                        retry = not last_attempt and self.engine.may_retry(f, e)
-                        outcome, suspect = self.engine.attribute_failure(
-                            f, w, current, e, outcome=outcome, suspect=suspect,
-                            retry_with_kv=retry and attempt == 0)
-                        rescue = not retry and not rescued and self.engine.may_rescue(f, e, current)
-                        if not retry and not rescue:
-                            raise
-                        error = e
-                    finally:
-                        self.decode_pool.release(w, outcome, f.ctx.tokens)
-                    tried.append(w)
-                    if rescue:
-                        rescued = True
-                        w, current = await self.engine.rescue(f, error)
-                    else:
-                        w, current = await self.engine.next_decode(f, body, tried, attempt, error)
-                    attempt += 1
-            finally:
-                f.settled.set()
-
-        task = self.tracker.spawn(hop())
+                     request: web.Request) -> web.StreamResponse:
+        task = self.tracker.spawn(self._hops(f, DecodeAttempts(self.engine, f, worker, body)))
         f.decode_task = task
         if not await self.aborts.hop_or_abandon(f, task):
             return await self.aborts.respond_aborted(request, f, done=False)
@@ -91,6 +49,37 @@ class FullDecode(Part):
             self.cleanup.after_decode_error(f, e)
             self.core.set_done(f)
             raise
+        return self._reply(f, worker, reply, raw)
+
+    async def _hops(self, f: Flight, tries: DecodeAttempts) -> tuple[dict[str, Any], bytes]:
+        """The decode hop, retried as ``tries`` allows; D's reply, parsed and as its bytes."""
+        try:
+            while True:
+                w = tries.worker
+                outcome = Outcome.NEUTRAL
+                try:
+                    answer: tuple[dict[str, Any], bytes] = await self.core.call(
+                        w, self.upstream.post_generate_raw(
+                            "decode", w.url, tries.body, request_id=f.record.base_id,
+                            total=self.engine.limit(f)), f.trace.hop("decode", w))
+                    outcome = Outcome.SUCCESS
+                    tries.answered()
+                    return answer
+                except UpstreamError as e:
+                    passthrough = isinstance(e, UpstreamStatusError) and e.passthrough
+                    outcome = tries.failed(e, Outcome.NEUTRAL if passthrough else Outcome.FAILURE)
+                    error = e
+                finally:
+                    self.decode_pool.release(w, outcome, f.ctx.tokens)
+                if not await tries.next(error):
+                    raise error
+        finally:
+            f.settled.set()
+
+    def _reply(self, f: Flight, worker: Worker, reply: dict[str, Any], raw: bytes) -> web.Response:
+        """D answered: the lease ends (pulled), and D's bytes go to the client with what only P
+        knows spliced in."""
+        record = f.record
         f.timing.first_token = self.clock()
         self.core.close_lease(f, "aborted" if record.is_aborted else "pulled")
         self.core.set_done(f)

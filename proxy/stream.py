@@ -6,6 +6,7 @@ handler, bounded for slow readers.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 from typing import Any
@@ -15,7 +16,7 @@ from aiohttp import web
 from proxy.aborts import Aborts
 from proxy.cleanup import Cleanup
 from proxy.core import Core, Part, error_class
-from proxy.decode import DecodeEngine
+from proxy.decode import DecodeAttempts, DecodeEngine
 from proxy.errors import (
     StreamOverflow,
     UpstreamError,
@@ -32,9 +33,43 @@ from proxy.protocol import (
     parse_worker_json,
 )
 from proxy.relay import StreamBuffer, block_token_ids
-from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_event, last_data
+from proxy.sse import DONE_DATA, DONE_EVENT, Batch, SSEReader, comment_event, data_event, last_data
 
 log = logging.getLogger("pd_proxy")
+
+
+class Status(enum.Enum):
+    """How one decode stream (one attempt) ended."""
+
+    DONE = "done"
+    """[DONE] seen."""
+    CLOSED = "closed"
+    """The buffer was closed: the client went away, read too slowly, or the stream was ended."""
+    OPEN_FAILED = "open_failed"
+    """No answer (the error says why)."""
+    KV_FAILED = "kv_failed"
+    """A server error event first, on a hop with P's KV: nothing was relayed."""
+    PROTOCOL = "protocol"
+    """D answered something unusable."""
+    BROKEN = "broken"
+    """It ended mid-way (reset, error event, no [DONE])."""
+
+
+class _Read:
+    """Where one decode stream's reading stands."""
+
+    __slots__ = ("body", "buffer", "done", "error", "exc", "f", "first", "follower", "kv_failed", "last",
+                 "protocol", "stop", "worker")
+
+    def __init__(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
+                 follower: StreamFollower | None) -> None:
+        self.f, self.worker, self.body, self.buffer, self.follower = f, worker, body, buffer, follower
+        self.first = True
+        self.done = self.protocol = self.stop = False
+        self.error: bytes | None = None
+        self.last = b""
+        self.exc: UpstreamError | None = None
+        self.kv_failed: UpstreamStatusError | None = None
 
 
 class StreamDecode(Part):
@@ -142,99 +177,103 @@ class StreamDecode(Part):
     async def produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
         """Read D's stream into ``buffer`` (never blocks on the client).
 
-        Before D's first byte, a failed open goes to another decode worker (``_next_decode``).
+        Before D's first byte, a failed open goes to another decode worker (``DecodeAttempts``).
         A stream that breaks later (the worker died, reset, or sent an error event) continues on
         another decode worker as a continuation (``proxy.pools.migration``) when the request
         allows it: the client's stream goes on with no visible seam."""
-        record = f.record
         assert f.headers_ready is not None
-        rt = self.pools
         follower = (StreamFollower(f.data, f.request.output_mode)
-                    if rt.settings.migrate and migration_blocker(f.data) is None else None)
-        tried: list[Worker] = []
-        attempt, rescued = 0, False
-        w, current = worker, body
-        suspect: Worker | None = None
+                    if self.pools.settings.migrate and migration_blocker(f.data) is None else None)
+        tries = DecodeAttempts(self.engine, f, worker, body)
         while True:
-            status, error, exc = "broken", None, None
-            try:
-                with f.trace.hop("decode", w) as hop:
-                    status, error, exc = await self.once(f, w, current, buffer, follower)
-                    hop.outcome(status)
-            finally:
-                passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
-                outcome = (Outcome.SUCCESS if status == "done" else
-                           Outcome.NEUTRAL if status == "closed" or passthrough or record.is_aborted
-                           else Outcome.FAILURE)
-                if status in ("open_failed", "kv_failed") and exc is not None:
-                    retry = attempt == 0 and attempt + 1 < rt.decode_retry.attempts \
-                        and self.engine.may_retry(f, exc)
-                    outcome, suspect = self.engine.attribute_failure(
-                        f, w, current, exc, outcome=outcome, suspect=suspect, retry_with_kv=retry)
-                elif status == "done" and current is body:
-                    self.engine.handoff_done(f, current, suspect)
-                else:
-                    suspect = None  # the retry ended otherwise: it tells nothing about the first
-                self.decode_pool.release(w, outcome, f.ctx.tokens)
-            if status == "done":
+            status, error, exc = await self._attempt(f, tries, buffer, follower)
+            if status is Status.DONE:
                 buffer.finish(done=True)
                 return
-            if status == "closed":
+            if status is Status.CLOSED:
                 return
-            kv_failed = status == "kv_failed"
-            if kv_failed or (status == "open_failed" and not f.headers_ready.done()):
+            if status is Status.KV_FAILED or (status is Status.OPEN_FAILED and not f.headers_ready.done()):
                 # Nothing reached the client yet: another decode worker may take the same body
                 # (P's KV while its lease holds), as before D's first byte; when those retries
                 # are spent on an ambiguous failure, one last attempt goes decode-only.
                 assert exc is not None
-                try:
-                    if attempt + 1 < rt.decode_retry.attempts and self.engine.may_retry(f, exc):
-                        tried.append(w)
-                        w, current = await self.engine.next_decode(f, body, tried, attempt, exc)
-                    elif not rescued and self.engine.may_rescue(f, exc, current):
-                        rescued = True
-                        w, current = await self.engine.rescue(f, exc)
-                    else:
-                        raise exc
-                except UpstreamError:
-                    pass
-                else:
-                    attempt += 1
-                    continue
-                f.settled.set()
-                if not kv_failed:
-                    f.headers_ready.set_exception(exc)
-                else:
-                    self.end_with_error(f, buffer, error, exc.message)
+                if not await self._retry(f, tries, buffer, status=status, error=error, exc=exc):
+                    return
+            elif not await self._migrate(f, tries, buffer, follower, status=status, error=error):
                 return
-            if status != "protocol" and follower is not None and not record.is_aborted \
-                    and not buffer.closed and follower.migrations < rt.settings.max_migrations \
-                    and (f.deadline is None or not f.deadline.expired):
-                cont = follower.continue_elsewhere(record.base_id)
-                if cont is None:  # the client already has every token
-                    buffer.finish(done=True)
-                    return
-                tried.append(w)
-                try:
-                    w = await self.decode_pool.acquire(f.ctx, exclude=tried, limit=self.core.queue_limit(f),
-                                                       wait_recovering=True)
-                except (NoWorkerAvailable, Overloaded) as e:
-                    self.end_with_error(f, buffer, error, f"no decode worker to migrate to ({e})")
-                    return
-                record.decode_worker = w
-                current = await self.prefill.continuation(f, cont.body)
-                rt.count_migration()
-                log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,
-                            cont.kept + cont.replay)
-                continue
-            why = ("the worker broke the protocol" if status == "protocol" else
-                   "this request cannot migrate" if follower is None else
-                   "aborted" if record.is_aborted else
-                   f"{follower.migrations} migrations already"
-                   if follower.migrations >= rt.settings.max_migrations else "its deadline passed")
-            self.end_with_error(f, buffer, error,
-                                        f"decode stream {status} on {w.url}, not migrated: {why}")
-            return
+
+    async def _attempt(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer,
+                       follower: StreamFollower | None) -> tuple[Status, bytes | None, UpstreamError | None]:
+        """One attempt (``once``) in its span; its worker released with the outcome it earned."""
+        w = tries.worker
+        status, error, exc = Status.BROKEN, None, None
+        try:
+            with f.trace.hop("decode", w) as hop:
+                status, error, exc = await self.once(f, w, tries.body, buffer, follower)
+                hop.outcome(status.value)
+        finally:
+            passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
+            outcome = (Outcome.SUCCESS if status is Status.DONE else
+                       Outcome.NEUTRAL if status is Status.CLOSED or passthrough or f.record.is_aborted
+                       else Outcome.FAILURE)
+            if status in (Status.OPEN_FAILED, Status.KV_FAILED) and exc is not None:
+                outcome = tries.failed(exc, outcome)
+            elif status is Status.DONE:
+                tries.answered()
+            else:
+                tries.suspect = None  # the retry ended otherwise: it tells nothing about the first
+            self.decode_pool.release(w, outcome, f.ctx.tokens)
+        return status, error, exc
+
+    async def _retry(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer, *, status: Status,
+                     error: bytes | None, exc: UpstreamError) -> bool:
+        """The attempt failed before anything reached the client: True when another follows;
+        else the client gets the failure (an error answer, or an error event)."""
+        assert f.headers_ready is not None
+        try:
+            if await tries.next(exc):
+                return True
+        except UpstreamError:
+            pass  # no worker left to take it
+        f.settled.set()
+        if status is Status.OPEN_FAILED:
+            f.headers_ready.set_exception(exc)
+        else:
+            self.end_with_error(f, buffer, error, exc.message)
+        return False
+
+    async def _migrate(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer,
+                       follower: StreamFollower | None, *, status: Status, error: bytes | None) -> bool:
+        """The stream broke after D's first byte: True when it goes on elsewhere (a continuation
+        on another decode worker); else the client's stream ends, with the error when any."""
+        record, rt, w = f.record, self.pools, tries.worker
+        if status is not Status.PROTOCOL and follower is not None and not record.is_aborted \
+                and not buffer.closed and follower.migrations < rt.settings.max_migrations \
+                and (f.deadline is None or not f.deadline.expired):
+            cont = follower.continue_elsewhere(record.base_id)
+            if cont is None:  # the client already has every token
+                buffer.finish(done=True)
+                return False
+            tries.tried.append(w)
+            try:
+                w = await self.decode_pool.acquire(f.ctx, exclude=tries.tried, limit=self.core.queue_limit(f),
+                                                   wait_recovering=True)
+            except (NoWorkerAvailable, Overloaded) as e:
+                self.end_with_error(f, buffer, error, f"no decode worker to migrate to ({e})")
+                return False
+            record.decode_worker = w
+            tries.move(w, await self.prefill.continuation(f, cont.body))
+            rt.count_migration()
+            log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,
+                        cont.kept + cont.replay)
+            return True
+        why = ("the worker broke the protocol" if status is Status.PROTOCOL else
+               "this request cannot migrate" if follower is None else
+               "aborted" if record.is_aborted else
+               f"{follower.migrations} migrations already"
+               if follower.migrations >= rt.settings.max_migrations else "its deadline passed")
+        self.end_with_error(f, buffer, error, f"decode stream {status.value} on {w.url}, not migrated: {why}")
+        return False
 
     def end_with_error(self, f: Flight, buffer: StreamBuffer, error: bytes | None, why: str) -> None:
         """End the client's stream with D's error event (or the proxy's): logged, so that a
@@ -244,12 +283,9 @@ class StreamDecode(Part):
         buffer.finish(done=False, error=error)
 
     async def once(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
-                           follower: StreamFollower | None) -> tuple[str, bytes | None, UpstreamError | None]:
-        """One decode stream into ``buffer``. Returns ``done`` ([DONE] seen), ``closed`` (the
-        buffer was closed: client gone, overflow, forced end), ``open_failed`` (no answer: the
-        error), ``kv_failed`` (a server error event first, on a hop with P's KV: nothing was
-        relayed), ``protocol`` (D answered something unusable) or ``broken`` (ended mid-way)."""
-        record = f.record
+                   follower: StreamFollower | None) -> tuple[Status, bytes | None, UpstreamError | None]:
+        """One decode stream into ``buffer``; how it ended (``Status``), with D's error event (or
+        the proxy's) and the failure when there is one."""
         assert f.headers_ready is not None
         self.metrics.child(self.metrics.inflight, worker.pool).inc()
         self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
@@ -257,115 +293,125 @@ class StreamDecode(Part):
         try:
             try:
                 resp = await self.upstream.open(
-                    "decode", worker.url, body, request_id=record.base_id, total=None,
+                    "decode", worker.url, body, request_id=f.record.base_id, total=None,
                     sock_read=self.settings.stream_idle_timeout)
             except UpstreamError as e:
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
-                return "open_failed", e.sse_event(), e
+                return Status.OPEN_FAILED, e.sse_event(), e
             if not f.headers_ready.done():
                 f.headers_ready.set_result(None)
-            reader = SSEReader()
-            first = True
-            done = False
-            protocol = False
-            error: bytes | None = None
-            last: bytes = b""
-            exc: UpstreamError | None = None
+            rd = _Read(f, worker, body, buffer, follower)
             try:
-                async for chunk in self.upstream.iter_chunks("decode", worker.url, resp):
-                    batch = reader.feed_batch(chunk)
-                    # The hot path: what a read completed goes out as one block, unparsed, when
-                    # it is plain vLLM events (no error, [DONE] last); only the stream's first
-                    # event is parsed (its output_mode is checked).
-                    fast = batch.plain and (not first or bool(batch.body))
-                    if fast and batch.body:
-                        if first:
-                            first = False
-                            error = self.first_event(f, worker, batch.body[6 : batch.body.index(b"\n\n")])
-                            if error is not None:
-                                protocol = True
-                                break
-                        if follower is not None:
-                            ids = block_token_ids(batch.body) if follower.cont is None and \
-                                follower.progress.output_mode == "tokens" else None
-                            if ids is None:
-                                fast = False  # parse event by event (text mode, migrated, odd)
-                            else:
-                                follower.progress.generated.extend(ids)
-                        if fast:
-                            buffer.put(batch.body)
-                            if f.request.include_usage:
-                                last = last_data(batch.body)
-                    if fast:
-                        if batch.done:
-                            done = True
-                            if f.request.include_usage:
-                                self.note_stream_usage(f, last)
-                            break
-                        if buffer.closed:
-                            break
-                        if len(reader.pending) > self.settings.slow_reader_max_bytes:
-                            error = self.protocol_error(worker, "sent an SSE event larger than the byte cap")
-                            protocol = True
-                            break
-                        continue
-                    for ev in batch.events():
-                        if ev.data == DONE_DATA:
-                            done = True
-                            if f.request.include_usage:
-                                self.note_stream_usage(f, last)
-                            break
-                        last = ev.data
-                        if first:
-                            kv_exc = self.kv_hop_failed(worker, body, ev.data)
-                            if kv_exc is not None:
-                                return "kv_failed", ev.raw, kv_exc
-                            first = False
-                            error = self.first_event(f, worker, ev.data)
-                            if error is not None:
-                                protocol = True
-                                break
-                        if ev.data.startswith(b'{"error"'):
-                            # vLLM's in-band error event (the stream had started): a failed call.
-                            self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
-                                               "error_event").inc()
-                            error = ev.raw
-                            break
-                        if follower is not None:
-                            payload = follower.event(ev.data)
-                            if payload is None:
-                                continue  # only tokens the client already has
-                            if payload is not ev.data:
-                                buffer.put(data_event(payload), payload)
-                                continue
-                        buffer.put(ev.raw, ev.data)
-                    if done or error is not None or buffer.closed:
-                        break
-                    if len(reader.pending) > self.settings.slow_reader_max_bytes:
-                        error = self.protocol_error(worker, "sent an SSE event larger than the byte cap")
-                        protocol = True
-                        break
+                await self._read(rd, resp)
             except UpstreamError as e:
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
-                error, exc = e.sse_event(), e
-            if not done and error is None and not buffer.closed:
-                error = self.protocol_error(worker, "stream ended without [DONE]")
-            f.settled.set()
-            if first and (done or error is not None):
-                # The stream ended before any event: D answered, so it had the request.
-                self.core.close_lease(f, "unknown" if error is not None else "pulled")
-            if done and error is None:
-                resp.release()  # kept alive once its last chunk is in (``close`` would drop it)
-                return "done", None, None
-            if buffer.closed:
-                return "closed", None, None
-            return ("protocol" if protocol else "broken"), error, exc
+                rd.error, rd.exc = e.sse_event(), e
+            if rd.kv_failed is not None:
+                return Status.KV_FAILED, rd.error, rd.kv_failed
+            return self._ended(rd, resp)
         finally:
             if resp is not None:
                 resp.close()
             self.metrics.child(self.metrics.inflight, worker.pool).dec()
+
+    async def _read(self, rd: _Read, resp: HopResponse) -> None:
+        """D's events into the buffer until [DONE], an error, a closed buffer or the end."""
+        reader = SSEReader()
+        cap = self.settings.slow_reader_max_bytes
+        async for chunk in self.upstream.iter_chunks("decode", rd.worker.url, resp):
+            batch = reader.feed_batch(chunk)
+            if not self._fast(rd, batch):
+                self._slow(rd, batch)
+            if rd.stop:
+                return
+            if len(reader.pending) > cap:
+                rd.error = self.protocol_error(rd.worker, "sent an SSE event larger than the byte cap")
+                rd.protocol = True
+                return
+
+    def _fast(self, rd: _Read, batch: Batch) -> bool:
+        """The hot path: what a read completed goes out as one block, unparsed, when it is plain
+        vLLM events (no error, [DONE] last); only the stream's first event is parsed (its
+        output_mode is checked). False when the batch must be read event by event."""
+        if not batch.plain or (rd.first and not batch.body):
+            return False
+        f, follower = rd.f, rd.follower
+        if batch.body:
+            if rd.first:
+                rd.first = False
+                rd.error = self.first_event(f, rd.worker, batch.body[6 : batch.body.index(b"\n\n")])
+                if rd.error is not None:
+                    rd.protocol = rd.stop = True
+                    return True
+            if follower is not None:
+                ids = block_token_ids(batch.body) if follower.cont is None and \
+                    follower.progress.output_mode == "tokens" else None
+                if ids is None:
+                    return False  # parse event by event (text mode, migrated, odd)
+                follower.progress.generated.extend(ids)
+            rd.buffer.put(batch.body)
+            if f.request.include_usage:
+                rd.last = last_data(batch.body)
+        if batch.done:
+            rd.done = rd.stop = True
+            if f.request.include_usage:
+                self.note_stream_usage(f, rd.last)
+        elif rd.buffer.closed:
+            rd.stop = True
+        return True
+
+    def _slow(self, rd: _Read, batch: Batch) -> None:
+        """A batch read event by event: error events, the first event of a hop with P's KV,
+        a migrated stream's replayed tokens."""
+        f, worker, buffer, follower = rd.f, rd.worker, rd.buffer, rd.follower
+        for ev in batch.events():
+            if ev.data == DONE_DATA:
+                rd.done = True
+                if f.request.include_usage:
+                    self.note_stream_usage(f, rd.last)
+                break
+            rd.last = ev.data
+            if rd.first:
+                kv_exc = self.kv_hop_failed(worker, rd.body, ev.data)
+                if kv_exc is not None:
+                    rd.kv_failed, rd.error, rd.stop = kv_exc, ev.raw, True
+                    return
+                rd.first = False
+                rd.error = self.first_event(f, worker, ev.data)
+                if rd.error is not None:
+                    rd.protocol = True
+                    break
+            if ev.data.startswith(b'{"error"'):
+                # vLLM's in-band error event (the stream had started): a failed call.
+                self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "error_event").inc()
+                rd.error = ev.raw
+                break
+            if follower is not None:
+                payload = follower.event(ev.data)
+                if payload is None:
+                    continue  # only tokens the client already has
+                if payload is not ev.data:
+                    buffer.put(data_event(payload), payload)
+                    continue
+            buffer.put(ev.raw, ev.data)
+        rd.stop = rd.done or rd.error is not None or buffer.closed
+
+    def _ended(self, rd: _Read, resp: HopResponse) -> tuple[Status, bytes | None, UpstreamError | None]:
+        f = rd.f
+        if not rd.done and rd.error is None and not rd.buffer.closed:
+            rd.error = self.protocol_error(rd.worker, "stream ended without [DONE]")
+        f.settled.set()
+        if rd.first and (rd.done or rd.error is not None):
+            # The stream ended before any event: D answered, so it had the request.
+            self.core.close_lease(f, "unknown" if rd.error is not None else "pulled")
+        if rd.done and rd.error is None:
+            resp.release()  # kept alive once its last chunk is in (``close`` would drop it)
+            return Status.DONE, None, None
+        if rd.buffer.closed:
+            return Status.CLOSED, None, None
+        return (Status.PROTOCOL if rd.protocol else Status.BROKEN), rd.error, rd.exc
 
     def kv_hop_failed(self, worker: Worker, body: dict[str, Any], data: bytes) -> UpstreamStatusError | None:
         """D's first event is a server error on a hop that carried P's KV params (vLLM sends
