@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -42,6 +43,13 @@ LINGER = 1.0
 """How long a released answer's connection waits for the end of its framing."""
 _MAX_ORIGINS = 4096
 """Cached URL parses (workers come and go through the admin API; the cache is bounded)."""
+
+_MAX_LENGTH_DIGITS = 18
+"""Longest Content-Length accepted (just under 1 EB; plain ASCII digits, nothing else)."""
+_MAX_CHUNK_DIGITS = 16
+"""Longest chunk size accepted (hex digits, nothing else)."""
+_HEX_SIZE = re.compile(rb"[0-9A-Fa-f]{1,%d}" % _MAX_CHUNK_DIGITS)
+_FRAMING = ("content-length", "transfer-encoding")
 
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 
@@ -193,12 +201,7 @@ class _Conn(asyncio.Protocol):
                     if not line:
                         self._state = _DONE
                 else:
-                    try:
-                        size = int(line.split(b";", 1)[0].strip(), 16)
-                    except ValueError:
-                        raise HopProtocolError("a malformed chunk size") from None
-                    if size < 0:
-                        raise HopProtocolError("a malformed chunk size")
+                    size = _chunk_size(line)
                     if size == 0:
                         self._state = _TRAILER
                     elif data[pos + size:pos + size + 2] == b"\r\n":
@@ -226,10 +229,10 @@ class _Conn(asyncio.Protocol):
         status_line = lines[0].split(b" ", 2)
         if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
             raise HopProtocolError("an answer that is not HTTP/1.x")
-        try:
-            status = int(status_line[1])
-        except ValueError:
-            raise HopProtocolError("a malformed status line") from None
+        code = status_line[1]
+        if len(code) != 3 or not code.isdigit():  # bytes.isdigit: ASCII digits only
+            raise HopProtocolError("a malformed status line")
+        status = int(code)
         if not 100 <= status <= 599:
             raise HopProtocolError("a malformed status line")
         if 100 <= status < 200:
@@ -239,7 +242,13 @@ class _Conn(asyncio.Protocol):
             name, sep, value = raw.partition(b":")
             if not sep or not name or name != name.strip():
                 raise HopProtocolError("a malformed header line")
-            headers[name.decode("latin-1").lower()] = value.strip().decode("latin-1")
+            key = name.decode("latin-1").lower()
+            text = value.strip().decode("latin-1")
+            if key in headers and key in _FRAMING and (key != "content-length" or headers[key] != text):
+                # Two framings (RFC 9112 6.3: an unrecoverable error; the same Content-Length
+                # twice is allowed): where the answer ends is not known.
+                raise HopProtocolError(f"a repeated {key} header")
+            headers[key] = text
         if status_line[0] == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
             self._keep_alive = False
         encoding = headers.get("transfer-encoding")
@@ -250,8 +259,12 @@ class _Conn(asyncio.Protocol):
             if encoding.lower() != "chunked":
                 raise HopProtocolError(f"an unsupported transfer encoding ({encoding})")
             self._state = _CHUNK_SIZE
+            if length is not None:
+                # Both: chunked wins (RFC 9112 6.3), and the connection is not reused after it
+                # (the two framings may have been read differently on the way).
+                self._keep_alive = False
         elif length is not None:
-            if not length.isdigit():
+            if not (len(length) <= _MAX_LENGTH_DIGITS and length.isascii() and length.isdigit()):
                 raise HopProtocolError("a malformed Content-Length")
             self._remaining = int(length)
             self._state = _LENGTH if self._remaining else _DONE
@@ -337,6 +350,18 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk-size line's size: 1 to 16 hex digits, optionally followed by chunk extensions
+    (``;name[=value]``, whitespace allowed before each ``;``, RFC 9112 7.1.1) that are ignored.
+    No sign, no ``0x``, no ``_``, no whitespace elsewhere: anything else is a protocol error."""
+    digits, semi, _ = line.partition(b";")
+    if semi:
+        digits = digits.rstrip(b" \t")
+    if _HEX_SIZE.fullmatch(digits) is None:  # int(, 16) alone takes signs, "0x", "_" and spaces
+        raise HopProtocolError("a malformed chunk size")
+    return int(digits, 16)
 
 
 def _until(loop: asyncio.AbstractEventLoop, deadline: float | None, read_limit: float | None) -> float | None:

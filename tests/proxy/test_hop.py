@@ -343,26 +343,86 @@ async def test_idle_connections_past_the_keepalive_are_not_reused_and_are_swept(
         assert client.counts() == {"in_use": 0, "idle": 0}
 
 
+_CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+_TAIL = b"{}\r\n0\r\n\r\n"
+"""A chunk of 2 bytes once its size line is given, then the last chunk."""
+
+
 @pytest.mark.parametrize("answer", [
     b"SPDY/3 200 OK\r\n\r\n",
     b"HTTP/1.1 abc OK\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"HTTP/1.1 +200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    _CHUNKED + b"zz\r\n",
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
     b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",
+    _CHUNKED + b"2\r\nabc\r\n0\r\n\r\n",
+    # Content-Length: plain ASCII digits, at most 18 of them, one value.
+    b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n{}",  # a latin-1 superscript two
+    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"0" * 5000 + b"2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"1" * 19 + b"\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}x",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n" + b"2\r\n" + _TAIL,
+    # Chunk sizes: 1 to 16 hex digits, no sign, prefix, separator or stray whitespace.
+    _CHUNKED + b"+2\r\n" + _TAIL,
+    _CHUNKED + b" 2\r\n" + _TAIL,
+    _CHUNKED + b"2 \r\n" + _TAIL,
+    _CHUNKED + b"0x2\r\n" + _TAIL,
+    _CHUNKED + b"0_2\r\n" + _TAIL,
+    _CHUNKED + b"\xb2\r\n" + _TAIL,
+    _CHUNKED + b"0" * 16 + b"2\r\n" + _TAIL,
+    _CHUNKED + b"-0\r\n\r\n",
 ])
-async def test_a_broken_answer_is_a_protocol_error(answer: bytes) -> None:
+async def test_a_broken_answer_is_a_protocol_error_and_its_connection_is_closed(answer: bytes) -> None:
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         await server.request(r)
         w.write(answer)
         await w.drain()
         await r.read()
+        server.closed_by_client.append(n)
 
     async with serving(handler) as (server, url, client):
         with pytest.raises(HopProtocolError) as e:
             await post(client, url)
         assert not isinstance(e.value, HopDisconnected)
         assert client.counts() == {"in_use": 0, "idle": 0}
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+
+
+@pytest.mark.parametrize("size_line", [b"2", b"02", b"0000000000000002", b"2;ext", b"2 ;a=b",
+                                       b'2\t; a="x;y" ;b', b"2;"])
+async def test_chunk_extensions_are_tolerated(size_line: bytes) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(_CHUNKED + size_line + b"\r\n{}\r\n0;end\r\n\r\n")
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b"{}")
+        assert await post(client, url) == (200, b"{}")
+        assert server.connections == 1
+
+
+async def test_an_answer_with_both_transfer_encoding_and_content_length_is_chunked_and_not_reused() -> None:
+    """RFC 9112 6.3: Transfer-Encoding overrides Content-Length, and such a message may be an
+    attempt at request smuggling: read as chunked, and its connection is closed afterwards."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"4\r\nabcd\r\n0\r\n\r\n")
+            await w.drain()
+        server.closed_by_client.append(n)
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b"abcd")
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+        assert await post(client, url) == (200, b"abcd")
+        assert server.connections == 2
 
 
 def test_header_values_with_line_breaks_are_left_out() -> None:
