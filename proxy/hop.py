@@ -305,12 +305,28 @@ class _Conn(asyncio.Protocol):
         self._pending = b""
         self.uses += 1
 
-    async def send(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(data)
-        if self._write_paused and not self.closed:
-            self._drain = self.loop.create_future()
-            await self._drain
+    async def send(self, data: bytes, deadline: float | None, write_limit: float) -> None:
+        """Write ``data``; while the transport's buffer is full, wait for the worker to read it.
+        ``TimeoutError`` when the worker took nothing for ``write_limit`` seconds, or at
+        ``deadline``."""
+        transport = self.transport
+        assert transport is not None
+        transport.write(data)
+        while self._write_paused and not self.closed:
+            left = transport.get_write_buffer_size()
+            drain = self._drain = self.loop.create_future()
+            until = self.loop.time() + write_limit
+            timer = self.loop.call_at(until if deadline is None else min(until, deadline), _expire, drain)
+            try:
+                await drain
+            except TimeoutError:
+                progress = transport.get_write_buffer_size() < left
+                if progress and (deadline is None or self.loop.time() < deadline):
+                    continue  # slow, not stuck: the worker took some
+                raise
+            finally:
+                timer.cancel()
+                self._drain = None
 
     async def wait(self, deadline: float | None) -> None:
         """Until something arrives (or the connection ends), at most until ``deadline``."""
@@ -441,8 +457,12 @@ class HopResponse:
 class HopClient:
     def __init__(self, *, connect_timeout: float, keepalive: float,
                  ssl_context: ssl.SSLContext | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None,
+                 write_timeout: float | None = None) -> None:
         self.connect_timeout = connect_timeout
+        self.write_timeout = connect_timeout if write_timeout is None else write_timeout
+        """Longest wait for a worker to take more of a request's bytes (default: the connect
+        timeout): a worker that stops reading a request fails its hop, it does not hold it."""
         self.keepalive = keepalive
         self._ssl = ssl_context
         self._loop = loop
@@ -481,10 +501,10 @@ class HopClient:
             conn.begin()
             try:
                 if message is not None:
-                    await conn.send(message)
+                    await conn.send(message, deadline, self.write_timeout)
                 else:
-                    await conn.send(head)
-                    await conn.send(body)
+                    await conn.send(head, deadline, self.write_timeout)
+                    await conn.send(body, deadline, self.write_timeout)
                 while conn.head is None:
                     await conn.wait(_until(self.loop, deadline, read_limit))
             except BaseException as e:

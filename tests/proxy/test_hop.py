@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -61,8 +62,14 @@ class Server:
         self.requests.append(head + body)
         return head + body
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+    async def start(self, *, rcvbuf: int | None = None, limit: int = 1 << 16) -> str:
+        """``rcvbuf``: a small fixed receive buffer for the accepted sockets (no autotuning), so
+        that a handler that stops reading soon fills the client's send path."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.bind(("127.0.0.1", 0))
+        self._server = await asyncio.start_server(self._handle, sock=sock, limit=limit)
         return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     async def close(self) -> None:
@@ -75,11 +82,13 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def serving(handler: Handler, **client_kw: float) -> AsyncIterator[tuple[Server, str, HopClient]]:
+async def serving(handler: Handler, *, rcvbuf: int | None = None, limit: int = 1 << 16,
+                  **client_kw: float) -> AsyncIterator[tuple[Server, str, HopClient]]:
     server = Server(handler)
-    url = await server.start()
+    url = await server.start(rcvbuf=rcvbuf, limit=limit)
     client = HopClient(connect_timeout=client_kw.get("connect_timeout", 5.0),
-                       keepalive=client_kw.get("keepalive", 4.0))
+                       keepalive=client_kw.get("keepalive", 4.0),
+                       write_timeout=client_kw.get("write_timeout"))
     try:
         yield server, url, client
     finally:
@@ -256,6 +265,60 @@ async def test_a_silent_worker_times_out_and_its_connection_is_closed(where: str
         await until(lambda: bool(server.closed_by_client))
         assert server.closed_by_client == [0]
         assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+_BIG = 16 << 20
+"""A request body larger than what the kernel buffers on both sides (4 MiB of send buffer at most
+here, and the scripted server's receive buffer fixed small)."""
+
+
+async def head_only(r: asyncio.StreamReader) -> int:
+    """Reads a request's head; its Content-Length."""
+    head = await r.readuntil(b"\r\n\r\n")
+    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:"))
+
+
+@pytest.mark.parametrize("limit", ["write_timeout", "deadline"])
+async def test_a_worker_that_stops_reading_the_request_fails_the_hop_it_does_not_hold_it(limit: str) -> None:
+    """The worker reads the request's head and then nothing: the write gives up after the write
+    timeout (or at the deadline), the connection is closed, nothing stays in use."""
+    release = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await head_only(r)
+        await release.wait()
+        with contextlib.suppress(ConnectionError):
+            while await r.read(1 << 20):
+                pass
+        server.closed_by_client.append(n)
+
+    write_timeout = 0.3 if limit == "write_timeout" else 60.0
+    async with serving(handler, rcvbuf=4096, write_timeout=write_timeout) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (60 if limit == "write_timeout" else 0.3)
+        task = asyncio.create_task(post(client, url, b"x" * _BIG, deadline=deadline, read_limit=None))
+        done, _ = await asyncio.wait({task}, timeout=20)  # a bound for the old behaviour (it hung)
+        assert task in done, "the hop is still writing to a worker that stopped reading"
+        assert isinstance(task.exception(), TimeoutError)
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        release.set()
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+
+
+async def test_a_worker_that_reads_the_request_slowly_but_steadily_is_not_cut_off() -> None:
+    """The write timeout is a limit on a wait without progress, not on the whole body."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        left = await head_only(r)
+        while left:
+            left -= len(await r.read(min(left, 256 << 10)))
+            await asyncio.sleep(0.02)
+        w.write(ok(b"{}"))
+        await w.drain()
+
+    async with serving(handler, rcvbuf=65536, limit=1 << 20, write_timeout=0.5) as (_, url, client):
+        assert await post(client, url, b"x" * _BIG, read_limit=None) == (200, b"{}")
 
 
 async def test_closing_an_answer_before_its_end_closes_the_connection_release_keeps_it() -> None:
