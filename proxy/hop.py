@@ -10,11 +10,20 @@ content type, no cookies, redirects, proxies, compression or multipart. What the
 
 * a keep-alive pool per worker (``scheme://host:port``), idle connections dropped after
   ``keepalive`` seconds (under vLLM's 5 s) and at the first sign the worker closed them; a
-  request whose reused connection turns out closed before any byte of the answer is sent again
-  once on a new connection (the worker never read it, as Go's ``net/http`` does);
-* a connect timeout, a deadline for the whole exchange and a limit on each wait for bytes;
+  pooled socket is polled just before reuse (readable means EOF, a reset or stray bytes: closed,
+  never written to). A POST is never sent twice here: a reused connection that ends with no
+  answer byte once the request went out raises ``HopStale`` (the worker most likely closed it
+  idle, but it may have read the request; ``Upstream`` sends it again only after aborting it);
+* at most ``max_per_host`` connections open per worker (connecting, in use, idle); a hop beyond
+  waits for one to come back or close, at most the connect timeout;
+* a connect timeout, a deadline for the whole exchange, a limit on each wait for bytes and one on
+  each wait for the worker to take request bytes (``write_timeout``, no progress);
 * answers framed by ``Content-Length``, chunked encoding or the connection's end, the body read
-  whole or as it arrives, with back-pressure (reading pauses while 1 MiB waits unread);
+  whole or as it arrives, with back-pressure (reading pauses while 1 MiB waits unread). Framing
+  is strict: a Content-Length is 1 to 18 ASCII digits (one value), a chunk size 1 to 16 hex
+  digits (extensions ignored), nothing else; anything malformed is a ``HopProtocolError`` and
+  closes the connection. An answer with both Transfer-Encoding and Content-Length is read as
+  chunked and its connection closed after it (RFC 9112 6.3);
 * TLS through the standard library (``ssl=`` context; ``https://`` workers);
 * a connection whose answer was not read to its end is closed, never reused: closing it is what
   tells vLLM the caller left.
@@ -26,8 +35,10 @@ turns them into the proxy's error tree.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
+import select
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -60,6 +71,13 @@ class HopProtocolError(Exception):
 
 class HopDisconnected(HopProtocolError, ConnectionError):
     """The connection ended before the answer did."""
+
+
+class HopStale(HopDisconnected):
+    """A kept-alive connection ended before any byte of the answer, after (some of) the request
+    was written to it. Most likely the worker had closed it idle and never read the request, but
+    it may have read it: the client does not send it again by itself (``Upstream`` does, once the
+    worker aborted any copy it read)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +118,8 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.uses = 0
+        self.counted = False
+        """Counted against the client's per-worker cap (until ``HopClient._drop``)."""
         self.idle_since = 0.0
         self._pending = b""
         self._state = _DONE
@@ -116,11 +136,16 @@ class _Conn(asyncio.Protocol):
         self._write_paused = False
         self.on_done: Callable[[], None] | None = None
         """Set while lingering (``HopResponse.release``): called when the answer ends."""
+        self._poll: select.poll | None = None
 
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), select.POLLIN)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -298,6 +323,12 @@ class _Conn(asyncio.Protocol):
         return (self._state == _DONE and self._keep_alive and self._exc is None and not self.closed
                 and not self._body and self.transport is not None and not self.transport.is_closing())
 
+    def stale(self) -> bool:
+        """An idle connection's socket is readable: the worker closed it (EOF, reset) or sent
+        bytes nobody asked for, and the loop has not run the callbacks that would say so yet.
+        Asked of the kernel (one ``poll``), so it holds at the moment a request would be written."""
+        return self._poll is not None and bool(self._poll.poll(0))
+
     def begin(self) -> None:
         self._state = _HEAD
         self.head = None
@@ -458,8 +489,11 @@ class HopClient:
     def __init__(self, *, connect_timeout: float, keepalive: float,
                  ssl_context: ssl.SSLContext | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
-                 write_timeout: float | None = None) -> None:
+                 write_timeout: float | None = None, max_per_host: int = 0) -> None:
         self.connect_timeout = connect_timeout
+        self.max_per_host = max_per_host
+        """Connections open to one worker at most (connecting, in use and idle; 0: no cap). A hop
+        beyond it waits for one to come back to the pool or close, at most the connect timeout."""
         self.write_timeout = connect_timeout if write_timeout is None else write_timeout
         """Longest wait for a worker to take more of a request's bytes (default: the connect
         timeout): a worker that stops reading a request fails its hop, it does not hold it."""
@@ -470,6 +504,10 @@ class HopClient:
         """``parse_origin``, each URL parsed once."""
         self._idle: dict[str, list[_Conn]] = {}
         self._in_use: set[_Conn] = set()
+        self._open: dict[str, int] = {}
+        """Per worker: connections counted against ``max_per_host``."""
+        self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
+        """Per worker: hops waiting for a connection (first come, first woken)."""
         self._closed = False
 
     @property
@@ -495,64 +533,146 @@ class HopClient:
                          origin.host_header, b"\r\nContent-Length: ", str(len(body)).encode(),
                          b"\r\n", headers, b"\r\n"))
         message = head + body if len(body) < 65536 else None
-        while True:
-            conn = await self._acquire(origin, deadline)
-            reused = conn.uses > 0
-            conn.begin()
-            try:
-                if message is not None:
-                    await conn.send(message, deadline, self.write_timeout)
-                else:
-                    await conn.send(head, deadline, self.write_timeout)
-                    await conn.send(body, deadline, self.write_timeout)
-                while conn.head is None:
-                    await conn.wait(_until(self.loop, deadline, read_limit))
-            except BaseException as e:
-                self._in_use.discard(conn)
-                conn.close()
-                # A kept-alive connection the worker had closed: it never read the request.
-                if reused and isinstance(e, HopDisconnected | ConnectionResetError | BrokenPipeError) \
-                        and not conn.got_bytes:
-                    continue
-                raise
-            status, hdrs = conn.head
-            return HopResponse(self, conn, status, hdrs, deadline=deadline, read_limit=read_limit)
+        conn = await self._acquire(origin, deadline)
+        reused = conn.uses > 0
+        conn.begin()
+        try:
+            if message is not None:
+                await conn.send(message, deadline, self.write_timeout)
+            else:
+                await conn.send(head, deadline, self.write_timeout)
+                await conn.send(body, deadline, self.write_timeout)
+            while conn.head is None:
+                await conn.wait(_until(self.loop, deadline, read_limit))
+        except BaseException as e:
+            self._in_use.discard(conn)
+            self._drop(conn)
+            if reused and isinstance(e, HopDisconnected | ConnectionResetError | BrokenPipeError) \
+                    and not conn.got_bytes:
+                # Most likely closed idle as the request went out, but the worker may have
+                # read it: not sent again here (``HopStale``).
+                raise HopStale("the worker closed a kept-alive connection before answering") from None
+            raise
+        status, hdrs = conn.head
+        return HopResponse(self, conn, status, hdrs, deadline=deadline, read_limit=read_limit)
 
     async def _acquire(self, origin: Origin, deadline: float | None) -> _Conn:
-        idle = self._idle.get(origin.key)
+        key = origin.key
+        conn = self._take_idle(key)
+        if conn is not None:
+            return conn
+        cap = self.max_per_host
+        if cap and self._open.get(key, 0) >= cap:
+            return await self._wait_for_one(origin, deadline)
+        return await self._connect(origin, deadline)
+
+    def _take_idle(self, key: str) -> _Conn | None:
+        """A pooled connection to reuse: fresh, kept-alive, and not closed by the worker (the
+        kernel is asked: ``_Conn.stale``). Others are closed on the way."""
+        idle = self._idle.get(key)
         if idle:
             now = self.loop.time()
             while idle:
                 conn = idle.pop()
-                if conn.reusable and now - conn.idle_since < self.keepalive:
+                if conn.reusable and now - conn.idle_since < self.keepalive and not conn.stale():
                     self._in_use.add(conn)
                     return conn
-                conn.close()
+                self._drop(conn)
+        return None
+
+    def _limit(self, deadline: float | None) -> float:
         limit = self.connect_timeout
         if deadline is not None:
             limit = min(limit, max(0.0, deadline - self.loop.time()))
+        return limit
+
+    async def _wait_for_one(self, origin: Origin, deadline: float | None) -> _Conn:
+        """At the cap: wait for a connection to come back to the pool (reused) or to close (a new
+        one is opened), at most the connect timeout and never past ``deadline`` (``TimeoutError``)."""
+        key, cap, loop = origin.key, self.max_per_host, self.loop
+        until = loop.time() + self._limit(deadline)
+        waiters = self._waiters.setdefault(key, deque())
+        while True:
+            waiter: asyncio.Future[None] = loop.create_future()
+            waiters.append(waiter)
+            timer = loop.call_at(until, _expire, waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    self._wake(key)  # woken, then cancelled: the wake goes to the next one
+                raise
+            finally:
+                timer.cancel()
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
+                if not waiters and self._waiters.get(key) is waiters:
+                    del self._waiters[key]
+            if self._closed:
+                raise HopDisconnected("the hop client is closed")
+            conn = self._take_idle(key)
+            if conn is not None:
+                return conn
+            if self._open.get(key, 0) < cap:
+                return await self._connect(origin, deadline)
+            # another hop took it first: wait again (the same bound)
+            waiters = self._waiters.setdefault(key, deque())
+
+    def _wake(self, key: str) -> None:
+        waiters = self._waiters.get(key)
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def _connect(self, origin: Origin, deadline: float | None) -> _Conn:
+        limit = self._limit(deadline)
         sslctx: ssl.SSLContext | None = None
         if origin.tls:
             if self._ssl is None:  # the system's CAs, full verification
                 self._ssl = ssl.create_default_context()
             sslctx = self._ssl
         conn = _Conn(self.loop, origin)
-        async with asyncio.timeout(limit):
-            await self.loop.create_connection(lambda: conn, origin.host, origin.port, ssl=sslctx,
-                                              server_hostname=origin.host if sslctx else None)
+        conn.counted = True
+        self._open[origin.key] = self._open.get(origin.key, 0) + 1
+        try:
+            async with asyncio.timeout(limit):
+                await self.loop.create_connection(lambda: conn, origin.host, origin.port, ssl=sslctx,
+                                                  server_hostname=origin.host if sslctx else None)
+        except BaseException:
+            self._drop(conn)
+            raise
         if self._closed:
-            conn.close()
+            self._drop(conn)
             raise HopDisconnected("the hop client is closed")
         self._in_use.add(conn)
         return conn
 
+    def _drop(self, conn: _Conn) -> None:
+        """Close a connection; its place under the cap goes to a waiting hop."""
+        conn.close()
+        if conn.counted:
+            conn.counted = False
+            key = conn.origin.key
+            left = self._open.get(key, 0) - 1
+            if left > 0:
+                self._open[key] = left
+            else:
+                self._open.pop(key, None)
+            if self._waiters:
+                self._wake(key)
+
     def release(self, conn: _Conn) -> None:
         self._in_use.discard(conn)
         if self._closed or not conn.reusable:
-            conn.close()
+            self._drop(conn)
             return
         conn.idle_since = self.loop.time()
-        self._idle.setdefault(conn.origin.key, []).append(conn)
+        key = conn.origin.key
+        self._idle.setdefault(key, []).append(conn)
+        if self._waiters:
+            self._wake(key)
 
     def linger(self, conn: _Conn) -> None:
         def give_up() -> None:
@@ -575,7 +695,7 @@ class HopClient:
             keep = [c for c in conns if c.reusable and now - c.idle_since < self.keepalive]
             for c in conns:
                 if c not in keep:
-                    c.close()
+                    self._drop(c)
             if keep:
                 self._idle[key] = keep
             else:
@@ -586,8 +706,15 @@ class HopClient:
         conns = [c for v in self._idle.values() for c in v] + list(self._in_use)
         self._idle.clear()
         self._in_use.clear()
+        self._open.clear()
         for c in conns:
+            c.counted = False
             c.close()
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(HopDisconnected("the hop client is closed"))
+        self._waiters.clear()
         await asyncio.sleep(0)  # let the transports run their connection_lost
 
 
@@ -601,5 +728,5 @@ def header_lines(headers: dict[str, str]) -> bytes:
     return b"".join(out)
 
 
-__all__ = ["HopClient", "HopDisconnected", "HopProtocolError", "HopResponse", "Origin", "header_lines",
-           "parse_origin"]
+__all__ = ["HopClient", "HopDisconnected", "HopProtocolError", "HopResponse", "HopStale", "Origin",
+           "header_lines", "parse_origin"]

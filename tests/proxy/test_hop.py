@@ -1,12 +1,14 @@
 """The generate hops' HTTP/1.1 client (``proxy.hop``) against scripted servers on loopback:
-framing, keep-alive reuse, the resend of a request whose kept-alive connection the worker had
-closed, timeouts, back-pressure, closing, cancellation, and the parser fed byte by byte."""
+framing (strict lengths and chunk sizes), keep-alive reuse, kept-alive connections the worker
+closed (polled before reuse; never sent twice silently), the connection cap per worker, timeouts
+(reads and writes), back-pressure, closing, cancellation, and the parser fed byte by byte."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import select
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -18,6 +20,7 @@ from proxy.hop import (
     HopClient,
     HopDisconnected,
     HopProtocolError,
+    HopStale,
     _Conn,
     header_lines,
     parse_origin,
@@ -82,13 +85,13 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def serving(handler: Handler, *, rcvbuf: int | None = None, limit: int = 1 << 16,
+async def serving(handler: Handler, *, rcvbuf: int | None = None, limit: int = 1 << 16, max_per_host: int = 0,
                   **client_kw: float) -> AsyncIterator[tuple[Server, str, HopClient]]:
     server = Server(handler)
     url = await server.start(rcvbuf=rcvbuf, limit=limit)
     client = HopClient(connect_timeout=client_kw.get("connect_timeout", 5.0),
                        keepalive=client_kw.get("keepalive", 4.0),
-                       write_timeout=client_kw.get("write_timeout"))
+                       write_timeout=client_kw.get("write_timeout"), max_per_host=max_per_host)
     try:
         yield server, url, client
     finally:
@@ -195,20 +198,59 @@ async def test_an_answer_that_closes_its_connection_is_not_kept(head: bytes) -> 
         assert server.connections == 2
 
 
-async def test_a_request_on_a_connection_the_worker_closed_is_sent_again_once() -> None:
-    """The worker closes a kept-alive connection as the request arrives (its idle timeout): no
-    answer byte, so it never read the request: sent again on a new connection."""
+async def test_a_kept_alive_connection_closed_after_the_request_went_out_is_not_sent_again() -> None:
+    """The worker closes a kept-alive connection with no answer byte after the request reached
+    it. It read the request here (it may have in general): the client does not send it again by
+    itself, it raises ``HopStale`` (``Upstream`` aborts the copy first, see test_upstream_hop)."""
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         while await server.request(r):
-            if n == 0 and len(server.requests) == 2:
-                return  # closes without answering
+            if len(server.requests) == 2:
+                return  # read it, then closes without answering
             w.write(ok(b"{}"))
             await w.drain()
 
     async with serving(handler) as (server, url, client):
         assert await post(client, url) == (200, b"{}")
+        with pytest.raises(HopStale):
+            await post(client, url)
+        assert len(server.requests) == 2 and server.connections == 1
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        assert await post(client, url) == (200, b"{}")  # the next request: a new connection
+
+
+async def test_a_kept_alive_connection_the_worker_closed_is_found_before_the_request_is_written() -> None:
+    """The worker half-closed an idle kept-alive connection (its FIN is in this host's kernel) but
+    would still read from it, and the loop has not seen the FIN yet. The pooled socket is polled
+    before reuse: the request goes out once, on a new connection, and never reaches the worker
+    twice (written on the stale socket, the worker would read it and then get it again)."""
+    half_closed: list[socket.socket] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            if n == 0 and half_closed:
+                await r.read()  # read it, cannot answer (its side is shut)
+                return
+            w.write(ok(b"{}"))
+            await w.drain()
+            if n == 0:
+                sock = w.get_extra_info("socket")
+                half_closed.append(sock)
+
+    async with serving(handler) as (server, url, client):
         assert await post(client, url) == (200, b"{}")
-        assert server.connections == 2 and len(server.requests) == 3
+        await until(lambda: bool(half_closed) and client.counts()["idle"] == 1)
+        idle = client._idle[parse_origin(url).key][0]
+        assert idle.transport is not None
+        client_fd = idle.transport.get_extra_info("socket").fileno()
+        half_closed[0].shutdown(socket.SHUT_WR)
+        # Block (no loop turn, so the protocol hears nothing) until the FIN is in the kernel.
+        poller = select.poll()
+        poller.register(client_fd, select.POLLIN)
+        assert poller.poll(5000), "the FIN did not arrive"
+        assert not idle.closed  # the loop has not run: only the kernel knows
+        assert await post(client, url) == (200, b"{}")
+        assert server.connections == 2
+        assert len(server.requests) == 2  # the first, then the second once (on connection 1)
 
 
 async def test_a_new_connection_closed_before_the_answer_is_an_error_not_a_resend() -> None:
@@ -319,6 +361,70 @@ async def test_a_worker_that_reads_the_request_slowly_but_steadily_is_not_cut_of
 
     async with serving(handler, rcvbuf=65536, limit=1 << 20, write_timeout=0.5) as (_, url, client):
         assert await post(client, url, b"x" * _BIG, read_limit=None) == (200, b"{}")
+
+
+@pytest.mark.parametrize("cap", [2, 0])
+async def test_connections_to_one_worker_are_capped_and_a_hop_beyond_waits_for_one(cap: int) -> None:
+    """At ``max_per_host`` open connections to a worker, a further hop opens none: it waits and
+    then takes the first connection that comes back to the pool. 0: no cap."""
+    go = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            await go.wait()
+            w.write(ok(b"{}"))
+            await w.drain()
+
+    async with serving(handler, max_per_host=cap) as (server, url, client):
+        tasks = [asyncio.create_task(post(client, url)) for _ in range(3)]
+        await until(lambda: len(server.requests) == (cap or 3))
+        await asyncio.sleep(0.05)  # room for a third connection, were one to be opened
+        assert len(server.requests) == server.connections == (cap or 3)
+        assert client.counts() == {"in_use": cap or 3, "idle": 0}
+        go.set()
+        assert [await t for t in tasks] == [(200, b"{}")] * 3
+        assert server.connections == (cap or 3) and len(server.requests) == 3
+
+
+async def test_a_hop_waiting_at_the_cap_gives_up_after_the_connect_timeout() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        await r.read()
+
+    async with serving(handler, max_per_host=1, connect_timeout=0.2) as (server, url, client):
+        held = asyncio.create_task(post(client, url))
+        await until(lambda: bool(server.requests))
+        with pytest.raises(TimeoutError):
+            await post(client, url)
+        assert server.connections == 1 and not held.done()
+        held.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        assert client._open == {} and client._waiters == {}
+
+
+async def test_a_connection_closed_at_the_cap_lets_a_waiting_hop_open_one() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        if n == 0:
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{")  # then nothing more
+            await w.drain()
+            await r.read()
+            return
+        w.write(ok(b"{}"))
+        await w.drain()
+
+    async with serving(handler, max_per_host=1) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        first = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 10, read_limit=5)
+        waiting = asyncio.create_task(post(client, url))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and server.connections == 1
+        first.close()  # mid-answer: the connection is closed, its place taken by the waiting hop
+        assert await waiting == (200, b"{}")
+        assert server.connections == 2
+        assert client._open == {parse_origin(url).key: 1}
 
 
 async def test_closing_an_answer_before_its_end_closes_the_connection_release_keeps_it() -> None:
@@ -518,6 +624,9 @@ class _Transport:
 
     def is_closing(self) -> bool:
         return self.closing
+
+    def get_extra_info(self, name: str) -> None:
+        return None
 
 
 @settings(max_examples=200, deadline=None)
