@@ -8,6 +8,7 @@ translated once into the ``proxy.errors.UpstreamError`` tree, naming the hop and
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -161,7 +162,8 @@ class Upstream:
         """Abort the request's id on the worker before sending it again; True when it answered."""
         limit = self.abort_limit
         if deadline is not None:
-            limit = min(limit, deadline - self.hops.loop.time())
+            # tenths of a second: ``_timeout`` keeps one ClientTimeout per distinct limit
+            limit = min(limit, math.floor((deadline - self.hops.loop.time()) * 10) / 10)
         ok = limit > 0 and await self.abort(worker, [engine_request_id(request_id)], limit=limit)
         if self._count_resend is not None:
             self._count_resend(hop, "resent" if ok else "abort_failed")
