@@ -206,16 +206,23 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     serving = app[SERVING]
     tls = upstream_context(settings.upstream_ca_file, settings.upstream_cert_file,
                            settings.upstream_key_file)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
+    cap = settings.upstream_max_connections_per_host
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=cap,
                                      keepalive_timeout=settings.upstream_keepalive_timeout,
                                      enable_cleanup_closed=True, ssl=tls if tls is not None else True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     json_serialize=json.dumps)
     hops = HopClient(connect_timeout=settings.connect_timeout,
-                     keepalive=settings.upstream_keepalive_timeout, ssl_context=tls)
+                     keepalive=settings.upstream_keepalive_timeout, ssl_context=tls, max_per_host=cap)
+    metrics = app[METRICS]
+
+    def count_resend(hop: str, result: str) -> None:
+        metrics.child(metrics.upstream_resends, hop, result).inc()
+
     serving.attach(Upstream(session, api_key=settings.upstream_api_key,
                             connect_timeout=settings.connect_timeout, hops=hops,
-                            inject=serving.tracing.hop_header_injector()))
+                            inject=serving.tracing.hop_header_injector(),
+                            abort_limit=settings.control_timeout, count_resend=count_resend))
 
     async def sweep() -> None:
         while True:

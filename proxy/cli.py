@@ -66,6 +66,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--upstream-keepalive-timeout", type=float, default=4.0,
                    help="idle pooled connections to workers are dropped after this many seconds; keep it "
                         "below the workers' keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)")
+    p.add_argument("--upstream-max-connections-per-host", type=int, default=512, metavar="N",
+                   help="connections open to one worker at most, per process, for the generate hops and "
+                        "for the control calls each (0: no cap); a hop beyond it waits for a free one for "
+                        "up to --connect-timeout")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
@@ -141,6 +145,7 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         decode_timeout=a.decode_timeout, stream_idle_timeout=a.stream_idle_timeout,
         connect_timeout=a.connect_timeout, drain_timeout=a.drain_timeout,
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
+        upstream_max_connections_per_host=a.upstream_max_connections_per_host,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
         slow_reader_timeout=a.slow_reader_timeout, max_body_bytes=a.max_body_bytes,

@@ -10,11 +10,20 @@ content type, no cookies, redirects, proxies, compression or multipart. What the
 
 * a keep-alive pool per worker (``scheme://host:port``), idle connections dropped after
   ``keepalive`` seconds (under vLLM's 5 s) and at the first sign the worker closed them; a
-  request whose reused connection turns out closed before any byte of the answer is sent again
-  once on a new connection (the worker never read it, as Go's ``net/http`` does);
-* a connect timeout, a deadline for the whole exchange and a limit on each wait for bytes;
+  pooled socket is polled just before reuse (readable means EOF, a reset or stray bytes: closed,
+  never written to). A POST is never sent twice here: a reused connection that ends with no
+  answer byte once the request went out raises ``HopStale`` (the worker most likely closed it
+  idle, but it may have read the request; ``Upstream`` sends it again only after aborting it);
+* at most ``max_per_host`` connections open per worker (connecting, in use, idle); a hop beyond
+  waits for one to come back or close, at most the connect timeout;
+* a connect timeout, a deadline for the whole exchange, a limit on each wait for bytes and one on
+  each wait for the worker to take request bytes (``write_timeout``, no progress);
 * answers framed by ``Content-Length``, chunked encoding or the connection's end, the body read
-  whole or as it arrives, with back-pressure (reading pauses while 1 MiB waits unread);
+  whole or as it arrives, with back-pressure (reading pauses while 1 MiB waits unread). Framing
+  is strict: a Content-Length is 1 to 18 ASCII digits (one value), a chunk size 1 to 16 hex
+  digits (extensions ignored), nothing else; anything malformed is a ``HopProtocolError`` and
+  closes the connection. An answer with both Transfer-Encoding and Content-Length is read as
+  chunked and its connection closed after it (RFC 9112 6.3);
 * TLS through the standard library (``ssl=`` context; ``https://`` workers);
 * a connection whose answer was not read to its end is closed, never reused: closing it is what
   tells vLLM the caller left.
@@ -26,7 +35,10 @@ turns them into the proxy's error tree.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import re
+import select
 import ssl
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +55,13 @@ LINGER = 1.0
 _MAX_ORIGINS = 4096
 """Cached URL parses (workers come and go through the admin API; the cache is bounded)."""
 
+_MAX_LENGTH_DIGITS = 18
+"""Longest Content-Length accepted (just under 1 EB; plain ASCII digits, nothing else)."""
+_MAX_CHUNK_DIGITS = 16
+"""Longest chunk size accepted (hex digits, nothing else)."""
+_HEX_SIZE = re.compile(rb"[0-9A-Fa-f]{1,%d}" % _MAX_CHUNK_DIGITS)
+_FRAMING = ("content-length", "transfer-encoding")
+
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 
 
@@ -52,6 +71,13 @@ class HopProtocolError(Exception):
 
 class HopDisconnected(HopProtocolError, ConnectionError):
     """The connection ended before the answer did."""
+
+
+class HopStale(HopDisconnected):
+    """A kept-alive connection ended before any byte of the answer, after (some of) the request
+    was written to it. Most likely the worker had closed it idle and never read the request, but
+    it may have read it: the client does not send it again by itself (``Upstream`` does, once the
+    worker aborted any copy it read)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +118,8 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.uses = 0
+        self.counted = False
+        """Counted against the client's per-worker cap (until ``HopClient._drop``)."""
         self.idle_since = 0.0
         self._pending = b""
         self._state = _DONE
@@ -108,11 +136,16 @@ class _Conn(asyncio.Protocol):
         self._write_paused = False
         self.on_done: Callable[[], None] | None = None
         """Set while lingering (``HopResponse.release``): called when the answer ends."""
+        self._poll: select.poll | None = None
 
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), select.POLLIN)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -193,12 +226,7 @@ class _Conn(asyncio.Protocol):
                     if not line:
                         self._state = _DONE
                 else:
-                    try:
-                        size = int(line.split(b";", 1)[0].strip(), 16)
-                    except ValueError:
-                        raise HopProtocolError("a malformed chunk size") from None
-                    if size < 0:
-                        raise HopProtocolError("a malformed chunk size")
+                    size = _chunk_size(line)
                     if size == 0:
                         self._state = _TRAILER
                     elif data[pos + size:pos + size + 2] == b"\r\n":
@@ -226,10 +254,10 @@ class _Conn(asyncio.Protocol):
         status_line = lines[0].split(b" ", 2)
         if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
             raise HopProtocolError("an answer that is not HTTP/1.x")
-        try:
-            status = int(status_line[1])
-        except ValueError:
-            raise HopProtocolError("a malformed status line") from None
+        code = status_line[1]
+        if len(code) != 3 or not code.isdigit():  # bytes.isdigit: ASCII digits only
+            raise HopProtocolError("a malformed status line")
+        status = int(code)
         if not 100 <= status <= 599:
             raise HopProtocolError("a malformed status line")
         if 100 <= status < 200:
@@ -239,7 +267,13 @@ class _Conn(asyncio.Protocol):
             name, sep, value = raw.partition(b":")
             if not sep or not name or name != name.strip():
                 raise HopProtocolError("a malformed header line")
-            headers[name.decode("latin-1").lower()] = value.strip().decode("latin-1")
+            key = name.decode("latin-1").lower()
+            text = value.strip().decode("latin-1")
+            if key in headers and key in _FRAMING and (key != "content-length" or headers[key] != text):
+                # Two framings (RFC 9112 6.3: an unrecoverable error; the same Content-Length
+                # twice is allowed): where the answer ends is not known.
+                raise HopProtocolError(f"a repeated {key} header")
+            headers[key] = text
         if status_line[0] == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
             self._keep_alive = False
         encoding = headers.get("transfer-encoding")
@@ -250,8 +284,12 @@ class _Conn(asyncio.Protocol):
             if encoding.lower() != "chunked":
                 raise HopProtocolError(f"an unsupported transfer encoding ({encoding})")
             self._state = _CHUNK_SIZE
+            if length is not None:
+                # Both: chunked wins (RFC 9112 6.3), and the connection is not reused after it
+                # (the two framings may have been read differently on the way).
+                self._keep_alive = False
         elif length is not None:
-            if not length.isdigit():
+            if not (len(length) <= _MAX_LENGTH_DIGITS and length.isascii() and length.isdigit()):
                 raise HopProtocolError("a malformed Content-Length")
             self._remaining = int(length)
             self._state = _LENGTH if self._remaining else _DONE
@@ -285,6 +323,12 @@ class _Conn(asyncio.Protocol):
         return (self._state == _DONE and self._keep_alive and self._exc is None and not self.closed
                 and not self._body and self.transport is not None and not self.transport.is_closing())
 
+    def stale(self) -> bool:
+        """An idle connection's socket is readable: the worker closed it (EOF, reset) or sent
+        bytes nobody asked for, and the loop has not run the callbacks that would say so yet.
+        Asked of the kernel (one ``poll``), so it holds at the moment a request would be written."""
+        return self._poll is not None and bool(self._poll.poll(0))
+
     def begin(self) -> None:
         self._state = _HEAD
         self.head = None
@@ -292,12 +336,28 @@ class _Conn(asyncio.Protocol):
         self._pending = b""
         self.uses += 1
 
-    async def send(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(data)
-        if self._write_paused and not self.closed:
-            self._drain = self.loop.create_future()
-            await self._drain
+    async def send(self, data: bytes, deadline: float | None, write_limit: float) -> None:
+        """Write ``data``; while the transport's buffer is full, wait for the worker to read it.
+        ``TimeoutError`` when the worker took nothing for ``write_limit`` seconds, or at
+        ``deadline``."""
+        transport = self.transport
+        assert transport is not None
+        transport.write(data)
+        while self._write_paused and not self.closed:
+            left = transport.get_write_buffer_size()
+            drain = self._drain = self.loop.create_future()
+            until = self.loop.time() + write_limit
+            timer = self.loop.call_at(until if deadline is None else min(until, deadline), _expire, drain)
+            try:
+                await drain
+            except TimeoutError:
+                progress = transport.get_write_buffer_size() < left
+                if progress and (deadline is None or self.loop.time() < deadline):
+                    continue  # slow, not stuck: the worker took some
+                raise
+            finally:
+                timer.cancel()
+                self._drain = None
 
     async def wait(self, deadline: float | None) -> None:
         """Until something arrives (or the connection ends), at most until ``deadline``."""
@@ -337,6 +397,18 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk-size line's size: 1 to 16 hex digits, optionally followed by chunk extensions
+    (``;name[=value]``, whitespace allowed before each ``;``, RFC 9112 7.1.1) that are ignored.
+    No sign, no ``0x``, no ``_``, no whitespace elsewhere: anything else is a protocol error."""
+    digits, semi, _ = line.partition(b";")
+    if semi:
+        digits = digits.rstrip(b" \t")
+    if _HEX_SIZE.fullmatch(digits) is None:  # int(, 16) alone takes signs, "0x", "_" and spaces
+        raise HopProtocolError("a malformed chunk size")
+    return int(digits, 16)
 
 
 def _until(loop: asyncio.AbstractEventLoop, deadline: float | None, read_limit: float | None) -> float | None:
@@ -416,8 +488,15 @@ class HopResponse:
 class HopClient:
     def __init__(self, *, connect_timeout: float, keepalive: float,
                  ssl_context: ssl.SSLContext | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None,
+                 write_timeout: float | None = None, max_per_host: int = 0) -> None:
         self.connect_timeout = connect_timeout
+        self.max_per_host = max_per_host
+        """Connections open to one worker at most (connecting, in use and idle; 0: no cap). A hop
+        beyond it waits for one to come back to the pool or close, at most the connect timeout."""
+        self.write_timeout = connect_timeout if write_timeout is None else write_timeout
+        """Longest wait for a worker to take more of a request's bytes (default: the connect
+        timeout): a worker that stops reading a request fails its hop, it does not hold it."""
         self.keepalive = keepalive
         self._ssl = ssl_context
         self._loop = loop
@@ -425,6 +504,10 @@ class HopClient:
         """``parse_origin``, each URL parsed once."""
         self._idle: dict[str, list[_Conn]] = {}
         self._in_use: set[_Conn] = set()
+        self._open: dict[str, int] = {}
+        """Per worker: connections counted against ``max_per_host``."""
+        self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
+        """Per worker: hops waiting for a connection (first come, first woken)."""
         self._closed = False
 
     @property
@@ -450,64 +533,146 @@ class HopClient:
                          origin.host_header, b"\r\nContent-Length: ", str(len(body)).encode(),
                          b"\r\n", headers, b"\r\n"))
         message = head + body if len(body) < 65536 else None
-        while True:
-            conn = await self._acquire(origin, deadline)
-            reused = conn.uses > 0
-            conn.begin()
-            try:
-                if message is not None:
-                    await conn.send(message)
-                else:
-                    await conn.send(head)
-                    await conn.send(body)
-                while conn.head is None:
-                    await conn.wait(_until(self.loop, deadline, read_limit))
-            except BaseException as e:
-                self._in_use.discard(conn)
-                conn.close()
-                # A kept-alive connection the worker had closed: it never read the request.
-                if reused and isinstance(e, HopDisconnected | ConnectionResetError | BrokenPipeError) \
-                        and not conn.got_bytes:
-                    continue
-                raise
-            status, hdrs = conn.head
-            return HopResponse(self, conn, status, hdrs, deadline=deadline, read_limit=read_limit)
+        conn = await self._acquire(origin, deadline)
+        reused = conn.uses > 0
+        conn.begin()
+        try:
+            if message is not None:
+                await conn.send(message, deadline, self.write_timeout)
+            else:
+                await conn.send(head, deadline, self.write_timeout)
+                await conn.send(body, deadline, self.write_timeout)
+            while conn.head is None:
+                await conn.wait(_until(self.loop, deadline, read_limit))
+        except BaseException as e:
+            self._in_use.discard(conn)
+            self._drop(conn)
+            if reused and isinstance(e, HopDisconnected | ConnectionResetError | BrokenPipeError) \
+                    and not conn.got_bytes:
+                # Most likely closed idle as the request went out, but the worker may have
+                # read it: not sent again here (``HopStale``).
+                raise HopStale("the worker closed a kept-alive connection before answering") from None
+            raise
+        status, hdrs = conn.head
+        return HopResponse(self, conn, status, hdrs, deadline=deadline, read_limit=read_limit)
 
     async def _acquire(self, origin: Origin, deadline: float | None) -> _Conn:
-        idle = self._idle.get(origin.key)
+        key = origin.key
+        conn = self._take_idle(key)
+        if conn is not None:
+            return conn
+        cap = self.max_per_host
+        if cap and self._open.get(key, 0) >= cap:
+            return await self._wait_for_one(origin, deadline)
+        return await self._connect(origin, deadline)
+
+    def _take_idle(self, key: str) -> _Conn | None:
+        """A pooled connection to reuse: fresh, kept-alive, and not closed by the worker (the
+        kernel is asked: ``_Conn.stale``). Others are closed on the way."""
+        idle = self._idle.get(key)
         if idle:
             now = self.loop.time()
             while idle:
                 conn = idle.pop()
-                if conn.reusable and now - conn.idle_since < self.keepalive:
+                if conn.reusable and now - conn.idle_since < self.keepalive and not conn.stale():
                     self._in_use.add(conn)
                     return conn
-                conn.close()
+                self._drop(conn)
+        return None
+
+    def _limit(self, deadline: float | None) -> float:
         limit = self.connect_timeout
         if deadline is not None:
             limit = min(limit, max(0.0, deadline - self.loop.time()))
+        return limit
+
+    async def _wait_for_one(self, origin: Origin, deadline: float | None) -> _Conn:
+        """At the cap: wait for a connection to come back to the pool (reused) or to close (a new
+        one is opened), at most the connect timeout and never past ``deadline`` (``TimeoutError``)."""
+        key, cap, loop = origin.key, self.max_per_host, self.loop
+        until = loop.time() + self._limit(deadline)
+        waiters = self._waiters.setdefault(key, deque())
+        while True:
+            waiter: asyncio.Future[None] = loop.create_future()
+            waiters.append(waiter)
+            timer = loop.call_at(until, _expire, waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    self._wake(key)  # woken, then cancelled: the wake goes to the next one
+                raise
+            finally:
+                timer.cancel()
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
+                if not waiters and self._waiters.get(key) is waiters:
+                    del self._waiters[key]
+            if self._closed:
+                raise HopDisconnected("the hop client is closed")
+            conn = self._take_idle(key)
+            if conn is not None:
+                return conn
+            if self._open.get(key, 0) < cap:
+                return await self._connect(origin, deadline)
+            # another hop took it first: wait again (the same bound)
+            waiters = self._waiters.setdefault(key, deque())
+
+    def _wake(self, key: str) -> None:
+        waiters = self._waiters.get(key)
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def _connect(self, origin: Origin, deadline: float | None) -> _Conn:
+        limit = self._limit(deadline)
         sslctx: ssl.SSLContext | None = None
         if origin.tls:
             if self._ssl is None:  # the system's CAs, full verification
                 self._ssl = ssl.create_default_context()
             sslctx = self._ssl
         conn = _Conn(self.loop, origin)
-        async with asyncio.timeout(limit):
-            await self.loop.create_connection(lambda: conn, origin.host, origin.port, ssl=sslctx,
-                                              server_hostname=origin.host if sslctx else None)
+        conn.counted = True
+        self._open[origin.key] = self._open.get(origin.key, 0) + 1
+        try:
+            async with asyncio.timeout(limit):
+                await self.loop.create_connection(lambda: conn, origin.host, origin.port, ssl=sslctx,
+                                                  server_hostname=origin.host if sslctx else None)
+        except BaseException:
+            self._drop(conn)
+            raise
         if self._closed:
-            conn.close()
+            self._drop(conn)
             raise HopDisconnected("the hop client is closed")
         self._in_use.add(conn)
         return conn
 
+    def _drop(self, conn: _Conn) -> None:
+        """Close a connection; its place under the cap goes to a waiting hop."""
+        conn.close()
+        if conn.counted:
+            conn.counted = False
+            key = conn.origin.key
+            left = self._open.get(key, 0) - 1
+            if left > 0:
+                self._open[key] = left
+            else:
+                self._open.pop(key, None)
+            if self._waiters:
+                self._wake(key)
+
     def release(self, conn: _Conn) -> None:
         self._in_use.discard(conn)
         if self._closed or not conn.reusable:
-            conn.close()
+            self._drop(conn)
             return
         conn.idle_since = self.loop.time()
-        self._idle.setdefault(conn.origin.key, []).append(conn)
+        key = conn.origin.key
+        self._idle.setdefault(key, []).append(conn)
+        if self._waiters:
+            self._wake(key)
 
     def linger(self, conn: _Conn) -> None:
         def give_up() -> None:
@@ -530,7 +695,7 @@ class HopClient:
             keep = [c for c in conns if c.reusable and now - c.idle_since < self.keepalive]
             for c in conns:
                 if c not in keep:
-                    c.close()
+                    self._drop(c)
             if keep:
                 self._idle[key] = keep
             else:
@@ -541,8 +706,15 @@ class HopClient:
         conns = [c for v in self._idle.values() for c in v] + list(self._in_use)
         self._idle.clear()
         self._in_use.clear()
+        self._open.clear()
         for c in conns:
+            c.counted = False
             c.close()
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(HopDisconnected("the hop client is closed"))
+        self._waiters.clear()
         await asyncio.sleep(0)  # let the transports run their connection_lost
 
 
@@ -556,5 +728,5 @@ def header_lines(headers: dict[str, str]) -> bytes:
     return b"".join(out)
 
 
-__all__ = ["HopClient", "HopDisconnected", "HopProtocolError", "HopResponse", "Origin", "header_lines",
-           "parse_origin"]
+__all__ = ["HopClient", "HopDisconnected", "HopProtocolError", "HopResponse", "HopStale", "Origin",
+           "header_lines", "parse_origin"]

@@ -18,6 +18,12 @@ prefill reply advertised no ``remote_block_ids``, or the decode usage reports
 cannot use: no ``[DONE]``, not JSON, wrong ``output_mode``, an oversized event) and
 ``error_event`` (vLLM's in-band SSE error event in a stream that had started).
 
+``pd_proxy_upstream_resends_total{hop,result}``: a generate hop whose kept-alive connection ended
+with no answer byte after the request went out (``proxy.hop.HopStale``; a connection the worker
+had already closed is found before the request is written and is not counted). ``resent``: the
+worker answered an abort of the request's id, then the request went out again on another
+connection; ``abort_failed``: it did not, and the hop failed as a disconnect.
+
 The pools (``proxy.pools.runtime.PoolMetrics``) add ``pd_proxy_retries_total{hop}``,
 ``pd_proxy_migrations_total``, ``pd_proxy_queue_rejections_total`` and the gauges
 ``pd_proxy_circuit_state{pool,worker}`` and ``pd_proxy_worker_healthy{pool,worker}`` (the active
@@ -100,6 +106,11 @@ class ProxyMetrics:
                                          ["pool", "worker"], registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors", "Failed calls to workers",
                                        ["pool", "worker", "error"], registry=r)
+        self.upstream_resends = Counter(
+            "pd_proxy_upstream_resends",
+            "Generate hops whose kept-alive connection closed with no answer after the request went "
+            "out: resent (the worker aborted its id first) or abort_failed (not resent, the hop failed)",
+            ["hop", "result"], registry=r)
         self.inflight = Gauge("pd_proxy_inflight_requests", "Requests in flight per pool", ["pool"],
                               registry=r, multiprocess_mode="livesum")
         self.aborts = Counter("pd_proxy_aborts", "Aborts by source and state", ["source", "state"],

@@ -42,8 +42,14 @@ class ProxySettings:
     connect_timeout: float = 5.0
     upstream_keepalive_timeout: float = 4.0
     """How long an idle pooled connection to a worker is kept for reuse. Keep it below the workers'
-    own keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default): a connection the worker
-    is closing at the moment the proxy reuses it fails the request with a disconnect."""
+    own keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default). A pooled connection is
+    polled before reuse; one the worker closes just as a request goes out is sent again only after an
+    abort of its id (``proxy.upstream.Upstream.open``, ``pd_proxy_upstream_resends_total``)."""
+    upstream_max_connections_per_host: int = 512
+    """Connections open to one worker at most, per process, for the generate hops and for the control
+    calls each (0: no cap). A generate hop beyond it waits for a free one for at most
+    ``connect_timeout``; a control call (abort, health probe) within its own timeout (aiohttp's
+    ``limit_per_host``)."""
     prefill_timeout: float = 300.0
     """Whole prefill hop (a non-streaming call)."""
     decode_timeout: float = 600.0
@@ -114,6 +120,8 @@ class ProxySettings:
         return [*([(None, self.api_key)] if self.api_key else []), *self.api_keys]
 
     def __post_init__(self) -> None:
+        if self.upstream_max_connections_per_host < 0:
+            raise ValueError("--upstream-max-connections-per-host must be 0 (no cap) or more")
         p = self.pools
         dynamic = p.config_file is not None or bool(p.k8s) or bool(p.admin_key)
         if (not self.prefill_urls or not self.decode_urls) and not dynamic:

@@ -8,6 +8,7 @@ translated once into the ``proxy.errors.UpstreamError`` tree, naming the hop and
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -22,14 +23,16 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from proxy.hop import HopClient, HopDisconnected, HopProtocolError, HopResponse, header_lines
-from proxy.protocol import hop_json, parse_worker_json, unique_key_end
+from proxy.hop import HopClient, HopDisconnected, HopProtocolError, HopResponse, HopStale, header_lines
+from proxy.protocol import engine_request_id, hop_json, parse_worker_json, unique_key_end
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
 
 HeaderInjector = Callable[[dict[str, str]], None]
 """Adds headers to a hop (the tracing's ``traceparent``)."""
+ResendCounter = Callable[[str, str], None]
+"""Counts a stale kept-alive hop: (hop, ``resent`` or ``abort_failed``)."""
 
 
 _IDS_KEY = b'"token_ids"'
@@ -86,11 +89,15 @@ def _broken(e: BaseException) -> str:
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, *, api_key: str | None, connect_timeout: float,
                  hops: HopClient | None = None, inject: HeaderInjector | None = None,
-                 keepalive: float = 4.0) -> None:
+                 keepalive: float = 4.0, abort_limit: float = 5.0,
+                 count_resend: ResendCounter | None = None) -> None:
         self.session = session
         self.connect_timeout = connect_timeout
         self.hops = hops or HopClient(connect_timeout=connect_timeout, keepalive=keepalive)
         self._inject = inject
+        self.abort_limit = abort_limit
+        """The abort sent before a stale hop goes out again (``open``): at most this long."""
+        self._count_resend = count_resend
         self._headers = {"Content-Type": "application/json"}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         if api_key:
@@ -112,6 +119,13 @@ class Upstream:
         ``total`` bounds the whole exchange (the body's reading included), ``sock_read`` each
         wait for bytes. The caller owns the response (``close()`` it). Error statuses are read
         and raised.
+
+        A kept-alive connection that ends with no answer byte once the request went out
+        (``HopStale``): the worker most likely closed it idle and never read the request, but
+        it may have. The request goes out once more, on another connection, only after the
+        worker answered an abort of its id (any copy it read is ended, and vLLM ignores the
+        abort of an id it does not have); counted (``count_resend``). When that abort fails,
+        the hop fails as a disconnect.
         """
         extra = {"X-Request-Id": request_id}
         if self._inject is not None:
@@ -119,9 +133,16 @@ class Upstream:
         headers = self._hop_headers + header_lines(extra)
         hops = self.hops
         deadline = hops.loop.time() + total if total is not None else None
+        data = encode_body(body)
         try:
-            resp = await hops.request(worker, GENERATE_PATH, headers, encode_body(body), deadline=deadline,
-                                      read_limit=sock_read)
+            try:
+                resp = await hops.request(worker, GENERATE_PATH, headers, data, deadline=deadline,
+                                          read_limit=sock_read)
+            except HopStale:
+                if not await self._abort_stale(hop, worker, request_id, deadline):
+                    raise
+                resp = await hops.request(worker, GENERATE_PATH, headers, data, deadline=deadline,
+                                          read_limit=sock_read)
         except TimeoutError:
             raise UpstreamTimeout(hop, worker, "timed out before answering") from None
         except (OSError, HopProtocolError) as e:
@@ -136,6 +157,17 @@ class Upstream:
             raise UpstreamStatusError(hop, worker, resp.status, payload,
                                       resp.headers.get("content-type", "application/json"))
         return resp
+
+    async def _abort_stale(self, hop: str, worker: str, request_id: str, deadline: float | None) -> bool:
+        """Abort the request's id on the worker before sending it again; True when it answered."""
+        limit = self.abort_limit
+        if deadline is not None:
+            # tenths of a second: ``_timeout`` keeps one ClientTimeout per distinct limit
+            limit = min(limit, math.floor((deadline - self.hops.loop.time()) * 10) / 10)
+        ok = limit > 0 and await self.abort(worker, [engine_request_id(request_id)], limit=limit)
+        if self._count_resend is not None:
+            self._count_resend(hop, "resent" if ok else "abort_failed")
+        return ok
 
     async def read_json(self, hop: str, worker: str, resp: HopResponse) -> dict[str, Any]:
         return (await self.read_json_raw(hop, worker, resp))[0]

@@ -1,12 +1,15 @@
 """The generate hops' HTTP/1.1 client (``proxy.hop``) against scripted servers on loopback:
-framing, keep-alive reuse, the resend of a request whose kept-alive connection the worker had
-closed, timeouts, back-pressure, closing, cancellation, and the parser fed byte by byte."""
+framing (strict lengths and chunk sizes), keep-alive reuse, kept-alive connections the worker
+closed (polled before reuse; never sent twice silently), the connection cap per worker, timeouts
+(reads and writes), back-pressure, closing, cancellation, and the parser fed byte by byte."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import select
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -17,6 +20,7 @@ from proxy.hop import (
     HopClient,
     HopDisconnected,
     HopProtocolError,
+    HopStale,
     _Conn,
     header_lines,
     parse_origin,
@@ -61,8 +65,14 @@ class Server:
         self.requests.append(head + body)
         return head + body
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+    async def start(self, *, rcvbuf: int | None = None, limit: int = 1 << 16) -> str:
+        """``rcvbuf``: a small fixed receive buffer for the accepted sockets (no autotuning), so
+        that a handler that stops reading soon fills the client's send path."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.bind(("127.0.0.1", 0))
+        self._server = await asyncio.start_server(self._handle, sock=sock, limit=limit)
         return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
     async def close(self) -> None:
@@ -75,11 +85,13 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def serving(handler: Handler, **client_kw: float) -> AsyncIterator[tuple[Server, str, HopClient]]:
+async def serving(handler: Handler, *, rcvbuf: int | None = None, limit: int = 1 << 16, max_per_host: int = 0,
+                  **client_kw: float) -> AsyncIterator[tuple[Server, str, HopClient]]:
     server = Server(handler)
-    url = await server.start()
+    url = await server.start(rcvbuf=rcvbuf, limit=limit)
     client = HopClient(connect_timeout=client_kw.get("connect_timeout", 5.0),
-                       keepalive=client_kw.get("keepalive", 4.0))
+                       keepalive=client_kw.get("keepalive", 4.0),
+                       write_timeout=client_kw.get("write_timeout"), max_per_host=max_per_host)
     try:
         yield server, url, client
     finally:
@@ -186,20 +198,59 @@ async def test_an_answer_that_closes_its_connection_is_not_kept(head: bytes) -> 
         assert server.connections == 2
 
 
-async def test_a_request_on_a_connection_the_worker_closed_is_sent_again_once() -> None:
-    """The worker closes a kept-alive connection as the request arrives (its idle timeout): no
-    answer byte, so it never read the request: sent again on a new connection."""
+async def test_a_kept_alive_connection_closed_after_the_request_went_out_is_not_sent_again() -> None:
+    """The worker closes a kept-alive connection with no answer byte after the request reached
+    it. It read the request here (it may have in general): the client does not send it again by
+    itself, it raises ``HopStale`` (``Upstream`` aborts the copy first, see test_upstream_hop)."""
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         while await server.request(r):
-            if n == 0 and len(server.requests) == 2:
-                return  # closes without answering
+            if len(server.requests) == 2:
+                return  # read it, then closes without answering
             w.write(ok(b"{}"))
             await w.drain()
 
     async with serving(handler) as (server, url, client):
         assert await post(client, url) == (200, b"{}")
+        with pytest.raises(HopStale):
+            await post(client, url)
+        assert len(server.requests) == 2 and server.connections == 1
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        assert await post(client, url) == (200, b"{}")  # the next request: a new connection
+
+
+async def test_a_kept_alive_connection_the_worker_closed_is_found_before_the_request_is_written() -> None:
+    """The worker half-closed an idle kept-alive connection (its FIN is in this host's kernel) but
+    would still read from it, and the loop has not seen the FIN yet. The pooled socket is polled
+    before reuse: the request goes out once, on a new connection, and never reaches the worker
+    twice (written on the stale socket, the worker would read it and then get it again)."""
+    half_closed: list[socket.socket] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            if n == 0 and half_closed:
+                await r.read()  # read it, cannot answer (its side is shut)
+                return
+            w.write(ok(b"{}"))
+            await w.drain()
+            if n == 0:
+                sock = w.get_extra_info("socket")
+                half_closed.append(sock)
+
+    async with serving(handler) as (server, url, client):
         assert await post(client, url) == (200, b"{}")
-        assert server.connections == 2 and len(server.requests) == 3
+        await until(lambda: bool(half_closed) and client.counts()["idle"] == 1)
+        idle = client._idle[parse_origin(url).key][0]
+        assert idle.transport is not None
+        client_fd = idle.transport.get_extra_info("socket").fileno()
+        half_closed[0].shutdown(socket.SHUT_WR)
+        # Block (no loop turn, so the protocol hears nothing) until the FIN is in the kernel.
+        poller = select.poll()
+        poller.register(client_fd, select.POLLIN)
+        assert poller.poll(5000), "the FIN did not arrive"
+        assert not idle.closed  # the loop has not run: only the kernel knows
+        assert await post(client, url) == (200, b"{}")
+        assert server.connections == 2
+        assert len(server.requests) == 2  # the first, then the second once (on connection 1)
 
 
 async def test_a_new_connection_closed_before_the_answer_is_an_error_not_a_resend() -> None:
@@ -256,6 +307,124 @@ async def test_a_silent_worker_times_out_and_its_connection_is_closed(where: str
         await until(lambda: bool(server.closed_by_client))
         assert server.closed_by_client == [0]
         assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+_BIG = 16 << 20
+"""A request body larger than what the kernel buffers on both sides (4 MiB of send buffer at most
+here, and the scripted server's receive buffer fixed small)."""
+
+
+async def head_only(r: asyncio.StreamReader) -> int:
+    """Reads a request's head; its Content-Length."""
+    head = await r.readuntil(b"\r\n\r\n")
+    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:"))
+
+
+@pytest.mark.parametrize("limit", ["write_timeout", "deadline"])
+async def test_a_worker_that_stops_reading_the_request_fails_the_hop_it_does_not_hold_it(limit: str) -> None:
+    """The worker reads the request's head and then nothing: the write gives up after the write
+    timeout (or at the deadline), the connection is closed, nothing stays in use."""
+    release = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await head_only(r)
+        await release.wait()
+        with contextlib.suppress(ConnectionError):
+            while await r.read(1 << 20):
+                pass
+        server.closed_by_client.append(n)
+
+    write_timeout = 0.3 if limit == "write_timeout" else 60.0
+    async with serving(handler, rcvbuf=4096, write_timeout=write_timeout) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (60 if limit == "write_timeout" else 0.3)
+        task = asyncio.create_task(post(client, url, b"x" * _BIG, deadline=deadline, read_limit=None))
+        done, _ = await asyncio.wait({task}, timeout=20)  # a bound for the old behaviour (it hung)
+        assert task in done, "the hop is still writing to a worker that stopped reading"
+        assert isinstance(task.exception(), TimeoutError)
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        release.set()
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+
+
+async def test_a_worker_that_reads_the_request_slowly_but_steadily_is_not_cut_off() -> None:
+    """The write timeout is a limit on a wait without progress, not on the whole body."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        left = await head_only(r)
+        while left:
+            left -= len(await r.read(min(left, 256 << 10)))
+            await asyncio.sleep(0.02)
+        w.write(ok(b"{}"))
+        await w.drain()
+
+    async with serving(handler, rcvbuf=65536, limit=1 << 20, write_timeout=0.5) as (_, url, client):
+        assert await post(client, url, b"x" * _BIG, read_limit=None) == (200, b"{}")
+
+
+@pytest.mark.parametrize("cap", [2, 0])
+async def test_connections_to_one_worker_are_capped_and_a_hop_beyond_waits_for_one(cap: int) -> None:
+    """At ``max_per_host`` open connections to a worker, a further hop opens none: it waits and
+    then takes the first connection that comes back to the pool. 0: no cap."""
+    go = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            await go.wait()
+            w.write(ok(b"{}"))
+            await w.drain()
+
+    async with serving(handler, max_per_host=cap) as (server, url, client):
+        tasks = [asyncio.create_task(post(client, url)) for _ in range(3)]
+        await until(lambda: len(server.requests) == (cap or 3))
+        await asyncio.sleep(0.05)  # room for a third connection, were one to be opened
+        assert len(server.requests) == server.connections == (cap or 3)
+        assert client.counts() == {"in_use": cap or 3, "idle": 0}
+        go.set()
+        assert [await t for t in tasks] == [(200, b"{}")] * 3
+        assert server.connections == (cap or 3) and len(server.requests) == 3
+
+
+async def test_a_hop_waiting_at_the_cap_gives_up_after_the_connect_timeout() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        await r.read()
+
+    async with serving(handler, max_per_host=1, connect_timeout=0.2) as (server, url, client):
+        held = asyncio.create_task(post(client, url))
+        await until(lambda: bool(server.requests))
+        with pytest.raises(TimeoutError):
+            await post(client, url)
+        assert server.connections == 1 and not held.done()
+        held.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        assert client._open == {} and client._waiters == {}
+
+
+async def test_a_connection_closed_at_the_cap_lets_a_waiting_hop_open_one() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        if n == 0:
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{")  # then nothing more
+            await w.drain()
+            await r.read()
+            return
+        w.write(ok(b"{}"))
+        await w.drain()
+
+    async with serving(handler, max_per_host=1) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        first = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 10, read_limit=5)
+        waiting = asyncio.create_task(post(client, url))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and server.connections == 1
+        first.close()  # mid-answer: the connection is closed, its place taken by the waiting hop
+        assert await waiting == (200, b"{}")
+        assert server.connections == 2
+        assert client._open == {parse_origin(url).key: 1}
 
 
 async def test_closing_an_answer_before_its_end_closes_the_connection_release_keeps_it() -> None:
@@ -343,26 +512,86 @@ async def test_idle_connections_past_the_keepalive_are_not_reused_and_are_swept(
         assert client.counts() == {"in_use": 0, "idle": 0}
 
 
+_CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+_TAIL = b"{}\r\n0\r\n\r\n"
+"""A chunk of 2 bytes once its size line is given, then the last chunk."""
+
+
 @pytest.mark.parametrize("answer", [
     b"SPDY/3 200 OK\r\n\r\n",
     b"HTTP/1.1 abc OK\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"HTTP/1.1 +200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    _CHUNKED + b"zz\r\n",
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
     b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",
+    _CHUNKED + b"2\r\nabc\r\n0\r\n\r\n",
+    # Content-Length: plain ASCII digits, at most 18 of them, one value.
+    b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n{}",  # a latin-1 superscript two
+    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"0" * 5000 + b"2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"1" * 19 + b"\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}x",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n" + b"2\r\n" + _TAIL,
+    # Chunk sizes: 1 to 16 hex digits, no sign, prefix, separator or stray whitespace.
+    _CHUNKED + b"+2\r\n" + _TAIL,
+    _CHUNKED + b" 2\r\n" + _TAIL,
+    _CHUNKED + b"2 \r\n" + _TAIL,
+    _CHUNKED + b"0x2\r\n" + _TAIL,
+    _CHUNKED + b"0_2\r\n" + _TAIL,
+    _CHUNKED + b"\xb2\r\n" + _TAIL,
+    _CHUNKED + b"0" * 16 + b"2\r\n" + _TAIL,
+    _CHUNKED + b"-0\r\n\r\n",
 ])
-async def test_a_broken_answer_is_a_protocol_error(answer: bytes) -> None:
+async def test_a_broken_answer_is_a_protocol_error_and_its_connection_is_closed(answer: bytes) -> None:
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         await server.request(r)
         w.write(answer)
         await w.drain()
         await r.read()
+        server.closed_by_client.append(n)
 
     async with serving(handler) as (server, url, client):
         with pytest.raises(HopProtocolError) as e:
             await post(client, url)
         assert not isinstance(e.value, HopDisconnected)
         assert client.counts() == {"in_use": 0, "idle": 0}
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+
+
+@pytest.mark.parametrize("size_line", [b"2", b"02", b"0000000000000002", b"2;ext", b"2 ;a=b",
+                                       b'2\t; a="x;y" ;b', b"2;"])
+async def test_chunk_extensions_are_tolerated(size_line: bytes) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(_CHUNKED + size_line + b"\r\n{}\r\n0;end\r\n\r\n")
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b"{}")
+        assert await post(client, url) == (200, b"{}")
+        assert server.connections == 1
+
+
+async def test_an_answer_with_both_transfer_encoding_and_content_length_is_chunked_and_not_reused() -> None:
+    """RFC 9112 6.3: Transfer-Encoding overrides Content-Length, and such a message may be an
+    attempt at request smuggling: read as chunked, and its connection is closed afterwards."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"4\r\nabcd\r\n0\r\n\r\n")
+            await w.drain()
+        server.closed_by_client.append(n)
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b"abcd")
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+        assert await post(client, url) == (200, b"abcd")
+        assert server.connections == 2
 
 
 def test_header_values_with_line_breaks_are_left_out() -> None:
@@ -395,6 +624,9 @@ class _Transport:
 
     def is_closing(self) -> bool:
         return self.closing
+
+    def get_extra_info(self, name: str) -> None:
+        return None
 
 
 @settings(max_examples=200, deadline=None)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from urllib.parse import urlsplit
+
+_REQUEST_LINE = re.compile(rb"(?:POST|GET) \S+ HTTP/1\.1(?=\r\n)")
 
 
 class FakeClock:
@@ -30,6 +33,8 @@ class CutRelay:
         self.cut_on = cut_on
         self.cuts = 0
         self.connections = 0
+        self.requests: list[tuple[int, bytes]] = []
+        """(connection number, request line) of every request seen, the cut one included."""
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -50,13 +55,16 @@ class CutRelay:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        n = self.connections
         self.connections += 1
         up_reader, up_writer = await asyncio.open_connection(*self.target)
         back = asyncio.create_task(self._pump(up_reader, writer))
         requests = 0
         try:
             while chunk := await reader.read(65536):
-                requests += chunk.count(b" HTTP/1.1\r\n")
+                lines = _REQUEST_LINE.findall(chunk)
+                self.requests += [(n, line) for line in lines]
+                requests += len(lines)
                 if requests >= self.cut_on and self.cuts == 0:
                     self.cuts += 1
                     break  # close both sides without a response byte

@@ -1,7 +1,10 @@
-"""A prefill hop whose reused keep-alive connection is closed before any response byte is sent
-again on a new connection to the same worker, also with a single prefill worker. The hop client
-does it (``proxy.hop``): the worker closed an idle connection and never read the request, so
-it is not the worker's failure: no retry, no upstream error, nothing toward its circuit."""
+"""A prefill hop whose reused keep-alive connection is closed after the request went out, before
+any response byte, is sent again on a new connection to the same worker, also with a single
+prefill worker, but only after the worker answered an abort of the request's id (it may have
+read the request: any copy it runs is ended), and the resend is counted
+(``pd_proxy_upstream_resends_total``). ``Upstream.open`` does it over ``proxy.hop``. The worker
+most likely closed an idle connection: not its failure, so no retry, no upstream error, nothing
+toward its circuit."""
 
 from __future__ import annotations
 
@@ -34,7 +37,11 @@ async def test_reused_connection_closed_before_the_answer_is_retried_on_the_one_
             r = await client.post("/inference/v1/generate", json=body)
             answers.append((r.status, (await r.json())["choices"][0]["token_ids"]))
         assert answers[0] == answers[1] and answers[0][0] == 200
-        assert relay.cuts == 1 and relay.connections == 2
+        assert relay.cuts == 1 and relay.connections == 3
+        generate = b"POST /inference/v1/generate HTTP/1.1"
+        abort = b"POST /inference/v1/abort_requests HTTP/1.1"
+        # connection 0 carries the first request and the cut one; the abort goes first, then the resend
+        assert relay.requests == [(0, generate), (0, generate), (1, abort), (2, generate)]
         text = await (await client.get("/metrics")).text()
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(text) for s in f.samples}
@@ -42,6 +49,7 @@ async def test_reused_connection_closed_before_the_answer_is_retried_on_the_one_
         labels = (("error", "connect"), ("pool", "prefill"), ("worker", url))
         assert samples.get(("pd_proxy_upstream_errors_total", labels), 0) == 0
         assert samples[("pd_proxy_requests_total", (("outcome", "ok"),))] == 2
+        assert samples[("pd_proxy_upstream_resends_total", (("hop", "prefill"), ("result", "resent")))] == 1
         assert app[SERVING].leases.open_count == 0
     finally:
         await relay.close()
