@@ -39,6 +39,7 @@ from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.protocol import JSONBodyError, error_body, loads_bounded
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
+from proxy.sockets import LISTEN_BACKLOG, reuseport_socket
 from proxy.tenants import OPEN, Tenant, Tenants
 from proxy.tls import server_context, upstream_context
 from proxy.tracing import Tracing
@@ -274,7 +275,6 @@ class AdminListener:
         await runner.setup()
         site: web.BaseSite
         if s.workers > 1:
-            from proxy.multiproc import LISTEN_BACKLOG, reuseport_socket  # noqa: PLC0415
 
             sock = reuseport_socket(s.pools.admin_host, port)
             sock.listen(LISTEN_BACKLOG)

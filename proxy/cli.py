@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hmac
 import ipaddress
 import logging
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from aiohttp import web
-
-from proxy.app import build_app
-from proxy.logs import EscapingFormatter, configure_access_log
+from proxy.logs import EscapingFormatter
 from proxy.pools.pool import normalize_url
 from proxy.pools.runtime import add_pool_arguments, pool_settings_from_args
+from proxy.server import serve
 from proxy.settings import ProxySettings
 from proxy.tenants import Tenants, read_key_file
-from proxy.tls import server_context
 from proxy.tracing import otel_installed
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -156,16 +150,6 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
     )
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed, else the default loop."""
-    try:
-        import uvloop  # noqa: PLC0415
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
-
-
 def is_loopback(host: str) -> bool:
     """``localhost`` or a loopback address (127.0.0.0/8, ::1); any other name or address is not."""
     if host == "localhost":
@@ -193,21 +177,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         raise SystemExit(run_workers(settings, settings.workers))
     serve(settings)
-
-
-def serve(settings: ProxySettings, sock: socket.socket | None = None) -> None:
-    """Run one server process until SIGTERM/SIGINT, on ``sock`` when given (``--workers``)."""
-    configure_access_log(settings.log_format)
-    loop = new_event_loop()
-    asyncio.set_event_loop(loop)
-    where: dict[str, Any] = {"sock": sock} if sock is not None else \
-        {"host": settings.host, "port": settings.port}
-    ssl_context = server_context(settings.tls_cert_file, settings.tls_key_file) \
-        if settings.tls_cert_file else None
-    web.run_app(build_app(settings), **where, ssl_context=ssl_context,
-                keepalive_timeout=settings.header_timeout,
-                shutdown_timeout=settings.drain_timeout, handler_cancellation=True,
-                access_log=None, loop=loop)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The parent binds nothing that accepts: it reserves the port (a bound, never list
 ``SO_REUSEPORT``, which also resolves ``--port 0``), then starts N children (``spawn``: a fresh
 interpreter each, nothing inherited but the settings). Each child binds its own listening socket
 to the same address with ``SO_REUSEPORT`` and runs the ordinary single-process server
-(``proxy.cli.serve``) on it. The kernel spreads new connections over the children by a hash of
+(``proxy.server.serve``) on it. The kernel spreads new connections over the children by a hash of
 the connection's addresses: a burst of connections is shared out evenly, which a shared accept
 socket does not do (one busy-looping ``accept`` can take the whole burst).
 
@@ -60,31 +60,15 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
+from proxy.server import serve
 from proxy.settings import ProxySettings
+from proxy.sockets import LISTEN_BACKLOG, reuseport_socket
 
 log = logging.getLogger("pd_proxy")
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-LISTEN_BACKLOG = 1024
 KILL_AFTER_DRAIN = 10.0
 _PR_SET_PDEATHSIG = 1
-
-
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) with ``SO_REUSEADDR`` and ``SO_REUSEPORT`` (not listening)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _die_with_parent() -> None:
     """Linux: SIGTERM this process when its parent dies (no orphaned children serving on)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -98,7 +82,6 @@ def child_main(settings: ProxySettings, index: int, parent_pid: int, log_level: 
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         return
-    from proxy.cli import serve  # noqa: PLC0415  (the parent imports this module from proxy.cli)
 
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s %(levelname)s %(name)s[{index}] %(message)s")

@@ -20,8 +20,9 @@ import pytest
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.cli import parse_args, serve
+from proxy.cli import parse_args
 from proxy.pools.runtime import PoolSettings
+from proxy.server import serve
 from proxy.settings import ProxySettings
 from proxy.tls import server_context, upstream_context
 from proxy.upstream import Upstream

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.cli import parse_args, serve
+from proxy.cli import parse_args
+from proxy.server import serve
 from tests.reliability.harness import GENERATE, World, sse_events, start_world
 
 pytestmark = pytest.mark.timeout(60)
