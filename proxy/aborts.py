@@ -16,8 +16,7 @@ from aiohttp import web
 from proxy.core import Core, Part
 from proxy.flight import Flight
 from proxy.ids import abortable_id, upstream_id
-from proxy.pools import Overloaded
-from proxy.pools.worker import Worker
+from proxy.pools import Overloaded, Worker
 from proxy.protocol import (
     abort_full_response,
     abort_stream_chunk,

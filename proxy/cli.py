@@ -11,8 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from proxy.logs import EscapingFormatter
-from proxy.pools.pool import normalize_url
-from proxy.pools.runtime import add_pool_arguments, pool_settings_from_args
+from proxy.pools import add_pool_arguments, normalize_url, pool_settings_from_args
 from proxy.server import serve
 from proxy.settings import ProxySettings
 from proxy.tenants import Tenants, read_key_file

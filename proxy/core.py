@@ -27,8 +27,7 @@ from proxy.errors import (
 )
 from proxy.flight import Flight
 from proxy.metrics import ProxyMetrics
-from proxy.pools.runtime import BYPASS_HEADER, PoolRuntime
-from proxy.pools.worker import Worker
+from proxy.pools import BYPASS_HEADER, PoolRuntime, Worker
 from proxy.settings import ProxySettings
 from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
 from proxy.tracing import DISABLED as TRACING_DISABLED

@@ -19,9 +19,7 @@ from proxy.errors import (
     UpstreamStatusError,
 )
 from proxy.flight import Flight
-from proxy.pools import NoWorkerAvailable, Outcome, Overloaded
-from proxy.pools.retry import is_transient
-from proxy.pools.worker import Worker
+from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, Worker, is_transient
 
 log = logging.getLogger("pd_proxy")
 

@@ -20,8 +20,7 @@ from proxy.errors import (
     UpstreamStatusError,
 )
 from proxy.flight import Flight
-from proxy.pools import Outcome
-from proxy.pools.worker import Worker
+from proxy.pools import Outcome, Worker
 from proxy.protocol import (
     compact_json,
     splice_null_key,

@@ -20,10 +20,16 @@ from proxy.errors import (
     UpstreamStatusError,
 )
 from proxy.flight import Flight
-from proxy.pools import DeadlineExceeded, NoWorkerAvailable, Outcome, Overloaded, PickContext
-from proxy.pools.admission import hop_budget
-from proxy.pools.retry import is_transient
-from proxy.pools.worker import Worker
+from proxy.pools import (
+    DeadlineExceeded,
+    NoWorkerAvailable,
+    Outcome,
+    Overloaded,
+    PickContext,
+    Worker,
+    hop_budget,
+    is_transient,
+)
 from proxy.state import Phase
 
 log = logging.getLogger("pd_proxy")

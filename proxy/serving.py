@@ -45,9 +45,7 @@ from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, upstream_id
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
-from proxy.pools import Deadline, DeadlineExceeded, NoWorkerAvailable, Overloaded
-from proxy.pools.preflight import handoff_check
-from proxy.pools.worker import Worker
+from proxy.pools import Deadline, DeadlineExceeded, NoWorkerAvailable, Overloaded, Worker, handoff_check
 from proxy.prefill import Prefill
 from proxy.protocol import (
     GenerateRequest,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 
 PrefillFailurePolicy = Literal["fail", "decode-only"]
 LogFormat = Literal["text", "json"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from kv_transfer.ledger import Lease
-from proxy.pools.worker import Worker
+from proxy.pools import Worker
 
 __all__ = ["Phase", "RequestRecord", "RequestTable", "TaskTracker", "Worker"]
 """``Worker`` is re-exported: the pools (``proxy.pools``) own it."""

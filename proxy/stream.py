@@ -25,9 +25,7 @@ from proxy.errors import (
 )
 from proxy.flight import Flight
 from proxy.hop import HopResponse
-from proxy.pools import NoWorkerAvailable, Outcome, Overloaded
-from proxy.pools.migration import StreamFollower, migration_blocker
-from proxy.pools.worker import Worker
+from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
 from proxy.protocol import (
     parse_worker_json,

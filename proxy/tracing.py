@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
-    from proxy.pools.worker import Worker
+    from proxy.pools import Worker
     from proxy.state import RequestRecord
 
 REQUEST_SPAN: Final = "POST /inference/v1/generate"

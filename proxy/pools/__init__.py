@@ -6,11 +6,22 @@ Public API re-exported here; the modules behind it are private by convention.
 from proxy.pools.admission import DEADLINE_HEADER, Admission, Deadline, WaitQueue, hop_budget
 from proxy.pools.breaker import BreakerConfig, CircuitBreaker, CircuitState
 from proxy.pools.errors import DeadlineExceeded, NoWorkerAvailable, Overloaded
+from proxy.pools.migration import StreamFollower, migration_blocker
 from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
-from proxy.pools.pool import LoadWeights, Pool
+from proxy.pools.pool import LoadWeights, Pool, normalize_url
+from proxy.pools.preflight import handoff_check
+from proxy.pools.retry import is_transient
+from proxy.pools.runtime import (
+    BYPASS_HEADER,
+    PoolRuntime,
+    PoolSettings,
+    add_pool_arguments,
+    pool_settings_from_args,
+)
 from proxy.pools.worker import Outcome, ScrapedLoad, Worker
 
 __all__ = [
+    "BYPASS_HEADER",
     "DEADLINE_HEADER",
     "POLICY_NAMES",
     "Admission",
@@ -26,9 +37,18 @@ __all__ = [
     "PickContext",
     "Policy",
     "Pool",
+    "PoolRuntime",
+    "PoolSettings",
     "ScrapedLoad",
+    "StreamFollower",
     "WaitQueue",
     "Worker",
+    "add_pool_arguments",
+    "handoff_check",
     "hop_budget",
+    "is_transient",
     "make_policy",
+    "migration_blocker",
+    "normalize_url",
+    "pool_settings_from_args",
 ]
