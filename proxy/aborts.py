@@ -14,20 +14,46 @@ from typing import Any
 from aiohttp import web
 
 from proxy.core import Core, Part
+from proxy.errors import HTTPBadRequest
 from proxy.flight import Flight
 from proxy.ids import abortable_id, upstream_id
 from proxy.pools import Overloaded, Worker
 from proxy.protocol import (
+    JSONBodyError,
     abort_full_response,
     abort_stream_chunk,
     compact_json,
     engine_request_id,
+    loads_bounded,
 )
 from proxy.sse import DONE_EVENT, comment_event, data_event
 from proxy.state import Phase
 from proxy.tenants import Tenant
 
 log = logging.getLogger("pd_proxy")
+
+
+def abort_request_ids(body: bytes, *, limit: int) -> list[str]:
+    """The ids a ``POST /inference/v1/abort_requests`` body names, as vLLM reads them (a list, or
+    one bare string; other values in the list are skipped), deduplicated. Raises
+    ``HTTPBadRequest`` (vLLM's 400s) for a body that is not JSON or has no ``request_ids``, and
+    for more than ``limit`` distinct ids."""
+    try:
+        obj = loads_bounded(body)  # deep nesting or huge ints are a 400, not a 500
+    except JSONBodyError as e:
+        raise HTTPBadRequest(f"JSON decode error: {e.detail}") from None
+    ids = obj.get("request_ids") if isinstance(obj, dict) else None
+    if ids is None:
+        raise HTTPBadRequest("Missing 'request_ids' in request body")
+    if isinstance(ids, str):
+        ids = [ids]
+    if not isinstance(ids, list):
+        return []
+    unique = list(dict.fromkeys(i for i in ids if isinstance(i, str)))
+    if len(unique) > limit:
+        raise HTTPBadRequest(f"at most {limit} distinct request ids per abort call, got {len(unique)}",
+                             param="request_ids")
+    return unique
 
 
 class Aborts(Part):

@@ -30,13 +30,21 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from proxy.aborts import abort_request_ids
 from proxy.diagnostics import runtime_snapshot
-from proxy.errors import ProxyError, Unauthorized, error_middleware, json_response
+from proxy.errors import (
+    ON_ERROR,
+    Forbidden,
+    ProxyError,
+    ShuttingDown,
+    Unauthorized,
+    error_middleware,
+    json_response,
+)
 from proxy.hop import HopClient
 from proxy.limits import body_middleware
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
-from proxy.protocol import JSONBodyError, error_body, loads_bounded
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
 from proxy.sockets import LISTEN_BACKLOG, reuseport_socket
@@ -85,13 +93,11 @@ def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) 
         if path.startswith(ADMIN_PREFIXES):
             if admin.enabled:
                 if not _admin_key_ok(request, admin):
-                    return Unauthorized("Unauthorized").to_response()
+                    raise Unauthorized("Unauthorized")
                 return await handler(request)
             if tenants.namespaced:
-                return json_response(error_body(
-                    "/debug shows every tenant's requests: it needs the admin key (PD_PROXY_ADMIN_KEY or "
-                    "--admin-key-file)", "Forbidden", 403),
-                    status=403)
+                raise Forbidden("/debug shows every tenant's requests: it needs the admin key "
+                                "(PD_PROXY_ADMIN_KEY or --admin-key-file)")
         guarded = path.startswith(GUARDED_PREFIXES) or (
             path == LEGACY_ABORT_PATH and not settings.legacy_abort_mirror_vllm)
         if not tenants.enabled:
@@ -99,13 +105,13 @@ def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) 
         elif guarded:
             tenant = tenants.identify(request.headers.get("Authorization"))
             if tenant is None:
-                return Unauthorized("Unauthorized").to_response()
+                raise Unauthorized("Unauthorized")
             request[TENANT] = tenant
         elif path == LEGACY_ABORT_PATH:
             # vLLM's keyless legacy abort (--legacy-abort-mirror-vllm): it acts as the only
             # tenant; with several tenants it would reach everyone's requests, so it is refused.
             if tenants.namespaced:
-                return Unauthorized("Unauthorized").to_response()
+                raise Unauthorized("Unauthorized")
             request[TENANT] = OPEN
         return await handler(request)
 
@@ -115,35 +121,16 @@ def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) 
 async def generate(request: web.Request) -> web.StreamResponse:
     app = request.app
     if app[DRAINING].is_set():
-        app[METRICS].requests.labels(outcome="rejected").inc()
         if ACCESS_LOG.isEnabledFor(logging.INFO):
             log_access({"request_id": request.headers.get("X-Request-Id"), "outcome": "rejected",
                          "status": 503}, app[SETTINGS].log_format)
-        return json_response(
-            error_body("the proxy is shutting down", "ServiceUnavailableError", 503), status=503)
+        raise ShuttingDown
     return await app[SERVING].generate(request, request.get(TENANT, OPEN))
 
 
 async def abort_requests(request: web.Request) -> web.Response:
-    body = await request.read()
-    try:
-        obj = loads_bounded(body)  # deep nesting or huge ints are a 400, not a 500
-    except JSONBodyError as e:
-        return json_response(error_body(f"JSON decode error: {e.detail}", "Bad Request", 400), status=400)
-    ids = obj.get("request_ids") if isinstance(obj, dict) else None
-    if ids is None:
-        return json_response(
-            error_body("Missing 'request_ids' in request body", "Bad Request", 400), status=400)
-    if isinstance(ids, str):
-        ids = [ids]
-    if isinstance(ids, list):
-        unique = list(dict.fromkeys(i for i in ids if isinstance(i, str)))
-        limit = request.app[SETTINGS].max_abort_ids
-        if len(unique) > limit:
-            return json_response(error_body(
-                f"at most {limit} distinct request ids per abort call, got {len(unique)}",
-                "Bad Request", 400, "request_ids"), status=400)
-        request.app[SERVING].abort_ids(request.get(TENANT, OPEN), unique)
+    ids = abort_request_ids(await request.read(), limit=request.app[SETTINGS].max_abort_ids)
+    request.app[SERVING].abort_ids(request.get(TENANT, OPEN), ids)
     return web.Response(status=200)
 
 
@@ -310,6 +297,13 @@ async def _admin_listener(app: web.Application) -> AsyncIterator[None]:
         await listener.stop()
 
 
+def _count_error(request: web.Request, e: ProxyError) -> None:
+    """Every generate call that ends in an error is counted here, by the error's outcome."""
+    if request.path == GENERATE_PATH:
+        metrics = request.app[METRICS]
+        metrics.child(metrics.requests, e.outcome).inc()
+
+
 async def _on_shutdown(app: web.Application) -> None:
     app[DRAINING].set()
     app[SERVING].draining = True
@@ -334,6 +328,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
                                      tracing=Tracing.create(settings.otel, tracer_provider))
     app[DRAINING] = asyncio.Event()
     app[ADMIN_KEYS] = admin_keys
+    app[ON_ERROR] = _count_error
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/inference/v1/generate", generate)

@@ -40,17 +40,25 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 class ProxyError(Exception):
     status: int = 500
     err_type: str = "InternalServerError"
+    _outcome: str = "upstream_error"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers: dict[str, str] | None = None
+        """Headers the answer carries (a generate request's id and decode-only reason)."""
+
+    @property
+    def outcome(self) -> str:
+        """The ``outcome`` label of ``pd_proxy_requests_total`` when a generate call ends so."""
+        return self._outcome
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.status, self.param)
 
     def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return json_response(self.body(), self.status, headers)
+        return json_response(self.body(), self.status, headers if headers is not None else self.headers)
 
     def sse_event(self) -> bytes:
         """The in-band error event vLLM sends once a stream has started."""
@@ -59,6 +67,7 @@ class ProxyError(Exception):
 
 class ClientError(ProxyError):
     status = 400
+    _outcome = "client_error"
 
 
 class InvalidRequest(ClientError):
@@ -87,9 +96,34 @@ class BodyTimeout(ClientError):
     err_type = HTTPStatus(408).phrase
 
 
+class HTTPBadRequest(ClientError):
+    """A 400 as vLLM's ``HTTPException`` handler writes it (the status phrase as ``type``): the
+    abort endpoint's."""
+
+    err_type = HTTPStatus(400).phrase
+
+
+class Forbidden(ProxyError):
+    status = 403
+    err_type = HTTPStatus(403).phrase
+    _outcome = "client_error"
+
+
+class ShuttingDown(ProxyError):
+    """A generate call that arrives while the proxy drains."""
+
+    status = 503
+    err_type = "ServiceUnavailableError"
+    _outcome = "rejected"
+
+    def __init__(self) -> None:
+        super().__init__("the proxy is shutting down")
+
+
 class Unauthorized(ProxyError):
     status = 401
     err_type = "Unauthorized"
+    _outcome = "client_error"
 
     def body(self) -> dict[str, Any]:
         return {"error": "Unauthorized"}
@@ -123,9 +157,14 @@ class UpstreamStatusError(UpstreamError):
     def passthrough(self) -> bool:
         return 400 <= self.upstream_status < 500
 
+    @property
+    def outcome(self) -> str:
+        return "client_error" if self.passthrough else "upstream_error"
+
     def to_response(self, headers: dict[str, str] | None = None) -> web.Response:
         if self.passthrough:
-            resp = web.Response(status=self.upstream_status, body=self.upstream_body, headers=headers)
+            resp = web.Response(status=self.upstream_status, body=self.upstream_body,
+                                headers=headers if headers is not None else self.headers)
             resp.content_type = self.content_type.split(";")[0] or "application/json"
             return resp
         return super().to_response(headers)
@@ -147,6 +186,7 @@ class UpstreamUnavailable(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     status = 504
+    _outcome = "timeout"
     err_type = "GatewayTimeoutError"
 
 
@@ -182,13 +222,23 @@ def http_exception_response(exc: web.HTTPException) -> web.StreamResponse:
     return json_response(error_body(exc.reason, HTTPStatus(exc.status).phrase, exc.status), exc.status)
 
 
+ErrorHook = Callable[[web.Request, "ProxyError"], None]
+ON_ERROR: web.AppKey[ErrorHook] = web.AppKey("on_error")
+"""App key: called with every ``ProxyError`` a handler raised, before it is answered (the app
+counts failed generate calls there)."""
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Outermost middleware: every error leaves in vLLM's shape, and an unexpected exception
-    is a logged (method, path and type only: never the body) generic 500, not aiohttp's text."""
+    is a logged (method, path and type only: never the body) generic 500, not aiohttp's text.
+    Handlers and the walk raise; this is where errors become answers (and are counted)."""
     try:
         return await handler(request)
     except ProxyError as e:
+        on_error = request.app.get(ON_ERROR)
+        if on_error is not None:
+            on_error(request, e)
         return e.to_response()
     except web.HTTPException as e:
         if e.status < 400:

@@ -582,13 +582,6 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None)
     ).model_dump()
 
 
-class AbortRequest(BaseModel):
-    """Body of ``POST /inference/v1/abort_requests`` (vLLM reads ``request_ids`` loosely:
-    a bare string is accepted too)."""
-
-    request_ids: list[str] | str
-
-
 def engine_request_id(base: str) -> str:
     """The id vLLM's engine knows a generate request by."""
     return GENERATE_PREFIX + base

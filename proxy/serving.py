@@ -45,7 +45,7 @@ from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, upstream_id
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
-from proxy.pools import Deadline, DeadlineExceeded, NoWorkerAvailable, Overloaded, Worker, handoff_check
+from proxy.pools import Deadline, NoWorkerAvailable, Overloaded, Worker, handoff_check
 from proxy.prefill import Prefill
 from proxy.protocol import (
     GenerateRequest,
@@ -143,29 +143,25 @@ class Serving:
         return req, data
 
     async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
+        """One generate call. Errors are raised (``proxy.errors``): the app's error middleware
+        answers them in vLLM's shape and counts them."""
         t0 = self.clock()
         body = await request.read()
         try:
             req, data = self.validate(body, request.headers.get("Content-Type", ""))
             client_id = client_request_id(request.headers.get("X-Request-Id"), req.request_id)
         except ClientError as e:
-            self.metrics.child(self.metrics.requests, "client_error").inc()
             if ACCESS_LOG.isEnabledFor(logging.INFO):
                 log_access({"request_id": request.headers.get("X-Request-Id"), "outcome": "client_error",
                             "status": e.status, "total_ms": round((self.clock() - t0) * 1000.0, 3)},
                            self.settings.log_format)
-            return e.to_response()
-        try:
-            deadline = self.pools.deadline(request.headers)
-        except ClientError as e:
-            self.metrics.child(self.metrics.requests, "client_error").inc()
-            return e.to_response()
+            raise
+        deadline = self.pools.deadline(request.headers)
         try:
             await self.pools.admission.acquire(None if deadline is None else max(0.0, deadline.remaining()))
-        except Overloaded as e:
+        except Overloaded:
             self.pools.count_rejection()
-            self.metrics.child(self.metrics.requests, "rejected").inc()
-            return e.to_response()
+            raise
         try:
             return await self._admitted(request, t0, req, data, deadline, tenant=tenant,
                                         client_id=client_id if client_id is not None else uuid.uuid4().hex)
@@ -193,12 +189,9 @@ class Serving:
                 log.warning("request %s failed: %s", record.engine_id, e.message)
             if isinstance(e, Overloaded):
                 self.pools.count_rejection()
-            outcome = "timeout" if isinstance(e, UpstreamTimeout | DeadlineExceeded) else (
-                "client_error" if isinstance(e, UpstreamStatusError) and e.passthrough
-                else "rejected" if isinstance(e, Overloaded) else "upstream_error")
-            self.metrics.child(self.metrics.requests, outcome).inc()
-            status = e.status
-            return e.to_response(flight.headers)
+            outcome, status = e.outcome, e.status
+            e.headers = flight.headers
+            raise
         except (asyncio.CancelledError, ConnectionResetError):
             # aiohttp cancels the handler (or a write fails) when the client went away.
             if self.core.note_abort(record, "shutdown" if self.draining else "disconnect"):

@@ -36,6 +36,7 @@ class Overloaded(_RetryAfterError):
 
     status = 429
     err_type = "TooManyRequestsError"
+    _outcome = "rejected"
 
     def __init__(self, message: str, *, retry_after: float, reason: str) -> None:
         super().__init__(message, retry_after=retry_after)
@@ -54,6 +55,7 @@ class NoWorkerAvailable(_RetryAfterError):
 class DeadlineExceeded(ProxyError):
     status = 504
     err_type = "GatewayTimeoutError"
+    _outcome = "timeout"
 
     def __init__(self, stage: str) -> None:
         super().__init__(f"the request's deadline passed during {stage}")
