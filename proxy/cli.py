@@ -29,9 +29,12 @@ log = logging.getLogger(__name__)
 
 def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p = argparse.ArgumentParser(prog="pd-proxy", description=__doc__)
-    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
-                   help="prefill worker URLs (or --workers-file / --k8s-endpointslices / --admin-key)")
-    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode worker URLs")
+    # extend: `--prefill A B` and `--prefill A --prefill B` (vllm-router's habit) both give A and B.
+    p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                   help="prefill worker URLs, space-separated or the flag repeated (or --workers-file / "
+                        "--k8s-endpointslices / --admin-key)")
+    p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
+                   help="decode worker URLs, space-separated or the flag repeated")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1, metavar="N",
