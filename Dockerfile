@@ -38,7 +38,8 @@ ENV PATH=/opt/pd-proxy/bin:$PATH \
     PD_PROXY_PORT=8000
 USER 10001:10001
 EXPOSE 8000
-# /health answers 200 while the proxy serves; python is used because the slim image has no curl.
+# /livez answers 200 while the process serves, whatever the workers do (/health is 503 while a pool
+# has no worker: vLLM loading, an outage); python is used because the slim image has no curl.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PD_PROXY_PORT', '8000') + '/health', timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PD_PROXY_PORT', '8000') + '/livez', timeout=2)"]
 ENTRYPOINT ["pd-proxy", "--host", "0.0.0.0", "--port", "8000"]

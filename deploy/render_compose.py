@@ -220,8 +220,8 @@ def _flow(items: Sequence[str]) -> str:
     return "[" + ", ".join(_q(i) for i in items) + "]"
 
 
-def _health(url: str, interval: str, start_period: str) -> list[str]:
-    probe = f"import urllib.request; urllib.request.urlopen('{url}/health', timeout=5)"
+def _health(url: str, interval: str, start_period: str, path: str = "/health") -> list[str]:
+    probe = f"import urllib.request; urllib.request.urlopen('{url}{path}', timeout=5)"
     return [
         "    healthcheck:",
         f"      test: {_flow(['CMD', 'python3', '-c', probe])}",
@@ -312,7 +312,8 @@ def render_compose(s: Settings) -> str:
     for w in s.workers:
         lines += [f"      {w.name}:", "        condition: service_healthy"]
     lines += [
-        *_health(proxy_url, "10s", "20s"),
+        # /livez: the process serves (/health is 503 while a pool has no worker).
+        *_health(proxy_url, "10s", "20s", "/livez"),
         "",
         "  prometheus:",
         f"    image: {PROMETHEUS_IMAGE}",

@@ -322,3 +322,14 @@ def test_endpointslice_discovery_component(tmp_path: Path, overlay: str) -> None
         assert port in {p["name"] for p in svc["spec"]["ports"]}
         pools[pool] = svc["metadata"]["name"]
     assert pools == {"prefill": "pd-prefill", "decode": "pd-decode"}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_proxy_probes_never_restart_it_for_a_pool_outage(overlay: str) -> None:
+    """Liveness on /livez (the process serves), readiness on /readyz (a request can be routed): a
+    liveness probe on /health restarted every proxy, dropping its streams, while vLLM loaded."""
+    proxy = container(by_kind(build(f"overlays/{overlay}"), "Deployment")["pd-proxy"], "pd-proxy")
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert proxy["livenessProbe"]["httpGet"]["port"] == proxy["readinessProbe"]["httpGet"]["port"] == "http"
