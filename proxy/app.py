@@ -288,7 +288,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
                    body_middleware(settings.max_body_bytes, settings.body_timeout,
                                    (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH))]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
-    metrics = ProxyMetrics()
+    metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=settings.lease_duration)
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[SERVING] = serving = Serving(settings, metrics,

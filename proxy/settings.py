@@ -110,6 +110,15 @@ class ProxySettings:
     pools: PoolSettings = field(default_factory=PoolSettings)
     """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
 
+    def longest_request(self) -> float:
+        """The longest a request may take under the proxy's timeouts (seconds): a queue wait, the
+        prefill hop and the decode hop (or a stream's idle gap), or the longest deadline. Streams
+        may run longer (only their gaps are bounded); the histograms' buckets cover this much."""
+        p = self.pools
+        walk = p.queue_timeout + self.prefill_timeout + max(self.decode_timeout, self.stream_idle_timeout)
+        deadlines = [ms / 1000.0 for ms in (p.deadline_default_ms, p.deadline_max_ms) if ms is not None]
+        return max([walk, self.drain_timeout, *deadlines])
+
     def client_keys(self) -> list[tuple[str | None, str]]:
         return [*([(None, self.api_key)] if self.api_key else []), *self.api_keys]
 
