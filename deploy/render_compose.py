@@ -199,16 +199,14 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
     return settings
 
 
-# GPU vLLM's KV block (CPU's is 128). Set on every worker and given to pd-proxy (--kv-block-size),
-# whose short-prompt bypass, prefix policy and preflight count in the workers' blocks.
+# GPU vLLM's KV block (CPU's is 128), set explicitly on every worker. pd-proxy reads each worker's
+# block from its /metrics (vllm:cache_config_info): no --kv-block-size to keep in step.
 GPU_BLOCK_SIZE = 16
 
 
-def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str,
-               block_size: int = GPU_BLOCK_SIZE) -> list[str]:
+def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str) -> list[str]:
     """pd-proxy's command line for a set of workers."""
-    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port),
-            "--kv-block-size", str(block_size)]
+    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port)]
 
 
 def _q(value: str) -> str:

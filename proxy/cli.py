@@ -70,8 +70,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
     p.add_argument("--slow-reader-max-bytes", type=int, default=8 * 1024 * 1024)
-    p.add_argument("--kv-block-size", type=int, default=128,
-                   help="the workers' KV block size (for the suspect-no-transfer counter)")
+    p.add_argument("--kv-block-size", type=int, default=None, metavar="TOKENS",
+                   help="override the workers' KV block size for all of them (default: each worker's "
+                        "own, read from vllm:cache_config_info on its /metrics; 16 until known)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="format of the one access line per request (logger pd_proxy.access)")

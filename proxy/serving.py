@@ -187,7 +187,7 @@ class Serving:
 
     async def start_pools(self) -> None:
         """Start the pools' background work (health probes, watchers) on the upstream session."""
-        check = handoff_check(self.upstream, block_size=self.pools.block_size,
+        check = handoff_check(self.upstream, block_size=self.pools.blocks.pair,
                               timeout=self.settings.pools.preflight_timeout,
                               rewrite=self.rewrite_remote_host)
         await self.pools.start(self.upstream.session, check)
@@ -528,7 +528,8 @@ class Serving:
                 break  # aborted (client call, deadline) during the backoff
             bypass = rt.settings.bypass_when_prefill_unavailable
             try:
-                pairless = self._pairless_prefill()
+                # with workers the prompt fills no KV block of (another block size) left out
+                pairless = [*self._pairless_prefill(), *rt.prefill_too_short(len(ctx.token_ids))]
                 try:
                     worker = await self.prefill_pool.acquire(ctx, exclude=[*tried, *pairless],
                                                              limit=self._queue_limit(f))
@@ -762,9 +763,11 @@ class Serving:
         if isinstance(completion, int):
             f.completion_tokens = completion
         prompt = usage.get("prompt_tokens")
-        if not isinstance(prompt, int) or prompt < self.settings.kv_block_size \
-                or f.kv_blocks is None or "X-PD-Decode-Only" in f.headers or f.record.is_aborted:
+        if not isinstance(prompt, int) or f.kv_blocks is None or "X-PD-Decode-Only" in f.headers \
+                or f.record.is_aborted:
             return
+        if prompt < self.pools.blocks.pair(f.record.prefill_worker, f.record.decode_worker):
+            return  # shorter than one KV block of the pair that served it
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if f.kv_blocks == 0 or cached == 0:

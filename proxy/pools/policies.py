@@ -8,9 +8,10 @@ proxy, plus the worker's scraped queue and KV usage when that setting is on).
 ``round_robin``     in turn
 ``least_loaded``    lowest load; ties in turn
 ``power_of_two``    two at random, the less loaded of them
-``prefix``          rendezvous hash of the prompt's first full KV blocks, so prompts sharing a
-                    prefix land where it is cached; a load-imbalance guard walks down the
-                    hash order when the preferred worker is much busier than the least loaded
+``prefix``          rendezvous hash of the prompt's first full KV blocks (the candidates' smallest
+                    block unless one size is set), so prompts sharing a prefix land where it is
+                    cached; a load-imbalance guard walks down the hash order when the preferred
+                    worker is much busier than the least loaded
 ``session``         rendezvous hash of ``X-Session-ID`` (least loaded without one)
 ``least_tokens``    fewest outstanding tokens (decode: sum of the ``max_tokens`` in flight)
 ==================  ===========================================================================
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from proxy.pools.blocks import FALLBACK_BLOCK_SIZE
 from proxy.pools.worker import Worker
 
 LoadFn = Callable[[Worker], float]
@@ -103,9 +105,11 @@ class PowerOfTwo:
 class PrefixAware:
     name = "prefix"
 
-    def __init__(self, *, block_size: int = 16, prefix_blocks: int = 4,
+    def __init__(self, *, block_size: int | None = 16, prefix_blocks: int = 4,
                  imbalance_ratio: float = 1.5, imbalance_slack: float = 4.0) -> None:
-        if block_size < 1 or prefix_blocks < 1:
+        """``block_size`` None: the smallest block the candidates reported (``Worker.block_size``;
+        ``proxy.pools.blocks``), so every proxy replica keys a prompt the same way."""
+        if (block_size is not None and block_size < 1) or prefix_blocks < 1:
             raise ValueError("block_size and prefix_blocks must be at least 1")
         if imbalance_ratio < 1.0 or imbalance_slack < 0:
             raise ValueError("imbalance_ratio must be >= 1 and imbalance_slack >= 0")
@@ -115,16 +119,22 @@ class PrefixAware:
         self.imbalance_slack = imbalance_slack
         self._fallback = LeastLoaded()
 
-    def prefix_key(self, token_ids: Sequence[int]) -> bytes | None:
+    def prefix_key(self, token_ids: Sequence[int], block_size: int | None = None) -> bytes | None:
         """The first full blocks of the prompt (at most ``prefix_blocks``), or None if none is full."""
-        blocks = min(self.prefix_blocks, len(token_ids) // self.block_size)
+        size = block_size or self.block_size or FALLBACK_BLOCK_SIZE
+        blocks = min(self.prefix_blocks, len(token_ids) // size)
         if blocks == 0:
             return None
-        head = token_ids[: blocks * self.block_size]
+        head = token_ids[: blocks * size]
         return ",".join(map(str, head)).encode()
 
+    def key_block_size(self, candidates: Sequence[Worker]) -> int:
+        if self.block_size is not None:
+            return self.block_size
+        return min((w.block_size for w in candidates if w.block_size), default=FALLBACK_BLOCK_SIZE)
+
     def choose(self, candidates: Sequence[Worker], ctx: PickContext, load: LoadFn) -> Worker:
-        key = self.prefix_key(ctx.token_ids)
+        key = self.prefix_key(ctx.token_ids, self.key_block_size(candidates))
         if key is None:
             return self._fallback.choose(candidates, ctx, load)
         bound = min(load(w) for w in candidates) * self.imbalance_ratio + self.imbalance_slack
@@ -160,7 +170,7 @@ class LeastOutstandingTokens:
 POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two", "prefix", "session", "least_tokens")
 
 
-def make_policy(name: str, *, block_size: int = 16, prefix_blocks: int = 4,
+def make_policy(name: str, *, block_size: int | None = 16, prefix_blocks: int = 4,
                 imbalance_ratio: float = 1.5, imbalance_slack: float = 4.0,
                 rng: random.Random | None = None) -> Policy:
     if name == "round_robin":

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from proxy.pools.admin import admin_app
 from proxy.pools.admission import DEADLINE_HEADER, Admission, Deadline
+from proxy.pools.blocks import BlockSizeLearner, BlockSizes
 from proxy.pools.breaker import BreakerConfig
 from proxy.pools.health import (
     HealthChecker,
@@ -40,6 +41,7 @@ from proxy.pools.membership import ConfigFileSource, Pools
 from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
 from proxy.pools.pool import LoadWeights, Pool
 from proxy.pools.retry import RetryPolicy
+from proxy.pools.worker import Worker
 
 SESSION_HEADER = "X-Session-ID"
 BYPASS_HEADER = "X-PD-Decode-Only"
@@ -94,8 +96,8 @@ class PoolSettings:
     deadline_prefill_share: float = 0.5
     """The prefill hop may use at most this share of what remains of a deadline."""
     bypass_prompt_tokens: int | None = None
-    """Prompts shorter than this skip the prefill hop (None: one KV block, 0: never). The
-    block size is the proxy's ``kv_block_size`` (``--kv-block-size``), given to ``PoolRuntime``."""
+    """Prompts shorter than this skip the prefill hop (None: one KV block of the prefill worker
+    that would take it, ``proxy.pools.blocks``; 0: never)."""
     bypass_when_prefill_unavailable: bool = True
     preflight: bool = False
     preflight_timeout: float = 30.0
@@ -235,15 +237,16 @@ class PoolMetrics:
 
 class PoolRuntime:
     def __init__(self, settings: PoolSettings, prefill_urls: Iterable[str], decode_urls: Iterable[str],
-                 *, block_size: int = 128, registry: CollectorRegistry | None = None,
+                 *, block_size: int | None = None, registry: CollectorRegistry | None = None,
                  metrics_with_health: bool = True,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+        """``block_size``: the workers' KV block size for all of them (``--kv-block-size``); None:
+        each worker's own, read from its ``/metrics`` (``proxy.pools.blocks``)."""
         self.settings = s = settings
-        if block_size < 1:
-            raise ValueError("block_size must be at least 1")
-        self.block_size = block_size
-        """The workers' KV block size (tokens): prefix hashing, the short-prompt bypass, preflight."""
-        self.bypass_threshold = block_size if s.bypass_prompt_tokens is None else s.bypass_prompt_tokens
+        self.blocks = BlockSizes(block_size)
+        """Per worker KV block sizes: prefix hashing, the short-prompt bypass, preflight, the
+        suspect-no-transfer counter."""
+        self.learner: BlockSizeLearner | None = None
         self.clock = clock
         self.rng = rng or random.Random()
         breaker = BreakerConfig(failure_threshold=s.breaker_failures, open_seconds=s.breaker_open_seconds,
@@ -278,7 +281,7 @@ class PoolRuntime:
 
     def make_policy(self, name: str) -> Policy:
         s = self.settings
-        return make_policy(name, block_size=self.block_size, prefix_blocks=s.prefix_blocks,
+        return make_policy(name, block_size=self.blocks.override, prefix_blocks=s.prefix_blocks,
                            imbalance_ratio=s.imbalance_ratio, imbalance_slack=s.imbalance_slack, rng=self.rng)
 
     # -------------------------------------------------------------- per request
@@ -294,12 +297,25 @@ class PoolRuntime:
                                     clock=self.clock, max_ms=s.deadline_max_ms)
 
     def bypass_reason(self, prompt_tokens: int) -> str | None:
-        """Why this request should skip the prefill hop (None: it should not)."""
-        if prompt_tokens < self.bypass_threshold:
+        """Why this request should skip the prefill hop (None: it should not). ``short_prompt``:
+        shorter than ``--bypass-prompt-tokens``, or by default than one block of every prefill
+        worker that could take it (``prefill_too_short`` leaves out those it is too short for)."""
+        threshold = self.settings.bypass_prompt_tokens
+        if threshold is not None:
+            if prompt_tokens < threshold:
+                return "short_prompt"
+        elif prompt_tokens < self.blocks.smallest(self.prefill.admissible() or self.prefill.workers):
             return "short_prompt"
         if self.settings.bypass_when_prefill_unavailable and not self.prefill.candidates():
             return "prefill_unavailable"
         return None
+
+    def prefill_too_short(self, prompt_tokens: int) -> list[Worker]:
+        """Prefill workers a prompt fills no block of (by default, ``--bypass-prompt-tokens`` unset):
+        left out of its prefill pick, so the bypass threshold is that of the worker chosen."""
+        if self.settings.bypass_prompt_tokens is not None:
+            return []
+        return [w for w in self.prefill if prompt_tokens < self.blocks.of(w)]
 
     def admin_app(self) -> web.Application | None:
         key = self.settings.admin_key
@@ -332,10 +348,16 @@ class PoolRuntime:
             self.prefill.on_change.append(prune)
             self.decode.on_change.append(prune)
             self.preflight.start_all(self.prefill, self.decode)
+        if self.blocks.learning:
+            learner = self.learner = BlockSizeLearner(list(self.pools), http_fetch(session, s.health_timeout))
+            for pool in self.pools:
+                pool.on_change.append(lambda _: learner.wake())
+            self._tasks.append(loop.create_task(learner.run(s.health_interval), name="pool-block-sizes"))
         if s.active_health:
             self.health = HealthChecker(list(self.pools), http_probe(session, s.health_timeout),
                                         fail_threshold=s.health_fail_threshold,
-                                        recover_threshold=s.health_recover_threshold)
+                                        recover_threshold=s.health_recover_threshold,
+                                        on_change=self._health_changed)
             self._tasks.append(loop.create_task(self.health.run(s.health_interval), name="pool-health"))
         if s.use_scraped_load:
             scraper = LoadScraper(list(self.pools), http_fetch(session, s.health_timeout), self.clock)
@@ -358,6 +380,10 @@ class PoolRuntime:
                                                                        sel.label_selector, sel.port),
                                              api_client)
                 self._tasks.append(loop.create_task(source.run(), name=f"pool-k8s-{sel.pool}"))
+
+    def _health_changed(self, worker: Worker) -> None:
+        if not worker.healthy and self.learner is not None:
+            self.learner.forget(worker)  # it may come back with another configuration
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -212,7 +212,7 @@ async def test_suspect_no_transfer(scripted_factory: ScriptedFactory, proxy_fact
     kv = {**KV_PARAMS, "remote_block_ids": blocks}
     p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b, kv))
     d: Scripted = await scripted_factory(lambda b, r: _decode_reply(b, details))
-    client, _ = await proxy_factory([p.url], [d.url])
+    client, _ = await proxy_factory([p.url], [d.url], kv_block_size=128)  # the CPU build's block
     for prompt_len, expected in ((127, 0), (128, suspect)):
         r = await client.post("/inference/v1/generate", json=req(token_ids=list(range(1, prompt_len + 1))))
         assert r.status == 200

@@ -38,7 +38,7 @@ async def test_prefill_pool_down_is_ready_only_with_the_bypass(pd_factory: PDFac
     pd = await pd_factory(pools=PoolSettings.plain(bypass_when_prefill_unavailable=True))
     pd.serving.prefill_pool.workers[0].draining = True
     assert (await probe(pd, "/readyz"))[0] == 200  # decode-only takes the requests
-    status, body, headers = await pd.gen(req())
+    status, _, headers = await pd.gen(req())
     assert status == 200 and headers["X-PD-Decode-Only"] == "prefill_unavailable"
     pd = await pd_factory()  # plain: no bypass
     pd.serving.prefill_pool.workers[0].draining = True
@@ -48,7 +48,7 @@ async def test_prefill_pool_down_is_ready_only_with_the_bypass(pd_factory: PDFac
 
 async def test_an_empty_pool_is_unready(proxy_factory: Any) -> None:
     """Discovery before any pod is ready (vLLM loads for minutes): no worker yet."""
-    client, app = await proxy_factory(["http://127.0.0.1:9"], [], pools=PoolSettings.plain(admin_key="adm"))
+    client, _ = await proxy_factory(["http://127.0.0.1:9"], [], pools=PoolSettings.plain(admin_key="adm"))
     r = await client.get("/readyz")
     assert r.status == 503 and (await r.json())["status"] == "unavailable"
     assert (await client.get("/livez")).status == 200
