@@ -135,24 +135,35 @@ def _k8s_selector(value: str) -> K8sSelector:
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("pools")
     d = PoolSettings()
-    g.add_argument("--prefill-policy", choices=POLICY_NAMES, default=d.prefill_policy)
-    g.add_argument("--decode-policy", choices=POLICY_NAMES, default=d.decode_policy)
-    g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks)
+    g.add_argument("--prefill-policy", choices=POLICY_NAMES, default=d.prefill_policy,
+                   help="how a prefill worker is chosen (proxy/pools/README.md)")
+    g.add_argument("--decode-policy", choices=POLICY_NAMES, default=d.decode_policy,
+                   help="how a decode worker is chosen")
+    g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks,
+                   help="prefix policy: KV blocks of the prompt's start that choose the worker")
     g.add_argument("--use-scraped-load", action="store_true",
                    help="let workers' own queue and KV usage (/metrics) feed the choice")
     g.add_argument("--max-inflight", type=int, default=None, help="requests in flight, whole proxy")
-    g.add_argument("--max-inflight-per-worker", type=int, default=None)
+    g.add_argument("--max-inflight-per-worker", type=int, default=None,
+                   help="requests in flight per worker through this proxy; more wait in the queue")
     g.add_argument("--max-queue", type=int, default=d.max_queue, help="bounded wait queue length")
-    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout)
-    g.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
-    g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds)
-    g.add_argument("--health-interval", type=float, default=d.health_interval)
-    g.add_argument("--no-active-health", action="store_true")
+    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
+                   help="seconds a request may wait in the queue (then 503 with Retry-After)")
+    g.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
+                   help="consecutive failures that open a worker's circuit")
+    g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds,
+                   help="seconds an open circuit stays open before a trial request (doubles up to 60)")
+    g.add_argument("--health-interval", type=float, default=d.health_interval,
+                   help="seconds between active /health probes of each worker")
+    g.add_argument("--no-active-health", action="store_true",
+                   help="no active probes: breakers and draining only")
     g.add_argument("--no-health-panic", action="store_true",
                    help="refuse requests (503) when every worker of a pool failed its probes, instead "
                         "of routing to them anyway")
-    g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts)
-    g.add_argument("--decode-attempts", type=int, default=d.decode_attempts)
+    g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts,
+                   help="prefill hops tried per request (on other workers after a failure)")
+    g.add_argument("--decode-attempts", type=int, default=d.decode_attempts,
+                   help="decode hops tried per request before its first byte")
     g.add_argument("--no-migrate", action="store_true", help="do not migrate streams mid-way")
     g.add_argument("--migrate-prefill-tokens", type=int, default=d.migrate_prefill_tokens,
                    help="continuations at least this long are prefilled through the prefill pool")
@@ -160,11 +171,13 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                    help="deadline of requests without X-PD-Deadline-Ms")
     g.add_argument("--bypass-prompt-tokens", type=int, default=None,
                    help="prompts shorter than this skip prefill (default: one KV block)")
-    g.add_argument("--no-bypass-when-prefill-unavailable", action="store_true")
+    g.add_argument("--no-bypass-when-prefill-unavailable", action="store_true",
+                   help="with no prefill worker available, answer 503 instead of running decode-only")
     g.add_argument("--preflight", action="store_true",
                    help="send one tiny P->D hand-off through each new pair before using it")
     g.add_argument("--workers-file", type=Path, default=None, help="TOML pool membership, reloaded")
-    g.add_argument("--admin-key", default=None, help="enables /admin/workers behind this key")
+    g.add_argument("--admin-key", default=None,
+                   help="enables /admin/workers behind this key (also PD_PROXY_ADMIN_KEY)")
     g.add_argument("--k8s-endpointslices", type=_k8s_selector, action="append", default=[],
                    metavar="POOL:NS:SELECTOR:PORT",
                    help="pool members from the EndpointSlices in namespace NS matching the label "
