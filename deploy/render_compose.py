@@ -32,7 +32,8 @@ COMPOSE_FILE: Final = "docker-compose.yml"
 TARGETS_DIR: Final = "prometheus-targets"
 
 # Pinned images (a test checks that every image in the rendered file carries an exact version).
-VLLM_IMAGE: Final = "vllm/vllm-openai:v0.33.0"
+# vLLM: the version the project is tested against (workers/install_vllm.sh, the recorded traces).
+VLLM_IMAGE: Final = "vllm/vllm-openai:v0.32.0"
 PROMETHEUS_IMAGE: Final = "prom/prometheus:v3.1.0"
 GRAFANA_IMAGE: Final = "grafana/grafana:11.4.0"
 PROXY_IMAGE: Final = "pd-proxy:0.1.0"

@@ -99,6 +99,13 @@ def test_installs_without_dev_extras() -> None:
     assert installs and all("[dev" not in i and "-e " not in i for i in installs), installs
 
 
+def test_the_image_runs_pd_bench() -> None:
+    """pd-bench works in the image: it installs the bench extra (its dependencies are checked against
+    that extra in test_packaging.py)."""
+    (project,) = re.findall(r'pip install --no-cache-dir "\.\[([a-z0-9,]+)\]"', DOCKERFILE.read_text())
+    assert {"bench", "k8s", "otlp"} <= set(project.split(","))
+
+
 def dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
     """Docker's .dockerignore semantics: the last matching rule wins; a rule matching a parent folder
     matches everything under it; ``**`` spans folders; ``!`` re-includes."""
