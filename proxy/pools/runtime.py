@@ -294,8 +294,16 @@ class PoolRuntime:
 
     def make_policy(self, name: str) -> Policy:
         s = self.settings
-        return make_policy(name, block_size=self.blocks.override, prefix_blocks=s.prefix_blocks,
+        return make_policy(name, block_size=self.blocks.override or self.key_block_size,
+                           prefix_blocks=s.prefix_blocks,
                            imbalance_ratio=s.imbalance_ratio, imbalance_slack=s.imbalance_slack, rng=self.rng)
+
+    def key_block_size(self) -> int:
+        """The prefix policy's key block: the smallest block any worker reported (16 until one
+        did). From the membership, not from who can take a request, so it does not change with
+        a worker's load or health, and every replica with the same workers keys alike."""
+        learned = [w.block_size for pool in self.pools for w in pool if w.block_size]
+        return min(learned, default=self.blocks.fallback)
 
     # -------------------------------------------------------------- per request
 

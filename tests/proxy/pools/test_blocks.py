@@ -17,7 +17,7 @@ from proxy.pools.blocks import FALLBACK_BLOCK_SIZE, BlockSizeLearner, BlockSizes
 from proxy.pools.policies import PickContext, PrefixAware
 from proxy.pools.pool import Pool
 from proxy.pools.preflight import handoff_check
-from proxy.pools.runtime import PoolSettings
+from proxy.pools.runtime import PoolRuntime, PoolSettings
 from proxy.pools.worker import Worker
 from proxy.settings import ProxySettings
 from tests.proxy.conftest import ProxyFactory
@@ -253,3 +253,26 @@ async def test_a_worker_that_turns_unhealthy_is_read_again(learning: LearnedStac
         return d.block_size == 16
 
     await eventually(relearned)
+
+
+def test_prefix_key_block_comes_from_the_membership_not_the_candidates() -> None:
+    """Two replicas with the same workers key a prompt alike even when one of them cannot use a worker
+    right now (draining, saturated): the key's block is the smallest any worker reported."""
+    urls = ["http://127.0.0.1:8101", "http://127.0.0.1:8102", "http://127.0.0.1:8103"]
+    replicas = [PoolRuntime(PoolSettings(prefill_policy="prefix", prefix_blocks=2), urls, ["http://127.0.0.1:9"])
+                for _ in range(2)]
+    for rt in replicas:
+        for w, size in zip(rt.prefill.workers, (16, 128, 128), strict=True):
+            w.block_size = size
+    a, b = replicas
+    a.prefill.workers[0].draining = True  # the only 16-token worker, out on replica a only
+    assert a.key_block_size() == b.key_block_size() == 16
+    compared = 0
+    for family in range(24):
+        tokens = [3 + family, *prompt(300)]
+        pick_a = a.prefill.pick(PickContext(token_ids=tokens))
+        pick_b = b.prefill.pick(PickContext(token_ids=tokens))
+        if pick_b is not b.prefill.workers[0]:  # a worker both replicas may use
+            assert pick_a.url == pick_b.url, family
+            compared += 1
+    assert compared >= 8
