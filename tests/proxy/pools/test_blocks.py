@@ -56,6 +56,9 @@ def test_a_page_without_cache_config_has_no_block_size() -> None:
            "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{user_specified_block_size=\"8\"," \
            "mamba_block_size=\"4\",engine=\"0\"} 1.0\n"
     assert parse_block_size(text) is None  # other *_block_size labels are not block_size
+    quoted = 'vllm:cache_config_info{note="a,block_size=\\"9\\"",engine="0"} 1.0\n'
+    assert parse_block_size(quoted) is None  # inside a label value (its quotes escaped)
+    assert parse_block_size(quoted.replace("engine", "block_size").replace('"0"', '"48"')) == 48
 
 
 def test_engines_that_disagree_give_the_largest() -> None:
