@@ -5,8 +5,9 @@
 # The entrypoint listens on 0.0.0.0:8000; arguments are appended, so a later --port wins (set
 # PD_PROXY_PORT to the same port for the health check). The client API key comes from the
 # environment (PD_PROXY_API_KEY; never bake it into the image): without it pd-proxy logs a WARNING.
-# Only the runtime dependencies are installed, plus the k8s extra (pool membership from EndpointSlices)
-# and otlp (pd-proxy --otel exporting over OTLP/HTTP);
+# Only the runtime dependencies are installed, plus the k8s extra (pool membership from EndpointSlices),
+# otlp (pd-proxy --otel exporting over OTLP/HTTP) and bench (pd-bench runs in the image:
+#   docker run --rm --network host --entrypoint pd-bench pd-proxy:0.1.0 run --url http://127.0.0.1:8000 ...);
 # no dev extras. The build stage keeps pip's and setuptools' leftovers out of the final image.
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
@@ -22,7 +23,7 @@ COPY proxy ./proxy
 COPY kv_transfer ./kv_transfer
 COPY workers ./workers
 COPY benchmarks ./benchmarks
-RUN /opt/pd-proxy/bin/pip install --no-cache-dir ".[k8s,otlp]" \
+RUN /opt/pd-proxy/bin/pip install --no-cache-dir ".[k8s,otlp,bench]" \
     && /opt/pd-proxy/bin/pip uninstall --yes pip setuptools wheel
 
 FROM ${PYTHON_IMAGE}
@@ -38,7 +39,8 @@ ENV PATH=/opt/pd-proxy/bin:$PATH \
     PD_PROXY_PORT=8000
 USER 10001:10001
 EXPOSE 8000
-# /health answers 200 while the proxy serves; python is used because the slim image has no curl.
+# /livez answers 200 while the process serves, whatever the workers do (/health is 503 while a pool
+# has no worker: vLLM loading, an outage); python is used because the slim image has no curl.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PD_PROXY_PORT', '8000') + '/health', timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PD_PROXY_PORT', '8000') + '/livez', timeout=2)"]
 ENTRYPOINT ["pd-proxy", "--host", "0.0.0.0", "--port", "8000"]

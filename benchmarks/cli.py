@@ -147,11 +147,22 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def _has_matplotlib() -> bool:
+    """Whether the plots can be drawn (matplotlib is imported only then: the bench extra has it)."""
+    try:
+        import matplotlib  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
+        if cfg.plots and cfg.result_dir and not _has_matplotlib():
+            raise ConfigError("the PNG plots need matplotlib: pip install 'pd-proxy[bench]', or --no-plots")
         if args.command == "run":
             print(summary_text(run_benchmark(cfg)))
         elif args.command == "sweep":

@@ -1,4 +1,5 @@
-"""PNG plots (matplotlib's object API on the Agg canvas: no pyplot, no display needed)."""
+"""PNG plots (matplotlib's object API on the Agg canvas: no pyplot, no display needed). matplotlib is
+imported when a plot is drawn, so pd-bench starts, and runs with --no-plots, without it."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from benchmarks.metrics import chunk_itls, token_itls
 from benchmarks.records import RequestRecord
+
+
+def _figure(figsize: tuple[float, float]) -> Any:
+    from matplotlib.figure import Figure  # noqa: PLC0415  (only when plots are drawn)
+
+    return Figure(figsize=figsize)
 
 
 def _cdf(ax: Any, values: Sequence[float], label: str, style: str = "-") -> None:
@@ -24,7 +30,7 @@ def _cdf(ax: Any, values: Sequence[float], label: str, style: str = "-") -> None
 
 def plot_cdfs(groups: Mapping[str, Sequence[RequestRecord]], path: str | Path) -> Path:
     """TTFT CDF and ITL CDFs (per chunk solid, per token dashed), one line per group."""
-    fig = Figure(figsize=(11, 4.2))
+    fig = _figure((11, 4.2))
     ax1, ax2 = fig.subplots(1, 2)
     for label, recs in groups.items():
         ok = [r for r in recs if r.success and r.ttft_s is not None]
@@ -55,7 +61,7 @@ def plot_sweep(
     keep = [i for i, v in enumerate(loads) if math.isfinite(v)]  # "all at once" has no place on the axis
     x = [loads[i] for i in keep]
     datas = [datas[i] for i in keep]
-    fig = Figure(figsize=(11, 4.2))
+    fig = _figure((11, 4.2))
     ax1, ax2 = fig.subplots(1, 2)
     for key, label, style in (
         ("median_ttft_ms", "TTFT median", "o-"),
@@ -100,7 +106,7 @@ def plot_hops(labels: Sequence[str], datas: Sequence[Mapping[str, Any]], path: s
                 hops.append(h)
     if not hops:
         return None
-    fig = Figure(figsize=(max(5.0, 1.2 * len(labels) + 3), 4.2))
+    fig = _figure((max(5.0, 1.2 * len(labels) + 3), 4.2))
     ax = fig.subplots()
     bottom = np.zeros(len(datas))
     for key, name in [

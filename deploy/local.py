@@ -35,7 +35,6 @@ from typing import IO, Any, Final
 from deploy.targets import DASHBOARDS_DIR, SCRAPE_CONFIG, Endpoints, write_atomic, write_targets
 
 HOST: Final = "127.0.0.1"
-SIM_BLOCK_SIZE: Final = 16  # pd-sim's default --block-size
 DEFAULT_RUN_DIR: Final = Path("run/local")
 STOP_GRACE_SECONDS: Final = 15.0
 
@@ -246,8 +245,8 @@ def start_proxy(stack: Stack, port: int, run_dir: Path, extra: Sequence[str]) ->
         HOST,
         "--port",
         str(port),
-        # The workers' KV block: pd-sim's 16, CPU vLLM's 128 (the proxy's default).
-        *(["--kv-block-size", str(SIM_BLOCK_SIZE)] if stack.info["workers"] == "sim" else []),
+        # No --kv-block-size: pd-proxy reads each worker's KV block (pd-sim's 16, CPU vLLM's 128)
+        # from its /metrics.
         *extra,
     ]
     child = spawn("pd-proxy", cmd, run_dir / "logs" / "pd-proxy.log")

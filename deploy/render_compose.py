@@ -32,7 +32,8 @@ COMPOSE_FILE: Final = "docker-compose.yml"
 TARGETS_DIR: Final = "prometheus-targets"
 
 # Pinned images (a test checks that every image in the rendered file carries an exact version).
-VLLM_IMAGE: Final = "vllm/vllm-openai:v0.33.0"
+# vLLM: the version the project is tested against (workers/install_vllm.sh, the recorded traces).
+VLLM_IMAGE: Final = "vllm/vllm-openai:v0.32.0"
 PROMETHEUS_IMAGE: Final = "prom/prometheus:v3.1.0"
 GRAFANA_IMAGE: Final = "grafana/grafana:11.4.0"
 PROXY_IMAGE: Final = "pd-proxy:0.1.0"
@@ -199,16 +200,14 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
     return settings
 
 
-# GPU vLLM's KV block (CPU's is 128). Set on every worker and given to pd-proxy (--kv-block-size),
-# whose short-prompt bypass, prefix policy and preflight count in the workers' blocks.
+# GPU vLLM's KV block (CPU's is 128), set explicitly on every worker. pd-proxy reads each worker's
+# block from its /metrics (vllm:cache_config_info): no --kv-block-size to keep in step.
 GPU_BLOCK_SIZE = 16
 
 
-def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str,
-               block_size: int = GPU_BLOCK_SIZE) -> list[str]:
+def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str) -> list[str]:
     """pd-proxy's command line for a set of workers."""
-    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port),
-            "--kv-block-size", str(block_size)]
+    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port)]
 
 
 def _q(value: str) -> str:
@@ -220,8 +219,8 @@ def _flow(items: Sequence[str]) -> str:
     return "[" + ", ".join(_q(i) for i in items) + "]"
 
 
-def _health(url: str, interval: str, start_period: str) -> list[str]:
-    probe = f"import urllib.request; urllib.request.urlopen('{url}/health', timeout=5)"
+def _health(url: str, interval: str, start_period: str, path: str = "/health") -> list[str]:
+    probe = f"import urllib.request; urllib.request.urlopen('{url}{path}', timeout=5)"
     return [
         "    healthcheck:",
         f"      test: {_flow(['CMD', 'python3', '-c', probe])}",
@@ -312,7 +311,8 @@ def render_compose(s: Settings) -> str:
     for w in s.workers:
         lines += [f"      {w.name}:", "        condition: service_healthy"]
     lines += [
-        *_health(proxy_url, "10s", "20s"),
+        # /livez: the process serves (/health is 503 while a pool has no worker).
+        *_health(proxy_url, "10s", "20s", "/livez"),
         "",
         "  prometheus:",
         f"    image: {PROMETHEUS_IMAGE}",

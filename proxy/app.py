@@ -7,6 +7,8 @@ each key a tenant (``proxy.tenants``); ``/debug/*`` behind the admin key when se
 * ``POST /inference/v1/abort_requests``   vLLM's abort contract, routed by request state
 * ``POST /abort_requests``                legacy alias (key required unless mirroring vLLM)
 * ``GET  /health``                        the proxy and its pools (last known state; URLs for the admin key)
+* ``GET  /livez``                         liveness: the process serves (200 even while pools are down)
+* ``GET  /readyz``                        readiness: able to route a request now (503 otherwise, draining)
 * ``GET  /metrics``                       Prometheus text (no key)
 * ``GET  /debug/kv-leases``               the KV-lease ledger (open + recent closed)
 * ``GET  /debug/requests``                the request table (state and holders of each request)
@@ -158,6 +160,35 @@ async def health(request: web.Request) -> web.Response:
         body["requests_in_flight"] = len(serving.table)
         body["kv_leases_open"] = serving.leases.open_count
     return json_response(body, status=200 if ready and not draining else 503)
+
+
+async def livez(request: web.Request) -> web.Response:
+    """Liveness: the event loop answers. Never depends on the workers: a liveness probe that failed
+    while vLLM loads (minutes) or a pool is down would restart the proxy and drop every live stream.
+    Still 200 while draining (the process is finishing its streams)."""
+    draining = request.app[DRAINING].is_set()
+    return json_response({"status": "draining" if draining else "ok"})
+
+
+def can_route(serving: Serving) -> bool:
+    """A request could be routed now: a decode worker that may take it, and a prefill worker or the
+    decode-only bypass (``--no-bypass-when-prefill-unavailable`` turns it off). Workers at their
+    in-flight cap count (requests wait in the queue for them)."""
+    if not serving.decode_pool.admissible():
+        return False
+    return bool(serving.prefill_pool.admissible()) or \
+        serving.pools.settings.bypass_when_prefill_unavailable
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: 200 when a request can be routed now, 503 when not or while draining, so that a
+    Service stops sending new requests here without the pod being restarted. From the pools' last
+    known state, like ``/health``: no worker is called per probe."""
+    if request.app[DRAINING].is_set():
+        return json_response({"status": "draining"}, status=503)
+    if not can_route(request.app[SERVING]):
+        return json_response({"status": "unavailable"}, status=503)
+    return json_response({"status": "ok"})
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
@@ -321,7 +352,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
                    body_middleware(settings.max_body_bytes, settings.body_timeout,
                                    (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH))]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
-    metrics = ProxyMetrics()
+    metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=settings.lease_duration)
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[SERVING] = serving = Serving(settings, metrics,
@@ -335,6 +366,8 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app.router.add_post("/inference/v1/abort_requests", abort_requests)
     app.router.add_post(LEGACY_ABORT_PATH, abort_requests)
     app.router.add_get("/health", health)
+    app.router.add_get("/livez", livez)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/debug/kv-leases", kv_leases)
     app.router.add_get("/debug/requests", requests_table)

@@ -7,9 +7,11 @@ import hmac
 import ipaddress
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from proxy.config_file import CONFIG_FLAG, HelpFormatter, with_config_file
 from proxy.logs import EscapingFormatter
 from proxy.pools import add_pool_arguments, normalize_url, pool_settings_from_args
 from proxy.server import serve
@@ -21,13 +23,20 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 log = logging.getLogger(__name__)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
-    p = argparse.ArgumentParser(prog="pd-proxy", description=__doc__)
-    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
-                   help="prefill worker URLs (or --workers-file / --k8s-endpointslices / the admin API)")
-    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode worker URLs")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of pd-proxy, each with a help line; ``--help`` adds its default."""
+    p = argparse.ArgumentParser(prog="pd-proxy", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument(CONFIG_FLAG, type=Path, default=None, metavar="FILE",
+                   help="read settings from this YAML file, keys being the long flag names (decode-timeout: "
+                        "900); flags given here win; secrets only from the environment or key files")
+    # extend: `--prefill A B` and `--prefill A --prefill B` (vllm-router's habit) both give A and B.
+    p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                   help="prefill worker URLs, space-separated or the flag repeated (or --workers-file / "
+                        "--k8s-endpointslices / the admin API)")
+    p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
+                   help="decode worker URLs, space-separated or the flag repeated")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="N processes serving the port (SO_REUSEPORT); see proxy/multiproc.py. Admin "
                         "changes reach every process; limits (in-flight, queues, per-worker caps, "
@@ -38,24 +47,31 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
                         "several, comma-separated, so keys stay out of ps)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
                    help="client keys, one per line: KEY or NAME KEY (NAME shows in the access log)")
-    p.add_argument("--upstream-api-key", default=os.environ.get("PD_PROXY_UPSTREAM_API_KEY"),
-                   help="API key sent to the workers")
+    p.add_argument("--upstream-api-key", default=None, metavar="KEY",
+                   help="API key sent to the workers (also PD_PROXY_UPSTREAM_API_KEY)")
     p.add_argument("--decode-tokens-only", action="store_true",
                    help="the decode pool runs --tokens-only (reject text mode and stop strings)")
     p.add_argument("--prefill-tokens-only", action="store_true",
                    help="the prefill pool runs --tokens-only (stop strings are left out of its hop)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the workers' --max-num-seqs: sampling_params.n above it is refused up front")
     p.add_argument("--prefill-failure", choices=["fail", "decode-only"], default="fail",
                    help="when the prefill hop gives no usable KV: 502, or run on decode alone")
-    p.add_argument("--no-rewrite-remote-host", action="store_true")
+    p.add_argument("--no-rewrite-remote-host", action="store_true",
+                   help="keep a loopback remote_host a prefill worker advertises, instead of the host "
+                        "the proxy reached it at")
     p.add_argument("--no-abort-broadcast", action="store_true",
                    help="do not send aborts for unknown ids to every worker")
     p.add_argument("--legacy-abort-mirror-vllm", action="store_true",
                    help="UNSAFE: serve /abort_requests without the API key, as vLLM does")
-    p.add_argument("--prefill-timeout", type=float, default=300.0)
-    p.add_argument("--decode-timeout", type=float, default=600.0)
-    p.add_argument("--stream-idle-timeout", type=float, default=120.0)
-    p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--prefill-timeout", type=float, default=300.0,
+                   help="seconds the whole prefill hop may take")
+    p.add_argument("--decode-timeout", type=float, default=600.0,
+                   help="seconds a whole non-streaming decode hop may take")
+    p.add_argument("--stream-idle-timeout", type=float, default=120.0,
+                   help="seconds a decode stream may stay silent")
+    p.add_argument("--connect-timeout", type=float, default=5.0,
+                   help="seconds to open a connection to a worker")
     p.add_argument("--upstream-keepalive-timeout", type=float, default=4.0,
                    help="idle pooled connections to workers are dropped after this many seconds; keep it "
                         "below the workers' keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)")
@@ -63,13 +79,16 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
                    help="connections open to one worker at most, per process, for the generate hops and "
                         "for the control calls each (0: no cap); a hop beyond it waits for a free one for "
                         "up to --connect-timeout")
-    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take before they are ended")
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
-    p.add_argument("--slow-reader-max-bytes", type=int, default=8 * 1024 * 1024)
-    p.add_argument("--kv-block-size", type=int, default=128,
-                   help="the workers' KV block size (for the suspect-no-transfer counter)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--slow-reader-max-bytes", type=int, default=8 * 1024 * 1024,
+                   help="bytes that may queue for one slow streaming client before its stream is aborted")
+    p.add_argument("--kv-block-size", type=int, default=None, metavar="TOKENS",
+                   help="override the workers' KV block size for all of them (default: each worker's "
+                        "own, read from vllm:cache_config_info on its /metrics; 16 until known)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="format of the one access line per request (logger pd_proxy.access)")
     p.add_argument("--otel", action="store_true",
@@ -92,7 +111,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
                    help="client certificate for https:// workers behind mutual TLS (PEM)")
     p.add_argument("--upstream-key-file", default=None, help="the key of --upstream-cert-file (PEM)")
     add_pool_arguments(p)
-    a = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
+    p = build_parser()
+    a = p.parse_args(with_config_file(p, sys.argv[1:] if argv is None else argv))
     if a.otel and not otel_installed():
         p.error("--otel needs the OpenTelemetry packages: pip install 'pd-proxy[otel]'")
     logging.basicConfig(level=a.log_level.upper(), format=LOG_FORMAT)
@@ -129,7 +153,8 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         raise ValueError("--admin-port must differ from --port (the admin API's own listener)")
     return ProxySettings(
         prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode), host=a.host, port=a.port,
-        api_keys=api_keys, upstream_api_key=a.upstream_api_key,
+        api_keys=api_keys,
+        upstream_api_key=a.upstream_api_key or os.environ.get("PD_PROXY_UPSTREAM_API_KEY"),
         decode_tokens_only=a.decode_tokens_only, prefill_tokens_only=a.prefill_tokens_only,
         max_num_seqs=a.max_num_seqs,
         prefill_failure_policy=a.prefill_failure, rewrite_remote_host=not a.no_rewrite_remote_host,

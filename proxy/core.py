@@ -140,9 +140,11 @@ class Core:
         if isinstance(completion, int):
             f.completion_tokens = completion
         prompt = usage.get("prompt_tokens")
-        if not isinstance(prompt, int) or prompt < self.settings.kv_block_size \
-                or f.kv_blocks is None or "X-PD-Decode-Only" in f.headers or f.record.is_aborted:
+        if not isinstance(prompt, int) or f.kv_blocks is None or "X-PD-Decode-Only" in f.headers \
+                or f.record.is_aborted:
             return
+        if prompt < self.pools.blocks.pair(f.record.prefill_worker, f.record.decode_worker):
+            return  # shorter than one KV block of the pair that served it
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if f.kv_blocks == 0 or cached == 0:

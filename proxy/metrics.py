@@ -55,7 +55,9 @@ from kv_transfer.ledger import Lease
 from proxy import __version__ as _version
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
-                    0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0)
+                    0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
+                    # vLLM's request-latency buckets above a minute (vllm:e2e_request_latency_seconds)
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
                 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 _LEASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
@@ -85,23 +87,45 @@ class _Uncounted:
 _UNCOUNTED = _Uncounted()
 
 
+def latency_buckets(longest: float = 0.0) -> tuple[float, ...]:
+    """TTFT, E2E and stage buckets: fine below a second, vLLM's request-latency buckets up to 7680 s,
+    then doubling until one covers ``longest`` (the longest wait the proxy's timeouts allow), so that
+    no request the proxy lets run lands in ``+Inf`` alone."""
+    buckets = list(_LATENCY_BUCKETS)
+    while buckets[-1] < longest:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+def lease_buckets(lease_duration: float = 0.0) -> tuple[float, ...]:
+    """KV-lease durations: up to 120 s, then doubling until one covers twice the lease duration (a
+    lease the proxy forgets is closed at the next sweep after it expires)."""
+    buckets = list(_LEASE_BUCKETS)
+    while buckets[-1] < 2 * lease_duration:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
 class ProxyMetrics:
-    def __init__(self) -> None:
+    def __init__(self, *, longest: float = 0.0, lease_duration: float = 0.0) -> None:
+        """``longest``: the longest request the proxy's timeouts allow (seconds); ``lease_duration``:
+        the prefill workers' KV lease. The histograms' buckets cover both."""
+        latency = latency_buckets(longest)
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter("pd_proxy_requests", "Generate requests by outcome", ["outcome"],
                                 registry=r)
         self.ttft = Histogram("pd_proxy_ttft_seconds", "Client-side time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              buckets=latency, registry=r)
         self.itl = Histogram("pd_proxy_itl_seconds", "Client-side gap between streamed writes",
                              buckets=_ITL_BUCKETS, registry=r)
         self.tpot = Histogram("pd_proxy_tpot_seconds",
                               "Time per output token after the first (when usage gives the count)",
                               buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pd_proxy_e2e_seconds", "Client-side request latency",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=latency, registry=r)
         self.stage = Histogram("pd_proxy_stage_seconds", "Time per stage of the P/D walk", ["stage"],
-                               buckets=_LATENCY_BUCKETS, registry=r)
+                               buckets=latency, registry=r)
         self.upstream_requests = Counter("pd_proxy_upstream_requests", "Calls to workers",
                                          ["pool", "worker"], registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors", "Failed calls to workers",
@@ -120,7 +144,8 @@ class ProxyMetrics:
         self.kv_leases_open = Gauge("pd_proxy_kv_leases_open", "KV leases open on prefill workers",
                                     registry=r, multiprocess_mode="livesum")
         self.kv_lease_duration = Histogram("pd_proxy_kv_lease_duration_seconds",
-                                           "How long prefill workers held KV", buckets=_LEASE_BUCKETS,
+                                           "How long prefill workers held KV",
+                                           buckets=lease_buckets(lease_duration),
                                            registry=r)
         self.kv_leases_closed = Counter("pd_proxy_kv_leases_closed", "KV leases closed by reason",
                                         ["reason"], registry=r)

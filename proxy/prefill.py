@@ -53,7 +53,8 @@ class Prefill(Part):
                 break  # aborted (client call, deadline) during the backoff
             bypass = rt.settings.bypass_when_prefill_unavailable
             try:
-                pairless = self.pairless()
+                # with workers the prompt fills no KV block of (another block size) left out
+                pairless = [*self.pairless(), *rt.prefill_too_short(len(ctx.token_ids))]
                 try:
                     worker = await self.prefill_pool.acquire(ctx, exclude=[*tried, *pairless],
                                                              limit=self.core.queue_limit(f))

@@ -100,7 +100,7 @@ class Serving:
 
     async def start_pools(self) -> None:
         """Start the pools' background work (health probes, watchers) on the upstream session."""
-        check = handoff_check(self.upstream, block_size=self.pools.block_size,
+        check = handoff_check(self.upstream, block_size=self.pools.blocks.pair,
                               timeout=self.settings.pools.preflight_timeout,
                               rewrite=self.core.rewrite_remote_host)
         await self.pools.start(self.upstream.session, check)

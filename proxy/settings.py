@@ -86,9 +86,11 @@ class ProxySettings:
     hold_between_hops: float = 0.0
     """TEST ONLY: wait this long in the KV_HELD state (prefill done, decode not sent) so that
     tests can open that window reliably. Never set it in production."""
-    kv_block_size: int = 128
-    """The workers' KV block size (vLLM CPU: 128). A prompt of at least one full block whose
-    decode shows no transfer counts in ``pd_proxy_suspect_no_transfer_total``."""
+    kv_block_size: int | None = None
+    """The workers' KV block size for every worker (vLLM GPU: 16, CPU: 128); None: each worker's
+    own, read from its ``/metrics`` (``proxy.pools.blocks``). It sets the short-prompt bypass, the
+    prefix key, the preflight's prompt, and which prompts count in
+    ``pd_proxy_suspect_no_transfer_total`` (at least one block, and no transfer seen)."""
     log_format: LogFormat = "text"
     """The per-request access line (logger ``pd_proxy.access``): ``key=value`` text or JSON."""
     otel: bool = False
@@ -116,12 +118,23 @@ class ProxySettings:
     pools: PoolSettings = field(default_factory=PoolSettings)
     """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
 
+    def longest_request(self) -> float:
+        """The longest a request may take under the proxy's timeouts (seconds): a queue wait, the
+        prefill hop and the decode hop (or a stream's idle gap), or the longest deadline. Streams
+        may run longer (only their gaps are bounded); the histograms' buckets cover this much."""
+        p = self.pools
+        walk = p.queue_timeout + self.prefill_timeout + max(self.decode_timeout, self.stream_idle_timeout)
+        deadlines = [ms / 1000.0 for ms in (p.deadline_default_ms, p.deadline_max_ms) if ms is not None]
+        return max([walk, self.drain_timeout, *deadlines])
+
     def client_keys(self) -> list[tuple[str | None, str]]:
         return [*([(None, self.api_key)] if self.api_key else []), *self.api_keys]
 
     def __post_init__(self) -> None:
         if self.upstream_max_connections_per_host < 0:
             raise ValueError("--upstream-max-connections-per-host must be 0 (no cap) or more")
+        if self.kv_block_size is not None and self.kv_block_size < 1:
+            raise ValueError("--kv-block-size must be at least 1")
         p = self.pools
         dynamic = p.config_file is not None or bool(p.k8s) or bool(p.admin_key)
         if (not self.prefill_urls or not self.decode_urls) and not dynamic:

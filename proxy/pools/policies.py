@@ -8,15 +8,19 @@ proxy, plus the worker's scraped queue and KV usage when that setting is on).
 ``round_robin``     in turn
 ``least_loaded``    lowest load; ties in turn
 ``power_of_two``    two at random, the less loaded of them
-``prefix``          rendezvous hash of the prompt's first full KV blocks, so prompts sharing a
-                    prefix land where it is cached; a load-imbalance guard walks down the
-                    hash order when the preferred worker is much busier than the least loaded
+``prefix``          rendezvous hash of the prompt's first full KV blocks (of the smallest block
+                    the workers reported, unless one size is set), so prompts sharing a prefix
+                    land where it is cached; a load-imbalance guard walks down the hash order
+                    when the preferred worker is much busier than the least loaded
 ``session``         rendezvous hash of ``X-Session-ID`` (least loaded without one)
 ``least_tokens``    fewest outstanding tokens (decode: sum of the ``max_tokens`` in flight)
 ==================  ===========================================================================
 
 Rendezvous (highest-random-weight) hashing keeps most keys on their worker when membership
-changes; blake2b makes the choice the same in every proxy process (``hash()`` is salted).
+changes; blake2b makes the choice the same in every proxy process and replica (``hash()`` is
+salted): the hash depends on the key and the workers' URLs only, so replicas with the same
+membership pick the same worker for a session or a prefix (while it can take the request; the
+prefix policy's imbalance guard reads each replica's own in-flight counts).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from proxy.pools.blocks import FALLBACK_BLOCK_SIZE
 from proxy.pools.worker import Worker
 
 LoadFn = Callable[[Worker], float]
@@ -103,9 +108,12 @@ class PowerOfTwo:
 class PrefixAware:
     name = "prefix"
 
-    def __init__(self, *, block_size: int = 16, prefix_blocks: int = 4,
+    def __init__(self, *, block_size: int | Callable[[], int] | None = 16, prefix_blocks: int = 4,
                  imbalance_ratio: float = 1.5, imbalance_slack: float = 4.0) -> None:
-        if block_size < 1 or prefix_blocks < 1:
+        """``block_size``: the key's block; a callable is asked at each pick (the runtime gives the
+        smallest block its workers reported, ``proxy.pools.blocks``: the same in every replica, and
+        not changed by which workers can take this request); None: the candidates' smallest."""
+        if (isinstance(block_size, int) and block_size < 1) or prefix_blocks < 1:
             raise ValueError("block_size and prefix_blocks must be at least 1")
         if imbalance_ratio < 1.0 or imbalance_slack < 0:
             raise ValueError("imbalance_ratio must be >= 1 and imbalance_slack >= 0")
@@ -115,16 +123,25 @@ class PrefixAware:
         self.imbalance_slack = imbalance_slack
         self._fallback = LeastLoaded()
 
-    def prefix_key(self, token_ids: Sequence[int]) -> bytes | None:
+    def prefix_key(self, token_ids: Sequence[int], block_size: int | None = None) -> bytes | None:
         """The first full blocks of the prompt (at most ``prefix_blocks``), or None if none is full."""
-        blocks = min(self.prefix_blocks, len(token_ids) // self.block_size)
+        size = block_size or (self.block_size if isinstance(self.block_size, int) else None) \
+            or FALLBACK_BLOCK_SIZE
+        blocks = min(self.prefix_blocks, len(token_ids) // size)
         if blocks == 0:
             return None
-        head = token_ids[: blocks * self.block_size]
+        head = token_ids[: blocks * size]
         return ",".join(map(str, head)).encode()
 
+    def key_block_size(self, candidates: Sequence[Worker]) -> int:
+        if isinstance(self.block_size, int):
+            return self.block_size
+        if self.block_size is not None:
+            return self.block_size()
+        return min((w.block_size for w in candidates if w.block_size), default=FALLBACK_BLOCK_SIZE)
+
     def choose(self, candidates: Sequence[Worker], ctx: PickContext, load: LoadFn) -> Worker:
-        key = self.prefix_key(ctx.token_ids)
+        key = self.prefix_key(ctx.token_ids, self.key_block_size(candidates))
         if key is None:
             return self._fallback.choose(candidates, ctx, load)
         bound = min(load(w) for w in candidates) * self.imbalance_ratio + self.imbalance_slack
@@ -160,7 +177,7 @@ class LeastOutstandingTokens:
 POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two", "prefix", "session", "least_tokens")
 
 
-def make_policy(name: str, *, block_size: int = 16, prefix_blocks: int = 4,
+def make_policy(name: str, *, block_size: int | Callable[[], int] | None = 16, prefix_blocks: int = 4,
                 imbalance_ratio: float = 1.5, imbalance_slack: float = 4.0,
                 rng: random.Random | None = None) -> Policy:
     if name == "round_robin":

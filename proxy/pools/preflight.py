@@ -1,11 +1,12 @@
 """The preflight check of a prefill x decode pair: one tiny real P->D hand-off.
 
-A prompt of one KV block plus one token is prefilled on P with ``do_remote_decode``; its
-``kv_transfer_params`` go to D with ``max_tokens=1``. The pair passes when P answered usable
-params and D answered 200 with a token. (A pull that fails makes vLLM's decode worker answer an
-error under the default ``kv_load_failure_policy``; pd-sim does the same.) If D's answer never
-comes, P's blocks are freed by its lease. The serving layer supplies the upstream client and
-its ``remote_host`` rewrite; :class:`~proxy.pools.health.Preflight` supplies timeouts.
+A prompt of one KV block of the pair (the larger of the two) plus one token is prefilled on P
+with ``do_remote_decode``; its ``kv_transfer_params`` go to D with ``max_tokens=1``. The pair
+passes when P answered usable params and D answered 200 with a token. (A pull that fails makes
+vLLM's decode worker answer an error under the default ``kv_load_failure_policy``; pd-sim does
+the same.) If D's answer never comes, P's blocks are freed by its lease. The serving layer
+supplies the upstream client and its ``remote_host`` rewrite; :class:`~proxy.pools.health.Preflight`
+supplies timeouts.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ class GeneratePoster(Protocol):
                             total: float) -> dict[str, Any]: ...
 
 
-def handoff_check(upstream: GeneratePoster, *, block_size: int, timeout: float,
-                  rewrite: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
+def handoff_check(upstream: GeneratePoster, *, block_size: int | Callable[[Worker, Worker], int],
+                  timeout: float, rewrite: Callable[[dict[str, Any], str], dict[str, Any]] | None = None,
                   model: str | None = None) -> PreflightFn:
-    prompt = [FIRST_TOKEN + (i % 64) for i in range(block_size + 1)]
+    """``block_size``: one for every pair, or the pair's (``proxy.pools.blocks.BlockSizes.pair``)."""
 
     async def check(p: Worker, d: Worker) -> None:
+        size = block_size if isinstance(block_size, int) else block_size(p, d)
+        prompt = [FIRST_TOKEN + (i % 64) for i in range(size + 1)]
         rid = f"pd-preflight-{uuid.uuid4().hex}"
         base: dict[str, Any] = {"request_id": rid, "token_ids": prompt, "stream": False,
                                 "output_mode": "tokens",

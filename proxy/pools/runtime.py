@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from proxy.pools.admin import admin_app
 from proxy.pools.admission import DEADLINE_HEADER, Admission, Deadline
+from proxy.pools.blocks import BlockSizeLearner, BlockSizes
 from proxy.pools.breaker import BreakerConfig
 from proxy.pools.health import (
     HealthChecker,
@@ -43,6 +44,7 @@ from proxy.pools.membership import ConfigFileSource, Pools
 from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
 from proxy.pools.pool import LoadWeights, Pool
 from proxy.pools.retry import RetryPolicy
+from proxy.pools.worker import Worker
 
 SESSION_HEADER = "X-Session-ID"
 BYPASS_HEADER = "X-PD-Decode-Only"
@@ -97,8 +99,8 @@ class PoolSettings:
     deadline_prefill_share: float = 0.5
     """The prefill hop may use at most this share of what remains of a deadline."""
     bypass_prompt_tokens: int | None = None
-    """Prompts shorter than this skip the prefill hop (None: one KV block, 0: never). The
-    block size is the proxy's ``kv_block_size`` (``--kv-block-size``), given to ``PoolRuntime``."""
+    """Prompts shorter than this skip the prefill hop (None: one KV block of the prefill worker
+    that would take it, ``proxy.pools.blocks``; 0: never)."""
     bypass_when_prefill_unavailable: bool = True
     preflight: bool = False
     preflight_timeout: float = 30.0
@@ -144,27 +146,38 @@ def _k8s_selector(value: str) -> K8sSelector:
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("pools")
     d = PoolSettings()
-    g.add_argument("--prefill-policy", choices=POLICY_NAMES, default=d.prefill_policy)
-    g.add_argument("--decode-policy", choices=POLICY_NAMES, default=d.decode_policy)
-    g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks)
+    g.add_argument("--prefill-policy", choices=POLICY_NAMES, default=d.prefill_policy,
+                   help="how a prefill worker is chosen (proxy/pools/README.md)")
+    g.add_argument("--decode-policy", choices=POLICY_NAMES, default=d.decode_policy,
+                   help="how a decode worker is chosen")
+    g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks,
+                   help="prefix policy: KV blocks of the prompt's start that choose the worker")
     g.add_argument("--use-scraped-load", action="store_true",
                    help="let workers' own queue and KV usage (/metrics) feed the choice")
     g.add_argument("--max-inflight", type=int, default=None,
                    help="requests in flight through the proxy, PER PROCESS (--workers N admits N times it)")
     g.add_argument("--max-inflight-per-worker", type=int, default=None,
-                   help="requests in flight on one worker, PER PROCESS (--workers N: up to N times it)")
+                   help="requests in flight on one worker, PER PROCESS (--workers N: up to N times it); "
+                        "more wait in the queue")
     g.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="bounded wait queue length, PER PROCESS (and per pool)")
-    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout)
-    g.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
-    g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds)
-    g.add_argument("--health-interval", type=float, default=d.health_interval)
-    g.add_argument("--no-active-health", action="store_true")
+    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
+                   help="seconds a request may wait in the queue (then 503 with Retry-After)")
+    g.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
+                   help="consecutive failures that open a worker's circuit")
+    g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds,
+                   help="seconds an open circuit stays open before a trial request (doubles up to 60)")
+    g.add_argument("--health-interval", type=float, default=d.health_interval,
+                   help="seconds between active /health probes of each worker")
+    g.add_argument("--no-active-health", action="store_true",
+                   help="no active probes: breakers and draining only")
     g.add_argument("--no-health-panic", action="store_true",
                    help="refuse requests (503) when every worker of a pool failed its probes, instead "
                         "of routing to them anyway")
-    g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts)
-    g.add_argument("--decode-attempts", type=int, default=d.decode_attempts)
+    g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts,
+                   help="prefill hops tried per request (on other workers after a failure)")
+    g.add_argument("--decode-attempts", type=int, default=d.decode_attempts,
+                   help="decode hops tried per request before its first byte")
     g.add_argument("--no-migrate", action="store_true", help="do not migrate streams mid-way")
     g.add_argument("--migrate-prefill-tokens", type=int, default=d.migrate_prefill_tokens,
                    help="continuations at least this long are prefilled through the prefill pool")
@@ -172,7 +185,8 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                    help="deadline of requests without X-PD-Deadline-Ms")
     g.add_argument("--bypass-prompt-tokens", type=int, default=None,
                    help="prompts shorter than this skip prefill (default: one KV block)")
-    g.add_argument("--no-bypass-when-prefill-unavailable", action="store_true")
+    g.add_argument("--no-bypass-when-prefill-unavailable", action="store_true",
+                   help="with no prefill worker available, answer 503 instead of running decode-only")
     g.add_argument("--preflight", action="store_true",
                    help="send one tiny P->D hand-off through each new pair before using it")
     g.add_argument("--workers-file", type=Path, default=None, help="TOML pool membership, reloaded")
@@ -295,15 +309,16 @@ class PoolMetrics:
 
 class PoolRuntime:
     def __init__(self, settings: PoolSettings, prefill_urls: Iterable[str], decode_urls: Iterable[str],
-                 *, block_size: int = 128, registry: CollectorRegistry | None = None,
+                 *, block_size: int | None = None, registry: CollectorRegistry | None = None,
                  metrics_with_health: bool = True,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+        """``block_size``: the workers' KV block size for all of them (``--kv-block-size``); None:
+        each worker's own, read from its ``/metrics`` (``proxy.pools.blocks``)."""
         self.settings = s = settings
-        if block_size < 1:
-            raise ValueError("block_size must be at least 1")
-        self.block_size = block_size
-        """The workers' KV block size (tokens): prefix hashing, the short-prompt bypass, preflight."""
-        self.bypass_threshold = block_size if s.bypass_prompt_tokens is None else s.bypass_prompt_tokens
+        self.blocks = BlockSizes(block_size)
+        """Per worker KV block sizes: prefix hashing, the short-prompt bypass, preflight, the
+        suspect-no-transfer counter."""
+        self.learner: BlockSizeLearner | None = None
         self.clock = clock
         self.rng = rng or random.Random()
         breaker = BreakerConfig(failure_threshold=s.breaker_failures, open_seconds=s.breaker_open_seconds,
@@ -340,8 +355,16 @@ class PoolRuntime:
 
     def make_policy(self, name: str) -> Policy:
         s = self.settings
-        return make_policy(name, block_size=self.block_size, prefix_blocks=s.prefix_blocks,
+        return make_policy(name, block_size=self.blocks.override or self.key_block_size,
+                           prefix_blocks=s.prefix_blocks,
                            imbalance_ratio=s.imbalance_ratio, imbalance_slack=s.imbalance_slack, rng=self.rng)
+
+    def key_block_size(self) -> int:
+        """The prefix policy's key block: the smallest block any worker reported (16 until one
+        did). From the membership, not from who can take a request, so it does not change with
+        a worker's load or health, and every replica with the same workers keys alike."""
+        learned = [w.block_size for pool in self.pools for w in pool if w.block_size]
+        return min(learned, default=self.blocks.fallback)
 
     # -------------------------------------------------------------- per request
 
@@ -356,12 +379,25 @@ class PoolRuntime:
                                     clock=self.clock, max_ms=s.deadline_max_ms)
 
     def bypass_reason(self, prompt_tokens: int) -> str | None:
-        """Why this request should skip the prefill hop (None: it should not)."""
-        if prompt_tokens < self.bypass_threshold:
+        """Why this request should skip the prefill hop (None: it should not). ``short_prompt``:
+        shorter than ``--bypass-prompt-tokens``, or by default than one block of every prefill
+        worker that could take it (``prefill_too_short`` leaves out those it is too short for)."""
+        threshold = self.settings.bypass_prompt_tokens
+        if threshold is not None:
+            if prompt_tokens < threshold:
+                return "short_prompt"
+        elif prompt_tokens < self.blocks.smallest(self.prefill.admissible() or self.prefill.workers):
             return "short_prompt"
         if self.settings.bypass_when_prefill_unavailable and not self.prefill.candidates():
             return "prefill_unavailable"
         return None
+
+    def prefill_too_short(self, prompt_tokens: int) -> list[Worker]:
+        """Prefill workers a prompt fills no block of (by default, ``--bypass-prompt-tokens`` unset):
+        left out of its prefill pick, so the bypass threshold is that of the worker chosen."""
+        if self.settings.bypass_prompt_tokens is not None:
+            return []
+        return [w for w in self.prefill if prompt_tokens < self.blocks.of(w)]
 
     def admin_app(self) -> web.Application | None:
         key = self.settings.admin_key
@@ -394,10 +430,16 @@ class PoolRuntime:
             self.prefill.on_change.append(prune)
             self.decode.on_change.append(prune)
             self.preflight.start_all(self.prefill, self.decode)
+        if self.blocks.learning:
+            learner = self.learner = BlockSizeLearner(list(self.pools), http_fetch(session, s.health_timeout))
+            for pool in self.pools:
+                pool.on_change.append(lambda _: learner.wake())
+            self._tasks.append(loop.create_task(learner.run(s.health_interval), name="pool-block-sizes"))
         if s.active_health:
             self.health = HealthChecker(list(self.pools), http_probe(session, s.health_timeout),
                                         fail_threshold=s.health_fail_threshold,
-                                        recover_threshold=s.health_recover_threshold)
+                                        recover_threshold=s.health_recover_threshold,
+                                        on_change=self._health_changed)
             self._tasks.append(loop.create_task(self.health.run(s.health_interval), name="pool-health"))
         if s.use_scraped_load:
             scraper = LoadScraper(list(self.pools), http_fetch(session, s.health_timeout), self.clock)
@@ -428,6 +470,10 @@ class PoolRuntime:
                                                                        sel.label_selector, sel.port),
                                              api_client)
                 self._tasks.append(loop.create_task(source.run(), name=f"pool-k8s-{sel.pool}"))
+
+    def _health_changed(self, worker: Worker) -> None:
+        if not worker.healthy and self.learner is not None:
+            self.learner.forget(worker)  # it may come back with another configuration
 
     async def stop(self) -> None:
         for task in self._tasks:

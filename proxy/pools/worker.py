@@ -40,6 +40,9 @@ class Worker:
     draining: bool = False
     sources: set[str] = field(default_factory=set)
     load: ScrapedLoad | None = None
+    block_size: int | None = None
+    """The worker's KV block size (tokens), from its ``/metrics`` (``proxy.pools.blocks``); None
+    until known."""
 
     @property
     def saturated(self) -> bool:
@@ -89,6 +92,7 @@ class Worker:
             "circuit": self.circuit.name.lower().replace("_", "-"),
             "sources": sorted(self.sources),
             "max_inflight": self.max_inflight,
+            "block_size": self.block_size,
             "load": None if self.load is None else {
                 "waiting": self.load.waiting, "running": self.load.running, "kv_usage": self.load.kv_usage},
         }

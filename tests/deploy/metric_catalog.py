@@ -21,9 +21,11 @@ VENDORED_VLLM: Final = HERE / "vllm_metrics.txt"
 TRACE_FILES: Final = ("metrics-pd-prefill.txt", "metrics-pd-decode.txt", "metrics-scaleout.txt")
 
 # Labels Prometheus adds to every series of a target (deploy/prometheus/prometheus.yml and the
-# k8s ServiceMonitor): job and instance always; pool and worker on worker targets only.
-PROXY_TARGET_LABELS: Final = frozenset({"job", "instance"})
-WORKER_TARGET_LABELS: Final = frozenset({"job", "instance", "pool", "worker"})
+# k8s ServiceMonitor): job and instance always; namespace from the ServiceMonitor (the Prometheus
+# Operator's target labels; file_sd targets have none, and the dashboards' `namespace=~".*"` matches a
+# missing label); pool and worker on worker targets only.
+PROXY_TARGET_LABELS: Final = frozenset({"job", "instance", "namespace"})
+WORKER_TARGET_LABELS: Final = frozenset({"job", "instance", "namespace", "pool", "worker"})
 # Series Prometheus makes itself for each target.
 SYNTHETIC: Final = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
 

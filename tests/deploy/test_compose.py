@@ -91,6 +91,8 @@ def check_layout(config: dict[str, Any], n: int, m: int, *, in_repo: bool = True
         cmd = svc["command"]
         assert f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}" in urls[name.split("-")[0]], name
     assert set(proxy["depends_on"]) == set(pool)
+    # pd-proxy's health check is its liveness (/livez), not /health (503 while a pool is down)
+    assert proxy["healthcheck"]["test"][-1].endswith("/livez', timeout=5)")
 
 
 def test_committed_files_are_current() -> None:
@@ -245,7 +247,7 @@ def test_bind_addresses_can_be_opened(tmp_path: Path) -> None:
     config = compose_config(tmp_path / rc.COMPOSE_FILE, env_file, **SECRETS)
     proxy = config["services"]["pd-proxy"]
     assert proxy["command"][proxy["command"].index("--host") + 1] == "0.0.0.0"
-    assert "http://127.0.0.1:8080/health" in " ".join(proxy["healthcheck"]["test"])  # reachable locally
+    assert "http://127.0.0.1:8080/livez" in " ".join(proxy["healthcheck"]["test"])  # reachable locally
     grafana = config["services"]["grafana"]["environment"]
     assert grafana["GF_SERVER_HTTP_ADDR"] == "10.0.0.7" and grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
     targets = json.loads((tmp_path / rc.TARGETS_DIR / "proxy.json").read_text())

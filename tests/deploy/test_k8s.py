@@ -322,3 +322,64 @@ def test_endpointslice_discovery_component(tmp_path: Path, overlay: str) -> None
         assert port in {p["name"] for p in svc["spec"]["ports"]}
         pools[pool] = svc["metadata"]["name"]
     assert pools == {"prefill": "pd-prefill", "decode": "pd-decode"}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_proxy_probes_never_restart_it_for_a_pool_outage(overlay: str) -> None:
+    """Liveness on /livez (the process serves), readiness on /readyz (a request can be routed): a
+    liveness probe on /health restarted every proxy, dropping its streams, while vLLM loaded."""
+    proxy = container(by_kind(build(f"overlays/{overlay}"), "Deployment")["pd-proxy"], "pd-proxy")
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert proxy["livenessProbe"]["httpGet"]["port"] == proxy["readinessProbe"]["httpGet"]["port"] == "http"
+
+
+@needs_kubectl
+def test_gpu_overlay_finds_every_pod_through_endpointslices() -> None:
+    """The GPU overlay's own comment says pd-proxy finds new pods through the EndpointSlices: it includes
+    the discovery component, so every pod of each pool is a worker (its health, breaker, block size and
+    aborts), not one Service address per pool."""
+    objs = build("overlays/gpu")
+    proxy = by_kind(objs, "Deployment")["pd-proxy"]
+    args = container(proxy, "pd-proxy")["args"]
+    specs = [args[i + 1] for i, a in enumerate(args) if a == "--k8s-endpointslices"]
+    assert sorted(s.split(":")[0] for s in specs) == ["decode", "prefill"]
+    assert "--prefill" not in args and "--decode" not in args
+    assert proxy["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert "--kv-block-size" not in args  # learned from each worker's /metrics
+    for name in ("pd-prefill", "pd-decode"):
+        vllm_args = container(by_kind(objs, "Deployment")[name], "vllm")["args"]
+        assert vllm_args[vllm_args.index("--block-size") + 1] == "16"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_model_cache_on_a_persistent_volume_claim(tmp_path: Path, overlay: str) -> None:
+    """components/model-cache-pvc: every vLLM pod mounts one ReadWriteMany claim at HF_HOME instead of an
+    emptyDir (a re-download on every restart), and the result still validates."""
+    assert KUBECTL is not None
+    rel = os.path.relpath(K8S, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: pd-test\n"
+        f"resources: [{rel}/overlays/{overlay}]\ncomponents: [{rel}/components/model-cache-pvc]\n"
+    )
+    result = run([KUBECTL, "kustomize", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    objs = tuple(d for d in yaml.safe_load_all(result.stdout) if d)
+    for obj in objs:
+        if (obj["apiVersion"], obj["kind"]) not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
+    (claim,) = by_kind(objs, "PersistentVolumeClaim").values()
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # shared by every prefill and decode pod
+    assert claim["metadata"]["namespace"] == "pd-test"
+    for name in ("pd-prefill", "pd-decode"):
+        d = by_kind(objs, "Deployment")[name]
+        c = container(d, "vllm")
+        hf_home = env_of(c)["HF_HOME"]["value"]
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == hf_home]
+        (volume,) = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+        assert volume == {"name": mount["name"],
+                          "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}, name
+    proxy = by_kind(objs, "Deployment")["pd-proxy"]
+    assert "persistentVolumeClaim" not in json.dumps(proxy)

@@ -63,6 +63,12 @@ def build_with(tmp_path: Path, overlay: str, *components: str | Path) -> tuple[O
     return render(root)
 
 
+def overlay_components(overlay: str) -> list[str]:
+    """The names of the components an overlay includes."""
+    data = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
+    return [Path(c).name for c in data.get("components") or []]
+
+
 def pod_spec(deployment: Obj) -> Obj:
     spec: Obj = deployment["spec"]["template"]["spec"]
     return spec
@@ -125,8 +131,10 @@ def enable_keys_component(k8s: Path, overlay: str) -> Path:
     path = k8s / "overlays" / overlay / "kustomization.yaml"
     text = path.read_text()
     commented = "# components:\n#   - ../../components/proxy-keys\n"
-    assert commented in text
-    path.write_text(text.replace(commented, "components:\n  - ../../components/proxy-keys\n"))
+    in_list = "  # - ../../components/proxy-keys\n"  # an overlay that has components already (gpu)
+    assert commented in text or in_list in text
+    text = text.replace(commented, "components:\n  - ../../components/proxy-keys\n")
+    path.write_text(text.replace(in_list, "  - ../../components/proxy-keys\n"))
     return path.parent
 
 
@@ -378,6 +386,11 @@ def writable(deployment: Obj, name: str, path: str) -> bool:
 def test_pods_run_restricted(overlay: str) -> None:
     deployments = by_kind(build(f"overlays/{overlay}"), "Deployment")
     assert restricted_problems(deployments["pd-proxy"], "pd-proxy") == []
+    # the read-only root needs a writable temporary directory: --workers N keeps its processes' shared
+    # metrics files there (tempfile.mkdtemp: TMPDIR, else /tmp)
+    proxy_env = env_of(container(deployments["pd-proxy"], "pd-proxy"))
+    tmpdir = proxy_env["TMPDIR"]["value"] if "TMPDIR" in proxy_env else "/tmp"
+    assert writable(deployments["pd-proxy"], "pd-proxy", tmpdir)
     for name in WORKERS:
         d = deployments[name]
         assert restricted_problems(d, "vllm") == [], name
@@ -396,8 +409,10 @@ def test_pods_run_restricted(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_service_account_token_only_with_discovery(tmp_path: Path, overlay: str) -> None:
     plain = build(f"overlays/{overlay}")
+    with_discovery = DISCOVERY in overlay_components(overlay)  # the GPU overlay includes it
     for d in by_kind(plain, "Deployment").values():
-        assert pod_spec(d).get("automountServiceAccountToken") is False, d["metadata"]["name"]
+        token = with_discovery and d["metadata"]["name"] == "pd-proxy"
+        assert pod_spec(d).get("automountServiceAccountToken") is token, d["metadata"]["name"]
     (account,) = by_kind(plain, "ServiceAccount").values()
     assert account.get("automountServiceAccountToken") is False
 

@@ -104,7 +104,7 @@ def test_cli_log_format_and_block_size() -> None:
                     "--log-format", "json", "--kv-block-size", "16"])
     assert s.log_format == "json" and s.kv_block_size == 16
     s = parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"])
-    assert s.log_format == "text" and s.kv_block_size == 128
+    assert s.log_format == "text" and s.kv_block_size is None  # each worker's own (proxy.pools.blocks)
 
 
 def test_json_lines_are_bare_json() -> None:

@@ -212,7 +212,7 @@ async def test_suspect_no_transfer(scripted_factory: ScriptedFactory, proxy_fact
     kv = {**KV_PARAMS, "remote_block_ids": blocks}
     p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b, kv))
     d: Scripted = await scripted_factory(lambda b, r: _decode_reply(b, details))
-    client, _ = await proxy_factory([p.url], [d.url])
+    client, _ = await proxy_factory([p.url], [d.url], kv_block_size=128)  # the CPU build's block
     for prompt_len, expected in ((127, 0), (128, suspect)):
         r = await client.post("/inference/v1/generate", json=req(token_ids=list(range(1, prompt_len + 1))))
         assert r.status == 200
@@ -368,3 +368,48 @@ async def test_worker_healthy_follows_the_active_probes(pd_factory: PDFactory) -
         await eventually(lambda: healthy(1))
     finally:
         await runner.cleanup()
+
+
+# ------------------------------------------------------------------ histogram buckets
+
+
+def finite_buckets(text: str, name: str) -> list[float]:
+    return sorted({float(s.labels["le"]) for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == f"{name}_bucket" and s.labels["le"] != "+Inf"})
+
+
+@pytest.mark.parametrize(
+    ("settings", "longest"),
+    [
+        ({}, 600.0),  # the default --decode-timeout
+        ({"decode_timeout": 3600.0}, 3600.0),
+        ({"decode_timeout": 20000.0}, 20000.0),  # beyond vLLM's last bucket
+        ({"pools": PoolSettings.plain(deadline_max_ms=9_000_000.0)}, 9000.0),
+    ],
+)
+async def test_latency_buckets_cover_every_timeout_the_proxy_allows(
+        proxy_factory: ProxyFactory, settings: dict[str, Any], longest: float) -> None:
+    """A request that runs as long as the timeouts let it lands in a finite bucket (vLLM's request-latency
+    buckets reach 7680 s), not in +Inf beside every other slow one: the old buckets stopped at 60 s."""
+    client, app = await proxy_factory(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], **settings)
+    from proxy.app import METRICS  # noqa: PLC0415
+
+    metrics = app[METRICS]
+    metrics.ttft.observe(longest)
+    metrics.e2e.observe(longest)
+    metrics.stage.labels(stage="decode_first_token").observe(longest)
+    text = await (await client.get("/metrics")).text()
+    for name in ("pd_proxy_ttft_seconds", "pd_proxy_e2e_seconds", "pd_proxy_stage_seconds"):
+        buckets = finite_buckets(text, name)
+        assert buckets[-1] >= max(longest, 7680.0), name
+        assert {0.001, 1.0, 60.0, 120.0, 960.0, 7680.0} <= set(buckets), name  # fine below, vLLM's above
+    samples = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "pd_proxy_ttft_seconds_bucket"}
+    top = finite_buckets(text, "pd_proxy_ttft_seconds")[-1]
+    assert samples[("pd_proxy_ttft_seconds_bucket", repr(top))] == 1.0  # counted in a finite bucket
+
+
+async def test_lease_buckets_cover_the_lease_duration(proxy_factory: ProxyFactory) -> None:
+    client, _ = await proxy_factory(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], lease_duration=300.0)
+    text = await (await client.get("/metrics")).text()
+    assert finite_buckets(text, "pd_proxy_kv_lease_duration_seconds")[-1] >= 600.0

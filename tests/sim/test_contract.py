@@ -37,10 +37,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures_sim import SimFactory, SimWorker
 from tests.sim.rawhttp import RawConnection, RawResponse
 from tests.traces import Block, Trace, load_trace, trace_files
+from workers.sim import SimSettings
 
 TRACES = trace_files()
 
@@ -111,7 +113,10 @@ METRIC_FAMILIES = (
     "vllm:generation_tokens",
     "vllm:nixl_num_failed_transfers",
     "vllm:nixl_num_kv_expired_reqs",
+    "vllm:cache_config_info",
 )
+# Series vLLM labels by engine only (no model_name): the cache config, whose block_size pd-proxy reads.
+ENGINE_ONLY = ("vllm:cache_config_info{",)
 
 
 @dataclass
@@ -443,8 +448,34 @@ def _compare_metrics(exp: Block, act: RawResponse) -> list[str]:
         if f"# TYPE {fam}" not in text:
             errs.append(f"missing metric family {fam}")
     for line in text.splitlines():
+        if line.startswith(ENGINE_ONLY):
+            continue
         if line.startswith("vllm:") and 'model_name="tiny-llama"' not in line:
             errs.append(f"unlabelled series {line}")
+    errs += _compare_cache_config(exp.body.decode(), text)
+    return errs
+
+
+def _cache_config(text: str) -> dict[str, str] | None:
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            (sample,) = family.samples
+            return dict(sample.labels)
+    return None
+
+
+def _compare_cache_config(expected: str, actual: str) -> list[str]:
+    """vllm:cache_config_info: the same label names as vLLM's, block_size the worker's own."""
+    exp, act = _cache_config(expected), _cache_config(actual)
+    if exp is None:
+        return []
+    if act is None:
+        return ["no vllm:cache_config_info series"]
+    errs = []
+    if set(exp) != set(act):
+        errs.append(f"cache_config_info labels differ: {sorted(set(exp) ^ set(act))}")
+    if act.get("block_size") != str(SimSettings().block_size):
+        errs.append(f"cache_config_info block_size {act.get('block_size')!r}")
     return errs
 
 

@@ -53,14 +53,40 @@ _XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0,
 _BYTES_BUCKETS = tuple(float(2048 * 4**i) for i in range(12))
 
 
-class SimMetrics:
-    """The ``vllm:*`` metrics a worker exposes, labelled ``model_name`` and ``engine``."""
+def cache_config_labels(block_size: int, num_blocks: int) -> dict[str, str]:
+    """The labels of vLLM 0.32's ``vllm:cache_config_info`` (its ``CacheConfig``, one series per
+    engine, no ``model_name``), as the CPU build shows them, with this worker's block size and count.
+    pd-proxy learns each worker's KV block size from ``block_size`` (``proxy.pools.blocks``)."""
+    return {
+        "_block_size_resolved": "True", "block_size": str(block_size), "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None", "effective_attention_block_size": str(block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False", "enable_prefix_caching": "True", "engine": "0",
+        "gpu_memory_utilization": "0.92", "hash_block_size": "None", "is_attention_free": "False",
+        "kv_cache_dtype_skip_layers": "[]", "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": "1024.0", "kv_cache_memory_bytes": "1073741824",
+        "kv_cache_size_tokens": str(block_size * num_blocks), "kv_offloading_backend": "native",
+        "kv_offloading_size": "None", "kv_sharing_fast_prefill": "False", "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto", "mamba_cache_mode": "none", "mamba_page_size_padded": "None",
+        "mamba_ssm_cache_dtype": "auto", "num_cpu_blocks": "None", "num_gpu_blocks": str(num_blocks),
+        "num_gpu_blocks_override": "None", "prefix_cache_retention_interval": "0",
+        "prefix_caching_hash_algo": "sha256", "prefix_match_unit": "None", "replayssm_buffer_len": "16",
+        "skip_page_size_padded": "None", "sliding_window": "None", "swa_bounded_replay": "True",
+        "use_kda_recoverssm": "False", "use_replayssm": "False", "user_specified_block_size": "False",
+    }
 
-    def __init__(self, model_name: str) -> None:
+
+class SimMetrics:
+    """The ``vllm:*`` metrics a worker exposes, labelled ``model_name`` and ``engine`` (the cache
+    config info only ``engine``, as on vLLM)."""
+
+    def __init__(self, model_name: str, *, block_size: int = 16, num_blocks: int = 4096) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         lv = {"model_name": model_name, "engine": "0"}
         r = self.registry
+        info = cache_config_labels(block_size, num_blocks)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+              registry=r).labels(**info).set(1)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, registry=r, buckets=buckets)

@@ -131,7 +131,8 @@ def build_app(settings: SimSettings | None = None) -> web.Application:
     fixtures do) so that a client disconnect aborts a non-streaming request at once; without it the
     disconnect is noticed at the next token."""
     settings = settings or SimSettings()
-    metrics_ = SimMetrics(settings.model_name)
+    metrics_ = SimMetrics(settings.model_name, block_size=settings.block_size,
+                          num_blocks=settings.num_kv_blocks)
     pool = KvPool(settings.num_kv_blocks, settings.block_size, metrics_.kv_usage.set)
     st = SimState(
         settings=settings,

@@ -143,16 +143,23 @@ def test_one_block_size_setting_for_bypass_prefix_and_suspect_counter() -> None:
     from proxy.serving import Serving  # noqa: PLC0415
 
     default = Serving(parse_args(["--prefill", P, "--decode", D]), ProxyMetrics())
-    assert default.settings.kv_block_size == 128  # vLLM CPU's block size
-    assert default.pools.block_size == 128 and default.pools.bypass_threshold == 128
+    assert default.settings.kv_block_size is None  # each worker's own, from its /metrics
+    assert default.pools.blocks.learning and default.pools.blocks.of(None) == 16  # until known
+    assert default.pools.bypass_reason(15) == "short_prompt" and default.pools.bypass_reason(16) is None
+    default.pools.prefill.workers[0].block_size = 128
+    assert default.pools.bypass_reason(127) == "short_prompt" and default.pools.bypass_reason(128) is None
     small = Serving(parse_args(["--prefill", P, "--decode", D, "--kv-block-size", "16"]), ProxyMetrics())
-    assert small.pools.block_size == 16 and small.pools.bypass_threshold == 16
+    assert small.pools.blocks.override == 16 and not small.pools.blocks.learning
+    small.pools.prefill.workers[0].block_size = 128  # the override wins
+    assert small.pools.bypass_reason(16) is None
     prefix = small.pools.make_policy("prefix")
     assert getattr(prefix, "block_size", None) == 16
     off = parse_args(["--prefill", P, "--decode", D, "--bypass-prompt-tokens", "0"])
     assert Serving(off, ProxyMetrics()).pools.bypass_reason(1) is None
     with pytest.raises(SystemExit):
         parse_args(["--prefill", P, "--decode", D, "--block-size", "16"])  # one flag, not two
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", P, "--decode", D, "--kv-block-size", "0"])
 
 
 def test_panic_is_on_for_decode_and_for_prefill_only_without_the_bypass() -> None:

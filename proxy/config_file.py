@@ -1,0 +1,156 @@
+"""``pd-proxy --config FILE``: settings from a YAML file, and ``--help`` with every default.
+
+The file's keys are pd-proxy's long flag names without the dashes (``decode-timeout``, or
+``decode_timeout``), as with ``vllm serve --config``; values are what the flag takes::
+
+    prefill: [http://10.0.0.1:8100, http://10.0.0.2:8100]   # a list for flags that take several
+    decode: http://10.0.0.3:8200
+    decode-timeout: 900
+    prefill-policy: prefix
+    no-active-health: true                                  # a switch: true to set it
+    k8s-endpointslices: ["decode:serving:pd-proxy.io/pool=decode:http"]
+
+Flags on the command line win over the file, whole: ``--prefill A`` replaces the file's prefill
+list. Secrets never come from the file (it is often a ConfigMap, readable by whoever may read the
+namespace, and kept in version control): the keys are refused with the environment variable or key
+file to use instead (:data:`SECRET_KEYS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_FLAG = "--config"
+
+SECRET_KEYS: Mapping[str, str] = {
+    "api-key": "PD_PROXY_API_KEY (one key), PD_PROXY_API_KEYS (several, comma-separated) or --api-key-file",
+    "upstream-api-key": "PD_PROXY_UPSTREAM_API_KEY",
+    "admin-key": "PD_PROXY_ADMIN_KEY",
+}
+"""Settings that are secrets, and where they come from instead of the file."""
+
+_HELP_FLAGS = ("-h", "--help")
+
+
+class ConfigFileError(ValueError):
+    """The file cannot be read, is not a mapping, or names a setting pd-proxy cannot take from it."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each flag's default after its help line (``none`` / ``off`` where the
+    default is empty or a switch is unset); never the value of a secret read from the environment
+    (those flags default to None and are resolved after parsing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "%(default)" in text or "(default" in text or action.default is argparse.SUPPRESS \
+                or not action.option_strings:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            shown = "off"
+        elif action.default is None or action.default == []:
+            shown = "none"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+def long_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every long flag of the parser by its name without the dashes."""
+    return {opt[2:]: action for action in parser._actions for opt in action.option_strings
+            if opt.startswith("--")}
+
+
+def load(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigFileError(f"cannot read the config file {path}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigFileError(f"the config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ConfigFileError(f"the config file {path} must be a mapping of flag names to values")
+    return data
+
+
+def _tokens(flag: str, action: argparse.Action, value: Any, path: Path) -> list[str]:
+    """The command-line tokens that give ``value`` to ``flag`` (``--flag=value`` form, so that a
+    value starting with a dash stays a value)."""
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ConfigFileError(f"{path}: {flag[2:]} is a switch: true or false, got {value!r}")
+        return [flag] if value else []
+    if value is None:
+        raise ConfigFileError(f"{path}: {flag[2:]} has no value")
+    several = action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
+    values = value if isinstance(value, list) else [value]
+    if not several and len(values) != 1:
+        raise ConfigFileError(f"{path}: {flag[2:]} takes one value, got {len(values)}")
+    for v in values:
+        if isinstance(v, (dict, list)) or v is None:
+            raise ConfigFileError(f"{path}: {flag[2:]} takes plain values, got {v!r}")
+    return [f"{flag}={str(v).lower() if isinstance(v, bool) else v}" for v in values]
+
+
+def file_argv(parser: argparse.ArgumentParser, data: Mapping[str, Any], path: Path,
+              given: set[str]) -> list[str]:
+    """Tokens for every setting of the file whose flag was not given on the command line
+    (``given``: the dests the command line set)."""
+    flags = long_flags(parser)
+    out: list[str] = []
+    for raw_key, value in data.items():
+        key = raw_key.strip().lstrip("-").replace("_", "-")
+        if key in SECRET_KEYS:
+            raise ConfigFileError(f"{path}: {key} is a secret and is not read from a config file: "
+                                  f"give it in {SECRET_KEYS[key]}")
+        if key == CONFIG_FLAG[2:]:
+            raise ConfigFileError(f"{path}: a config file cannot name another one ({key})")
+        action = flags.get(key)
+        if action is None or key in ("help",):
+            close = difflib.get_close_matches(key, [k for k in flags if k not in SECRET_KEYS], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigFileError(f"{path}: unknown setting {raw_key!r}{hint}; the keys are pd-proxy's "
+                                  "long flag names (pd-proxy --help)")
+        if action.dest in given:
+            continue  # the command line wins
+        out += _tokens(f"--{key}", action, value, path)
+    return out
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The dests the command line sets (every default hidden for one parse)."""
+    saved = [(a, a.default) for a in parser._actions]
+    try:
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS
+        namespace, _ = parser.parse_known_args(list(argv))
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(namespace))
+
+
+def with_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``argv`` with the settings of its ``--config FILE`` (if any) in front: the command line's own
+    flags win. A bad file is a parser error (exit 2, the message on stderr)."""
+    argv = list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument(CONFIG_FLAG, type=Path, default=None)
+    known, _ = pre.parse_known_args(argv)
+    path: Path | None = known.config
+    if path is None or any(a in _HELP_FLAGS for a in argv):
+        return argv
+    try:
+        return [*file_argv(parser, load(path), path, _given(parser, argv)), *argv]
+    except ConfigFileError as e:
+        parser.error(str(e))
