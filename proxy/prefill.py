@@ -53,17 +53,7 @@ class Prefill(Part):
                 break  # aborted (client call, deadline) during the backoff
             bypass = rt.settings.bypass_when_prefill_unavailable
             try:
-                # with workers the prompt fills no KV block of (another block size) left out
-                pairless = [*self.pairless(), *rt.prefill_too_short(len(ctx.token_ids))]
-                try:
-                    worker = await self.prefill_pool.acquire(ctx, exclude=[*tried, *pairless],
-                                                             limit=self.core.queue_limit(f))
-                except NoWorkerAvailable:
-                    if not tried:
-                        raise
-                    # every admitted worker failed once: any of them again (the failure may pass)
-                    worker = await self.prefill_pool.acquire(ctx, exclude=pairless,
-                                                             limit=self.core.queue_limit(f))
+                worker = await self._pick(f, ctx, tried)
             except NoWorkerAvailable:
                 if bypass:
                     # None left (their circuits opened, e.g. on the failure being retried): the
@@ -74,13 +64,7 @@ class Prefill(Part):
                     break  # none left: the last error stands
                 raise
             record.prefill_worker = worker
-            try:
-                limit = hop_budget(f.deadline, "prefill", self.settings.prefill_timeout,
-                                   rt.settings.deadline_prefill_share)
-            except DeadlineExceeded:
-                self.prefill_pool.release(worker, Outcome.NEUTRAL)
-                raise
-            f.prefill_task = self.tracker.spawn(self.hop(f, worker, limit))
+            f.prefill_task = self._send(f, worker)
             retry_ok = False
             try:
                 reply: dict[str, Any] = await asyncio.shield(f.prefill_task)
@@ -113,6 +97,30 @@ class Prefill(Part):
             log.warning("request %s: retrying prefill after %s", record.engine_id, last.message)
             await asyncio.sleep(pause)
         return record.prefill_worker, {}, last
+
+    async def _pick(self, f: Flight, ctx: PickContext, tried: list[Worker]) -> Worker:
+        """A prefill worker not tried yet (when every admitted one failed once, any of them again:
+        the failure may pass), never one whose pairs all failed the preflight or one whose KV
+        block the prompt does not fill (another block size). Raises ``NoWorkerAvailable``."""
+        left_out = [*self.pairless(), *self.pools.prefill_too_short(len(ctx.token_ids))]
+        try:
+            return await self.prefill_pool.acquire(ctx, exclude=[*tried, *left_out],
+                                                   limit=self.core.queue_limit(f))
+        except NoWorkerAvailable:
+            if not tried:
+                raise
+            return await self.prefill_pool.acquire(ctx, exclude=left_out, limit=self.core.queue_limit(f))
+
+    def _send(self, f: Flight, worker: Worker) -> asyncio.Task[dict[str, Any]]:
+        """The prefill hop to ``worker`` in a tracked task, within the request's deadline share."""
+        try:
+            limit = hop_budget(f.deadline, "prefill", self.settings.prefill_timeout,
+                               self.pools.settings.deadline_prefill_share)
+        except DeadlineExceeded:
+            self.prefill_pool.release(worker, Outcome.NEUTRAL)
+            raise
+        task: asyncio.Task[dict[str, Any]] = self.tracker.spawn(self.hop(f, worker, limit))
+        return task
 
     async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
         body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,

@@ -234,61 +234,69 @@ class Serving:
         log_access(fields, self.settings.log_format)
 
     async def _walk(self, request: web.Request, f: Flight) -> web.StreamResponse:
-        record, req = f.record, f.request
-        s = self.settings
-        kv_params: dict[str, Any] | None = None
-
+        """PREFILLING -> KV_HELD -> DECODING: the prefill hop (or decode-only), then the decode."""
+        req = f.request
         if f.deadline is not None:
             f.deadline.check("queue")
         max_tokens = req.sampling_params.get("max_tokens")
         f.ctx = self.pools.pick_context(req.token_ids, request.headers,
                                         tokens=max_tokens if isinstance(max_tokens, int) else 0)
+        kv_params, failure, error = await self._prefill(f)
+        if error is not None and not f.record.is_aborted:
+            await self._prefill_failed(f, failure, error)
+            kv_params = None
+        if kv_params is not None and self.settings.hold_between_hops > 0:  # a test hook: KV_HELD
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(f.record.aborted.wait(), self.settings.hold_between_hops)
+        if f.record.is_aborted:
+            await self.cleanup.release_shielded(f)
+            return await self.aborts.respond_aborted(request, f)
+        return await self._decode(request, f, kv_params)
 
-        # --- PREFILLING
+    async def _prefill(self, f: Flight) -> tuple[dict[str, Any] | None, str, UpstreamError | None]:
+        """PREFILLING: the prefill hop (retried), or decode-only when the request bypasses it.
+        Returns P's checked params (the KV is held, ``KV_HELD``), or why the prefill failed and
+        its error (the decode-only reason: ``prefill_timeout``, ``prefill_error``,
+        ``missing_kv_params``). A 4xx from P is the client's answer: raised."""
+        record, req = f.record, f.request
         f.timing.prefill_start = prefill_start = self.clock()
         bypass = self.pools.bypass_reason(len(req.token_ids))
-        failure: str | None = None
-        failure_error: UpstreamError | None = None
         prefill: Worker | None = None
         reply: dict[str, Any] = {}
+        error: UpstreamError | None = None
         if bypass is None:
-            prefill, reply, failure_error = await self.prefill.with_retries(f)
-            if prefill is None and failure_error is None and not record.is_aborted:
+            prefill, reply, error = await self.prefill.with_retries(f)
+            if prefill is None and error is None and not record.is_aborted:
                 bypass = "prefill_unavailable"
-            elif failure_error is not None:
-                if isinstance(failure_error, UpstreamStatusError) and failure_error.passthrough:
-                    f.timing.prefill_end = self.clock()
-                    raise failure_error
-                failure = "prefill_timeout" if isinstance(failure_error, UpstreamTimeout) else "prefill_error"
+            elif isinstance(error, UpstreamStatusError) and error.passthrough:
+                f.timing.prefill_end = self.clock()
+                raise error
         f.timing.prefill_end = prefill_end = self.clock()
         self.metrics.child(self.metrics.stage, "queue").observe(prefill_start - f.timing.received)
         self.metrics.child(self.metrics.stage, "prefill").observe(prefill_end - prefill_start)
+        if error is not None:
+            return None, "prefill_timeout" if isinstance(error, UpstreamTimeout) else "prefill_error", error
         if bypass is not None:
             self.core.decode_only(f, bypass)
-        elif failure is None and prefill is not None:
-            kv_params, failure_error = self.prefill.accept_reply(f, prefill, reply)
-            if failure_error is not None:
-                failure = "missing_kv_params"
-        if record.is_aborted:
-            await self.cleanup.release_shielded(f)
-            return await self.aborts.respond_aborted(request, f)
-        if failure is not None:
-            assert failure_error is not None
-            await self.cleanup.release_shielded(f)  # a reply that failed a check may still hold KV
-            if s.prefill_failure_policy == "fail":
-                raise failure_error
-            self.core.decode_only(f, failure)
-            kv_params = None
+            return None, "", None
+        if prefill is None:
+            return None, "", None  # aborted before any prefill worker took it
+        kv_params, error = self.prefill.accept_reply(f, prefill, reply)
+        return kv_params, "missing_kv_params", error
 
-        # --- KV_HELD
-        if kv_params is not None and s.hold_between_hops > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(record.aborted.wait(), s.hold_between_hops)
-        if record.is_aborted:
-            await self.cleanup.release_shielded(f)
-            return await self.aborts.respond_aborted(request, f)
+    async def _prefill_failed(self, f: Flight, failure: str, error: UpstreamError) -> None:
+        """The prefill failed: whatever P holds is released; the request fails (``--prefill-failure
+        fail``) or goes on decode-only."""
+        await self.cleanup.release_shielded(f)  # a reply that failed a check may still hold KV
+        if self.settings.prefill_failure_policy == "fail":
+            raise error
+        self.core.decode_only(f, failure)
 
-        # --- DECODING
+    async def _decode(self, request: web.Request, f: Flight,
+                      kv_params: dict[str, Any] | None) -> web.StreamResponse:
+        """DECODING: a decode worker (one whose pair with P passed the preflight, when it is on)
+        takes the request with P's params, or decode-only; then the stream or the full reply."""
+        record = f.record
         try:
             try:
                 decode = await self.engine.acquire(f, [])
@@ -306,10 +314,10 @@ class Serving:
             raise
         record.decode_worker = decode
         record.phase = Phase.DECODING
-        f.timing.decode_start = self.clock()
+        f.timing.decode_start = decode_start = self.clock()
         self.metrics.child(self.metrics.stage, "handoff").observe(
-            f.timing.decode_start - f.timing.prefill_end)
+            decode_start - (f.timing.prefill_end or decode_start))
         body = decode_body(f.data, record.base_id, kv_params)
-        if req.is_stream:
+        if f.request.is_stream:
             return await self.stream.decode(request, f, decode, body)
         return await self.full.decode(f, decode, body, request)
