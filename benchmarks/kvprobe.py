@@ -15,7 +15,9 @@ at its idle level (or ``free_timeout_s`` passed). Two sources, chosen by asking 
 
 Per cancelled request (analysis is pure, :func:`analyse`): **cancel-to-free**, from the cancel
 to the first poll at which the request holds nothing on the worker (for good); and **stranded KV**,
-the block-seconds it held after its cancel. Polls bound both: a figure is good to one interval.
+the block-seconds it held after its cancel. Only polls at or after the cancel count: a cancel whose
+blocks no later poll saw counts as freed at once (``cancels_holding`` counts the others). Polls
+bound both figures: each is good to one interval.
 For the run: the block-seconds held over the idle level, and the **drain**, from the end of the
 run's last request (no client waits for anything after it) until the worker is idle again, with
 the block-seconds held meanwhile.
@@ -303,19 +305,21 @@ def _area(points: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
 
 
 def _free_after(points: Sequence[tuple[float, float]], cancel: float, tol: float) -> CancelFree:
-    """When what ``points`` (time, held above idle) shows was freed for good after ``cancel``:
-    the poll after the last one holding anything, from the poll just before the cancel on."""
+    """When what ``points`` (time, held above idle) shows was freed for good after ``cancel``: the
+    poll after the last one holding anything. Only polls at or after the cancel count (a poll
+    before it cannot tell a free just before the cancel from one just after): a cancel counts as
+    holding KV when a later poll still saw it, and its stranded block-seconds run from that poll."""
     out = CancelFree("", cancel, attributed=True)
-    first = max((i for i, (t, _) in enumerate(points) if t < cancel), default=0)
-    held = [i for i in range(first, len(points)) if points[i][1] > tol]
+    after = [(t, v) for t, v in points if t >= cancel]
+    held = [i for i, (_, v) in enumerate(after) if v > tol]
     if not held:
         out.freed = cancel
         return out
     out.held_after_cancel = True
     last = held[-1]
-    out.freed = points[last + 1][0] if last + 1 < len(points) else None
-    stop = out.freed if out.freed is not None else points[-1][0]
-    out.stranded_block_s = _area(points, cancel, stop)
+    out.freed = after[last + 1][0] if last + 1 < len(after) else None
+    stop = out.freed if out.freed is not None else after[-1][0]
+    out.stranded_block_s = _area(after, cancel, stop)
     return out
 
 
