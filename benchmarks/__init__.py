@@ -8,9 +8,15 @@ Python API (what ``pd-bench`` and ``make demo`` use)::
                                        result_dir="results/demo"))
     print(summary_text(result))
 
-pd-bench speaks HTTP only; it imports nothing of ``proxy`` or ``workers``.
+Cancellation (``BenchConfig(cancel=CancelConfig(rate=0.3, at="before-first-token"),
+kv_probes=(prefill_url,))``) runs the same requests twice, without and with cancels, and reports
+the survivors' TTFT penalty and how long the probed workers kept the cancelled requests' KV.
+
+pd-bench speaks HTTP only; it imports nothing of ``proxy`` or ``workers`` (``cancel_bench`` starts
+them as processes).
 """
 
+from benchmarks.cancel import CancelConfig
 from benchmarks.datasets import DatasetConfig, RequestSpec
 from benchmarks.records import RequestRecord
 from benchmarks.runner import (
@@ -18,7 +24,9 @@ from benchmarks.runner import (
     BenchResult,
     CompareResult,
     ConfigError,
+    RampUp,
     SweepResult,
+    TargetNotReady,
     arun_benchmark,
     arun_compare,
     arun_sweep,
@@ -32,12 +40,15 @@ from benchmarks.runner import (
 __all__ = [
     "BenchConfig",
     "BenchResult",
+    "CancelConfig",
     "CompareResult",
     "ConfigError",
     "DatasetConfig",
+    "RampUp",
     "RequestRecord",
     "RequestSpec",
     "SweepResult",
+    "TargetNotReady",
     "arun_benchmark",
     "arun_compare",
     "arun_sweep",
