@@ -15,8 +15,9 @@ Starts a prefill and a decode worker (pd-sim processes, or real vLLM through
   ``vllm-router`` on PATH). Nothing is installed here: when it is missing it is left out with a
   message saying so. ``--router-cmd`` starts any other router the same way.
 
-A scenario is a cancel phase and mode (``before-first-token:disconnect``, ...). Each is one
-``pd-bench run`` per target with ``--cancel-rate`` (its baseline run without cancellations first,
+A scenario is a cancel phase and mode (``before-first-token:disconnect``, ``mid-stream:abort``,
+``after=0.05:disconnect`` for ``--cancel-after 0.05``, ...). Each is one ``pd-bench run`` per target
+with ``--cancel-rate`` (its baseline run without cancellations first,
 for the TTFT penalty) and a KV probe on both workers. Targets take turns within a scenario, their
 order rotated from one scenario to the next. pd-sim reports every request's KV (so every cancel is
 attributed under load); real vLLM only its total usage, so the real-vLLM variant adds an isolated
@@ -59,6 +60,11 @@ PD_PROXY: Final = "pd-proxy"
 VLLM_ROUTER: Final = "vllm-router"
 TARGETS: Final = (FLOOR, PD_PROXY, VLLM_ROUTER)
 SCENARIOS: Final = ("before-first-token:disconnect", "before-first-token:abort", "mid-stream:disconnect")
+SIM_HANDOFF_S: Final = 0.05
+"""On the pd-sim workers a 256-token prompt's prefill takes 20 + 0.1 x 256 = 45.6 ms and the pull
+of its 16 blocks 16 ms: a cancel 50 ms after the send lands in the hand-off, where the prefill
+worker holds the KV and only the decode side's pull (or a release) frees it."""
+SIM_SCENARIOS: Final = (*SCENARIOS, f"after={SIM_HANDOFF_S:g}:disconnect")
 READY_TIMEOUT_S: Final = 60.0
 
 # pd-sim workers: a prefill worker with room for the KV of 8 prompts of 256 tokens (a leaked lease
@@ -244,15 +250,26 @@ async def start_routers(cfg: Settings, stack: Stack, procs: Processes) -> None:
 
 
 def parse_scenario(text: str) -> tuple[str, str]:
+    """``AT:MODE`` -> (AT, MODE); AT is a phase or ``after=SECONDS``."""
     at, _, mode = text.partition(":")
     return at, mode or "disconnect"
+
+
+def _after_s(at: str) -> float | None:
+    if not at.startswith("after="):
+        return None
+    try:
+        value = float(at.removeprefix("after="))
+    except ValueError:
+        return None
+    return value if value >= 0 else None
 
 
 def bench_config(cfg: Settings, stack: Stack, target: str, scenario: str, *, isolated: bool) -> BenchConfig:
     at, mode = parse_scenario(scenario)
     n = cfg.isolated if isolated else cfg.num_prompts
     ds = DatasetConfig(num_requests=n, input_len=cfg.input_len, output_len=cfg.output_len, seed=cfg.seed)
-    label = f"{target}-{at}-{mode}" + ("-isolated" if isolated else "")
+    label = f"{target}-{at.replace('=', '')}-{mode}" + ("-isolated" if isolated else "")
     base = BenchConfig(
         url=stack.decode if target == FLOOR else stack.targets[target],
         dataset=ds,
@@ -267,7 +284,12 @@ def bench_config(cfg: Settings, stack: Stack, target: str, scenario: str, *, iso
         plots=False,
         progress=False,
         two_hop=(stack.prefill, stack.decode) if target == FLOOR else None,
-        cancel=CancelConfig(rate=1.0 if isolated else cfg.cancel_rate, at=at, mode=mode),
+        cancel=CancelConfig(
+            rate=1.0 if isolated else cfg.cancel_rate,
+            at=None if _after_s(at) is not None else at,
+            after_s=_after_s(at),
+            mode=mode,
+        ),
         kv_probes=(stack.prefill, stack.decode),
         kv_probe_interval_s=cfg.probe_interval_s,
         kv_free_timeout_s=cfg.free_timeout_s,
@@ -420,8 +442,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cancel_bench", description=__doc__.split("\n")[0])
     p.add_argument("--targets", default=",".join(TARGETS),
                    help="comma list out of floor,pd-proxy,vllm-router")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help="comma list of AT:MODE (AT before-first-token|mid-stream, MODE disconnect|abort)")
+    p.add_argument("--scenarios", default=None,
+                   help="comma list of AT:MODE (AT before-first-token|mid-stream|after=SECONDS, MODE "
+                        f"disconnect|abort); default {','.join(SIM_SCENARIOS)} on pd-sim, "
+                        f"{','.join(SCENARIOS)} on real vLLM")
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     p.add_argument("--cancel-rate", type=float, default=0.3)
     p.add_argument("--num-prompts", type=int, default=None)
@@ -468,12 +492,15 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         p.error("--target needs --workers (the prefill and decode workers the router sends to)")
     if a.workers and a.real_vllm:
         p.error("--workers and --real-vllm exclude each other")
-    scenarios = tuple(s.strip() for s in a.scenarios.split(",") if s.strip())
+    real = bool(a.real_vllm)
+    default = SCENARIOS if real or a.workers else SIM_SCENARIOS
+    scenarios = tuple(s.strip() for s in a.scenarios.split(",") if s.strip()) if a.scenarios else default
     for s in scenarios:
         at, mode = parse_scenario(s)
-        if at not in ("before-first-token", "mid-stream") or mode not in ("disconnect", "abort"):
-            p.error(f"bad scenario {s!r}: AT:MODE, AT before-first-token|mid-stream, MODE disconnect|abort")
-    real = bool(a.real_vllm)
+        good_at = at in ("before-first-token", "mid-stream") or _after_s(at) is not None
+        if not good_at or mode not in ("disconnect", "abort"):
+            p.error(f"bad scenario {s!r}: AT:MODE, AT before-first-token|mid-stream|after=SECONDS, "
+                    "MODE disconnect|abort")
     lease = a.lease_seconds or (10 if real else 5)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     return Settings(
@@ -498,7 +525,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         workers=(a.workers[0].rstrip("/"), a.workers[1].rstrip("/")) if a.workers else None,
         extra_targets=extra,
         kv_block_size=a.kv_block_size,
-        probe_interval_s=0.05 if real else 0.02,
+        probe_interval_s=0.05 if real else 0.01,
         free_timeout_s=a.free_timeout or lease + 10.0,
         request_timeout_s=300.0 if real else 120.0,
     )

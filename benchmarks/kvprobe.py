@@ -285,6 +285,16 @@ class KvReport:
                 sum(c.stranded_block_s for c in holding) / len(holding) if holding else None
             ),
             "cancel_to_free_max_ms": max(freed) * 1000.0 if freed else None,
+            # every cancel a poll saw holding KV: when (ms since the run began), how long to the free
+            "holding": [
+                {
+                    "request_id": c.request_id,
+                    "cancel_ms": c.cancel * 1000.0,
+                    "cancel_to_free_ms": None if c.cancel_to_free_s is None else c.cancel_to_free_s * 1000.0,
+                    "stranded_block_s": c.stranded_block_s,
+                }
+                for c in holding
+            ],
         }
         out.update(stats_keys("cancel_to_free", stats(freed, percentiles), percentiles))
         return out

@@ -64,6 +64,9 @@ def test_a_scenario_becomes_a_pd_bench_run(tmp_path: Path) -> None:
         "abort",
     )
     assert floor.kv_probes == ("http://127.0.0.1:1", "http://127.0.0.1:2") and not floor.kv_settle
+    handoff = bench_config(cfg, stack, PD_PROXY, "after=0.05:abort", isolated=False)
+    assert handoff.cancel is not None and (handoff.cancel.at, handoff.cancel.after_s) == (None, 0.05)
+    assert cfg.scenarios[-1] == "after=0.05:disconnect"  # pd-sim's default adds the hand-off window
     iso = bench_config(cfg, stack, PD_PROXY, "mid-stream:disconnect", isolated=True)
     assert iso.url == "http://127.0.0.1:3" and iso.two_hop is None
     assert iso.max_concurrency == 1 and iso.kv_settle and iso.cancel is not None and iso.cancel.rate == 1.0
@@ -75,6 +78,7 @@ def test_a_scenario_becomes_a_pd_bench_run(tmp_path: Path) -> None:
         (["--real-vllm"], "--real-vllm needs --model"),
         (["--targets", "floor,haproxy"], "unknown target"),
         (["--scenarios", "sometime:disconnect"], "bad scenario"),
+        (["--scenarios", "after=-1:disconnect"], "bad scenario"),
         (["--target", "r=http://127.0.0.1:5"], "--target needs --workers"),
     ],
 )
@@ -88,6 +92,7 @@ def test_real_vllm_defaults_are_sized_for_the_cpu_pair(tmp_path: Path) -> None:
     cfg = parse_args(["--real-vllm", "--model", str(tmp_path)])
     assert cfg.real_vllm and cfg.isolated == 5 and cfg.lease_s == 10 and cfg.num_prompts == 40
     assert cfg.request_rate == 2.0 and cfg.max_concurrency == 4
+    assert not any(s.startswith("after=") for s in cfg.scenarios)  # no fixed hand-off time on vLLM
 
 
 def test_a_small_run_on_pd_sim(tmp_path: Path) -> None:
