@@ -329,6 +329,7 @@ def figures(target: str, scenario: str, res: BenchResult, *, isolated: bool) -> 
         "p_cancel_to_free_median_ms": p.get("median_cancel_to_free_ms"),
         "p_cancel_to_free_max_ms": p.get("cancel_to_free_max_ms"),
         "p_not_freed": p.get("not_freed"),
+        "p_held_over_1s": p.get("held_over_1s"),
         "p_stranded_block_s": p.get("stranded_block_s"),
         "p_stranded_block_s_per_cancel": p.get("stranded_block_s_per_cancel"),
         "p_drain_s": p.get("drain_s"),
@@ -347,13 +348,21 @@ def _f(v: Any, digits: int = 1) -> str:
     return str(v)
 
 
+def _ordered(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By scenario (in run order), then floor, pd-proxy, vllm-router, any other target."""
+    scen = {s: i for i, s in enumerate(dict.fromkeys(r["scenario"] for r in rows))}
+    rank = {t: i for i, t in enumerate(TARGETS)}
+    return sorted(rows, key=lambda r: (scen[r["scenario"]], r["isolated"], rank.get(r["target"], len(rank))))
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The markdown table for benchmarks/README.md."""
+    rows = _ordered(rows)
     head = (
         "| scenario | target | ok / cancelled / failed | survivors' TTFT p50 / p99 ms "
         "| TTFT penalty p50 / p99 ms | ITL p50 ms | P cancels holding KV | P cancel-to-free p50 / max ms "
         "| P KV block-s stranded "
-        "(per cancel) | P not freed | D cancel-to-free p50 / max ms |"
+        "(per cancel) | P held > 1 s / not freed | D cancel-to-free p50 / max ms |"
     )
     lines = [head, "| " + " | ".join(["---"] * 11) + " |"]
     for r in rows:
@@ -365,7 +374,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {_f(r['median_itl_ms'])} | {_f(r['p_cancels_holding'])} "
             f"| {_f(r['p_cancel_to_free_median_ms'])} / {_f(r['p_cancel_to_free_max_ms'])} "
             f"| {_f(r['p_stranded_block_s'], 2)} ({_f(r['p_stranded_block_s_per_cancel'], 3)}) "
-            f"| {_f(r['p_not_freed'])} "
+            f"| {_f(r.get('p_held_over_1s'))} / {_f(r['p_not_freed'])} "
             f"| {_f(r['d_cancel_to_free_median_ms'])} / {_f(r['d_cancel_to_free_max_ms'])} |"
         )
     return "\n".join(lines)
@@ -391,7 +400,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
     panels = (
         (axes[0], ("p_cancel_to_free_median_ms", "p_cancel_to_free_max_ms"), "P cancel-to-free (ms)", True),
-        (axes[1], ("p_stranded_block_s",), "P KV block-seconds stranded", False),
+        (axes[1], ("p_stranded_block_s",), "P KV block-seconds stranded", True),
         (axes[2], ("ttft_penalty_median_ms", "ttft_penalty_p99_ms"), "survivors' TTFT penalty (ms)", False),
     )
     for ax, keys, title, log in panels:
@@ -404,10 +413,11 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
                 name = f"{target} {key.split('_')[-2]}" if len(keys) > 1 else target
                 ax.bar(xs, vals, width * (0.5 if ki == 0 and len(keys) > 1 else 0.9), label=name,
                        alpha=1.0 if ki == 0 else 0.35, color=f"C{ti}")
-        ax.set_xticks(range(len(scenarios)), [s.replace(":", "\n") for s in scenarios], fontsize=8)
+        ax.set_xticks(range(len(scenarios)), [s.replace(":", "\n").replace("-first-", "-first-\n")
+                                              for s in scenarios], fontsize=7)
         ax.set_title(title)
         if log:
-            ax.set_yscale("symlog", linthresh=10)
+            ax.set_yscale("symlog", linthresh=1 if "block" in title else 10)
         ax.grid(alpha=0.3, axis="y")
         ax.axhline(0, color="black", linewidth=0.5)
     axes[0].legend(fontsize=7)

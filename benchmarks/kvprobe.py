@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -280,6 +281,8 @@ class KvReport:
             "cancels_attributed": sum(1 for c in self.cancels if c.attributed),
             "cancels_holding": len(holding),
             "not_freed": sum(1 for c in holding if c.freed is None),
+            # freed only after a second or more (or never): a lease that ran out, not a release
+            "held_over_1s": sum(1 for c in holding if (c.cancel_to_free_s or math.inf) >= 1.0),
             "stranded_block_s": sum(c.stranded_block_s for c in holding),
             "stranded_block_s_per_cancel": (
                 sum(c.stranded_block_s for c in holding) / len(holding) if holding else None

@@ -42,11 +42,13 @@ def test_table_and_plot(tmp_path: Path) -> None:
         _row(PD_PROXY, "before-first-token:disconnect", completed=42, cancelled=18, failed=0,
              p_cancel_to_free_max_ms=23.6),
     ]  # fmt: skip
+    rows[0]["p_held_over_1s"] = 1
+    rows.reverse()  # the table orders them: floor first
     text = table(rows)
     lines = text.splitlines()
     assert len(lines) == 4 and all(line.count("|") == 12 for line in lines)
     assert "| before-first-token:disconnect | floor | 42 / 18 / 0 |" in lines[2]
-    assert "12.3 / 5004.5" in lines[2] and "82.64 (5.510)" in lines[2]
+    assert "12.3 / 5004.5" in lines[2] and "82.64 (5.510)" in lines[2] and "| 1 / 0 |" in lines[2]
     assert "- / 23.6" in lines[3]  # a figure the run did not have is a dash
     png = plot(rows, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -249,6 +249,7 @@ def test_per_request_cancel_to_free_and_stranded_block_seconds() -> None:
     assert c.held_after_cancel and c.freed is None  # still held when watching ended: not freed
     out = rep.to_json([50.0])
     assert out["not_freed"] == 1 and out["cancels_holding"] == 2
+    assert out["held_over_1s"] == 1  # c, never freed while watched
     assert out["median_cancel_to_free_ms"] == pytest.approx(250.0)
     assert rep.idle == 0.0 and rep.peak == 6.0
 
