@@ -401,7 +401,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     panels = (
         (axes[0], ("p_cancel_to_free_median_ms", "p_cancel_to_free_max_ms"), "P cancel-to-free (ms)", True),
         (axes[1], ("p_stranded_block_s",), "P KV block-seconds stranded", True),
-        (axes[2], ("ttft_penalty_median_ms", "ttft_penalty_p99_ms"), "survivors' TTFT penalty (ms)", False),
+        (axes[2], ("ttft_penalty_median_ms", "ttft_penalty_p99_ms"), "survivors' TTFT penalty (ms)", True),
     )
     for ax, keys, title, log in panels:
         for ti, target in enumerate(targets):
