@@ -107,6 +107,8 @@ class ClientOptions:
     ignore_eos: bool = True
     prefill_url: str | None = None
     """The two-hop floor: the client sends the prefill hop here, then the request to ``url``."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt``: requests with different salts share no prefix-cache entries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,7 @@ def build_body(spec: RequestSpec, request_id: str, opts: ClientOptions) -> dict[
         },
         "stream": opts.stream,
         "output_mode": opts.output_mode,
-    }
+    } | ({"cache_salt": opts.cache_salt} if opts.cache_salt else {})
 
 
 def prefill_hop_body(body: dict[str, Any]) -> dict[str, Any]:

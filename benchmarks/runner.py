@@ -400,6 +400,7 @@ async def _warmup(
     *,
     specs: Sequence[RequestSpec],
     n: int,
+    salt: str | None = None,
 ) -> list[RequestRecord]:
     """``n`` uncounted requests per target (vLLM's ``--num-warmups``: at most ``--max-concurrency``
     at a time), shaped like the first requests of the run with fresh prompts."""
@@ -411,7 +412,8 @@ async def _warmup(
         rec = RequestRecord(i, f"{cfg.request_id_prefix}{tag}-warmup-{i}", url, len(spec.prompt),
                             spec.output_len)
         async with sem:
-            return await send_request(session, cfg.client_options(url), spec, rec, 0.0)
+            return await send_request(session, replace(cfg.client_options(url), cache_salt=salt), spec,
+                                      rec, 0.0)
 
     warm = _shaped_like(specs, n, cfg, 7919)
     return list(await asyncio.gather(*(one(i, s, u) for i, s in enumerate(warm) for u in urls)))
@@ -453,7 +455,10 @@ async def _run_targets(
     started = datetime.now(UTC)
     run_tag = f"{started:%H%M%S}{secrets.token_hex(3)}"  # unique ids across runs
     jobs, rates = _schedule(specs, cfg, len(urls))
-    opts = [cfg.client_options(u) for u in urls]
+    # A cancellation run and its baseline send the same prompts: each gets its own cache salt, so
+    # neither finds the other's prompts in a worker's prefix cache.
+    salt = f"{cfg.request_id_prefix}{run_tag}" if cfg.cancel is not None else None
+    opts = [replace(cfg.client_options(u), cache_salt=salt) for u in urls]
     plans: dict[int, CancelPlan] = {}
     probe_session = aiohttp.ClientSession() if cfg.kv_probes else None
     try:
@@ -463,7 +468,7 @@ async def _run_targets(
                     await _ready_check(session, cfg, url, specs, run_tag)
             calibrate = cfg.cancelling and cfg.cancel is not None and cfg.cancel.needs_ttft_reference
             n_warm = max(cfg.warmup, CALIBRATION_REQUESTS if calibrate and baseline is None else 0)
-            warm = await _warmup(session, cfg, urls, run_tag, specs=specs, n=n_warm)
+            warm = await _warmup(session, cfg, urls, run_tag, specs=specs, n=n_warm, salt=salt)
             if cfg.cancelling and cfg.cancel is not None:
                 ref = (
                     {r.index: r.ttft_s for r in baseline.records if r.success and r.ttft_s is not None}

@@ -349,6 +349,24 @@ async def test_cancels_through_pd_proxy_are_freed_on_the_prefill_worker(
     assert state["kv_held"] == [] and state["releases"].get("expired", 0) == 0
 
 
+async def test_the_baseline_and_the_cancel_run_share_no_prefix_cache(
+    sim_factory: SimFactory, aiohttp_server: ServerFactory
+) -> None:
+    # The two runs send the same prompts; a worker's prefix cache must not serve the second run
+    # from the first (on a real vLLM with room for every prompt, the "penalty" would be the cache).
+    p, _, url = await _stack(sim_factory, aiohttp_server)
+    res = await arun_benchmark(_cfg(url, cancel=CancelConfig(rate=0.5, at="mid-stream")))
+    assert res.baseline is not None and res.data["completed"] == 6
+    async with aiohttp.ClientSession() as s, s.get(f"{p.url}/metrics") as r:
+        text = await r.text()
+    hits = [line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in hits), hits
+    salts = {r.request_id.rsplit("-", 2)[0] for r in res.records} | {
+        r.request_id.rsplit("-", 2)[0] for r in res.baseline.records
+    }
+    assert len(salts) == 2  # two runs, two ids (and salts)
+
+
 async def test_the_floor_on_pd_sim(sim_factory: SimFactory, aiohttp_server: ServerFactory) -> None:
     p, d, _ = await _stack(sim_factory, aiohttp_server)
     cancel = CancelConfig(rate=0.5, at="mid-stream")
