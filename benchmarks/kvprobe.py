@@ -42,7 +42,7 @@ SIM_STATE: Final = "sim-state"
 METRICS: Final = "metrics"
 USAGE_METRIC: Final = "vllm:kv_cache_usage_perc"
 CACHE_INFO_METRIC: Final = "vllm:cache_config_info"
-_SAMPLE_RE: Final = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_SAMPLE_RE: Final = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?\s+(\S+)')
 _LABEL_RE: Final = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 

@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -281,6 +282,16 @@ def test_vllm_metrics_give_usage_and_blocks() -> None:
     )
     assert parse_metrics(text) == (0.25, 400)
     assert parse_metrics("up 1\n") == (None, None)
+    assert parse_metrics(
+        'vllm:cache_config_info{x="{}",num_gpu_blocks="9"} 1\nvllm:kv_cache_usage_perc 0\n'
+    ) == (
+        0.0,
+        8,
+    )
+    # a real vLLM 0.32 prefill worker's /metrics (CPU build: 4096 blocks of 128 tokens)
+    trace = Path(__file__).parents[1] / "data" / "traces" / "vllm-0.32.0-cpu" / "metrics-pd-prefill.txt"
+    usage, blocks = parse_metrics(trace.read_text())
+    assert blocks == 4095 and usage == pytest.approx(0.00146520146520146)
 
 
 def test_sim_state_ids_match_exactly() -> None:
