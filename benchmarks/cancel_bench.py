@@ -24,9 +24,11 @@ attributed under load); real vLLM only its total usage, so the real-vLLM variant
 run per scenario (``--isolated N``: requests one at a time, each cancelled, each sent only once the
 workers are idle again), which attributes every cancel from the total.
 
-Outputs go to ``results/cancel_bench-<UTC time>/``: each run's result JSON and records, ``result.json``
-(the figures of every run), ``table.md`` (the table for ``benchmarks/README.md``) and
-``cancel_bench.png``. Every process started here is stopped at the end (by its PID).
+Outputs go to ``results/cancel_bench-<UTC time>/``: each run's result JSON and records,
+``result.json`` (the figures of every run; for pd-proxy also its KV-lease ledger's closures by
+reason over the run, ``pd_proxy_kv_leases_closed_total``: pulled, aborted (released), expired),
+``table.md`` (the table for ``benchmarks/README.md``) and ``cancel_bench.png``. Every process
+started here is stopped at the end (by its PID).
 """
 
 from __future__ import annotations
@@ -426,6 +428,27 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+LEDGER_METRIC: Final = "pd_proxy_kv_leases_closed_total"
+
+
+async def ledger(url: str) -> dict[str, float] | None:
+    """pd-proxy's KV-lease ledger: leases closed so far, by reason (None: not a pd-proxy)."""
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics",
+                                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
+            text = await r.text() if r.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(LEDGER_METRIC + "{"):
+            labels, _, value = line.rpartition(" ")
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in labels else "?"
+            with contextlib.suppress(ValueError):
+                out[reason] = out.get(reason, 0.0) + float(value)
+    return out if "pd_proxy_" in text else None  # a pd-proxy before its first closure: {}
+
+
 def plan(targets: Sequence[str], scenarios: Sequence[str]) -> Iterator[tuple[str, str]]:
     """Every scenario, the targets taking turns, their order rotated from scenario to scenario."""
     for i, scen in enumerate(scenarios):
@@ -443,8 +466,14 @@ async def run_all(cfg: Settings, stack: Stack) -> dict[str, Any]:
         for isolated in runs:
             bc = bench_config(cfg, stack, target, scen, isolated=isolated)
             print(f"cancel_bench: {target} {scen}{' isolated' if isolated else ''} ...", flush=True)
+            before = await ledger(bc.url) if target != FLOOR else None
             res = await arun_benchmark(bc)
-            rows.append(figures(target, scen, res, isolated=isolated))
+            row = figures(target, scen, res, isolated=isolated)
+            after = await ledger(bc.url) if before is not None else None
+            if before is not None and after is not None:
+                # the proxy's own account of the leases of both runs (baseline and cancels)
+                row["proxy_leases_closed"] = {k: after[k] - before.get(k, 0.0) for k in after}
+            rows.append(row)
     return {"rows": rows}
 
 

@@ -118,6 +118,11 @@ def test_a_small_run_on_pd_sim(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert row["completed"] + row["cancelled"] == 8 and row["failed"] == 0
         assert row["p_cancels_holding"] is not None
+    floor, proxy = result["rows"]
+    assert "proxy_leases_closed" not in floor
+    # pd-proxy's ledger: every lease of both runs closed, none by running out
+    closed = proxy["proxy_leases_closed"]
+    assert closed.get("pulled", 0) >= 8 and closed.get("expired", 0) == 0
     assert (out / "table.md").read_text().count("\n") == 4
     assert (out / "cancel_bench.png").exists()
     assert not [line for line in proc.stdout.splitlines() if "Traceback" in line]
