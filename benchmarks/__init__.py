@@ -8,10 +8,16 @@ Python API (what ``pd-bench`` and ``make demo`` use)::
                                        result_dir="results/demo"))
     print(summary_text(result))
 
-pd-bench speaks HTTP only; it imports nothing of ``proxy`` or ``workers`` (the micro-benchmarks
-of the proxy's own code, which do, live apart in ``benchmarks.internals``).
+Cancellation (``BenchConfig(cancel=CancelConfig(rate=0.3, at="before-first-token"),
+kv_probes=(prefill_url,))``) runs the same requests twice, without and with cancels, and reports
+the survivors' TTFT penalty and how long the probed workers kept the cancelled requests' KV.
+
+pd-bench speaks HTTP only; it imports nothing of ``proxy`` or ``workers`` (``cancel_bench`` starts
+them as processes; the micro-benchmarks of the proxy's own code, which import it, live apart in
+``benchmarks.internals``).
 """
 
+from benchmarks.cancel import CancelConfig
 from benchmarks.datasets import DatasetConfig, RequestSpec
 from benchmarks.records import RequestRecord
 from benchmarks.runner import (
@@ -19,7 +25,9 @@ from benchmarks.runner import (
     BenchResult,
     CompareResult,
     ConfigError,
+    RampUp,
     SweepResult,
+    TargetNotReady,
     arun_benchmark,
     arun_compare,
     arun_sweep,
@@ -33,12 +41,15 @@ from benchmarks.runner import (
 __all__ = [
     "BenchConfig",
     "BenchResult",
+    "CancelConfig",
     "CompareResult",
     "ConfigError",
     "DatasetConfig",
+    "RampUp",
     "RequestRecord",
     "RequestSpec",
     "SweepResult",
+    "TargetNotReady",
     "arun_benchmark",
     "arun_compare",
     "arun_sweep",

@@ -8,10 +8,20 @@ connection, a loop tick for the body-writer task) is not charged to the server. 
 without that trace falls back to the moment ``send_request`` began. A "chunk" is one SSE ``data`` event
 that carries at least one new output token (``choices[0].token_ids``); chunks without tokens
 (the ``include_usage`` chunk, an ``abort`` chunk) count toward nothing but failure checks.
+
+Cancellation (:class:`CancelPlan`): a request is cancelled at a time after it was sent or once a
+number of output tokens arrived, by closing its connection (``disconnect``) or through the
+target's ``POST /inference/v1/abort_requests`` with the engine id ``generate-tokens-<id>``
+(``abort``; the answer is then read to its end, at most ``abort_grace_s``, then the connection is
+closed). The two-hop floor (:attr:`ClientOptions.prefill_url`) is the client doing P/D itself: a
+prefill hop (non-stream, one token, ``do_remote_decode``) to the prefill worker, then the request
+with the returned ``kv_transfer_params`` to the decode worker; a cancel goes to whichever worker
+holds the request at that moment, and nothing frees the prefill worker's blocks between the hops.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -34,6 +44,10 @@ from benchmarks.records import (
 from benchmarks.sse import SSEDecoder
 
 GENERATE_PATH: Final = "/inference/v1/generate"
+ABORT_PATH: Final = "/inference/v1/abort_requests"
+CANCEL_MODES: Final = ("disconnect", "abort")
+PHASE_BEFORE_FIRST_TOKEN: Final = "before_first_token"  # noqa: S105 (a phase name)
+PHASE_MID_STREAM: Final = "mid_stream"
 ENGINE_ID_PREFIX: Final = "generate-tokens-"
 TIMING_REQUEST_HEADER: Final = "X-PD-Timing"
 SERVER_TIMING_COMMENT: Final = "server-timing"
@@ -87,6 +101,27 @@ class ClientOptions:
     output_mode: str = "tokens"
     request_timeout_s: float = 300.0
     ask_server_timing: bool = True
+    endpoint_path: str = GENERATE_PATH
+    headers: tuple[tuple[str, str], ...] = ()
+    """Sent with every request (``--header``); pd-bench's own headers override them."""
+    ignore_eos: bool = True
+    prefill_url: str | None = None
+    """The two-hop floor: the client sends the prefill hop here, then the request to ``url``."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt``: requests with different salts share no prefix-cache entries."""
+
+
+@dataclass(frozen=True, slots=True)
+class CancelPlan:
+    """When and how one request is cancelled: ``after_s`` seconds after it was sent, or once
+    ``after_tokens`` output tokens arrived (whichever comes first). ``before_first_token``: a
+    first token that arrives before ``after_s`` cancels the request at once."""
+
+    mode: str = "disconnect"
+    after_s: float | None = None
+    after_tokens: int | None = None
+    before_first_token: bool = False
+    abort_grace_s: float = 5.0
 
 
 def parse_server_timing(value: str) -> dict[str, float]:
@@ -118,22 +153,39 @@ def strip_engine_prefix(request_id: str) -> str:
 
 
 def build_body(spec: RequestSpec, request_id: str, opts: ClientOptions) -> dict[str, Any]:
-    """The generate request for ``spec``: exact output length, greedy, tokens in."""
+    """The generate request for ``spec``: greedy, tokens in, ``max_tokens`` the output length
+    (exact with ``ignore_eos``)."""
     return {
         "request_id": request_id,
         "token_ids": spec.prompt,
         "sampling_params": {
             "max_tokens": spec.output_len,
             "temperature": 0.0,
-            "ignore_eos": True,
+            "ignore_eos": opts.ignore_eos,
         },
         "stream": opts.stream,
         "output_mode": opts.output_mode,
-    }
+    } | ({"cache_salt": opts.cache_salt} if opts.cache_salt else {})
+
+
+def prefill_hop_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The floor's prefill hop: non-stream, one token, tokens mode, remote decode (vLLM's P/D
+    recipe; a proxy sends the same)."""
+    sampling = {k: v for k, v in body["sampling_params"].items() if k != "min_tokens"}
+    sampling["max_tokens"] = 1
+    hop = dict(body)
+    hop.update(
+        sampling_params=sampling,
+        stream=False,
+        output_mode="tokens",
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+    )
+    return hop
 
 
 def build_headers(request_id: str, opts: ClientOptions) -> dict[str, str]:
-    headers = {"X-Request-Id": request_id}
+    headers = dict(opts.headers)
+    headers["X-Request-Id"] = request_id
     if opts.api_key:
         headers["Authorization"] = f"Bearer {opts.api_key}"
     if opts.ask_server_timing:
@@ -141,10 +193,98 @@ def build_headers(request_id: str, opts: ClientOptions) -> dict[str, str]:
     return headers
 
 
-def endpoint(url: str) -> str:
+def endpoint(url: str, path: str = GENERATE_PATH) -> str:
     """Accept a base URL (``http://h:p``) or the full generate URL."""
     url = url.rstrip("/")
-    return url if url.endswith(GENERATE_PATH) else url + GENERATE_PATH
+    return url if url.endswith(path) else url + path
+
+
+def base_url(url: str, path: str = GENERATE_PATH) -> str:
+    """``http://h:p`` of a base or full generate URL."""
+    url = url.rstrip("/")
+    return url[: -len(path)] if url.endswith(path) else url
+
+
+
+class _Cancel:
+    """One request's cancellation: the plan, whether it fired, and the abort call it made."""
+
+    __slots__ = ("_abort_task", "_handle", "fired", "holder", "plan", "record", "scope", "session",
+                 "start", "stop_reading")
+
+    def __init__(self, plan: CancelPlan, session: aiohttp.ClientSession, record: RequestRecord) -> None:
+        self.plan = plan
+        self.session = session
+        self.record = record
+        self.fired = False
+        self.stop_reading = False
+        self.holder: tuple[str, ClientOptions] | None = None  # where an abort goes now
+        self.scope: asyncio.Timeout | None = None
+        self.start = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+        self._abort_task: asyncio.Task[None] | None = None
+
+    def arm(self, scope: asyncio.Timeout, start: float) -> None:
+        """Schedule the time-based cancel ``after_s`` after ``start`` (a perf_counter reading)."""
+        self.scope = scope
+        self.start = start
+        if self.plan.after_s is None:
+            return
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(0.0, start + self.plan.after_s - time.perf_counter())
+        if self.plan.mode == "disconnect":
+            scope.reschedule(when)  # the scope cancels whatever is awaited then: the connection closes
+        else:
+            self._handle = loop.call_at(when, self.fire)
+
+    def on_tokens(self) -> None:
+        """After a token-bearing event: a cancel due at this token count (or at the first token)."""
+        if self.fired:
+            return
+        due = self.plan.after_tokens is not None and self.record.output_tokens >= self.plan.after_tokens
+        if due or (self.plan.before_first_token and self.record.ttft_s is not None):
+            self.fire()
+
+    def fire(self) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        rec = self.record
+        rec.cancelled = True
+        rec.cancel_mode = self.plan.mode
+        rec.cancel_s = time.perf_counter() - self.start
+        rec.cancel_phase = PHASE_BEFORE_FIRST_TOKEN if rec.ttft_s is None else PHASE_MID_STREAM
+        rec.tokens_at_cancel = rec.output_tokens
+        if self.plan.mode == "disconnect":
+            self.stop_reading = True  # a token-driven cancel: the reader hangs up
+            return
+        if self.holder is not None:
+            url, opts = self.holder
+            self._abort_task = asyncio.create_task(self._abort(url, opts))
+        if self.scope is not None:  # the target has this long to end the answer, then we hang up
+            self.scope.reschedule(asyncio.get_running_loop().time() + self.plan.abort_grace_s)
+
+    async def _abort(self, url: str, opts: ClientOptions) -> None:
+        body = {"request_ids": [ENGINE_ID_PREFIX + self.record.request_id]}
+        headers = dict(opts.headers)
+        if opts.api_key:
+            headers["Authorization"] = f"Bearer {opts.api_key}"
+        try:
+            async with self.session.post(
+                endpoint(url, ABORT_PATH), json=body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.plan.abort_grace_s),
+            ) as resp:
+                await resp.read()
+                self.record.abort_status = resp.status
+        except (aiohttp.ClientError, TimeoutError):
+            self.record.abort_status = None
+
+    async def finish(self) -> None:
+        """Let the abort call complete (it is bounded by the grace time) and drop the timer."""
+        if self._handle is not None:
+            self._handle.cancel()
+        if self._abort_task is not None:
+            await asyncio.shield(self._abort_task)
 
 
 async def send_request(
@@ -153,40 +293,156 @@ async def send_request(
     spec: RequestSpec,
     record: RequestRecord,
     t0: float,
+    *,
+    cancel: CancelPlan | None = None,
 ) -> RequestRecord:
     """Send one request and fill ``record``. Never raises except ``CancelledError``.
 
     Cancelling the task closes the connection, which makes vLLM (and pd-proxy) abort the request.
+    With a :class:`CancelPlan` the request is cancelled as planned (``record.cancelled``).
     """
     body = build_body(spec, record.request_id, opts)
     headers = build_headers(record.request_id, opts)
-    timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
-    mark = _SendMark()
     start = time.perf_counter()
     record.start_s = start - t0
+    canceller = _Cancel(cancel, session, record) if cancel is not None else None
+    end: float | None = None
+    try:
+        async with asyncio.timeout(None) as scope:
+            if canceller is not None:
+                canceller.arm(scope, start)
+            if opts.prefill_url is not None:
+                params = await _prefill_hop(
+                    session, opts, body=body, headers=headers, record=record, canceller=canceller
+                )
+                if record.failure is not None or (canceller is not None and canceller.fired):
+                    if record.failure is None and canceller is not None and canceller.fired:
+                        end = time.perf_counter()  # cancelled during the prefill hop: nothing more
+                    params = None
+                    raise _Stop
+                body = dict(body, kv_transfer_params=params)
+            end = await _exchange(
+                session, opts, body=body, headers=headers, record=record, t0=t0, canceller=canceller
+            )
+    except _Stop:
+        pass
+    except TimeoutError:
+        # Our scope expired (aiohttp's own timeouts are handled inside the hops): a time-based
+        # disconnect, or an abort the target did not honour within the grace time.
+        if canceller is None:
+            raise
+        canceller.fire()  # a time-based disconnect records itself here (a no-op after an abort)
+    finally:
+        if canceller is not None:
+            await canceller.finish()
+    if end is not None and record.e2e_s is None:
+        record.e2e_s = end - (t0 + record.start_s)
+    if record.cancelled:
+        if record.cancel_mode == "abort" and end is not None:
+            record.abort_ended_s = end - (t0 + record.start_s)
+        record.success = False
+        return record
+    if record.failure is None and record.finish_reason == "abort":
+        record.fail(FAIL_ABORTED, "finish_reason abort")
+    record.success = record.failure is None
+    return record
+
+
+class _Stop(Exception):
+    """The request ends here (a failed or cancelled prefill hop of the floor)."""
+
+
+async def _prefill_hop(
+    session: aiohttp.ClientSession,
+    opts: ClientOptions,
+    *,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    record: RequestRecord,
+    canceller: _Cancel | None,
+) -> dict[str, Any] | None:
+    """The floor's first hop; its ``kv_transfer_params`` (None with ``record`` failed)."""
+    assert opts.prefill_url is not None
+    if canceller is not None:
+        canceller.holder = (opts.prefill_url, opts)
+    timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
+    try:
+        async with session.post(
+            endpoint(opts.prefill_url, opts.endpoint_path), json=prefill_hop_body(body), headers=headers,
+            timeout=timeout,
+        ) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                record.http_status = resp.status
+                record.fail(FAIL_HTTP_STATUS, f"prefill hop: HTTP {resp.status}: {_error_message(raw)}")
+                return None
+    except TimeoutError:
+        record.fail(FAIL_TIMEOUT, f"prefill hop: no answer within {opts.request_timeout_s:g} s")
+        return None
+    except aiohttp.ClientError as exc:
+        record.fail(FAIL_TRANSPORT, f"prefill hop: {type(exc).__name__}: {exc}")
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        record.fail(FAIL_INVALID, "prefill hop: body is not JSON")
+        return None
+    params = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
+    if canceller is not None and canceller.fired:
+        return None
+    if not isinstance(params, dict):
+        record.fail(FAIL_INVALID, "prefill hop: no kv_transfer_params in the answer")
+        return None
+    return params
+
+
+async def _exchange(
+    session: aiohttp.ClientSession,
+    opts: ClientOptions,
+    *,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    record: RequestRecord,
+    t0: float,
+    canceller: _Cancel | None,
+) -> float | None:
+    """The generate call itself; the moment the answer ended (None: no complete answer)."""
+    if canceller is not None:
+        canceller.holder = (opts.url, opts)
+    timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s)
+    mark = _SendMark()
+    start = t0 + record.start_s
     end: float | None = None
     try:
         async with session.post(
-            endpoint(opts.url), json=body, headers=headers, timeout=timeout, trace_request_ctx=mark
+            endpoint(opts.url, opts.endpoint_path), json=body, headers=headers, timeout=timeout,
+            trace_request_ctx=mark,
         ) as resp:
-            if mark.at is not None:  # the request was written before any answer could come
+            if mark.at is not None and opts.prefill_url is None:
+                # the request was written before any answer could come (the floor's clock runs
+                # from its first hop)
                 start = mark.at
                 record.start_s = start - t0
+                if canceller is not None:
+                    canceller.start = start
             record.http_status = resp.status
             record.server_request_id = resp.headers.get("X-Request-Id")
             if resp.status != 200:
                 raw = await resp.content.read(_MAX_ERROR_BODY)
                 record.fail(FAIL_HTTP_STATUS, f"HTTP {resp.status}: {_error_message(raw)}")
-                return record
+                return None
             header_timing = resp.headers.get("Server-Timing")
             if header_timing:
                 record.server_timing = parse_server_timing(header_timing)
             if opts.stream:
-                end = await _read_stream(resp, opts, record, start)
+                end = await _read_stream(resp, opts, record, start, canceller)
             else:
                 raw = await resp.read()
                 end = time.perf_counter()
                 _handle_json(raw, opts, record, start, end)
+            if canceller is not None and canceller.stop_reading:
+                end = time.perf_counter()
+                resp.close()  # hang up: the target sees the client go away
     except TimeoutError:
         record.fail(FAIL_TIMEOUT, f"no complete answer within {opts.request_timeout_s:g} s")
     except aiohttp.ClientError as exc:
@@ -197,14 +453,15 @@ async def send_request(
             record.fail(FAIL_TRANSPORT, f"{type(exc).__name__}: {exc}")
     if end is not None:
         record.e2e_s = end - start
-    if record.failure is None and record.finish_reason == "abort":
-        record.fail(FAIL_ABORTED, "finish_reason abort")
-    record.success = record.failure is None
-    return record
+    return end
 
 
 async def _read_stream(
-    resp: aiohttp.ClientResponse, opts: ClientOptions, record: RequestRecord, start: float
+    resp: aiohttp.ClientResponse,
+    opts: ClientOptions,
+    record: RequestRecord,
+    start: float,
+    canceller: _Cancel | None = None,
 ) -> float | None:
     ctype = resp.headers.get("Content-Type", "")
     if "text/event-stream" not in ctype:
@@ -225,8 +482,13 @@ async def _read_stream(
             if ev.data.strip() == "[DONE]":
                 done_at = now
                 continue
+            tokens_before = record.output_tokens
             if not _handle_event(ev.data, opts, record, now - start):
                 return None
+            if canceller is not None and record.output_tokens > tokens_before:
+                canceller.on_tokens()
+                if canceller.stop_reading:
+                    return None
     if done_at is None:
         record.fail(FAIL_NO_DONE, "stream ended without data: [DONE]")
     return done_at

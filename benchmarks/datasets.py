@@ -1,8 +1,23 @@
-"""Request sets: prompts as token ids (no tokenizer) and exact output lengths.
+"""Request sets: prompts as token ids and output lengths.
 
-Every generator is deterministic for a given seed. Token ids are drawn from
-``[vocab_min, vocab_max]`` (inclusive); the default 3..514 is safe for the project's tiny model
-and for pd-sim.
+Every generator is deterministic for a given seed. Synthetic prompts (``random``,
+``shared-prefix``, ``lengths-file``, ``trace``) are token ids drawn from ``[vocab_min, vocab_max]``
+(inclusive; the default 3..514 is safe for the project's tiny model and for pd-sim): no tokenizer.
+The text datasets a user brings as files are tokenized with a local tokenizer (``tokenizer_path``,
+:mod:`benchmarks.tokenizer`), as ``vllm bench serve`` samples them:
+
+- ``sharegpt``: a JSON list (or JSONL) of ``{"conversations": [{"value": prompt}, {"value":
+  completion}, ...]}``; shuffled with the seed, the first turn is the prompt, the output length is
+  the second turn's token count unless ``sharegpt_output_len`` is set; pairs with a prompt under 4
+  tokens, an output under 4 (unless the length is set), a prompt over 1,024 or a total over 2,048
+  tokens are skipped (vLLM's pruning).
+- ``custom``: a JSONL file of ``{"prompt": ..., "output_tokens": N}`` rows (``output_tokens`` is read
+  only when ``custom_output_len`` is None or -1; the default 256 applies to every row otherwise);
+  shuffled with the seed; the tokenizer's chat template wraps each prompt unless
+  ``skip_chat_template``.
+
+Both oversample (repeat rows picked with the seed) when the file has fewer usable rows than
+``num_requests``, unless ``no_oversample``.
 """
 
 from __future__ import annotations
@@ -16,7 +31,14 @@ from typing import Any, Final
 
 DEFAULT_VOCAB_MIN: Final = 3
 DEFAULT_VOCAB_MAX: Final = 514
-DATASETS: Final = ("random", "shared-prefix", "lengths-file", "trace")
+DATASETS: Final = ("random", "sharegpt", "custom", "shared-prefix", "lengths-file", "trace")
+TEXT_DATASETS: Final = ("sharegpt", "custom")
+FILE_DATASETS: Final = ("sharegpt", "custom", "lengths-file", "trace")
+DEFAULT_CUSTOM_OUTPUT_LEN: Final = 256
+# vLLM's is_valid_sequence bounds for ShareGPT pairs
+_MIN_LEN: Final = 4
+_MAX_PROMPT_LEN: Final = 1024
+_MAX_TOTAL_LEN: Final = 2048
 
 _INPUT_KEYS: Final = ("input_len", "input_length", "prompt_len", "prompt_tokens", "input_tokens")
 _OUTPUT_KEYS: Final = ("output_len", "output_length", "completion_len", "completion_tokens", "output_tokens")
@@ -55,6 +77,15 @@ class DatasetConfig:
     trace_time_unit: str = "s"
     trace_speedup: float = 1.0
     trace_block_size: int = 512
+    # random: a fixed prefix of this many tokens before every prompt (vLLM's --random-prefix-len)
+    random_prefix_len: int = 0
+    # sharegpt / custom: text tokenized locally
+    tokenizer_path: str | None = None
+    sharegpt_output_len: int | None = None
+    custom_output_len: int | None = DEFAULT_CUSTOM_OUTPUT_LEN
+    skip_chat_template: bool = False
+    disable_shuffle: bool = False
+    no_oversample: bool = False
 
 
 def _check(cfg: DatasetConfig) -> None:
@@ -68,10 +99,26 @@ def _check(cfg: DatasetConfig) -> None:
         raise DatasetError("need 0 <= vocab_min <= vocab_max")
     if cfg.input_len < 1 or cfg.output_len < 1:
         raise DatasetError("input_len and output_len must be at least 1")
-    if cfg.name in ("lengths-file", "trace") and not cfg.path:
+    if cfg.name in FILE_DATASETS and not cfg.path:
         raise DatasetError(f"dataset {cfg.name} needs a file (--dataset-path)")
+    if cfg.name not in FILE_DATASETS and cfg.path:
+        # vLLM's check: a file given with a synthetic dataset is most likely a mistake
+        raise DatasetError(
+            f"Cannot use '{cfg.name}' dataset with --dataset-path. Please specify the appropriate "
+            f"--dataset-name (e.g., 'sharegpt', 'custom') for your dataset file: {cfg.path}"
+        )
+    if cfg.name in TEXT_DATASETS and not cfg.tokenizer_path:
+        raise DatasetError(
+            f"dataset {cfg.name} is text: give a local tokenizer (--tokenizer DIR with tokenizer.json)"
+        )
     if cfg.trace_speedup <= 0:
         raise DatasetError("trace_speedup must be positive")
+    if cfg.random_prefix_len < 0:
+        raise DatasetError("random_prefix_len must be >= 0")
+    if cfg.sharegpt_output_len is not None and cfg.sharegpt_output_len < 1:
+        raise DatasetError("sharegpt_output_len must be at least 1")
+    if cfg.custom_output_len is not None and cfg.custom_output_len < 1 and cfg.custom_output_len != -1:
+        raise DatasetError("custom_output_len must be at least 1 (or -1: each row's output_tokens)")
 
 
 def _length(rng: random.Random, mean: int, ratio: float) -> int:
@@ -87,12 +134,100 @@ def _tokens(rng: random.Random, n: int, cfg: DatasetConfig) -> list[int]:
 
 def random_dataset(cfg: DatasetConfig) -> list[RequestSpec]:
     rng = random.Random(cfg.seed)
+    prefix = _tokens(random.Random(f"{cfg.seed}:prefix"), cfg.random_prefix_len, cfg)
     out: list[RequestSpec] = []
     for _ in range(cfg.num_requests):
         n_in = _length(rng, cfg.input_len, cfg.range_ratio)
         n_out = _length(rng, cfg.output_len, cfg.range_ratio)
-        out.append(RequestSpec(_tokens(rng, n_in, cfg), n_out))
+        out.append(RequestSpec(prefix + _tokens(rng, n_in, cfg), n_out))
     return out
+
+
+def _oversample(specs: list[RequestSpec], cfg: DatasetConfig, what: str) -> list[RequestSpec]:
+    """Up to ``num_requests`` by repeating rows picked with the seed (vLLM's oversampling)."""
+    if not specs:
+        raise DatasetError(f"{cfg.path}: no usable {what}")
+    if cfg.no_oversample or len(specs) >= cfg.num_requests:
+        return specs[: cfg.num_requests]
+    rng = random.Random(cfg.seed)
+    return specs + [rng.choice(specs) for _ in range(cfg.num_requests - len(specs))]
+
+
+def _shuffled(rows: list[Any], cfg: DatasetConfig) -> list[Any]:
+    if not cfg.disable_shuffle:
+        random.Random(cfg.seed).shuffle(rows)  # the order vLLM's random.seed + random.shuffle give
+    return rows
+
+
+def sharegpt_dataset(cfg: DatasetConfig) -> list[RequestSpec]:
+    """ShareGPT conversations: the first turn is the prompt; see the module docstring."""
+    from benchmarks.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    assert cfg.path is not None and cfg.tokenizer_path is not None
+    tok = load_tokenizer(cfg.tokenizer_path)
+    rows = [
+        r
+        for r in _read_json_records(cfg.path)
+        if isinstance(r, dict) and isinstance(r.get("conversations"), list) and len(r["conversations"]) >= 2
+    ]
+    fixed = cfg.sharegpt_output_len
+    specs: list[RequestSpec] = []
+    for row in _shuffled(rows, cfg):
+        if len(specs) >= cfg.num_requests:
+            break
+        turns = row["conversations"]
+        prompt, completion = _turn_text(turns[0]), _turn_text(turns[1])
+        if prompt is None or completion is None:
+            continue
+        ids = tok.encode(prompt)
+        n_out = len(tok.encode(completion)) if fixed is None else fixed
+        too_short = len(ids) < _MIN_LEN or (fixed is None and n_out < _MIN_LEN)
+        if too_short or len(ids) > _MAX_PROMPT_LEN or len(ids) + n_out > _MAX_TOTAL_LEN:
+            continue
+        specs.append(RequestSpec(ids, n_out))
+    return _oversample(specs, cfg, "conversations (two turns, within vLLM's length bounds)")
+
+
+def _turn_text(turn: Any) -> str | None:
+    value = turn.get("value") if isinstance(turn, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def custom_dataset(cfg: DatasetConfig) -> list[RequestSpec]:
+    """JSONL prompts (vLLM's custom dataset); see the module docstring."""
+    from benchmarks.tokenizer import TokenizerError, load_tokenizer  # noqa: PLC0415
+
+    assert cfg.path is not None and cfg.tokenizer_path is not None
+    if not cfg.path.endswith(".jsonl"):
+        raise DatasetError(f"{cfg.path}: the custom dataset is a JSONL file (name ending in .jsonl)")
+    tok = load_tokenizer(cfg.tokenizer_path)
+    rows = _read_json_records(cfg.path)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise DatasetError(f"{cfg.path} line {i + 1}: every row needs a string 'prompt'")
+    from_file = cfg.custom_output_len is None or cfg.custom_output_len == -1
+    specs: list[RequestSpec] = []
+    for row in _shuffled(rows, cfg):
+        if len(specs) >= cfg.num_requests:
+            break
+        if from_file:
+            n_out = row.get("output_tokens")
+            if isinstance(n_out, bool) or not isinstance(n_out, int) or n_out < 1:
+                raise DatasetError(
+                    f"{cfg.path}: without an output length (--custom-output-len -1) every row needs "
+                    f"a positive integer 'output_tokens', got {n_out!r}"
+                )
+        else:
+            assert cfg.custom_output_len is not None
+            n_out = cfg.custom_output_len
+        prompt = row["prompt"]
+        if not cfg.skip_chat_template:
+            try:
+                prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            except TokenizerError as exc:
+                raise DatasetError(str(exc)) from None
+        specs.append(RequestSpec(tok.encode(prompt), n_out))
+    return _oversample(specs, cfg, "prompts")
 
 
 def shared_prefix_dataset(cfg: DatasetConfig) -> list[RequestSpec]:
@@ -210,7 +345,16 @@ def trace_dataset(cfg: DatasetConfig) -> list[RequestSpec]:
 
 
 def build_dataset(cfg: DatasetConfig) -> list[RequestSpec]:
+    from benchmarks.tokenizer import TokenizerError  # noqa: PLC0415
+
     _check(cfg)
+    try:
+        if cfg.name == "sharegpt":
+            return sharegpt_dataset(cfg)
+        if cfg.name == "custom":
+            return custom_dataset(cfg)
+    except TokenizerError as exc:
+        raise DatasetError(str(exc)) from None
     if cfg.name == "random":
         return random_dataset(cfg)
     if cfg.name == "shared-prefix":

@@ -9,6 +9,15 @@
 - request/output/total-token throughput: completed requests, their output tokens, their prompt plus
   output tokens, each divided by the run's duration (first send to last answer).
 - goodput: completed requests that met every given SLO, divided by the duration.
+- client queue time (``client_queue_time``): from the moment a request was due to the moment it
+  was sent (waiting for a ``--max-concurrency`` slot); ``e2el_including_client_queue`` adds it to
+  E2E (vLLM's two metrics, reported when selected with ``--percentile-metrics``).
+- ``max_output_tokens_per_s``: the most output tokens that arrived within one second, in
+  one-second buckets from the first completed request's send; ``max_concurrent_requests``: the
+  most completed requests open at once (vLLM's peak keys; vLLM counts one token per chunk,
+  pd-bench the tokens each chunk carries).
+- A cancelled request (``--cancel-rate``) counts toward none of the above: ``completed`` and
+  ``failed`` are among the requests that were not cancelled, and ``cancelled`` is the rest.
 
 Statistics follow vllm bench serve: ``numpy.mean``, ``numpy.median``, population ``numpy.std`` and
 ``numpy.percentile`` (linear interpolation); a metric with no values reports ``null``.
@@ -16,18 +25,21 @@ Statistics follow vllm bench serve: ``numpy.mean``, ``numpy.median``, population
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Final
 
-import numpy as np
-
 from benchmarks.records import FAILURE_KINDS, RequestRecord
 
 DEFAULT_PERCENTILES: Final = (50.0, 90.0, 95.0, 99.0)
 LATENCY_METRICS: Final = ("ttft", "tpot", "itl", "itl_token", "e2el")
+"""The metrics reported by default, in this order."""
+QUEUE_METRICS: Final = ("client_queue_time", "e2el_including_client_queue")
+PERCENTILE_METRICS: Final = (*LATENCY_METRICS, *QUEUE_METRICS)
+"""Every name ``--percentile-metrics`` accepts (vLLM's six plus ``itl_token``)."""
 GOODPUT_KEYS: Final = ("ttft", "tpot", "e2el")
 HOP_ORDER: Final = ("queue", "prefill", "handoff", "decode_ttft")
 
@@ -70,6 +82,8 @@ class Stats:
 def stats(values: Sequence[float], percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> Stats | None:
     if not values:
         return None
+    import numpy as np  # noqa: PLC0415  (numpy only when a run has numbers to summarize)
+
     arr = np.asarray(values, dtype=np.float64)
     return Stats(
         mean=float(np.mean(arr)),
@@ -98,12 +112,15 @@ def stats_keys(
     return out
 
 
-def parse_goodput(spec: str | None) -> dict[str, float]:
-    """``"ttft:500,tpot:50,e2el:2000"`` (milliseconds) -> {"ttft": 500.0, ...}."""
+def parse_goodput(spec: str | Sequence[str] | None) -> dict[str, float]:
+    """SLOs in milliseconds -> {"ttft": 500.0, ...}: vLLM's space-separated pairs (``["ttft:500",
+    "tpot:50"]``, as ``--goodput ttft:500 tpot:50`` gives them) or one string, pairs separated by
+    commas or spaces (``"ttft:500,tpot:50"``)."""
     out: dict[str, float] = {}
     if not spec:
         return out
-    for part in spec.replace(" ", ",").split(","):
+    text = spec if isinstance(spec, str) else " ".join(spec)
+    for part in text.replace(" ", ",").split(","):
         if not part:
             continue
         key, sep, raw = part.partition(":")
@@ -149,16 +166,66 @@ def ttft_unattributed(rec: RequestRecord) -> float | None:
     return rec.ttft_s - sum(st[h] for h in HOP_ORDER) / 1000.0
 
 
+def queue_time(rec: RequestRecord) -> float:
+    """Seconds the request waited in the client after it was due (a concurrency slot)."""
+    return max(0.0, rec.start_s - rec.scheduled_s)
+
+
+def peak_output_tokens_per_s(ok: Sequence[RequestRecord]) -> float:
+    """The most output tokens arriving within one one-second bucket (vLLM's buckets: from the
+    earliest send of a completed request)."""
+    if not ok:
+        return 0.0
+    t_min = min(r.start_s for r in ok)
+    t_max = max(r.start_s + (r.e2e_s or 0.0) for r in ok)
+    buckets = [0.0] * (math.ceil(t_max - t_min) + 1)
+    for r in ok:
+        for t, n in zip(r.chunk_times_s, r.chunk_tokens, strict=False):
+            b = int(r.start_s + t - t_min)
+            if 0 <= b < len(buckets):
+                buckets[b] += n
+    return max(buckets)
+
+
+def peak_concurrency(ok: Sequence[RequestRecord]) -> int:
+    """The most completed requests open at once: a sweep over [send, end) intervals."""
+    events = sorted(
+        [(r.start_s, 1) for r in ok] + [(r.start_s + (r.e2e_s or 0.0), -1) for r in ok]
+    )  # at a tie the end (-1) sorts first: half-open intervals
+    cur = peak = 0
+    for _, delta in events:
+        cur += delta
+        peak = max(peak, cur)
+    return peak
+
+
+def check_metric_names(names: Sequence[str]) -> None:
+    bad = [n for n in names if n not in PERCENTILE_METRICS]
+    if bad or not names:
+        raise ValueError(
+            f"unknown percentile metric(s) {', '.join(bad) or '(none)'}; choose from "
+            f"{', '.join(PERCENTILE_METRICS)}"
+        )
+
+
 def compute_metrics(
     records: Sequence[RequestRecord],
     duration_s: float,
     percentiles: Sequence[float] = DEFAULT_PERCENTILES,
     goodput_ms: dict[str, float] | None = None,
+    *,
+    metrics: Sequence[str] = LATENCY_METRICS,
+    cancellation: bool = False,
 ) -> dict[str, Any]:
-    """The aggregate keys of the result JSON (vllm bench serve names plus pd-bench's own)."""
-    ok = [r for r in records if r.success]
-    failed = [r for r in records if not r.success]
-    per_metric: dict[str, list[float]] = {m: [] for m in LATENCY_METRICS}
+    """The aggregate keys of the result JSON (vllm bench serve names plus pd-bench's own).
+
+    ``metrics`` are the ones reported with mean/median/std/percentiles (``--percentile-metrics``).
+    With ``cancellation`` the cancellation keys are added."""
+    check_metric_names(metrics)
+    live = [r for r in records if not r.cancelled]
+    ok = [r for r in live if r.success]
+    failed = [r for r in live if not r.success]
+    per_metric: dict[str, list[float]] = {m: [] for m in PERCENTILE_METRICS}
     for r in ok:
         if r.ttft_s is not None:
             per_metric["ttft"].append(r.ttft_s)
@@ -170,6 +237,8 @@ def compute_metrics(
             per_metric["itl_token"].extend(token_itls(r.chunk_times_s, r.chunk_tokens))
         if r.e2e_s is not None:
             per_metric["e2el"].append(r.e2e_s)
+            per_metric["e2el_including_client_queue"].append(r.e2e_s + queue_time(r))
+        per_metric["client_queue_time"].append(queue_time(r))
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     dur = duration_s if duration_s > 0 else float("nan")
@@ -186,14 +255,23 @@ def compute_metrics(
         "output_throughput": total_out / dur,
         "total_token_throughput": (total_in + total_out) / dur,
         "num_output_len_mismatch": sum(1 for r in ok if r.output_tokens != r.requested_output_len),
+        # vLLM's per-request lists that it keeps even without --save-detailed (seconds; 0 for a
+        # request that did not complete), its peak keys, and its ASR factor (always 0 here)
+        "latencies": [r.e2e_s if r.success and r.e2e_s is not None else 0.0 for r in records],
+        "queue_times": [queue_time(r) for r in records],
+        "max_output_tokens_per_s": peak_output_tokens_per_s(ok),
+        "max_concurrent_requests": peak_concurrency(ok),
+        "rtfx": 0.0,
     }
     if goodput_ms:
         good = sum(1 for r in ok if meets_slo(r, goodput_ms))
         out["request_goodput"] = good / dur
-        out["goodput_fraction"] = good / len(records) if records else None
+        out["goodput_fraction"] = good / len(live) if live else None
         out["goodput_slos_ms"] = dict(goodput_ms)
-    for m in LATENCY_METRICS:
+    for m in metrics:
         out.update(stats_keys(m, stats(per_metric[m], percentiles), percentiles))
+    if cancellation:
+        out.update(cancel_metrics(records, percentiles))
     # Per-hop breakdown reported by pd-proxy (already milliseconds).
     hops = hop_names(ok)
     out["server_timing_requests"] = sum(1 for r in ok if r.server_timing)
@@ -204,4 +282,27 @@ def compute_metrics(
     if hops:
         un = [u for u in (ttft_unattributed(r) for r in ok) if u is not None]
         out.update(stats_keys("ttft_unattributed", stats(un, percentiles), percentiles))
+    return out
+
+
+def cancel_metrics(records: Sequence[RequestRecord], percentiles: Sequence[float]) -> dict[str, Any]:
+    """What the cancellations were: how many, where they landed, how fast an abort was honoured."""
+    cancelled = [r for r in records if r.cancelled]
+    phases = Counter(r.cancel_phase for r in cancelled)
+    aborts = [r for r in cancelled if r.cancel_mode == "abort"]
+    acks = [
+        r.abort_ended_s - r.cancel_s
+        for r in aborts
+        if r.abort_ended_s is not None and r.cancel_s is not None
+    ]
+    out: dict[str, Any] = {
+        "cancelled": len(cancelled),
+        "cancel_phases": {p: phases.get(p, 0) for p in ("before_first_token", "mid_stream")},
+        "abort_calls": len(aborts),
+        "abort_calls_ok": sum(1 for r in aborts if r.abort_status == 200),
+        "aborts_not_ended": sum(1 for r in aborts if r.abort_ended_s is None),
+    }
+    out.update(stats_keys("cancel", stats([r.cancel_s for r in cancelled if r.cancel_s is not None],
+                                           percentiles), percentiles))
+    out.update(stats_keys("abort_ack", stats(acks, percentiles), percentiles))
     return out

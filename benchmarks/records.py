@@ -49,6 +49,14 @@ class RequestRecord:
     finish_reason: str | None = None
     server_request_id: str | None = None
     server_timing: dict[str, float] | None = None
+    # Cancellation (``--cancel-rate``): a cancelled request is neither completed nor failed.
+    cancelled: bool = False
+    cancel_mode: str | None = None  # "disconnect" or "abort"
+    cancel_phase: str | None = None  # "before_first_token" or "mid_stream": where it really landed
+    cancel_s: float | None = None  # when it was cancelled, since it was sent
+    tokens_at_cancel: int = 0
+    abort_status: int | None = None  # HTTP status of the abort call (abort mode; None: no answer)
+    abort_ended_s: float | None = None  # abort mode: when the answer ended after the abort, since sent
 
     def fail(self, kind: str, error: str) -> None:
         """Keep the first failure: later ones are consequences of it."""
@@ -59,7 +67,7 @@ class RequestRecord:
     def to_json(self) -> dict[str, Any]:
         """The JSONL record; times in milliseconds."""
         d = asdict(self)
-        for key in ("scheduled_s", "start_s", "ttft_s", "e2e_s"):
+        for key in ("scheduled_s", "start_s", "ttft_s", "e2e_s", "cancel_s", "abort_ended_s"):
             v = d.pop(key)
             d[key[:-2] + "_ms"] = None if v is None else v * 1000.0
         d["chunk_times_ms"] = [t * 1000.0 for t in d.pop("chunk_times_s")]

@@ -18,6 +18,8 @@ METRIC_TITLES: Final = {
     "itl": "ITL (per chunk)",
     "itl_token": "ITL (per token)",
     "e2el": "E2E latency",
+    "client_queue_time": "Client queue",
+    "e2el_including_client_queue": "E2E + queue",
 }
 # Keys whose ratio target/baseline the compare mode reports.
 COMPARE_KEYS: Final = (
@@ -63,14 +65,20 @@ def safe_stem(text: str) -> str:
 
 
 def write_result(
-    result_dir: str | Path, stem: str, data: dict[str, Any], records: Sequence[RequestRecord]
+    result_dir: str | Path,
+    stem: str,
+    data: dict[str, Any],
+    records: Sequence[RequestRecord],
+    *,
+    json_too: bool = True,
 ) -> tuple[Path, Path]:
-    """Write ``<stem>.json`` and ``<stem>.jsonl``; returns both paths."""
+    """Write ``<stem>.json`` (unless not ``json_too``) and ``<stem>.jsonl``; returns both paths."""
     d = Path(result_dir)
     d.mkdir(parents=True, exist_ok=True)
     jpath = d / f"{stem}.json"
     lpath = d / f"{stem}.jsonl"
-    jpath.write_text(json.dumps(json_safe(data), indent=2) + "\n", encoding="utf-8")
+    if json_too:
+        jpath.write_text(json.dumps(json_safe(data), indent=2) + "\n", encoding="utf-8")
     with lpath.open("w", encoding="utf-8") as fh:
         for r in records:
             fh.write(json.dumps(json_safe(r.to_json())) + "\n")
@@ -99,6 +107,8 @@ def summary_table(data: dict[str, Any], title: str = "pd-bench result") -> str:
     row("Target:", data.get("base_url"))
     row("Successful requests:", data.get("completed"))
     row("Failed requests:", data.get("failed"))
+    if "cancelled" in data:
+        row("Cancelled requests:", data.get("cancelled"))
     fails = {k: v for k, v in (data.get("failures") or {}).items() if v}
     if fails:
         row("  by kind:", ", ".join(f"{k} {v}" for k, v in fails.items()))
@@ -112,6 +122,8 @@ def summary_table(data: dict[str, Any], title: str = "pd-bench result") -> str:
     if data.get("request_goodput") is not None:
         row("Request goodput (req/s):", data.get("request_goodput"))
     row("Output token throughput (tok/s):", data.get("output_throughput"))
+    row("Peak output token throughput (tok/s):", data.get("max_output_tokens_per_s"))
+    row("Peak concurrent requests:", data.get("max_concurrent_requests"))
     row("Total token throughput (tok/s):", data.get("total_token_throughput"))
     util = data.get("client_cpu_utilization")
     if isinstance(util, float) and util > 0.8:
@@ -123,7 +135,7 @@ def summary_table(data: dict[str, Any], title: str = "pd-bench result") -> str:
     head = f"{'(ms)':<17}{'mean':>9}{'median':>9}{'std':>9}" + "".join(f"{'p' + p:>9}" for p in pct)
     lines.append("-" * 72)
     lines.append(head)
-    names = [(METRIC_TITLES[m], m) for m in LATENCY_METRICS]
+    names = [(METRIC_TITLES[m], m) for m in data.get("percentile_metrics") or LATENCY_METRICS]
     for hop in data.get("hops") or []:
         names.append((f"  hop {hop}", f"hop_{hop}"))
     if data.get("hops"):
@@ -132,8 +144,57 @@ def summary_table(data: dict[str, Any], title: str = "pd-bench result") -> str:
         vals = [data.get(f"{s}_{key}_ms") for s in ("mean", "median", "std")]
         vals += [data.get(f"p{p}_{key}_ms") for p in pct]
         lines.append(f"{title_:<17}" + "".join(f"{_fmt(v):>9}" for v in vals))
+    if "cancelled" in data:
+        lines.extend(_cancel_lines(data))
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def _cancel_lines(data: dict[str, Any]) -> list[str]:
+    """Cancellation, the survivors' TTFT penalty, the workers' KV after the cancels."""
+    lines: list[str] = [f"{' cancellation ':-^72}"]
+    at = data.get("cancel_at") or f"after {data.get('cancel_after_s')} s"
+    lines.append(f"{'Cancelled:':<42}{data.get('cancelled')} ({at}, {data.get('cancel_mode')})")
+    phases = data.get("cancel_phases") or {}
+    lines.append(
+        f"{'  landed before first token / mid-stream:':<42}"
+        f"{phases.get('before_first_token', 0)} / {phases.get('mid_stream', 0)}"
+    )
+    if data.get("abort_calls"):
+        lines.append(
+            f"{'  abort calls answered 200:':<42}{data.get('abort_calls_ok')} of {data.get('abort_calls')}"
+        )
+        lines.append(f"{'  abort to end of answer, median (ms):':<42}{_fmt(data.get('median_abort_ack_ms'))}")
+    if "ttft_penalty_median_ms" in data:
+        lines.append(
+            f"{'Survivors compared with the baseline:':<42}{data.get('survivors_compared')}"
+        )
+        for p in [*(percentile_word(x) for x in data.get("percentiles", []))]:
+            key = f"ttft_penalty_p{p}_ms"
+            if key in data:
+                lines.append(
+                    f"{'  TTFT p' + p + ' baseline -> penalty (ms):':<42}"
+                    f"{_fmt(data.get(f'baseline_p{p}_ttft_ms'))} -> {_fmt(data.get(key))}"
+                )
+        paired = _fmt(data.get("ttft_penalty_mean_paired_ms"))
+        lines.append(f"{'  TTFT penalty, mean of pairs (ms):':<42}{paired}")
+    for probe in data.get("kv_probes") or []:
+        lines.append(f"KV on {probe['url']} ({probe['source']}, {probe['unit']}):")
+        lines.append(
+            f"{'  cancels holding KV / attributed:':<42}"
+            f"{probe['cancels_holding']} / {probe['cancels_attributed']} of {probe['cancels']}"
+        )
+        lines.append(
+            f"{'  cancel-to-free median / max (ms):':<42}"
+            f"{_fmt(probe.get('median_cancel_to_free_ms'))} / {_fmt(probe.get('cancel_to_free_max_ms'))}"
+        )
+        lines.append(f"{'  not freed when watching stopped:':<42}{probe['not_freed']}")
+        lines.append(f"{'  stranded block-seconds (all cancels):':<42}{_fmt(probe['stranded_block_s'], 3)}")
+        lines.append(
+            f"{'  drain after the last request (s):':<42}{_fmt(probe['drain_s'], 3)}"
+            f" ({_fmt(probe['drain_block_s'], 3)} block-s)"
+        )
+    return lines
 
 
 def ratio(a: Any, b: Any) -> float | None:

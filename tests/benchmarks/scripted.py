@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ class Script:
     json_body: dict[str, Any] | None = None  # a non-stream answer
     raw_body: bytes | None = None  # a non-stream answer as recorded bytes
     content_type: str = "text/event-stream"
+    honour_abort: bool = True  # an abort naming this request ends the stream as vLLM does
 
 
 @dataclass
@@ -32,6 +34,9 @@ class Seen:
     disconnects: int = 0
     first_write: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    aborts: list[dict[str, Any]] = field(default_factory=list)
+    aborted: set[str] = field(default_factory=set)
+    abort_event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 ScriptFn = Callable[[dict[str, Any]], Script]
@@ -111,9 +116,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=script.headers)
         resp.content_type = script.content_type
         await resp.prepare(request)
+        engine_id = f"generate-tokens-{body.get('request_id')}"
         for delay, data in script.steps:
             if delay:
-                await asyncio.sleep(delay)
+                await _sleep_or_abort(seen, engine_id, delay if script.honour_abort else None, delay)
+            if script.honour_abort and engine_id in seen.aborted:
+                await resp.write(chunk(str(body.get("request_id")), [], "abort"))
+                await resp.write(DONE)
+                return resp
             await resp.write(data)
             seen.first_write.set()
         return resp
@@ -125,9 +135,32 @@ async def generate(request: web.Request) -> web.StreamResponse:
         seen.in_flight -= 1
 
 
+async def _sleep_or_abort(seen: Seen, engine_id: str, abortable: float | None, delay: float) -> None:
+    """Sleep ``delay``; an abort of ``engine_id`` cuts an abortable sleep short."""
+    if abortable is None:
+        await asyncio.sleep(delay)
+        return
+    loop = asyncio.get_running_loop()
+    end = loop.time() + delay
+    while engine_id not in seen.aborted and (left := end - loop.time()) > 0:
+        seen.abort_event.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(seen.abort_event.wait(), left)
+
+
+async def abort(request: web.Request) -> web.Response:
+    seen = request.app[SEEN]
+    body = await request.json()
+    seen.aborts.append(body)
+    seen.aborted.update(body.get("request_ids") or [])
+    seen.abort_event.set()
+    return web.Response(status=200)
+
+
 def make_app(script: ScriptFn) -> web.Application:
     app = web.Application()
     app[SCRIPT] = script
     app[SEEN] = Seen()
     app.router.add_post("/inference/v1/generate", generate)
+    app.router.add_post("/inference/v1/abort_requests", abort)
     return app
