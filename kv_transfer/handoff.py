@@ -102,10 +102,8 @@ def release_body(data: Mapping[str, Any], base_id: str, kv_params: dict[str, Any
 def check_prefill_params(params: object) -> str | None:
     """Why ``params`` (a prefill reply's ``kv_transfer_params``) cannot drive a decode hop,
     or None when it is well formed."""
-    if params is None:
-        return "kv_transfer_params is null"
     if not isinstance(params, dict):
-        return "kv_transfer_params is not an object"
+        return "kv_transfer_params is null" if params is None else "kv_transfer_params is not an object"
     for key, tp in PREFILL_REPLY_REQUIRED.items():
         if key not in params:
             return f"kv_transfer_params.{key} is missing"
@@ -115,9 +113,8 @@ def check_prefill_params(params: object) -> str | None:
     if params["do_remote_prefill"] is not True:
         return "kv_transfer_params.do_remote_prefill is not true"
     blocks = params["remote_block_ids"]
-    if not all(isinstance(g, list) and all(isinstance(b, int) for b in g) for g in blocks):
-        return "kv_transfer_params.remote_block_ids is not a list of lists of ints"
-    return None
+    flat = all(isinstance(g, list) and all(isinstance(b, int) for b in g) for g in blocks)
+    return None if flat else "kv_transfer_params.remote_block_ids is not a list of lists of ints"
 
 
 def remote_blocks(params: Mapping[str, Any]) -> int:

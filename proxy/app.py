@@ -82,40 +82,60 @@ def _admin_key_ok(request: web.Request, admin: Tenants) -> bool:
     return admin.identify(request.headers.get("Authorization")) is not None
 
 
-def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) -> Middleware:
+class _Auth:
     """Client keys (tenants) on the inference routes; ``/debug/*`` (every tenant's requests) on the
     admin key when one is set. Without an admin key a single client key still opens ``/debug/*``
     (one tenant sees only its own requests); with several tenants it stays shut (403)."""
 
-    @web.middleware
-    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method == "OPTIONS":
-            return await handler(request)
+    def __init__(self, settings: ProxySettings, tenants: Tenants, admin: Tenants) -> None:
+        self.settings, self.tenants, self.admin = settings, tenants, admin
+
+    def admin_gate(self, request: web.Request) -> bool:
+        """``/debug/*``: True when the admin key let the request in; raises when it is shut."""
+        if self.admin.enabled:
+            if not _admin_key_ok(request, self.admin):
+                raise Unauthorized("Unauthorized")
+            return True
+        if self.tenants.namespaced:
+            raise Forbidden("/debug shows every tenant's requests: it needs the admin key "
+                            "(PD_PROXY_ADMIN_KEY or --admin-key-file)")
+        return False
+
+    def tenant_of(self, request: web.Request) -> Tenant | None:
+        """The caller's tenant on a guarded route (raises ``Unauthorized`` without a valid key);
+        ``OPEN`` without client keys; None on open routes."""
         path = request.path
-        if path.startswith(ADMIN_PREFIXES):
-            if admin.enabled:
-                if not _admin_key_ok(request, admin):
-                    raise Unauthorized("Unauthorized")
-                return await handler(request)
-            if tenants.namespaced:
-                raise Forbidden("/debug shows every tenant's requests: it needs the admin key "
-                                "(PD_PROXY_ADMIN_KEY or --admin-key-file)")
-        guarded = path.startswith(GUARDED_PREFIXES) or (
-            path == LEGACY_ABORT_PATH and not settings.legacy_abort_mirror_vllm)
-        if not tenants.enabled:
-            request[TENANT] = OPEN
-        elif guarded:
-            tenant = tenants.identify(request.headers.get("Authorization"))
+        if not self.tenants.enabled:
+            return OPEN
+        legacy = path == LEGACY_ABORT_PATH
+        if path.startswith(GUARDED_PREFIXES) or (legacy and not self.settings.legacy_abort_mirror_vllm):
+            tenant = self.tenants.identify(request.headers.get("Authorization"))
             if tenant is None:
                 raise Unauthorized("Unauthorized")
-            request[TENANT] = tenant
-        elif path == LEGACY_ABORT_PATH:
+            return tenant
+        if legacy and self.tenants.namespaced:
             # vLLM's keyless legacy abort (--legacy-abort-mirror-vllm): it acts as the only
             # tenant; with several tenants it would reach everyone's requests, so it is refused.
-            if tenants.namespaced:
-                raise Unauthorized("Unauthorized")
-            request[TENANT] = OPEN
+            raise Unauthorized("Unauthorized")
+        return OPEN if legacy else None
+
+    async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "OPTIONS":
+            return await handler(request)
+        if request.path.startswith(ADMIN_PREFIXES) and self.admin_gate(request):
+            return await handler(request)
+        tenant = self.tenant_of(request)
+        if tenant is not None:
+            request[TENANT] = tenant
         return await handler(request)
+
+
+def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) -> Middleware:
+    gate = _Auth(settings, tenants, admin)
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await gate(request, handler)
 
     return auth
 

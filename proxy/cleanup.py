@@ -104,37 +104,13 @@ class Cleanup(Part):
         record = f.record
         try:
             if record.phase is Phase.PREFILLING and f.prefill_task is not None:
-                await self.aborts.abort_until(record.prefill_worker, record.engine_id, f.prefill_task,
-                                        self.settings.prefill_timeout)
-                if not f.prefill_task.done():
-                    # Its own timeout ends it; its reply may still hold KV (released below).
-                    await asyncio.wait({f.prefill_task})
-                if not f.prefill_task.cancelled() and f.prefill_task.exception() is None \
-                        and record.phase is Phase.PREFILLING and record.prefill_worker is not None:
-                    self.prefill.accept_reply(f, record.prefill_worker, f.prefill_task.result())
+                await self._end_prefill(f, f.prefill_task)
             if record.phase is Phase.KV_HELD or (record.kv_params is not None and f.decode_task is None):
                 if f.release_task is None:
                     f.release_task = self.tracker.spawn(self.release(f))
                 await f.release_task
             elif record.phase is Phase.DECODING and f.decode_task is not None:
-                # Abort D until it certainly had the request (first event, or its answer);
-                # only then may its connection be closed (before that, closing could leave
-                # D never pulling and P holding the KV until its lease ends).
-                settle: asyncio.Task[Any] = asyncio.ensure_future(f.settled.wait())
-                try:
-                    await self.aborts.abort_until(record.decode_worker, record.engine_id, settle,
-                                            self.settings.decode_timeout)
-                finally:
-                    settle.cancel()
-                if not f.decode_task.done():
-                    f.decode_task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await f.decode_task
-                if record.lease is not None and record.lease.end is None and f.decode_task.done():
-                    # The walk that closes it is gone (client left a non-stream decode, or a
-                    # stream before its first event): D answered, so it had the KV; else unknown.
-                    answered = not f.decode_task.cancelled() and f.decode_task.exception() is None
-                    self.core.close_lease(f, "aborted" if answered else "unknown")
+                await self._end_decode(f, f.decode_task)
         finally:
             if f.force_end is not None:
                 f.force_end.cancel()
@@ -146,6 +122,39 @@ class Cleanup(Part):
                     fut.exception()
             self.core.set_done(f)
             self.forget(f)
+
+    async def _end_prefill(self, f: Flight, task: asyncio.Task[dict[str, Any]]) -> None:
+        """PREFILLING: abort P until its hop ends; a reply that still came with KV is accepted
+        (``KV_HELD``), so that the caller releases it."""
+        record = f.record
+        await self.aborts.abort_until(record.prefill_worker, record.engine_id, task,
+                                      self.settings.prefill_timeout)
+        if not task.done():
+            await asyncio.wait({task})  # its own timeout ends it; its reply may still hold KV
+        if not task.cancelled() and task.exception() is None \
+                and record.phase is Phase.PREFILLING and record.prefill_worker is not None:
+            self.prefill.accept_reply(f, record.prefill_worker, task.result())
+
+    async def _end_decode(self, f: Flight, task: asyncio.Task[Any]) -> None:
+        """DECODING: abort D until it certainly had the request (first event, or its answer);
+        only then may its connection be closed (before that, closing could leave D never pulling
+        and P holding the KV until its lease ends)."""
+        record = f.record
+        settle: asyncio.Task[Any] = asyncio.ensure_future(f.settled.wait())
+        try:
+            await self.aborts.abort_until(record.decode_worker, record.engine_id, settle,
+                                          self.settings.decode_timeout)
+        finally:
+            settle.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if record.lease is not None and record.lease.end is None and task.done():
+            # The walk that closes it is gone (client left a non-stream decode, or a stream
+            # before its first event): D answered, so it had the KV; else unknown.
+            answered = not task.cancelled() and task.exception() is None
+            self.core.close_lease(f, "aborted" if answered else "unknown")
 
     def forget(self, f: Flight) -> None:
         self.table.remove(f)

@@ -109,6 +109,37 @@ def parse_origin(url: str) -> Origin:
                   base_path=parts.path.rstrip("/"))
 
 
+
+def _status_line(line: bytes) -> tuple[int, bytes]:
+    """The status and the HTTP version of an answer's first line (strict: ``HTTP/1.x`` and a
+    3-digit status in 100-599)."""
+    parts = line.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+        raise HopProtocolError("an answer that is not HTTP/1.x")
+    code = parts[1]
+    if len(code) != 3 or not code.isdigit():  # bytes.isdigit: ASCII digits only
+        raise HopProtocolError("a malformed status line")
+    status = int(code)
+    if not 100 <= status <= 599:
+        raise HopProtocolError("a malformed status line")
+    return status, parts[0]
+
+
+def _header_lines(lines: list[bytes]) -> dict[str, str]:
+    """An answer's headers, names lower-cased; a framing header twice (but the same
+    Content-Length) is an error: where the answer ends would not be known (RFC 9112 6.3)."""
+    headers: dict[str, str] = {}
+    for raw in lines:
+        name, sep, value = raw.partition(b":")
+        if not sep or not name or name != name.strip():
+            raise HopProtocolError("a malformed header line")
+        key = name.decode("latin-1").lower()
+        text = value.strip().decode("latin-1")
+        if key in headers and key in _FRAMING and (key != "content-length" or headers[key] != text):
+            raise HopProtocolError(f"a repeated {key} header")
+        headers[key] = text
+    return headers
+
 class _Conn(asyncio.Protocol):
     """One connection: writes requests, parses one answer at a time into a body queue."""
 
@@ -195,7 +226,9 @@ class _Conn(asyncio.Protocol):
 
     # -- parsing
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes) -> None:  # noqa: C901, PLR0912
+        # One frame on purpose: the per-read state machine of every hop; a call per chunk line
+        # would add a Python call per SSE event on the streaming path.
         if self._pending:
             data, self._pending = self._pending + data, b""
         pos, end = 0, len(data)
@@ -251,30 +284,11 @@ class _Conn(asyncio.Protocol):
 
     def _parse_head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
-        status_line = lines[0].split(b" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
-            raise HopProtocolError("an answer that is not HTTP/1.x")
-        code = status_line[1]
-        if len(code) != 3 or not code.isdigit():  # bytes.isdigit: ASCII digits only
-            raise HopProtocolError("a malformed status line")
-        status = int(code)
-        if not 100 <= status <= 599:
-            raise HopProtocolError("a malformed status line")
+        status, version = _status_line(lines[0])
         if 100 <= status < 200:
             return  # an interim answer (100 Continue): the real one follows
-        headers: dict[str, str] = {}
-        for raw in lines[1:]:
-            name, sep, value = raw.partition(b":")
-            if not sep or not name or name != name.strip():
-                raise HopProtocolError("a malformed header line")
-            key = name.decode("latin-1").lower()
-            text = value.strip().decode("latin-1")
-            if key in headers and key in _FRAMING and (key != "content-length" or headers[key] != text):
-                # Two framings (RFC 9112 6.3: an unrecoverable error; the same Content-Length
-                # twice is allowed): where the answer ends is not known.
-                raise HopProtocolError(f"a repeated {key} header")
-            headers[key] = text
-        if status_line[0] == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
+        headers = _header_lines(lines[1:])
+        if version == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
             self._keep_alive = False
         encoding = headers.get("transfer-encoding")
         length = headers.get("content-length")

@@ -51,11 +51,10 @@ class Prefill(Part):
         for attempt in range(rt.prefill_retry.attempts):
             if record.is_aborted:
                 break  # aborted (client call, deadline) during the backoff
-            bypass = rt.settings.bypass_when_prefill_unavailable
             try:
                 worker = await self._pick(f, ctx, tried)
             except NoWorkerAvailable:
-                if bypass:
+                if rt.settings.bypass_when_prefill_unavailable:
                     # None left (their circuits opened, e.g. on the failure being retried): the
                     # request holds nothing usable, so the decode worker computes the prompt.
                     record.prefill_worker = None
@@ -65,38 +64,53 @@ class Prefill(Part):
                 raise
             record.prefill_worker = worker
             f.prefill_task = self._send(f, worker)
-            retry_ok = False
             try:
                 reply: dict[str, Any] = await asyncio.shield(f.prefill_task)
             except UpstreamError as e:
-                last = e
-                retry_ok = is_transient(e)
+                last, retry_ok = e, is_transient(e)
             else:
-                reason = check_prefill_params(reply.get("kv_transfer_params"))
-                untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
-                if reason is None or record.is_aborted or self.note_worker_abort(f, reply) \
-                        or attempt + 1 >= rt.prefill_retry.attempts or not (untried or bypass):
+                unusable = self._unusable(f, worker, reply, tried,
+                                          last_attempt=attempt + 1 >= rt.prefill_retry.attempts)
+                if unusable is None:
                     return worker, reply, None  # _walk checks it (and applies --prefill-failure)
-                # An unusable 200 (no usable kv_transfer_params): nothing it holds can be freed
-                # through the proxy (no params to pull with; P frees the blocks at its lease's
-                # end), so another prefill worker may take the request; with none left, as
-                # when none is available, the decode worker computes the prompt.
-                self.metrics.prefill_missing_kv.inc()
-                if not untried:
-                    record.prefill_worker = None
+                if not unusable:
+                    record.prefill_worker = None  # none left to try: decode-only
                     return None, {}, None
-                last = UpstreamProtocolError("prefill", worker.url, reason)
-                retry_ok = True
+                last, retry_ok = UpstreamProtocolError("prefill", worker.url, unusable), True
             tried.append(worker)
-            if record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts or not retry_ok:
+            if not retry_ok or not await self._backoff(f, attempt, last):
                 break
-            pause = rt.prefill_retry.delay(attempt, rt.rng)
-            if f.deadline is not None and f.deadline.remaining() <= pause:
-                break
-            rt.count_retry("prefill")
-            log.warning("request %s: retrying prefill after %s", record.engine_id, last.message)
-            await asyncio.sleep(pause)
         return record.prefill_worker, {}, last
+
+    def _unusable(self, f: Flight, worker: Worker, reply: dict[str, Any], tried: list[Worker], *,
+                  last_attempt: bool) -> str | None:
+        """A 200 from P. None: the walk takes it (usable params, or nothing better to do). An
+        unusable 200 (no usable ``kv_transfer_params``) holds nothing the proxy can free (no params
+        to pull with; P frees the blocks at its lease's end), so another prefill worker may take
+        the request: why, or "" when none is left (the decode worker then computes the prompt,
+        as when none is available)."""
+        reason = check_prefill_params(reply.get("kv_transfer_params"))
+        bypass = self.pools.settings.bypass_when_prefill_unavailable
+        untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
+        if reason is None or f.record.is_aborted or self.note_worker_abort(f, reply) or last_attempt \
+                or not (untried or bypass):
+            return None
+        self.metrics.prefill_missing_kv.inc()
+        return reason if untried else ""
+
+    async def _backoff(self, f: Flight, attempt: int, last: UpstreamError) -> bool:
+        """Before the next prefill attempt: False when there is none (aborted, attempts spent, or
+        the deadline comes before the pause ends)."""
+        rt = self.pools
+        if f.record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts:
+            return False
+        pause = rt.prefill_retry.delay(attempt, rt.rng)
+        if f.deadline is not None and f.deadline.remaining() <= pause:
+            return False
+        rt.count_retry("prefill")
+        log.warning("request %s: retrying prefill after %s", f.record.engine_id, last.message)
+        await asyncio.sleep(pause)
+        return True
 
     async def _pick(self, f: Flight, ctx: PickContext, tried: list[Worker]) -> Worker:
         """A prefill worker not tried yet (when every admitted one failed once, any of them again:

@@ -92,18 +92,17 @@ _MAX_ERROR_CHARS = 1000
 
 
 def _summarize_error_input(value: object) -> object:
-    if isinstance(value, str):
-        if len(value) > _MAX_ERROR_INPUT_CHARS:
-            return value[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
-        return value
     if isinstance(value, bytes | bytearray):
         return f"<{type(value).__name__} of {len(value)} bytes>"
     if isinstance(value, list | tuple | set | frozenset | dict):
         return f"<{type(value).__name__} of {len(value)} items>"
-    try:
-        text = str(value)
-    except Exception:
-        return f"<{type(value).__name__}>"
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = str(value)
+        except Exception:
+            return f"<{type(value).__name__}>"
     if len(text) > _MAX_ERROR_INPUT_CHARS:
         return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
     return text
@@ -247,99 +246,115 @@ class SamplingParams:
     @classmethod
     def _verify(cls, values: dict[str, Any]) -> SamplingParams:
         """vLLM's ``SamplingParams.__post_init__`` / ``_verify_args`` checks, in its order."""
-        v = values
-        n = v.get("n", 1)
-        temperature = v.get("temperature", 1.0)
-        stop = v.get("stop")
-        stop_list = [] if stop is None else ([stop] if isinstance(stop, str) else stop)
-        if n < 1:
-            raise VLLMValidationError(f"n must be at least 1, got {n}.")
-        if n > _MAX_N_SEQUENCES:
-            raise VLLMValidationError(
-                f"n must be at most {_MAX_N_SEQUENCES}, got {n}. To increase this limit, set the "
-                "VLLM_MAX_N_SEQUENCES environment variable."
-            )
-        presence = v.get("presence_penalty", 0.0)
-        if not -2.0 <= presence <= 2.0:
-            raise VLLMValidationError(f"presence_penalty must be in [-2, 2], got {presence}.")
-        frequency = v.get("frequency_penalty", 0.0)
-        if not -2.0 <= frequency <= 2.0:
-            raise VLLMValidationError(f"frequency_penalty must be in [-2, 2], got {frequency}.")
-        rep = v.get("repetition_penalty", 1.0)
-        if not math.isfinite(rep):
-            raise VLLMValidationError(f"repetition_penalty must be a finite number, got {rep}.")
-        if rep <= 0.0:
-            raise VLLMValidationError(f"repetition_penalty must be greater than zero, got {rep}.")
-        if 0 < temperature < 1e-2:
-            temperature = 1e-2
-        if not math.isfinite(temperature):
-            raise VLLMValidationError(
-                f"temperature must be a finite number, got {temperature}.",
-                parameter="temperature", value=temperature,
-            )
-        if temperature < 0.0:
-            raise VLLMValidationError(
-                f"temperature must be non-negative, got {temperature}.",
-                parameter="temperature", value=temperature,
-            )
-        if temperature > 2.0:
-            raise VLLMValidationError(
-                f"temperature must be in [0, 2], got {temperature}.",
-                parameter="temperature", value=temperature,
-            )
-        top_p = v.get("top_p", 1.0)
-        if not 0.0 < top_p <= 1.0:
-            raise VLLMValidationError(
-                f"top_p must be in (0, 1], got {top_p}.", parameter="top_p", value=top_p
-            )
-        top_k = v.get("top_k", 0)
-        if top_k < -1:
-            raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
-        min_p = v.get("min_p", 0.0)
-        if not 0.0 <= min_p <= 1.0:
-            raise VLLMValidationError(f"min_p must be in [0, 1], got {min_p}.")
-        max_tokens = v.get("max_tokens", 16)
-        if max_tokens is not None and max_tokens < 1:
-            raise VLLMValidationError(
-                f"max_tokens must be at least 1, got {max_tokens}.",
-                parameter="max_tokens", value=max_tokens,
-            )
-        min_tokens = v.get("min_tokens", 0)
-        if min_tokens < 0:
-            raise VLLMValidationError(
-                f"min_tokens must be greater than or equal to 0, got {min_tokens}."
-            )
-        if max_tokens is not None and min_tokens > max_tokens:
-            raise VLLMValidationError(
-                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
-            )
-        interval = v.get("stream_interval")
-        if interval is not None and interval < 1:
-            raise VLLMValidationError(
-                f"stream_interval must be at least 1, got {interval}.",
-                parameter="stream_interval", value=interval,
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            lp = v.get(name)
-            if lp is not None and lp != -1 and lp < 0:
-                raise VLLMValidationError(
-                    f"{name} must be non-negative or -1, got {lp}.", parameter=name, value=lp
-                )
-        if any(not s for s in stop_list):
-            raise VLLMValidationError("stop cannot contain an empty string.")
-        if stop_list and not v.get("detokenize", True):
-            raise VLLMValidationError(
-                "stop strings are only supported when detokenize is True. "
-                "Set detokenize=True to use stop."
-            )
-        bad_words = v.get("bad_words") or []
-        if any(not w for w in bad_words):
-            raise VLLMValidationError(
-                f"bad_words cannot contain an empty string. Got bad_words={list(dict.fromkeys(bad_words))}"
-            )
+        n = values.get("n", 1)
+        _verify_n_and_penalties(values, n)
+        temperature = _verify_temperature(values.get("temperature", 1.0))
+        _verify_ranges(values)
+        _verify_stop_and_bad_words(values)
         if temperature < _SAMPLING_EPS and n > 1:
             raise VLLMValidationError(f"n must be 1 when using greedy sampling, got {n}.")
         return cls(values)
+
+
+def _verify_n_and_penalties(v: dict[str, Any], n: int) -> None:
+    if n < 1:
+        raise VLLMValidationError(f"n must be at least 1, got {n}.")
+    if n > _MAX_N_SEQUENCES:
+        raise VLLMValidationError(
+            f"n must be at most {_MAX_N_SEQUENCES}, got {n}. To increase this limit, set the "
+            "VLLM_MAX_N_SEQUENCES environment variable."
+        )
+    presence = v.get("presence_penalty", 0.0)
+    if not -2.0 <= presence <= 2.0:
+        raise VLLMValidationError(f"presence_penalty must be in [-2, 2], got {presence}.")
+    frequency = v.get("frequency_penalty", 0.0)
+    if not -2.0 <= frequency <= 2.0:
+        raise VLLMValidationError(f"frequency_penalty must be in [-2, 2], got {frequency}.")
+    rep = v.get("repetition_penalty", 1.0)
+    if not math.isfinite(rep):
+        raise VLLMValidationError(f"repetition_penalty must be a finite number, got {rep}.")
+    if rep <= 0.0:
+        raise VLLMValidationError(f"repetition_penalty must be greater than zero, got {rep}.")
+
+
+def _verify_temperature(temperature: float) -> float:
+    """The temperature vLLM samples with (a tiny positive one is raised to 0.01), checked."""
+    if 0 < temperature < 1e-2:
+        temperature = 1e-2
+    if not math.isfinite(temperature):
+        raise VLLMValidationError(
+            f"temperature must be a finite number, got {temperature}.",
+            parameter="temperature", value=temperature,
+        )
+    if temperature < 0.0:
+        raise VLLMValidationError(
+            f"temperature must be non-negative, got {temperature}.",
+            parameter="temperature", value=temperature,
+        )
+    if temperature > 2.0:
+        raise VLLMValidationError(
+            f"temperature must be in [0, 2], got {temperature}.",
+            parameter="temperature", value=temperature,
+        )
+    return temperature
+
+
+def _verify_ranges(v: dict[str, Any]) -> None:
+    top_p = v.get("top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise VLLMValidationError(
+            f"top_p must be in (0, 1], got {top_p}.", parameter="top_p", value=top_p
+        )
+    top_k = v.get("top_k", 0)
+    if top_k < -1:
+        raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = v.get("min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise VLLMValidationError(f"min_p must be in [0, 1], got {min_p}.")
+    max_tokens = v.get("max_tokens", 16)
+    if max_tokens is not None and max_tokens < 1:
+        raise VLLMValidationError(
+            f"max_tokens must be at least 1, got {max_tokens}.",
+            parameter="max_tokens", value=max_tokens,
+        )
+    min_tokens = v.get("min_tokens", 0)
+    if min_tokens < 0:
+        raise VLLMValidationError(
+            f"min_tokens must be greater than or equal to 0, got {min_tokens}."
+        )
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise VLLMValidationError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+        )
+    interval = v.get("stream_interval")
+    if interval is not None and interval < 1:
+        raise VLLMValidationError(
+            f"stream_interval must be at least 1, got {interval}.",
+            parameter="stream_interval", value=interval,
+        )
+    for name in ("logprobs", "prompt_logprobs"):
+        lp = v.get(name)
+        if lp is not None and lp != -1 and lp < 0:
+            raise VLLMValidationError(
+                f"{name} must be non-negative or -1, got {lp}.", parameter=name, value=lp
+            )
+
+
+def _verify_stop_and_bad_words(v: dict[str, Any]) -> None:
+    stop = v.get("stop")
+    stop_list = [] if stop is None else ([stop] if isinstance(stop, str) else stop)
+    if any(not s for s in stop_list):
+        raise VLLMValidationError("stop cannot contain an empty string.")
+    if stop_list and not v.get("detokenize", True):
+        raise VLLMValidationError(
+            "stop strings are only supported when detokenize is True. "
+            "Set detokenize=True to use stop."
+        )
+    bad_words = v.get("bad_words") or []
+    if any(not w for w in bad_words):
+        raise VLLMValidationError(
+            f"bad_words cannot contain an empty string. Got bad_words={list(dict.fromkeys(bad_words))}"
+        )
 
 
 class StreamOptions(BaseModel):

@@ -19,33 +19,56 @@ from proxy.protocol import compact_json, parse_worker_json
 from proxy.sse import data_event, split_events
 
 
+def _merged_logprobs(old: Any, value: Any) -> Any:
+    """Two chunks' ``logprobs`` as one: their ``content`` lists joined, other keys the newer."""
+    if isinstance(old, dict) and isinstance(value, dict):
+        merged = dict(old)
+        merged.update({k: v for k, v in value.items() if k != "content"})
+        merged["content"] = (old.get("content") or []) + (value.get("content") or [])
+        return merged
+    return value if value is not None else old
+
+
+def _merged_list(old: Any, value: Any) -> Any:
+    if isinstance(old, list) and isinstance(value, list):
+        return old + value
+    return value if value is not None else old
+
+
 def _merge_choice(acc: dict[str, Any], new: dict[str, Any]) -> None:
     for key, value in new.items():
         if key in ("token_ids", "routed_experts"):
-            old = acc.get(key)
-            if isinstance(old, list) and isinstance(value, list):
-                acc[key] = old + value
-            elif value is not None:
-                acc[key] = value
+            if key in acc or value is not None:
+                acc[key] = _merged_list(acc.get(key), value)
         elif key == "text":
             acc[key] = (acc.get(key) or "") + (value or "")
         elif key == "logprobs":
-            old = acc.get(key)
-            if isinstance(old, dict) and isinstance(value, dict):
-                merged = dict(old)
-                merged.update({k: v for k, v in value.items() if k != "content"})
-                merged["content"] = (old.get("content") or []) + (value.get("content") or [])
-                acc[key] = merged
-            elif value is not None:
-                acc[key] = value
+            if key in acc or value is not None:
+                acc[key] = _merged_logprobs(acc.get(key), value)
         elif key == "finish_reason":
             if value is not None:
                 acc["finish_reason"] = value
                 acc["stop_reason"] = new.get("stop_reason")
-        elif key == "stop_reason":
-            continue
-        elif value is not None or key not in acc:
+        elif key != "stop_reason" and (value is not None or key not in acc):
             acc[key] = value
+
+
+def _fold(by_index: dict[int, dict[str, Any]], order: list[int], chunk: dict[str, Any]) -> None:
+    """Fold one chunk's choices into the merged chunk of each choice index (``order``: the
+    indexes in order of first appearance)."""
+    for choice in chunk["choices"]:
+        index = int(choice.get("index", 0))
+        env = by_index.get(index)
+        if env is None:
+            env = {k: v for k, v in chunk.items() if k != "choices"}
+            env["choices"] = [dict(choice)]
+            by_index[index] = env
+            order.append(index)
+        else:
+            for k, v in chunk.items():
+                if k != "choices" and v is not None:
+                    env[k] = v
+            _merge_choice(env["choices"][0], choice)
 
 
 def merge_chunks(datas: list[bytes]) -> list[bytes]:
@@ -72,23 +95,10 @@ def merge_chunks(datas: list[bytes]) -> list[bytes]:
             continue
         if chunk.get("usage") is not None:
             latest_usage = chunk["usage"]
-        choices = chunk["choices"]
-        if not choices:
+        if not chunk["choices"]:
             usage_only = chunk
             continue
-        for choice in choices:
-            index = int(choice.get("index", 0))
-            env = by_index.get(index)
-            if env is None:
-                env = {k: v for k, v in chunk.items() if k != "choices"}
-                env["choices"] = [dict(choice)]
-                by_index[index] = env
-                order.append(index)
-            else:
-                for k, v in chunk.items():
-                    if k != "choices" and v is not None:
-                        env[k] = v
-                _merge_choice(env["choices"][0], choice)
+        _fold(by_index, order, chunk)
     out: list[bytes] = []
     for index in order:
         env = by_index[index]

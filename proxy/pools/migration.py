@@ -59,17 +59,11 @@ def migration_blocker(data: Mapping[str, Any]) -> str | None:
         return "n > 1"
     if sp.get("stop"):
         return "stop strings"
-    for key in _GENERATED_DEPENDENT:
-        value = sp.get(key)
-        if value not in (None, 0, 0.0):
-            return key
-    for key in _NOT_NULL_BLOCKERS:
-        if sp.get(key):
-            return key
-    for key in ("features", "content_parts", "token_offsets"):
-        if data.get(key):
-            return "multimodal input"
-    return None
+    blocker = next((key for key in _GENERATED_DEPENDENT if sp.get(key) not in (None, 0, 0.0)), None) or \
+        next((key for key in _NOT_NULL_BLOCKERS if sp.get(key)), None)
+    if blocker is None and any(data.get(key) for key in ("features", "content_parts", "token_offsets")):
+        return "multimodal input"
+    return blocker
 
 
 @dataclass(slots=True)
