@@ -142,13 +142,7 @@ class StreamDecode(Part):
                 "bytes queued)")
             await self.write_client(request, resp, err.sse_event() + DONE_EVENT, eof=True)
             return  # phase stays DECODING: the clean-up aborts D
-        if f.timing.first_token is not None:
-            self.metrics.child(self.metrics.stage, "decode_stream").observe(
-                self.clock() - f.timing.first_token)
-        tokens = f.completion_tokens  # known only when the client asked for include_usage
-        if tokens is not None and tokens > 1 and f.request.sampling_params.n == 1 \
-                and first_write is not None and last_write is not None:
-            self.metrics.tpot.observe((last_write - first_write) / (tokens - 1))
+        self._observe_stream(f, first_write, last_write)
         tail = [buffer.error_event] if buffer.error_event is not None else []
         if want_timing:
             tail.append(comment_event("server-timing " + f.timing.header(self.clock())))
@@ -156,6 +150,17 @@ class StreamDecode(Part):
         await self.write_client(request, resp, b"".join(tail), eof=True)
         if f.decode_task is not None and f.decode_task.done():
             self.core.set_done(f)
+
+    def _observe_stream(self, f: Flight, first_write: float | None, last_write: float | None) -> None:
+        """A stream relayed to its end: the decode stage after D's first token, and the time per
+        output token the client saw (when usage gives the count)."""
+        if f.timing.first_token is not None:
+            self.metrics.child(self.metrics.stage, "decode_stream").observe(
+                self.clock() - f.timing.first_token)
+        tokens = f.completion_tokens  # known only when the client asked for include_usage
+        if tokens is not None and tokens > 1 and f.request.sampling_params.n == 1 \
+                and first_write is not None and last_write is not None:
+            self.metrics.tpot.observe((last_write - first_write) / (tokens - 1))
 
     async def write_client(self, request: web.Request, resp: web.StreamResponse, data: bytes, *,
                             eof: bool = False) -> None:
