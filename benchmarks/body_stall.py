@@ -24,7 +24,10 @@ shared cores. ``forward`` lets the big request run: two decode workers behind
 prefill worker, which the streams skip), so that no worker that serves the streams parses it.
 
 Prints one JSON line: the quiet window's largest gap and each big body's largest gap in
-milliseconds, its status and the proxy's answer time. Every process started is stopped on exit.
+milliseconds, its status and the proxy's answer time; ``*_proxy_itl_bucket_ms``: the upper bound
+of the ``pd_proxy_itl_seconds`` bucket that holds the proxy's own largest gap between two writes
+of a stream in the same window (scraped from ``/metrics``; client-side delays are not in it).
+Every process started is stopped on exit.
 Bounded: at most 64 streams and 20 bodies.
 """
 
@@ -36,6 +39,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import random
 import socket
 import subprocess
@@ -174,6 +178,28 @@ class Gaps:
         return worst
 
 
+async def _itl_buckets(session: aiohttp.ClientSession, url: str) -> dict[float, float]:
+    """``pd_proxy_itl_seconds`` (the proxy's own gap between two writes of a stream): cumulative
+    count per bucket bound."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith('pd_proxy_itl_seconds_bucket{le="'):
+            le = line.split('"')[1]
+            out[math.inf if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _max_bucket(before: dict[float, float], after: dict[float, float]) -> float:
+    """The upper bound of the bucket holding the largest gap observed between two scrapes."""
+    total = after[math.inf] - before.get(math.inf, 0.0)
+    for le in sorted(after):
+        if after[le] - before.get(le, 0.0) >= total:
+            return le
+    return math.inf
+
+
 async def _stream(session: aiohttp.ClientSession, url: str, sess: str, out: list[float],
                   stop: asyncio.Event) -> None:
     body = {"token_ids": [3 + k for k in range(8)], "stream": True,
@@ -217,10 +243,13 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
                      for _ in range(a.streams)]
             await asyncio.sleep(a.warmup)
             t0 = time.perf_counter()
+            quiet_before = await _itl_buckets(session, x_url)
             await asyncio.sleep(a.quiet)
             quiet_gap = gaps.max_gap(t0, time.perf_counter())
+            quiet_itl = _max_bucket(quiet_before, await _itl_buckets(session, x_url))
             results = []
             for _ in range(a.bodies):
+                before = await _itl_buckets(session, x_url)
                 s0 = time.perf_counter()
                 async with session.post(x_url + GENERATE, data=body, headers={
                         "Content-Type": "application/json", SESSION_HEADER: big_sess}) as r:
@@ -228,9 +257,11 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
                     status = r.status
                 answered = time.perf_counter()
                 await asyncio.sleep(a.tail)
+                proxy_itl = _max_bucket(before, await _itl_buckets(session, x_url))
                 result: dict[str, Any] = {
                     "status": status, "answer_ms": round((answered - s0) * 1e3, 1),
-                    "max_gap_ms": round(gaps.max_gap(s0, time.perf_counter()) * 1e3, 1)}
+                    "max_gap_ms": round(gaps.max_gap(s0, time.perf_counter()) * 1e3, 1),
+                    "proxy_itl_bucket_ms": round(proxy_itl * 1e3, 1)}
                 if status not in (200, 429):
                     result["answer"] = answer[:300].decode(errors="replace")
                 results.append(result)
@@ -242,7 +273,8 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
             errors = [repr(e) for e in done if isinstance(e, BaseException)
                       and not isinstance(e, asyncio.CancelledError)]
         return {"mode": a.mode, "layout": a.layout, "body_bytes": len(body), "streams": a.streams,
-                "itl_ms": a.itl_ms, "quiet_max_gap_ms": round(quiet_gap * 1e3, 1), "bodies": results,
+                "itl_ms": a.itl_ms, "quiet_max_gap_ms": round(quiet_gap * 1e3, 1),
+                "quiet_proxy_itl_bucket_ms": round(quiet_itl * 1e3, 1), "bodies": results,
                 "max_gap_ms": max(r["max_gap_ms"] for r in results), "stream_errors": errors}
 
 

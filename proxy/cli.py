@@ -80,6 +80,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
                         "its connection is closed")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="largest request body accepted (413 beyond it)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1 << 20, metavar="N",
+                   help="a longer token_ids is a 400 before any hop (0: no limit)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive (408 beyond it)")
     p.add_argument("--header-timeout", type=float, default=30.0,
@@ -133,6 +135,7 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
         slow_reader_timeout=a.slow_reader_timeout, max_body_bytes=a.max_body_bytes,
+        max_prompt_tokens=a.max_prompt_tokens,
         body_timeout=a.body_timeout, header_timeout=a.header_timeout,
         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, upstream_ca_file=a.upstream_ca_file,
         upstream_cert_file=a.upstream_cert_file, upstream_key_file=a.upstream_key_file,

@@ -91,6 +91,9 @@ class ProxySettings:
     workers: int = 1
     """Processes serving the port (``proxy.multiproc``: ``SO_REUSEPORT``, one request table each;
     aborts reach other processes through the broadcast). 1: this process serves."""
+    max_prompt_tokens: int = 1 << 20
+    """A longer ``token_ids`` is a 400 (param ``token_ids``) before any hop; 0: no limit. Bodies over
+    1 MiB are parsed in slices (``proxy.large_body``), so the count is known early."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted (413 in vLLM's shape beyond it; ``proxy.limits``)."""
     body_timeout: float = 30.0

@@ -62,8 +62,9 @@ class PoolSettings:
     imbalance_slack: float = 4.0
     use_scraped_load: bool = False
     scrape_interval: float = 2.0
-    max_inflight: int | None = None
-    """Requests in flight through the whole proxy (None: no limit)."""
+    max_inflight: int | None = 1024
+    """Requests in flight through the whole proxy, per process (None: no limit); beyond it they
+    wait in the queue (``max_queue``, ``queue_timeout``), beyond that a 429 with Retry-After."""
     max_inflight_per_worker: int | None = None
     max_queue: int = 256
     queue_timeout: float = 10.0
@@ -138,7 +139,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks)
     g.add_argument("--use-scraped-load", action="store_true",
                    help="let workers' own queue and KV usage (/metrics) feed the choice")
-    g.add_argument("--max-inflight", type=int, default=None, help="requests in flight, whole proxy")
+    g.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                   help="requests in flight through this process; more wait in the queue, then 429 "
+                        "(0: no limit)")
     g.add_argument("--max-inflight-per-worker", type=int, default=None)
     g.add_argument("--max-queue", type=int, default=d.max_queue, help="bounded wait queue length")
     g.add_argument("--queue-timeout", type=float, default=d.queue_timeout)
@@ -175,8 +178,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
 def pool_settings_from_args(a: argparse.Namespace) -> PoolSettings:
     return PoolSettings(
         prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
-        prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load, max_inflight=a.max_inflight,
-        max_inflight_per_worker=a.max_inflight_per_worker, max_queue=a.max_queue,
+        prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load,
+        max_inflight=a.max_inflight or None, max_inflight_per_worker=a.max_inflight_per_worker,
+        max_queue=a.max_queue,
         queue_timeout=a.queue_timeout, breaker_failures=a.breaker_failures,
         breaker_open_seconds=a.breaker_open_seconds, health_interval=a.health_interval,
         active_health=not a.no_active_health, panic_when_all_unhealthy=not a.no_health_panic,
