@@ -66,7 +66,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
-    p.add_argument("--slow-reader-max-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--slow-reader-max-bytes", type=int, default=1024 * 1024,
+                   help="bytes held for one streaming client that does not read before its stream is "
+                        "ended (and its decode worker aborted)")
+    p.add_argument("--slow-reader-total-bytes", type=int, default=256 * 1024 * 1024,
+                   help="bytes held for all streaming clients of a process together; past it the "
+                        "stream holding the most is ended (0: no such budget)")
     p.add_argument("--kv-block-size", type=int, default=128,
                    help="the workers' KV block size (for the suspect-no-transfer counter)")
     p.add_argument("--log-level", default="INFO")
@@ -133,6 +138,7 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         connect_timeout=a.connect_timeout, drain_timeout=a.drain_timeout,
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
+        slow_reader_total_bytes=a.slow_reader_total_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
         slow_reader_timeout=a.slow_reader_timeout, max_body_bytes=a.max_body_bytes,
         max_prompt_tokens=a.max_prompt_tokens,

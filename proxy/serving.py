@@ -63,7 +63,7 @@ from proxy.protocol import (
     parse_worker_json,
     splice_null_key,
 )
-from proxy.relay import StreamBuffer, block_token_ids
+from proxy.relay import ByteBudget, StreamBuffer, block_token_ids
 from proxy.settings import ProxySettings
 from proxy.sse import DONE_DATA, DONE_EVENT, SSEReader, comment_event, data_event, last_data
 from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
@@ -175,6 +175,9 @@ class Serving:
         self.prefill_pool = self.pools.prefill
         self.decode_pool = self.pools.decode
         self.table = RequestTable()
+        self.stream_budget = ByteBudget(settings.slow_reader_total_bytes)
+        """Bytes buffered for streaming clients, all streams of this process (``relay.ByteBudget``)."""
+        metrics.watch_stream_budget(self.stream_budget)
         self.tracker = TaskTracker()
         self.flights: dict[int, Flight] = {}
         self.draining = False
@@ -949,29 +952,32 @@ class Serving:
 
     async def _decode_stream(self, request: web.Request, f: Flight, worker: Worker,
                              body: dict[str, Any]) -> web.StreamResponse:
-        buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes)
-        f.headers_ready = asyncio.get_running_loop().create_future()
-        f.decode_task = self.tracker.spawn(self._produce(f, worker, body, buffer))
-        if not await self._hop_or_abandon(f, f.headers_ready):
-            return await self._respond_aborted(request, f, done=False)
+        buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes, self.stream_budget)
         try:
-            await asyncio.shield(f.headers_ready)
-        except UpstreamError as e:
-            self._close_lease_after_decode_error(f, e)
-            self._set_done(f)
-            raise
-        headers = dict(f.headers)
-        headers["Content-Type"] = "text/event-stream; charset=utf-8"
-        headers["Cache-Control"] = "no-cache"
-        resp = web.StreamResponse(status=200, headers=headers)
-        await resp.prepare(request)
-        try:
-            await self._relay(request, f, resp, buffer)
-        except ConnectionResetError:
-            # The client went away mid-stream: return quietly (aiohttp ignores the failed
-            # write_eof); the clean-up aborts D because the state is still DECODING.
-            self._note_abort(f.record, "shutdown" if self.draining else "disconnect")
-        return resp
+            f.headers_ready = asyncio.get_running_loop().create_future()
+            f.decode_task = self.tracker.spawn(self._produce(f, worker, body, buffer))
+            if not await self._hop_or_abandon(f, f.headers_ready):
+                return await self._respond_aborted(request, f, done=False)
+            try:
+                await asyncio.shield(f.headers_ready)
+            except UpstreamError as e:
+                self._close_lease_after_decode_error(f, e)
+                self._set_done(f)
+                raise
+            headers = dict(f.headers)
+            headers["Content-Type"] = "text/event-stream; charset=utf-8"
+            headers["Cache-Control"] = "no-cache"
+            resp = web.StreamResponse(status=200, headers=headers)
+            await resp.prepare(request)
+            try:
+                await self._relay(request, f, resp, buffer)
+            except ConnectionResetError:
+                # The client went away mid-stream: return quietly (aiohttp ignores the failed
+                # write_eof); the clean-up aborts D because the state is still DECODING.
+                self._note_abort(f.record, "shutdown" if self.draining else "disconnect")
+            return resp
+        finally:
+            buffer.discard()  # nothing more goes to this client: its bytes leave the budget
 
     async def _relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
@@ -995,6 +1001,7 @@ class Serving:
                     await resp.write(data)
                 else:
                     await self._write_client(request, resp, data)
+                buffer.sent()
                 now = self.clock()
                 if last_write is None:
                     first_write = now
@@ -1005,9 +1012,12 @@ class Serving:
             if finished:
                 break
         if buffer.overflowed:
+            self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()
             err = StreamOverflow(
                 f"stream aborted: the client read too slowly ({self.settings.slow_reader_max_bytes} "
-                "bytes queued)")
+                "bytes queued)" if buffer.overflowed == "stream" else
+                "stream aborted: the client read too slowly (the proxy's buffers for slow clients "
+                f"are full: {self.settings.slow_reader_total_bytes} bytes)")
             await self._write_client(request, resp, err.sse_event() + DONE_EVENT, eof=True)
             return  # phase stays DECODING: the clean-up aborts D
         if f.timing.d1 is not None:
