@@ -73,6 +73,8 @@ IDS = [300 + (i * 37) % 200 for i in range(60)]
     body(ids_json(IDS), before='"extra":"caf\u00e9 ]",'),  # non-ASCII and a bracket in a string
     body(ids_json([*IDS, 1.0, True, 2e2])),  # lax ints, as vLLM takes them
     body(ids_json([0, *IDS, 0])),
+    body("[" + " " * 100 + ",".join(map(str, IDS)) + " " * 100 + "]"),  # long runs of blanks
+    body("[" + ",".join(map(str, IDS)) + ",  7" + "\n" * 100 + "]"),
 ])
 async def test_valid_bodies_parse_as_in_one_go(raw: bytes) -> None:
     got = await both(raw)
@@ -128,6 +130,13 @@ async def test_validation_errors_match_the_one_go_parse(raw: bytes) -> None:
     body(ids_json(IDS)).replace(b",337,", b",3\xff7,", 1),  # invalid UTF-8 in the array
     body(ids_json(IDS), before='"x":"\xff",').replace(b"\xc3\xbf", b"\xff"),  # invalid UTF-8 in the rest
     body("[" + ",".join(map(str, IDS)) + "," + "9" * 5000 + "]"),  # past the int digit limit
+    # no comma for a long way (more than two slices): only what decides the error is parsed
+    body("[" + ",".join(map(str, IDS)) + ",1" + " " * 100 + "2]"),
+    body("[" + ",".join(map(str, IDS)) + ",  1x" + " " * 100 + "2]"),
+    body("[" + ",".join(map(str, IDS)) + ",1" + " \n" * 50 + "tru  2 3]"),
+    body("[" + ",".join(map(str, IDS)) + ",1" + " " * 100 + "\f 2]"),
+    body("[" + ",".join(map(str, IDS)) + ",-" + " " * 100 + "2]"),
+    body("[" + ",".join(map(str, IDS)) + "," + "9" * 5000 + " " * 100 + "2]"),
 ])
 async def test_json_errors_match_the_one_go_parse(raw: bytes) -> None:
     got = await both(raw)
