@@ -243,6 +243,12 @@ async def parse_large_generate_body(
     a = lo
     while True:
         cut = body.find(b",", a + slice_bytes, hi) if a + slice_bytes < hi else -1
+        if (cut if cut >= 0 else hi) - a > 2 * slice_bytes:
+            # No comma for a long way after this slice: end it at its own last comma, so that
+            # the long run becomes a piece of its own, with no comma at all.
+            back = body.rfind(b",", a, a + slice_bytes)
+            if back >= 0:
+                cut = back
         b = hi if cut < 0 else cut
         if body.find(b'"', a, b) >= 0 or body.find(b"[", a, b) >= 0 or body.find(b"{", a, b) >= 0:
             raise _not_flat(LARGE_BODY_BYTES)
@@ -265,8 +271,8 @@ async def parse_large_generate_body(
         piece = body[a:b]
         at = a  # where ``piece`` starts in the body
         if len(piece) > 2 * slice_bytes and b"\x0b" not in piece and b"\x0c" not in piece:
-            # No comma for a long way: one value among many blanks, or values with no comma
-            # between them (an error at the second one). Only what decides it is parsed, and
+            # A long piece has no comma (see the cuts): one value among many blanks, or values
+            # with no comma between them (an error at the second one). Only what decides it is parsed, and
             # the blanks are skipped by ``bytes.split`` (``strip`` is ten times slower); the
             # two blanks it knows and JSON does not are left to the other branch.
             parts = piece.split(None, 2)

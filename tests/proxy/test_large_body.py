@@ -75,6 +75,9 @@ IDS = [300 + (i * 37) % 200 for i in range(60)]
     body(ids_json([0, *IDS, 0])),
     body("[" + " " * 100 + ",".join(map(str, IDS)) + " " * 100 + "]"),  # long runs of blanks
     body("[" + ",".join(map(str, IDS)) + ",  7" + "\n" * 100 + "]"),
+    body("[" + ", ".join(map(str, IDS)) + "\n" * 100 + "]"),  # ids, then blanks, in one slice
+    body(ids_json(IDS, ",\n    ")[:-1] + " " * 300 + "]"),  # written with indent=, padded
+    body("[" + ", ".join(map(str, IDS)) + " " * 100 + ", 5" + " " * 100 + "]"),
 ])
 async def test_valid_bodies_parse_as_in_one_go(raw: bytes) -> None:
     got = await both(raw)
@@ -137,6 +140,8 @@ async def test_validation_errors_match_the_one_go_parse(raw: bytes) -> None:
     body("[" + ",".join(map(str, IDS)) + ",1" + " " * 100 + "\f 2]"),
     body("[" + ",".join(map(str, IDS)) + ",-" + " " * 100 + "2]"),
     body("[" + ",".join(map(str, IDS)) + "," + "9" * 5000 + " " * 100 + "2]"),
+    body("[" + ", ".join(map(str, IDS)) + " 4" + " " * 100 + "]"),  # ids, then a missing comma
+    body("[" + ", ".join(map(str, IDS)) + " " * 100 + " 4]"),
 ])
 async def test_json_errors_match_the_one_go_parse(raw: bytes) -> None:
     got = await both(raw)
