@@ -75,7 +75,8 @@ def encode_body(body: dict[str, Any]) -> bytes:
         return hop_json(body)
     rest = dict(body)
     del rest["token_ids"]
-    return hop_json(rest)[:-1] + (b',"token_ids":' if rest else b'"token_ids":') + ids.json() + b"}"
+    # One join: ``a + b + c`` copies a large array's text once per ``+`` (17 ms at 16 MiB).
+    return b"".join((hop_json(rest)[:-1], b',"token_ids":' if rest else b'"token_ids":', ids.json(), b"}"))
 
 
 def _broken(e: BaseException) -> str:
