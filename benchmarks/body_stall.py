@@ -9,7 +9,9 @@ decode worker alone) and records, at the client, the gap between consecutive chu
 stream. It first measures a quiet window (no big body), then sends ``--bodies`` large generate
 bodies one after the other (``--body-mib`` MiB each) while the streams run, and reports the
 largest inter-chunk gap of any stream during each big body (from its first byte sent until its
-answer, plus ``--tail`` seconds).
+answer, plus ``--tail`` seconds). The big bodies are sent by ``curl`` when there is one (another
+process: writing 16 MiB from this one would delay its own reads of the streams), else by this
+client (``--sender``).
 
 ``--layout``: ``pretty`` is a body written with ``json.dumps(indent=...)``-style whitespace,
 1,000,000 prompt tokens (under pd-proxy's default ``--max-prompt-tokens``) padded to the size, so
@@ -41,9 +43,11 @@ import itertools
 import json
 import math
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -213,8 +217,29 @@ async def _stream(session: aiohttp.ClientSession, url: str, sess: str, out: list
                 return
 
 
+async def _post_with_curl(url: str, path: str, session_id: str) -> tuple[int, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        "curl", "-s", "-S", "-o", "-", "-w", "\n%{http_code}", "-H", "Content-Type: application/json",
+        "-H", f"{SESSION_HEADER}: {session_id}", "--data-binary", f"@{path}", url,
+        stdout=subprocess.PIPE)
+    out, _ = await proc.communicate()
+    answer, _, code = out.rpartition(b"\n")
+    return int(code or 0), answer
+
+
 async def _run(a: argparse.Namespace) -> dict[str, Any]:
     body = big_body(int(a.body_mib * MiB), a.layout, a.tokens)
+    body_file: str | None = None
+    with contextlib.ExitStack() as stack:
+        if a.sender == "curl":
+            tmp = stack.enter_context(tempfile.NamedTemporaryFile(suffix=".json"))
+            tmp.write(body)
+            tmp.flush()
+            body_file = tmp.name
+        return await _run_with(a, body, body_file)
+
+
+async def _run_with(a: argparse.Namespace, body: bytes, body_file: str | None) -> dict[str, Any]:
     with _processes() as procs:
         p, p_url = _start_sim("prefill", a.itl_ms)
         procs.append(p)
@@ -251,10 +276,13 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
             for _ in range(a.bodies):
                 before = await _itl_buckets(session, x_url)
                 s0 = time.perf_counter()
-                async with session.post(x_url + GENERATE, data=body, headers={
-                        "Content-Type": "application/json", SESSION_HEADER: big_sess}) as r:
-                    answer = await r.read()
-                    status = r.status
+                if body_file is not None:
+                    status, answer = await _post_with_curl(x_url + GENERATE, body_file, big_sess)
+                else:
+                    async with session.post(x_url + GENERATE, data=body, headers={
+                            "Content-Type": "application/json", SESSION_HEADER: big_sess}) as r:
+                        answer = await r.read()
+                        status = r.status
                 answered = time.perf_counter()
                 await asyncio.sleep(a.tail)
                 proxy_itl = _max_bucket(before, await _itl_buckets(session, x_url))
@@ -272,7 +300,8 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
             done = await asyncio.gather(*tasks, return_exceptions=True)
             errors = [repr(e) for e in done if isinstance(e, BaseException)
                       and not isinstance(e, asyncio.CancelledError)]
-        return {"mode": a.mode, "layout": a.layout, "body_bytes": len(body), "streams": a.streams,
+        return {"mode": a.mode, "layout": a.layout, "sender": a.sender, "body_bytes": len(body),
+                "streams": a.streams,
                 "itl_ms": a.itl_ms, "quiet_max_gap_ms": round(quiet_gap * 1e3, 1),
                 "quiet_proxy_itl_bucket_ms": round(quiet_itl * 1e3, 1), "bodies": results,
                 "max_gap_ms": max(r["max_gap_ms"] for r in results), "stream_errors": errors}
@@ -291,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quiet", type=float, default=3.0, help="seconds of the window without a big body")
     p.add_argument("--tail", type=float, default=0.5)
     p.add_argument("--proxy-arg", action="append", default=[], help="one more pd-proxy argument")
+    p.add_argument("--sender", choices=["curl", "client"],
+                   default="curl" if shutil.which("curl") else "client",
+                   help="who sends the big bodies: curl (another process, so that writing 16 MiB does "
+                        "not delay this process's reads of the streams) or this client")
     a = p.parse_args(argv)
     if not 1 <= a.streams <= _MAX_STREAMS or not 1 <= a.bodies <= _MAX_BODIES:
         p.error(f"--streams at most {_MAX_STREAMS}, --bodies at most {_MAX_BODIES}")
