@@ -272,9 +272,9 @@ async def parse_large_generate_body(
         at = a  # where ``piece`` starts in the body
         if len(piece) > 2 * slice_bytes and b"\x0b" not in piece and b"\x0c" not in piece:
             # A long piece has no comma (see the cuts): one value among many blanks, or values
-            # with no comma between them (an error at the second one). Only what decides it is parsed, and
-            # the blanks are skipped by ``bytes.split`` (``strip`` is ten times slower); the
-            # two blanks it knows and JSON does not are left to the other branch.
+            # with no comma between them (an error at the second one). Only what decides it is
+            # parsed, the blanks skipped by ``bytes.split`` (``strip`` is ten times slower); the
+            # two blanks that it knows and JSON does not (VT, FF) are left to the other branch.
             parts = piece.split(None, 2)
             if len(parts) > 1:
                 if char_base is None:
