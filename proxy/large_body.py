@@ -1,7 +1,7 @@
 """Large generate bodies, parsed without stalling the event loop for the other streams.
 
 ``json.loads`` and pydantic's validation run in C/Rust without a break: a 16 MiB body of prompt
-token ids held the loop for 250-700 ms (every stream of the process stood still meanwhile), and
+token ids held the loop for 300-900 ms on an idle 2-core VM (every stream of the process stood still), and
 the list of a million ``int`` objects it made cost more again when collected and freed. A body
 over ``LARGE_BODY_BYTES`` whose bulk is its ``token_ids`` array is parsed here instead:
 
