@@ -1,8 +1,8 @@
 """Large generate bodies, parsed without stalling the event loop for the other streams.
 
 ``json.loads`` and pydantic's validation run in C/Rust without a break: a 16 MiB body of prompt
-token ids held the loop for 300-900 ms on an idle 2-core VM (every stream of the process stood still), and
-the list of a million ``int`` objects it made cost more again when collected and freed. A body
+token ids held the loop for 300-900 ms on an idle 2-core VM (every stream of the process stood
+still), and the list of a million ``int`` objects it made cost more when collected and freed. A body
 over ``LARGE_BODY_BYTES`` whose bulk is its ``token_ids`` array is parsed here instead:
 
 * the array's text is found with byte searches (no regex pass over the body), and cut out: the
