@@ -370,7 +370,8 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     auth = tenants.enabled or admin_keys.enabled
     middlewares = [error_middleware, *([_auth_middleware(settings, tenants, admin_keys)] if auth else []),
                    body_middleware(settings.max_body_bytes, settings.body_timeout,
-                                   (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH))]
+                                   (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH),
+                                   large_paths=(GENERATE_PATH,))]
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=settings.lease_duration)
     app[SETTINGS] = settings

@@ -83,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight requests may take before they are ended")
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
-    p.add_argument("--slow-reader-max-bytes", type=int, default=8 * 1024 * 1024,
-                   help="bytes that may queue for one slow streaming client before its stream is aborted")
+    p.add_argument("--slow-reader-max-bytes", type=int, default=1024 * 1024,
+                   help="bytes held for one streaming client that does not read before its stream is "
+                        "ended (and its decode worker aborted)")
+    p.add_argument("--slow-reader-total-bytes", type=int, default=256 * 1024 * 1024,
+                   help="bytes held for all streaming clients of a process together; past it the "
+                        "stream holding the most is ended (0: no such budget)")
     p.add_argument("--kv-block-size", type=int, default=None, metavar="TOKENS",
                    help="override the workers' KV block size for all of them (default: each worker's "
                         "own, read from vllm:cache_config_info on its /metrics; 16 until known)")
@@ -99,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its connection is closed")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="largest request body accepted (413 beyond it)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1 << 20, metavar="N",
+                   help="a longer token_ids is a 400 before any hop (0: no limit)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive (408 beyond it)")
     p.add_argument("--header-timeout", type=float, default=30.0,
@@ -165,8 +171,10 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         upstream_max_connections_per_host=a.upstream_max_connections_per_host,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
+        slow_reader_total_bytes=a.slow_reader_total_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
         slow_reader_timeout=a.slow_reader_timeout, max_body_bytes=a.max_body_bytes,
+        max_prompt_tokens=a.max_prompt_tokens,
         body_timeout=a.body_timeout, header_timeout=a.header_timeout,
         tls_cert_file=a.tls_cert_file, tls_key_file=a.tls_key_file, upstream_ca_file=a.upstream_ca_file,
         upstream_cert_file=a.upstream_cert_file, upstream_key_file=a.upstream_key_file,

@@ -28,6 +28,7 @@ from proxy.errors import (
 from proxy.flight import Flight
 from proxy.metrics import ProxyMetrics
 from proxy.pools import BYPASS_HEADER, PoolRuntime, Worker
+from proxy.relay import ByteBudget
 from proxy.settings import ProxySettings
 from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
 from proxy.tracing import DISABLED as TRACING_DISABLED
@@ -64,6 +65,9 @@ class Core:
         self.decode_pool = self.pools.decode
         self.pools.pools.forget_workers_in(metrics)  # a removed worker's series go with it
         self.table: RequestTable[Flight] = RequestTable()
+        self.stream_budget = ByteBudget(settings.slow_reader_total_bytes)
+        """Bytes buffered for streaming clients, all streams of this process (``relay.ByteBudget``)."""
+        metrics.watch_stream_budget(self.stream_budget)
         self.tracker = TaskTracker()
         self.draining = False
         """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""

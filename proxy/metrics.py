@@ -36,6 +36,12 @@ forever. A request still running on the removed worker counts nowhere once the w
 (with ``--workers N``, from the totals the files kept).
 With ``--workers N`` the values live in the multiprocess directory, where nothing can be deleted:
 ``render`` leaves out the series of workers that are not members of this process's pools.
+
+Slow readers: ``pd_proxy_slow_reader_ended_total{limit}`` counts streams ended because their client
+read too slowly (``stream``: the bytes held for that client passed ``--slow-reader-max-bytes``;
+``total``: those of all streams of the process passed ``--slow-reader-total-bytes`` and this
+stream held the most); ``pd_proxy_slow_reader_buffered_bytes`` is what is held now (per process,
+read at scrape time) and ``pd_proxy_slow_reader_budget_bytes`` the budget.
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -53,6 +60,9 @@ from prometheus_client.registry import Collector
 
 from kv_transfer.ledger import Lease
 from proxy import __version__ as _version
+
+if TYPE_CHECKING:
+    from proxy.relay import ByteBudget
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                     0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
@@ -157,6 +167,11 @@ class ProxyMetrics:
         self.suspect_no_transfer = Counter(
             "pd_proxy_suspect_no_transfer",
             "Prompts of at least one KV block whose decode shows no transferred KV", registry=r)
+        self.slow_reader_ended = Counter(
+            "pd_proxy_slow_reader_ended", "Streams ended because their client read too slowly, by the "
+            "limit passed (stream: its own cap; total: the process's budget)", ["limit"], registry=r)
+        for limit in ("stream", "total"):
+            self.slow_reader_ended.labels(limit=limit)
         self.build_info = Gauge("pd_proxy_build_info", "Build information", ["version"], registry=r,
                                 multiprocess_mode="livemax")
         self.build_info.labels(version=_version).set(1)
@@ -180,6 +195,11 @@ class ProxyMetrics:
             self.kv_lease_duration.observe(lease.duration)
         self.child(self.kv_leases_closed, lease.reason or "unknown").inc()
         self.kv_leases_open.set(open_count)
+
+    def watch_stream_budget(self, budget: ByteBudget) -> None:
+        """``pd_proxy_slow_reader_buffered_bytes``: what ``budget`` holds, read at scrape time
+        (nothing on the stream's path)."""
+        self.registry.register(_BudgetCollector(budget))
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached: the hot path should not pay for the label lookup."""
@@ -218,6 +238,21 @@ class ProxyMetrics:
         for collector in _scrape_time_collectors(self.registry):
             merged.register(collector)
         return generate_latest(merged)
+
+
+class _BudgetCollector(Collector):
+    def __init__(self, budget: ByteBudget) -> None:
+        self.budget = budget
+
+    def collect(self) -> Iterable[Metric]:
+        g = GaugeMetricFamily("pd_proxy_slow_reader_buffered_bytes",
+                              "Bytes held for streaming clients in this process (queued or being written)")
+        g.add_metric([], float(self.budget.used))
+        yield g
+        b = GaugeMetricFamily("pd_proxy_slow_reader_budget_bytes",
+                              "The process's budget of bytes held for streaming clients (0: none)")
+        b.add_metric([], float(self.budget.total))
+        yield b
 
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"

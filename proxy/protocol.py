@@ -141,16 +141,17 @@ def sanitize_message(message: str) -> str:
     return message.strip()
 
 
-def format_validation_errors(errors: list[Any]) -> RequestValidationError:
+def format_validation_errors(errors: list[Any], *, total: int | None = None) -> RequestValidationError:
     """Build the 400 that vLLM's ``validation_exception_handler`` would send for ``errors``
-    (FastAPI-style dicts whose ``loc`` starts with ``"body"``, or plain strings)."""
+    (FastAPI-style dicts whose ``loc`` starts with ``"body"``, or plain strings). ``total``: how
+    many errors there were when ``errors`` holds only the first of them."""
     param: str | None = None
     if errors:
         first = errors[0]
         loc = first.get("loc") if isinstance(first, dict) else None
         if loc:
             param = clean_loc_for_param(tuple(loc))
-        count = len(errors)
+        count = len(errors) if total is None else total
         label = "error" if count == 1 else "errors"
         reported = errors[:_MAX_REPORTED_ERRORS]
         message = f"{count} validation {label}:\n"

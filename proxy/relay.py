@@ -5,8 +5,9 @@ handler takes whatever has queued and writes it. While the client keeps up there
 per write and its bytes go out untouched. When the client lags, everything queued meanwhile
 goes out as one merged chunk per choice (``merge_chunks``): token ids, text and logprobs are
 concatenated and the last ``finish_reason`` is kept, so the concatenation of what the client
-receives always equals what the decode worker sent, and memory is bounded by a byte cap past
-which the stream is ended with a clear in-band error.
+receives always equals what the decode worker sent. Memory is bounded per stream by a byte cap
+and across the process by a ``ByteBudget``; past either the stream is ended with a clear in-band
+error (and its decode worker aborted).
 """
 
 from __future__ import annotations
@@ -136,25 +137,87 @@ def block_token_ids(body: bytes) -> list[int] | None:
         return None
 
 
+class ByteBudget:
+    """The bytes buffered for streaming clients, across every stream of the process.
+
+    Each ``StreamBuffer`` charges what it queues and what is being written, and releases it once
+    written (or when its stream ends). Past ``total`` the stream holding the most is ended (its
+    queued bytes dropped at once, the reason ``total``), then the next, until what the streams
+    still alive hold fits: the slowest reader goes, not whoever queued the last chunk.
+    ``total`` 0: no budget (each stream's own cap still holds)."""
+
+    __slots__ = ("_holders", "doomed", "ended", "total", "used")
+
+    def __init__(self, total: int) -> None:
+        if total < 0:
+            raise ValueError("total must be >= 0")
+        self.total = total
+        self.used = 0
+        self.doomed = 0
+        """Bytes charged by ended streams, released when their last write returns."""
+        self.ended = 0
+        """Streams ended for the budget."""
+        self._holders: set[StreamBuffer] = set()
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def join(self, buffer: StreamBuffer) -> None:
+        self._holders.add(buffer)
+
+    def leave(self, buffer: StreamBuffer) -> None:
+        self._holders.discard(buffer)
+
+    def charge(self, n: int) -> None:
+        self.used += n
+        if self.total and self.used - self.doomed > self.total:
+            self._end_the_largest()
+
+    def release(self, n: int, *, doomed: bool = False) -> None:
+        self.used -= n
+        if doomed:
+            self.doomed -= n
+
+    def _end_the_largest(self) -> None:
+        while self.used - self.doomed > self.total and self._holders:
+            victim = max(self._holders, key=StreamBuffer.held)
+            self._holders.discard(victim)
+            self.ended += 1
+            victim.end_for_budget()
+
+
 class StreamBuffer:
     """What the producer has read and the client has not yet been sent.
 
-    ``put`` never blocks (the producer keeps draining the worker); the queued bytes are capped.
-    Items are raw SSE bytes: one event, or a block of whole events (a plain ``sse.Batch``);
-    they are split into events only when they must be merged.
+    ``put`` never blocks (the producer keeps draining the worker); the bytes held for the client
+    (queued, and taken for a write that has not returned) are capped per stream (``max_bytes``)
+    and, with a ``ByteBudget``, across the process. Items are raw SSE bytes: one event, or a
+    block of whole events (a plain ``sse.Batch``); they are split into events only when they
+    must be merged. The writer calls ``sent`` after each write and ``discard`` when it is done.
     """
 
-    __slots__ = ("_closed", "_done", "_error", "_raw", "_size", "_waiter", "max_bytes", "overflowed")
+    __slots__ = ("_budget", "_closed", "_discarded", "_done", "_error", "_raw", "_size", "_waiter",
+                 "_writing", "max_bytes", "overflowed")
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, budget: ByteBudget | None = None) -> None:
         self.max_bytes = max_bytes
         self._raw: list[bytes] = []
         self._size = 0
+        self._writing = 0
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
+        self._discarded = False
         self._done = False
         self._error: bytes | None = None
-        self.overflowed = False
+        self.overflowed: str | None = None
+        """Why the stream was cut: ``stream`` (its own cap) or ``total`` (the process's budget)."""
+        self._budget = budget
+        if budget is not None:
+            budget.join(self)
+
+    def held(self) -> int:
+        """Bytes held for the client: queued, and taken for a write that has not returned."""
+        return self._size + self._writing
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -165,14 +228,48 @@ class StreamBuffer:
 
     def put(self, raw: bytes, data: bytes | None = None) -> None:
         """Queue whole SSE events (``data``, the payload of a single event, is not needed)."""
-        if self._closed:
+        if self._closed or self._discarded:
             return
         self._raw.append(raw)
-        self._size += len(raw)
-        if self._size > self.max_bytes:
-            self.overflowed = True
+        n = len(raw)
+        self._size += n
+        if self._size + self._writing > self.max_bytes:
+            self.overflowed = "stream"
             self._closed = True
+        if self._budget is not None:
+            self._budget.charge(n)  # may end this stream (or another) for the process's budget
         self._wake()
+
+    def end_for_budget(self) -> None:
+        """The process's budget is spent and this stream holds the most: drop what is queued
+        (released now) and end the stream; what is being written is released when it returns."""
+        budget = self._budget
+        if budget is not None:
+            budget.release(self._size)
+            budget.doomed += self._writing
+        self._raw, self._size = [], 0
+        self.overflowed = "total"
+        self._closed = True
+        self._wake()
+
+    def sent(self) -> None:
+        """The write of what ``take`` returned has returned: those bytes are no longer held."""
+        if self._writing:
+            if self._budget is not None:
+                self._budget.release(self._writing, doomed=self.overflowed == "total")
+            self._writing = 0
+
+    def discard(self) -> None:
+        """Nobody will take from this buffer again: release everything; later puts are dropped."""
+        if self._discarded:
+            return
+        self._discarded = True
+        budget = self._budget
+        if budget is not None:
+            budget.release(self._size)
+            budget.release(self._writing, doomed=self.overflowed == "total")
+            budget.leave(self)
+        self._raw, self._size, self._writing = [], 0, 0
 
     def finish(self, *, done: bool, error: bytes | None = None) -> None:
         """The producer is finished: ``done`` when ``[DONE]`` was seen; ``error`` an in-band
@@ -200,6 +297,7 @@ class StreamBuffer:
             finally:
                 self._waiter = None
         raws = self._raw
+        self._writing += self._size
         self._raw, self._size = [], 0
         if merge and raws:
             events = split_events(raws[0] if len(raws) == 1 else b"".join(raws))

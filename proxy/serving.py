@@ -43,6 +43,8 @@ from proxy.errors import (
 from proxy.flight import Flight, Timing
 from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, upstream_id
+from proxy.large_body import LARGE_BODY_BYTES, PackedTokenIds, parse_large_generate_body, prompt_too_long
+from proxy.limits import request_body
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
 from proxy.pools import Deadline, NoWorkerAvailable, Overloaded, Worker, handoff_check
@@ -63,6 +65,9 @@ from proxy.tracing import Tracing
 from proxy.upstream import TokenIds, Upstream, ids_text
 
 log = logging.getLogger("pd_proxy")
+_WALK_DATA = b"transfer_params"
+"""Given to ``client_transfer_params`` as the body: it then walks the parsed data (small: the
+packed token ids are not walked) instead of searching the raw bytes first."""
 
 
 class Serving:
@@ -73,6 +78,7 @@ class Serving:
         self.settings, self.metrics, self.clock, self.tracing = settings, metrics, clock, tracing
         self.pools, self.prefill_pool, self.decode_pool = core.pools, core.prefill_pool, core.decode_pool
         self.leases, self.table, self.tracker = core.leases, core.table, core.tracker
+        self.stream_budget = core.stream_budget
         self.aborts = Aborts(core)
         self.prefill = Prefill(core)
         self.cleanup = Cleanup(core, self.aborts, self.prefill)
@@ -112,14 +118,38 @@ class Serving:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
+        return self._checked(body, req, data)
+
+    async def validate_large(self, body: bytes | bytearray,
+                             content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
+        """``validate`` for a body over ``LARGE_BODY_BYTES``: its token ids are parsed in slices,
+        the loop given back between them (``proxy.large_body``)."""
+        try:
+            req, data = await parse_large_generate_body(body, content_type,
+                                                        max_tokens=self.settings.max_prompt_tokens or None)
+        except RequestValidationError as e:
+            raise InvalidRequest.from_protocol(e) from None
+        except VLLMValidationError as e:
+            raise BadRequest.from_protocol(e) from None
+        if type(data["token_ids"]) is PackedTokenIds:
+            return self._checked(None, req, data)
+        return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``): as before
+
+    def _checked(self, body: bytes | None, req: GenerateRequest,
+                 data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
+        """The proxy's own checks of a parsed body. ``body`` None: the ids are packed already
+        (``PackedTokenIds``, which carry their own text)."""
+        s = self.settings
+        if s.max_prompt_tokens and len(req.token_ids) > s.max_prompt_tokens:
+            raise BadRequest.from_protocol(prompt_too_long(s.max_prompt_tokens, len(req.token_ids)))
         # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
         # hop (kv_transfer.params). A top-level null names nothing and passes.
-        where = client_transfer_params(body, data)
+        where = client_transfer_params(body if body is not None else _WALK_DATA, data)
         if where is not None:
             raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
                              "remove it from the request.", param=where)
-        data["token_ids"] = TokenIds(data["token_ids"], ids_text(body))  # not encoded again
-        s = self.settings
+        if body is not None:
+            data["token_ids"] = TokenIds(data["token_ids"], ids_text(body))  # not encoded again
         sp = req.sampling_params
         # The server-level checks of vLLM's serve_tokens, in its order, for the pools' config.
         if s.max_num_seqs is not None and sp.n > s.max_num_seqs:
@@ -146,9 +176,13 @@ class Serving:
         """One generate call. Errors are raised (``proxy.errors``): the app's error middleware
         answers them in vLLM's shape and counts them."""
         t0 = self.clock()
-        body = await request.read()
+        body = await request_body(request)
         try:
-            req, data = self.validate(body, request.headers.get("Content-Type", ""))
+            if len(body) > LARGE_BODY_BYTES:
+                req, data = await self.validate_large(body, request.headers.get("Content-Type", ""))
+            else:
+                req, data = self.validate(body if type(body) is bytes else bytes(body),
+                                          request.headers.get("Content-Type", ""))
             client_id = client_request_id(request.headers.get("X-Request-Id"), req.request_id)
         except ClientError as e:
             if ACCESS_LOG.isEnabledFor(logging.INFO):

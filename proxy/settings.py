@@ -63,8 +63,12 @@ class ProxySettings:
     its final ``abort`` chunk before the proxy ends the client's stream itself."""
     drain_timeout: float = 30.0
     """On shutdown, how long in-flight requests may take before they are ended."""
-    slow_reader_max_bytes: int = 8 * 1024 * 1024
-    """Bytes that may queue for one slow streaming client before its stream is aborted."""
+    slow_reader_max_bytes: int = 1024 * 1024
+    """Bytes that may be held for one streaming client (queued, or in a write that has not
+    returned) before its stream is ended and its decode worker aborted."""
+    slow_reader_total_bytes: int = 256 * 1024 * 1024
+    """Bytes that may be held for all streaming clients of the process together; past it the
+    stream holding the most is ended (as past its own cap). 0: no such budget."""
     slow_reader_timeout: float = 30.0
     """A write to a streaming client that does not complete within this many seconds (it stopped
     reading) closes its connection; the decode worker is aborted."""
@@ -99,6 +103,9 @@ class ProxySettings:
     workers: int = 1
     """Processes serving the port (``proxy.multiproc``: ``SO_REUSEPORT``, one request table each;
     aborts reach other processes through the broadcast). 1: this process serves."""
+    max_prompt_tokens: int = 1 << 20
+    """A longer ``token_ids`` is a 400 (param ``token_ids``) before any hop; 0: no limit. Bodies over
+    1 MiB are parsed in slices (``proxy.large_body``), so the count is known early."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest request body accepted (413 in vLLM's shape beyond it; ``proxy.limits``)."""
     body_timeout: float = 30.0

@@ -80,30 +80,33 @@ class StreamDecode(Part):
         self.prefill = prefill
 
     async def decode(self, request: web.Request, f: Flight, worker: Worker,
-                             body: dict[str, Any]) -> web.StreamResponse:
-        buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes)
-        f.headers_ready = asyncio.get_running_loop().create_future()
-        f.decode_task = self.tracker.spawn(self.produce(f, worker, body, buffer))
-        if not await self.aborts.hop_or_abandon(f, f.headers_ready):
-            return await self.aborts.respond_aborted(request, f, done=False)
+                     body: dict[str, Any]) -> web.StreamResponse:
+        buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes, self.core.stream_budget)
         try:
-            await asyncio.shield(f.headers_ready)
-        except UpstreamError as e:
-            self.cleanup.after_decode_error(f, e)
-            self.core.set_done(f)
-            raise
-        headers = dict(f.headers)
-        headers["Content-Type"] = "text/event-stream; charset=utf-8"
-        headers["Cache-Control"] = "no-cache"
-        resp = web.StreamResponse(status=200, headers=headers)
-        await resp.prepare(request)
-        try:
-            await self.relay(request, f, resp, buffer)
-        except ConnectionResetError:
-            # The client went away mid-stream: return quietly (aiohttp ignores the failed
-            # write_eof); the clean-up aborts D because the state is still DECODING.
-            self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
-        return resp
+            f.headers_ready = asyncio.get_running_loop().create_future()
+            f.decode_task = self.tracker.spawn(self.produce(f, worker, body, buffer))
+            if not await self.aborts.hop_or_abandon(f, f.headers_ready):
+                return await self.aborts.respond_aborted(request, f, done=False)
+            try:
+                await asyncio.shield(f.headers_ready)
+            except UpstreamError as e:
+                self.cleanup.after_decode_error(f, e)
+                self.core.set_done(f)
+                raise
+            headers = dict(f.headers)
+            headers["Content-Type"] = "text/event-stream; charset=utf-8"
+            headers["Cache-Control"] = "no-cache"
+            resp = web.StreamResponse(status=200, headers=headers)
+            await resp.prepare(request)
+            try:
+                await self.relay(request, f, resp, buffer)
+            except ConnectionResetError:
+                # The client went away mid-stream: return quietly (aiohttp ignores the failed
+                # write_eof); the clean-up aborts D because the state is still DECODING.
+                self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
+            return resp
+        finally:
+            buffer.discard()  # nothing more goes to this client: its bytes leave the budget
 
     async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
@@ -127,6 +130,7 @@ class StreamDecode(Part):
                     await resp.write(data)
                 else:
                     await self.write_client(request, resp, data)
+                buffer.sent()
                 now = self.clock()
                 if last_write is None:
                     first_write = now
@@ -137,9 +141,12 @@ class StreamDecode(Part):
             if finished:
                 break
         if buffer.overflowed:
+            self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()
             err = StreamOverflow(
                 f"stream aborted: the client read too slowly ({self.settings.slow_reader_max_bytes} "
-                "bytes queued)")
+                "bytes queued)" if buffer.overflowed == "stream" else
+                "stream aborted: the client read too slowly (the proxy's buffers for slow clients "
+                f"are full: {self.settings.slow_reader_total_bytes} bytes)")
             await self.write_client(request, resp, err.sse_event() + DONE_EVENT, eof=True)
             return  # phase stays DECODING: the clean-up aborts D
         self._observe_stream(f, first_write, last_write)

@@ -24,6 +24,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.hop import HopClient, HopDisconnected, HopProtocolError, HopResponse, HopStale, header_lines
+from proxy.large_body import PackedTokenIds
 from proxy.protocol import engine_request_id, hop_json, parse_worker_json, unique_key_end
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -69,13 +70,16 @@ class TokenIds(list[int]):
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
-    """A hop body as JSON, ``TokenIds`` spliced in from their cached text."""
-    ids = body.get("token_ids")
-    if type(ids) is not TokenIds or len(body) == 1:
+    """A hop body as JSON, ``TokenIds`` (or ``large_body.PackedTokenIds``) spliced in from their
+    cached text."""
+    ids: TokenIds | PackedTokenIds | None = body.get("token_ids")
+    kind = type(ids)
+    if ids is None or (kind is not TokenIds and kind is not PackedTokenIds):
         return hop_json(body)
     rest = dict(body)
     del rest["token_ids"]
-    return hop_json(rest)[:-1] + b',"token_ids":' + ids.json() + b"}"
+    # One join: ``a + b + c`` copies a large array's text once per ``+`` (17 ms at 16 MiB).
+    return b"".join((hop_json(rest)[:-1], b',"token_ids":' if rest else b'"token_ids":', ids.json(), b"}"))
 
 
 def _broken(e: BaseException) -> str:

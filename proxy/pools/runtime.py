@@ -67,8 +67,9 @@ class PoolSettings:
     imbalance_slack: float = 4.0
     use_scraped_load: bool = False
     scrape_interval: float = 2.0
-    max_inflight: int | None = None
-    """Requests in flight through the whole proxy (None: no limit)."""
+    max_inflight: int | None = 1024
+    """Requests in flight through the whole proxy, per process (None: no limit); beyond it they
+    wait in the queue (``max_queue``, ``queue_timeout``), beyond that a 429 with Retry-After."""
     max_inflight_per_worker: int | None = None
     max_queue: int = 256
     queue_timeout: float = 10.0
@@ -154,8 +155,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefix policy: KV blocks of the prompt's start that choose the worker")
     g.add_argument("--use-scraped-load", action="store_true",
                    help="let workers' own queue and KV usage (/metrics) feed the choice")
-    g.add_argument("--max-inflight", type=int, default=None,
-                   help="requests in flight through the proxy, PER PROCESS (--workers N admits N times it)")
+    g.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                   help="requests in flight through the proxy, PER PROCESS (--workers N admits N times it); "
+                        "more wait in the queue, then 429 (0: no limit)")
     g.add_argument("--max-inflight-per-worker", type=int, default=None,
                    help="requests in flight on one worker, PER PROCESS (--workers N: up to N times it); "
                         "more wait in the queue")
@@ -247,8 +249,9 @@ def pool_settings_from_args(a: argparse.Namespace, env: Mapping[str, str] | None
     d = PoolSettings()
     return PoolSettings(
         prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
-        prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load, max_inflight=a.max_inflight,
-        max_inflight_per_worker=a.max_inflight_per_worker, max_queue=a.max_queue,
+        prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load,
+        max_inflight=a.max_inflight or None, max_inflight_per_worker=a.max_inflight_per_worker,
+        max_queue=a.max_queue,
         queue_timeout=a.queue_timeout, breaker_failures=a.breaker_failures,
         breaker_open_seconds=a.breaker_open_seconds, health_interval=a.health_interval,
         active_health=not a.no_active_health, panic_when_all_unhealthy=not a.no_health_panic,

@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.relay import StreamBuffer, block_token_ids, merge_chunks
+from proxy.relay import ByteBudget, StreamBuffer, block_token_ids, merge_chunks
 from proxy.sse import data_event
 
 
@@ -173,3 +173,86 @@ async def test_buffer_cap_counts_block_bytes() -> None:
     buf = StreamBuffer(max_bytes=300)
     buf.put(sse_block([chunk(0, [i], None) for i in range(3)]))
     assert buf.overflowed and buf.closed
+
+
+# ---------------------------------------------------------------- bytes held for slow clients
+
+
+def ev(n: int) -> bytes:
+    """An SSE event of exactly ``n`` bytes."""
+    return b"data: " + b"x" * (n - 8) + b"\n\n"
+
+
+async def test_stream_cap_counts_the_bytes_being_written() -> None:
+    """What was taken for a write that has not returned is still held for the client: the
+    cap counts it, and ``sent`` releases it."""
+    buf = StreamBuffer(max_bytes=100)
+    buf.put(ev(60))
+    assert await buf.take(merge=False) == ([ev(60)], False)
+    assert buf.held() == 60
+    buf.sent()
+    assert buf.held() == 0
+    buf.put(ev(60))
+    await buf.take(merge=False)  # ...and the write does not return: the client is not reading
+    buf.put(ev(50))
+    assert buf.overflowed == "stream" and buf.closed
+
+
+async def test_budget_ends_the_stream_holding_the_most() -> None:
+    budget = ByteBudget(1000)
+    slow, slower, fast = (StreamBuffer(10_000, budget) for _ in range(3))
+    slower.put(ev(600))
+    slow.put(ev(300))
+    fast.put(ev(50))
+    assert budget.used == 950 and not any(b.overflowed for b in (slow, slower, fast))
+    fast.put(ev(100))  # past the budget: the one holding the most goes, not the last to queue
+    assert slower.overflowed == "total" and slower.closed
+    assert slow.overflowed is None and fast.overflowed is None
+    assert budget.used == 450 and budget.ended == 1
+    out, finished = await slower.take(merge=True)
+    assert out == [] and finished  # its queued bytes were dropped at once
+    slower.put(ev(500))
+    assert budget.used == 450  # ended: nothing more is queued or charged
+    for b in (slow, slower, fast):
+        b.discard()
+    assert budget.used == 0 and budget.doomed == 0 and len(budget) == 0
+
+
+async def test_budget_counts_an_ended_streams_write_until_it_returns() -> None:
+    budget = ByteBudget(1000)
+    a, b = StreamBuffer(10_000, budget), StreamBuffer(10_000, budget)
+    a.put(ev(700))
+    await a.take(merge=False)  # being written, the client not reading
+    a.put(ev(200))
+    b.put(ev(200))  # 1100: ``a`` holds the most
+    assert a.overflowed == "total" and b.overflowed is None
+    assert budget.used == 900 and budget.doomed == 700  # a's write is still in the transport
+    b.put(ev(200))  # 1100 charged, but only 400 by live streams: nobody else is ended
+    assert b.overflowed is None
+    a.sent()  # its write returned (or the connection was closed)
+    assert budget.used == 400 and budget.doomed == 0
+    a.discard()
+    b.discard()
+    assert budget.used == 0
+
+
+async def test_discard_releases_everything_and_drops_later_puts() -> None:
+    budget = ByteBudget(10_000)
+    buf = StreamBuffer(10_000, budget)
+    buf.put(ev(100))
+    await buf.take(merge=False)
+    buf.put(ev(100))
+    assert budget.used == 200
+    buf.discard()
+    buf.put(ev(100))  # the producer may still be reading the worker: nothing is kept
+    assert budget.used == 0 and buf.held() == 0 and len(budget) == 0
+    buf.discard()
+    assert budget.used == 0
+
+
+def test_no_budget_when_total_is_zero() -> None:
+    budget = ByteBudget(0)
+    buf = StreamBuffer(10_000, budget)
+    buf.put(ev(5000))
+    assert buf.overflowed is None and budget.used == 5000
+    buf.discard()

@@ -7,6 +7,7 @@ import json
 import socket
 from typing import Any
 
+from proxy.cli import parse_args
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import PDFactory, req, sse_datas
 
@@ -91,3 +92,48 @@ async def test_byte_cap_ends_the_stream_with_a_clear_reason(pd_factory: PDFactor
     tokens = [t for e in events[:-2] for t in e["choices"][0]["token_ids"]]
     assert 0 < len(tokens) < 8000
     await pd.quiet(limit=2.0)
+
+
+FAST_DECODE = {**BIG, "zero_latency": False, "itl_ms": 0.2, "prefill_base_ms": 0.0,
+               "prefill_per_token_ms": 0.0}
+
+
+async def test_process_budget_ends_slow_streams_and_frees_everything(pd_factory: PDFactory) -> None:
+    """Two clients that stop reading share the process's budget (each far under its own cap):
+    past the budget the stream holding the most is ended with a clear reason (its decode worker
+    aborted), a client that reads is served meanwhile, and nothing stays held."""
+    pd = await pd_factory(prefill=BIG, decode=FAST_DECODE, slow_reader_max_bytes=10_000_000,
+                          slow_reader_total_bytes=40_000, server_kwargs=SMALL)
+    assert pd.client.port is not None
+    long = {"max_tokens": 8000, "ignore_eos": True}
+    slow = [asyncio.ensure_future(slow_stream(pd.client.host, pd.client.port,
+                                              req(request_id=f"slow{i}", sp=long), pause=1.5))
+            for i in range(2)]
+    status, events, _ = await pd.stream(req(request_id="reads", sp={"max_tokens": 40, "ignore_eos": True}))
+    assert status == 200 and events[-1] == "[DONE]"
+    assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1]) == 40
+    ended = 0
+    for raw in await asyncio.gather(*slow):
+        got = sse_datas(raw)
+        assert got[-1] == "[DONE]"
+        tokens = [t for e in got[:-1] if "choices" in e for t in e["choices"][0]["token_ids"]]
+        if "error" in got[-2]:
+            assert "buffers for slow clients are full" in got[-2]["error"]["message"]
+            assert len(tokens) < 8000
+            ended += 1
+        else:
+            assert len(tokens) == 8000
+    assert ended >= 1
+    metrics = (await (await pd.client.get("/metrics")).text()).splitlines()
+    assert f'pd_proxy_slow_reader_ended_total{{limit="total"}} {float(ended)}' in metrics
+    await pd.quiet(limit=5.0)
+    assert pd.serving.stream_budget.used == 0 and len(pd.serving.stream_budget) == 0
+    assert "pd_proxy_slow_reader_buffered_bytes 0.0" in (await (await pd.client.get("/metrics")).text())
+
+
+def test_default_bounds_for_slow_readers() -> None:
+    s = parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"])
+    assert s.slow_reader_max_bytes == 1 << 20 and s.slow_reader_total_bytes == 256 << 20
+    s = parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                    "--slow-reader-max-bytes", "5000", "--slow-reader-total-bytes", "0"])
+    assert s.slow_reader_max_bytes == 5000 and s.slow_reader_total_bytes == 0
