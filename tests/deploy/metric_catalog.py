@@ -76,6 +76,12 @@ def proxy_metrics() -> dict[str, MetricSpec]:
         "pd_proxy_migrations_total": MetricSpec(frozenset()),
         "pd_proxy_queue_rejections_total": MetricSpec(frozenset()),
         "pd_proxy_build_info": MetricSpec(frozenset({"version"})),
+        "pd_proxy_upstream_resends_total": MetricSpec(
+            frozenset({"hop", "result"}), {"result": frozenset({"resent", "abort_failed"})}),
+        "pd_proxy_slow_reader_ended_total": MetricSpec(
+            frozenset({"limit"}), {"limit": frozenset({"stream", "total"})}),
+        "pd_proxy_slow_reader_buffered_bytes": MetricSpec(frozenset()),
+        "pd_proxy_slow_reader_budget_bytes": MetricSpec(frozenset()),
     }
     for name in ("ttft", "itl", "tpot", "e2e"):
         m.update(_histogram(f"pd_proxy_{name}_seconds"))
