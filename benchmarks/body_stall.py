@@ -44,7 +44,6 @@ import json
 import math
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,40 +53,25 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.sim_stack import free_port, start_sim, wait_ready
+
 GENERATE = "/inference/v1/generate"
 SESSION_HEADER = "X-Session-ID"
-_READY_TIMEOUT_S = 30.0
 _MAX_STREAMS = 64
 _MAX_BODIES = 20
 MiB = 1024 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _start_sim(role: str, itl_ms: float) -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.sim.cli", "--host", "127.0.0.1", "--port", "0", "--role", role,
-         "--prefill-base-ms", "0", "--prefill-per-token-ms", "0", "--transfer-per-block-ms", "0",
-         "--itl-ms", str(itl_ms), "--max-model-len", "4000000", "--num-kv-blocks", "400000",
-         "--max-num-seqs", "1024", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"pd-sim {role} did not start")
-    return proc, str(json.loads(line)["url"])
+    return start_sim(role, ["--prefill-base-ms", "0", "--prefill-per-token-ms", "0",
+                            "--transfer-per-block-ms", "0", "--itl-ms", str(itl_ms),
+                            "--max-model-len", "4000000", "--num-kv-blocks", "400000",
+                            "--max-num-seqs", "1024", "--log-level", "WARNING"])
 
 
 def _start_proxy(prefill: Sequence[str], decode: Sequence[str], extra: Sequence[str]) -> tuple[
         subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", str(port),
          "--prefill", *prefill, "--decode", *decode, "--log-level", "WARNING", "--kv-block-size", "16",
@@ -110,18 +94,6 @@ def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-async def _wait_ready(url: str) -> None:
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with s.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {_READY_TIMEOUT_S:g} s")
 
 
 def _rendezvous_first(key: str, urls: Sequence[str]) -> str:
@@ -256,7 +228,7 @@ async def _run_with(a: argparse.Namespace, body: bytes, body_file: str | None) -
             extra += ["--decode-policy", "session"]
         x, x_url = _start_proxy([p_url], d_urls, [*extra, *a.proxy_arg])
         procs.append(x)
-        await _wait_ready(x_url)
+        await wait_ready(x_url)
         stream_sess = _session_for(d_urls[0], d_urls, "streams")
         big_sess = _session_for(d_urls[-1], d_urls, "big") if a.mode == "forward" else "big"
         gaps = Gaps()

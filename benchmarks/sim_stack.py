@@ -30,14 +30,15 @@ from benchmarks.runner import BenchConfig, arun_compare, arun_sweep, summary_tex
 _READY_TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
 
 
-def _start_sim(role: str, timing: Sequence[str]) -> tuple[subprocess.Popen[bytes], str]:
+def start_sim(role: str, timing: Sequence[str]) -> tuple[subprocess.Popen[bytes], str]:
+    """A pd-sim process with ``timing`` (its flags); its URL once it printed it."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -64,7 +65,7 @@ def _start_sim(role: str, timing: Sequence[str]) -> tuple[subprocess.Popen[bytes
 
 
 def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -89,7 +90,8 @@ def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen[bytes], st
     return proc, f"http://127.0.0.1:{port}"
 
 
-async def _wait_ready(url: str) -> None:
+async def wait_ready(url: str) -> None:
+    """Poll ``url``/health until it answers 200 (at most 30 s)."""
     deadline = time.monotonic() + _READY_TIMEOUT_S
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
@@ -106,9 +108,9 @@ def _stack(timing: Sequence[str]) -> Iterator[tuple[str, str]]:
     """(proxy URL, decode worker URL); all three processes are stopped on exit."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        p, p_url = _start_sim("prefill", timing)
+        p, p_url = start_sim("prefill", timing)
         procs.append(p)
-        d, d_url = _start_sim("decode", timing)
+        d, d_url = start_sim("decode", timing)
         procs.append(d)
         x, x_url = _start_proxy(p_url, d_url)
         procs.append(x)
@@ -134,7 +136,7 @@ async def _main(args: argparse.Namespace) -> None:
         str(args.itl_ms),
     ]
     with _stack(timing) as (proxy_url, decode_url):
-        await _wait_ready(proxy_url)
+        await wait_ready(proxy_url)
         base = BenchConfig(
             url=proxy_url,
             dataset=DatasetConfig(
