@@ -53,7 +53,7 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.sim_stack import free_port, start_sim, wait_ready
+from benchmarks.sim_stack import free_port, start_sim, stop_all, wait_ready
 
 GENERATE = "/inference/v1/generate"
 SESSION_HEADER = "X-Session-ID"
@@ -86,14 +86,7 @@ def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     try:
         yield procs
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
 
 
 def _rendezvous_first(key: str, urls: Sequence[str]) -> str:

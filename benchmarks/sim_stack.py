@@ -90,6 +90,18 @@ def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen[bytes], st
     return proc, f"http://127.0.0.1:{port}"
 
 
+def stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Stop processes started in order, the last first; one that does not stop in 5 s is killed."""
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 async def wait_ready(url: str) -> None:
     """Poll ``url``/health until it answers 200 (at most 30 s)."""
     deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -116,14 +128,7 @@ def _stack(timing: Sequence[str]) -> Iterator[tuple[str, str]]:
         procs.append(x)
         yield x_url, d_url
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs)
 
 
 async def _main(args: argparse.Namespace) -> None:
