@@ -23,9 +23,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 log = logging.getLogger(__name__)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag of pd-proxy, each with a help line; ``--help`` adds its default."""
-    p = argparse.ArgumentParser(prog="pd-proxy", description=__doc__, formatter_class=HelpFormatter)
+def _add_workers_and_listener(p: argparse.ArgumentParser) -> None:
+    """The workers (or the config file naming them), and where pd-proxy listens."""
     p.add_argument(CONFIG_FLAG, type=Path, default=None, metavar="FILE",
                    help="read settings from this YAML file, keys being the long flag names (decode-timeout: "
                         "900); flags given here win; secrets only from the environment or key files")
@@ -41,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N processes serving the port (SO_REUSEPORT); see proxy/multiproc.py. Admin "
                         "changes reach every process; limits (in-flight, queues, per-worker caps, "
                         "buffers) are PER PROCESS")
+
+
+def _add_keys(p: argparse.ArgumentParser) -> None:
+    """The client keys (each one a tenant) and the key sent to the workers."""
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="a client key guarding /inference/* like vLLM's --api-key; repeat it for several "
                         "tenants, each key one tenant (also PD_PROXY_API_KEY: one key, PD_PROXY_API_KEYS: "
@@ -49,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="client keys, one per line: KEY or NAME KEY (NAME shows in the access log)")
     p.add_argument("--upstream-api-key", default=None, metavar="KEY",
                    help="API key sent to the workers (also PD_PROXY_UPSTREAM_API_KEY)")
+
+
+def _add_walk_switches(p: argparse.ArgumentParser) -> None:
+    """What the workers accept, and the walk's switches: prefill failure, remote_host, aborts."""
     p.add_argument("--decode-tokens-only", action="store_true",
                    help="the decode pool runs --tokens-only (reject text mode and stop strings)")
     p.add_argument("--prefill-tokens-only", action="store_true",
@@ -64,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not send aborts for unknown ids to every worker")
     p.add_argument("--legacy-abort-mirror-vllm", action="store_true",
                    help="UNSAFE: serve /abort_requests without the API key, as vLLM does")
+
+
+def _add_timeouts(p: argparse.ArgumentParser) -> None:
+    """The hops' timeouts and connection caps toward the workers, the drain, the KV lease."""
     p.add_argument("--prefill-timeout", type=float, default=300.0,
                    help="seconds the whole prefill hop may take")
     p.add_argument("--decode-timeout", type=float, default=600.0,
@@ -83,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight requests may take before they are ended")
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
+
+
+def _add_buffers_blocks_and_logs(p: argparse.ArgumentParser) -> None:
+    """The slow-reader byte bounds, the KV block size, logs and tracing."""
     p.add_argument("--slow-reader-max-bytes", type=int, default=1024 * 1024,
                    help="bytes held for one streaming client that does not read before its stream is "
                         "ended (and its decode worker aborted)")
@@ -98,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otel", action="store_true",
                    help="OpenTelemetry spans per hop, traceparent sent to the workers (pd-proxy[otel]; "
                         "exporter from OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
+
+
+def _add_client_limits(p: argparse.ArgumentParser) -> None:
+    """What a client may take: a blocked write, body size and time, prompt length, head time."""
     p.add_argument("--slow-reader-timeout", type=float, default=30.0,
                    help="seconds a write to a streaming client may block (it stopped reading) before "
                         "its connection is closed")
@@ -109,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request body may take to arrive (408 beyond it)")
     p.add_argument("--header-timeout", type=float, default=30.0,
                    help="seconds a connection may take to send a request head (and idle keep-alive)")
+
+
+def _add_tls(p: argparse.ArgumentParser) -> None:
+    """TLS on the listener and toward https:// workers."""
     p.add_argument("--tls-cert-file", default=None, help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key-file", default=None, help="the key of --tls-cert-file (PEM)")
     p.add_argument("--upstream-ca-file", default=None,
@@ -116,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream-cert-file", default=None,
                    help="client certificate for https:// workers behind mutual TLS (PEM)")
     p.add_argument("--upstream-key-file", default=None, help="the key of --upstream-cert-file (PEM)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of pd-proxy, each with a help line; ``--help`` adds its default."""
+    p = argparse.ArgumentParser(prog="pd-proxy", description=__doc__, formatter_class=HelpFormatter)
+    # In --help's order.
+    _add_workers_and_listener(p)
+    _add_keys(p)
+    _add_walk_switches(p)
+    _add_timeouts(p)
+    _add_buffers_blocks_and_logs(p)
+    _add_client_limits(p)
+    _add_tls(p)
     add_pool_arguments(p)
     return p
 

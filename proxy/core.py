@@ -3,8 +3,8 @@ make: counting a worker call, ending the KV lease, going decode-only, noting an 
 
 ``Core`` holds the app's state for serving (settings, metrics, clock, pools, KV leases, the
 request table, background tasks, the upstream client); each part of the walk (``proxy.prefill``,
-``proxy.decode``, ``proxy.full``, ``proxy.stream``, ``proxy.aborts``, ``proxy.cleanup``) is a
-``Part`` over it.
+``proxy.decode``, ``proxy.full``, ``proxy.stream``, ``proxy.stream_read``, ``proxy.aborts``,
+``proxy.cleanup``) is a ``Part`` over it.
 """
 
 from __future__ import annotations

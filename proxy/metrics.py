@@ -120,11 +120,29 @@ class ProxyMetrics:
     def __init__(self, *, longest: float = 0.0, lease_duration: float = 0.0) -> None:
         """``longest``: the longest request the proxy's timeouts allow (seconds); ``lease_duration``:
         the prefill workers' KV lease. The histograms' buckets cover both."""
-        latency = latency_buckets(longest)
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # Registered in this order, which is /metrics' order.
+        self._client_metrics(r, latency_buckets(longest))
+        self._upstream_metrics(r)
+        self._abort_metrics(r)
+        self._kv_metrics(r, lease_buckets(lease_duration))
+        self._slow_reader_and_build_metrics(r)
+        self.members: Members | None = None
+        """Set by the app to its pools' membership: no series is made for a worker outside them."""
+        self._per_worker: dict[int, tuple[MetricWrapperBase, int, int]] = {}
+        """Every metric with a ``worker`` label (by id): the positions of ``pool`` and ``worker``."""
+        for m in vars(self).values():
+            if isinstance(m, MetricWrapperBase) and "worker" in m._labelnames:
+                names = list(m._labelnames)
+                self._per_worker[id(m)] = (m, names.index("pool"), names.index("worker"))
+
+    def _client_metrics(self, r: CollectorRegistry, latency: tuple[float, ...]) -> None:
+        """Requests by outcome and what their clients saw: TTFT, ITL, TPOT, end to end, per stage."""
         self.requests = Counter("pd_proxy_requests", "Generate requests by outcome", ["outcome"],
                                 registry=r)
+        for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
+            self.requests.labels(outcome=outcome)
         self.ttft = Histogram("pd_proxy_ttft_seconds", "Client-side time to first token",
                               buckets=latency, registry=r)
         self.itl = Histogram("pd_proxy_itl_seconds", "Client-side gap between streamed writes",
@@ -136,6 +154,9 @@ class ProxyMetrics:
                              buckets=latency, registry=r)
         self.stage = Histogram("pd_proxy_stage_seconds", "Time per stage of the P/D walk", ["stage"],
                                buckets=latency, registry=r)
+
+    def _upstream_metrics(self, r: CollectorRegistry) -> None:
+        """Calls to workers: made, failed, resent, in flight."""
         self.upstream_requests = Counter("pd_proxy_upstream_requests", "Calls to workers",
                                          ["pool", "worker"], registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors", "Failed calls to workers",
@@ -147,16 +168,21 @@ class ProxyMetrics:
             ["hop", "result"], registry=r)
         self.inflight = Gauge("pd_proxy_inflight_requests", "Requests in flight per pool", ["pool"],
                               registry=r, multiprocess_mode="livesum")
+
+    def _abort_metrics(self, r: CollectorRegistry) -> None:
+        """Aborts by source and state, and the abort calls they sent."""
         self.aborts = Counter("pd_proxy_aborts", "Aborts by source and state", ["source", "state"],
                               registry=r)
         self.abort_fanout = Counter("pd_proxy_abort_fanout", "Abort calls sent to workers",
                                     ["pool", "result"], registry=r)
+
+    def _kv_metrics(self, r: CollectorRegistry, lease_durations: tuple[float, ...]) -> None:
+        """The KV hand-off: leases open, held and closed; silent non-disaggregation."""
         self.kv_leases_open = Gauge("pd_proxy_kv_leases_open", "KV leases open on prefill workers",
                                     registry=r, multiprocess_mode="livesum")
         self.kv_lease_duration = Histogram("pd_proxy_kv_lease_duration_seconds",
                                            "How long prefill workers held KV",
-                                           buckets=lease_buckets(lease_duration),
-                                           registry=r)
+                                           buckets=lease_durations, registry=r)
         self.kv_leases_closed = Counter("pd_proxy_kv_leases_closed", "KV leases closed by reason",
                                         ["reason"], registry=r)
         self.prefill_missing_kv = Counter("pd_proxy_prefill_missing_kv_params",
@@ -167,6 +193,9 @@ class ProxyMetrics:
         self.suspect_no_transfer = Counter(
             "pd_proxy_suspect_no_transfer",
             "Prompts of at least one KV block whose decode shows no transferred KV", registry=r)
+
+    def _slow_reader_and_build_metrics(self, r: CollectorRegistry) -> None:
+        """Streams ended because their client read too slowly; the build info."""
         self.slow_reader_ended = Counter(
             "pd_proxy_slow_reader_ended", "Streams ended because their client read too slowly, by the "
             "limit passed (stream: its own cap; total: the process's budget)", ["limit"], registry=r)
@@ -175,16 +204,6 @@ class ProxyMetrics:
         self.build_info = Gauge("pd_proxy_build_info", "Build information", ["version"], registry=r,
                                 multiprocess_mode="livemax")
         self.build_info.labels(version=_version).set(1)
-        for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
-            self.requests.labels(outcome=outcome)
-        self.members: Members | None = None
-        """Set by the app to its pools' membership: no series is made for a worker outside them."""
-        self._per_worker: dict[int, tuple[MetricWrapperBase, int, int]] = {}
-        """Every metric with a ``worker`` label (by id): the positions of ``pool`` and ``worker``."""
-        for m in vars(self).values():
-            if isinstance(m, MetricWrapperBase) and "worker" in m._labelnames:
-                names = list(m._labelnames)
-                self._per_worker[id(m)] = (m, names.index("pool"), names.index("worker"))
 
     def lease_opened(self, lease: Lease, open_count: int) -> None:
         self.kv_leases_open.set(open_count)

@@ -1,13 +1,11 @@
 """The streamed decode: D's stream read into a buffer by a producer task (retried before its first
 byte, migrated to another decode worker when it breaks later), and relayed to the client by the
-handler, bounded for slow readers.
+handler, bounded for slow readers. One attempt's reading is ``proxy.stream_read``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import json
 import logging
 from typing import Any
 
@@ -15,62 +13,23 @@ from aiohttp import web
 
 from proxy.aborts import Aborts
 from proxy.cleanup import Cleanup
-from proxy.core import Core, Part, error_class
+from proxy.core import Core, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
-from proxy.errors import (
-    StreamOverflow,
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamStatusError,
-)
+from proxy.errors import StreamOverflow, UpstreamError, UpstreamStatusError
 from proxy.flight import Flight
-from proxy.hop import HopResponse
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
-from proxy.protocol import (
-    parse_worker_json,
-)
-from proxy.relay import StreamBuffer, block_token_ids
-from proxy.sse import DONE_DATA, DONE_EVENT, Batch, SSEReader, comment_event, data_event, last_data
+from proxy.relay import StreamBuffer
+from proxy.sse import DONE_EVENT, comment_event
+from proxy.stream_read import DecodeReader, Status
 
 log = logging.getLogger("pd_proxy")
 
 
-class Status(enum.Enum):
-    """How one decode stream (one attempt) ended."""
-
-    DONE = "done"
-    """[DONE] seen."""
-    CLOSED = "closed"
-    """The buffer was closed: the client went away, read too slowly, or the stream was ended."""
-    OPEN_FAILED = "open_failed"
-    """No answer (the error says why)."""
-    KV_FAILED = "kv_failed"
-    """A server error event first, on a hop with P's KV: nothing was relayed."""
-    PROTOCOL = "protocol"
-    """D answered something unusable."""
-    BROKEN = "broken"
-    """It ended mid-way (reset, error event, no [DONE])."""
-
-
-class _Read:
-    """Where one decode stream's reading stands."""
-
-    __slots__ = ("body", "buffer", "done", "error", "exc", "f", "first", "follower", "kv_failed", "last",
-                 "protocol", "stop", "worker")
-
-    def __init__(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
-                 follower: StreamFollower | None) -> None:
-        self.f, self.worker, self.body, self.buffer, self.follower = f, worker, body, buffer, follower
-        self.first = True
-        self.done = self.protocol = self.stop = False
-        self.error: bytes | None = None
-        self.last = b""
-        self.exc: UpstreamError | None = None
-        self.kv_failed: UpstreamStatusError | None = None
-
-
 class StreamDecode(Part):
+    """A streamed decode: the producer task (``produce``: attempts, retries, migration) and the
+    handler's relay to the client (``decode``, ``relay``)."""
+
     def __init__(self, core: Core, engine: DecodeEngine, aborts: Aborts, cleanup: Cleanup,
                  prefill: Prefill) -> None:
         super().__init__(core)
@@ -78,6 +37,7 @@ class StreamDecode(Part):
         self.aborts = aborts
         self.cleanup = cleanup
         self.prefill = prefill
+        self.reader = DecodeReader(core)
 
     async def decode(self, request: web.Request, f: Flight, worker: Worker,
                      body: dict[str, Any]) -> web.StreamResponse:
@@ -219,7 +179,7 @@ class StreamDecode(Part):
         status, error, exc = Status.BROKEN, None, None
         try:
             with f.trace.hop("decode", w) as hop:
-                status, error, exc = await self.once(f, w, tries.body, buffer, follower)
+                status, error, exc = await self.reader.once(f, w, tries.body, buffer, follower)
                 hop.outcome(status.value)
         finally:
             passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
@@ -291,191 +251,3 @@ class StreamDecode(Part):
         if not buffer.closed:
             log.warning("request %s: stream ended with an error: %s", f.record.engine_id, why)
         buffer.finish(done=False, error=error)
-
-    async def once(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
-                   follower: StreamFollower | None) -> tuple[Status, bytes | None, UpstreamError | None]:
-        """One decode stream into ``buffer``; how it ended (``Status``), with D's error event (or
-        the proxy's) and the failure when there is one."""
-        assert f.headers_ready is not None
-        self.metrics.child(self.metrics.inflight, worker.pool).inc()
-        self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
-        resp: HopResponse | None = None
-        try:
-            try:
-                resp = await self.upstream.open(
-                    "decode", worker.url, body, request_id=f.record.base_id, total=None,
-                    sock_read=self.settings.stream_idle_timeout)
-            except UpstreamError as e:
-                self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
-                                   error_class(e)).inc()
-                return Status.OPEN_FAILED, e.sse_event(), e
-            if not f.headers_ready.done():
-                f.headers_ready.set_result(None)
-            rd = _Read(f, worker, body, buffer, follower)
-            try:
-                await self._read(rd, resp)
-            except UpstreamError as e:
-                self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
-                                   error_class(e)).inc()
-                rd.error, rd.exc = e.sse_event(), e
-            if rd.kv_failed is not None:
-                return Status.KV_FAILED, rd.error, rd.kv_failed
-            return self._ended(rd, resp)
-        finally:
-            if resp is not None:
-                resp.close()
-            self.metrics.child(self.metrics.inflight, worker.pool).dec()
-
-    async def _read(self, rd: _Read, resp: HopResponse) -> None:
-        """D's events into the buffer until [DONE], an error, a closed buffer or the end."""
-        reader = SSEReader()
-        cap = self.settings.slow_reader_max_bytes
-        async for chunk in self.upstream.iter_chunks("decode", rd.worker.url, resp):
-            batch = reader.feed_batch(chunk)
-            if not self._fast(rd, batch):
-                self._slow(rd, batch)
-            if rd.stop:
-                return
-            if len(reader.pending) > cap:
-                rd.error = self.protocol_error(rd.worker, "sent an SSE event larger than the byte cap")
-                rd.protocol = True
-                return
-
-    def _fast(self, rd: _Read, batch: Batch) -> bool:
-        """The hot path: what a read completed goes out as one block, unparsed, when it is plain
-        vLLM events (no error, [DONE] last); only the stream's first event is parsed (its
-        output_mode is checked). False when the batch must be read event by event."""
-        if not batch.plain or (rd.first and not batch.body):
-            return False
-        f, follower = rd.f, rd.follower
-        if batch.body:
-            if rd.first:
-                rd.first = False
-                rd.error = self.first_event(f, rd.worker, batch.body[6 : batch.body.index(b"\n\n")])
-                if rd.error is not None:
-                    rd.protocol = rd.stop = True
-                    return True
-            if follower is not None:
-                ids = block_token_ids(batch.body) if follower.cont is None and \
-                    follower.progress.output_mode == "tokens" else None
-                if ids is None:
-                    return False  # parse event by event (text mode, migrated, odd)
-                follower.progress.generated.extend(ids)
-            rd.buffer.put(batch.body)
-            if f.request.include_usage:
-                rd.last = last_data(batch.body)
-        if batch.done:
-            rd.done = rd.stop = True
-            if f.request.include_usage:
-                self.note_stream_usage(f, rd.last)
-        elif rd.buffer.closed:
-            rd.stop = True
-        return True
-
-    def _slow(self, rd: _Read, batch: Batch) -> None:
-        """A batch read event by event: error events, the first event of a hop with P's KV,
-        a migrated stream's replayed tokens."""
-        f, worker, buffer, follower = rd.f, rd.worker, rd.buffer, rd.follower
-        for ev in batch.events():
-            if ev.data == DONE_DATA:
-                rd.done = True
-                if f.request.include_usage:
-                    self.note_stream_usage(f, rd.last)
-                break
-            rd.last = ev.data
-            if rd.first:
-                kv_exc = self.kv_hop_failed(worker, rd.body, ev.data)
-                if kv_exc is not None:
-                    rd.kv_failed, rd.error, rd.stop = kv_exc, ev.raw, True
-                    return
-                rd.first = False
-                rd.error = self.first_event(f, worker, ev.data)
-                if rd.error is not None:
-                    rd.protocol = True
-                    break
-            if ev.data.startswith(b'{"error"'):
-                # vLLM's in-band error event (the stream had started): a failed call.
-                self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "error_event").inc()
-                rd.error = ev.raw
-                break
-            if follower is not None:
-                payload = follower.event(ev.data)
-                if payload is None:
-                    continue  # only tokens the client already has
-                if payload is not ev.data:
-                    buffer.put(data_event(payload), payload)
-                    continue
-            buffer.put(ev.raw, ev.data)
-        rd.stop = rd.done or rd.error is not None or buffer.closed
-
-    def _ended(self, rd: _Read, resp: HopResponse) -> tuple[Status, bytes | None, UpstreamError | None]:
-        f = rd.f
-        if not rd.done and rd.error is None and not rd.buffer.closed:
-            rd.error = self.protocol_error(rd.worker, "stream ended without [DONE]")
-        f.settled.set()
-        if rd.first and (rd.done or rd.error is not None):
-            # The stream ended before any event: D answered, so it had the request.
-            self.core.close_lease(f, "unknown" if rd.error is not None else "pulled")
-        if rd.done and rd.error is None:
-            resp.release()  # kept alive once its last chunk is in (``close`` would drop it)
-            return Status.DONE, None, None
-        if rd.buffer.closed:
-            return Status.CLOSED, None, None
-        return (Status.PROTOCOL if rd.protocol else Status.BROKEN), rd.error, rd.exc
-
-    def kv_hop_failed(self, worker: Worker, body: dict[str, Any], data: bytes) -> UpstreamStatusError | None:
-        """D's first event is a server error on a hop that carried P's KV params (vLLM sends
-        the headers first; a failed KV load then ends the stream this way): as ambiguous as a
-        5xx before the first byte (D broke, or its pull from P failed). Returns it as such."""
-        if not data.startswith(b'{"error"') or "kv_transfer_params" not in body:
-            return None
-        try:
-            err = json.loads(data).get("error")
-        except (ValueError, AttributeError):
-            return None
-        code = err.get("code") if isinstance(err, dict) else None
-        status = code if isinstance(code, int) and not isinstance(code, bool) else 500
-        if status < 500:
-            return None
-        self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "error_event").inc()
-        return UpstreamStatusError("decode", worker.url, status, data, "application/json")
-
-    def protocol_error(self, worker: Worker, reason: str) -> bytes:
-        """A decode stream broke the protocol mid-way: count it, return the in-band error event."""
-        self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "protocol").inc()
-        return UpstreamProtocolError("decode", worker.url, reason).sse_event()
-
-    def note_stream_usage(self, f: Flight, data: bytes) -> None:
-        """The usage chunk is the last event before ``[DONE]``: one parse per stream."""
-        if b'"usage"' not in data:
-            return
-        try:
-            chunk = parse_worker_json(data)
-        except ValueError:
-            return
-        if isinstance(chunk, dict):
-            self.core.note_usage(f, chunk.get("usage"))
-
-    def first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
-        """D's first event: D certainly has the request (the KV was pulled); check the event."""
-        if f.timing.first_token is None:
-            f.timing.first_token = self.clock()
-            self.metrics.child(self.metrics.stage, "decode_first_token").observe(
-                f.timing.first_token - (f.timing.decode_start or f.timing.first_token))
-        self.core.close_lease(f, "aborted" if f.record.is_aborted else "pulled")
-        f.settled.set()
-        return self.check_first_event(f, worker, data)
-
-    def check_first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:
-        try:
-            chunk = parse_worker_json(data)
-        except ValueError:
-            return self.protocol_error(worker, "sent an event that is not JSON")
-        if isinstance(chunk, dict) and "error" in chunk:
-            return None
-        mode = chunk.get("output_mode") if isinstance(chunk, dict) else None
-        if mode != f.request.output_mode:
-            return self.protocol_error(
-                worker, f"answered output_mode {mode!r} for a {f.request.output_mode!r} request "
-                "(a server that predates output_mode?)")
-        return None

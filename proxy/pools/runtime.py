@@ -144,9 +144,8 @@ def _k8s_selector(value: str) -> K8sSelector:
     return K8sSelector(pool, namespace, selector, int(port) if port.isdigit() else port)
 
 
-def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("pools")
-    d = PoolSettings()
+def _add_routing(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
+    """How a worker is chosen."""
     g.add_argument("--prefill-policy", choices=POLICY_NAMES, default=d.prefill_policy,
                    help="how a prefill worker is chosen (proxy/pools/README.md)")
     g.add_argument("--decode-policy", choices=POLICY_NAMES, default=d.decode_policy,
@@ -155,6 +154,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefix policy: KV blocks of the prompt's start that choose the worker")
     g.add_argument("--use-scraped-load", action="store_true",
                    help="let workers' own queue and KV usage (/metrics) feed the choice")
+
+
+def _add_admission(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
+    """What is admitted, and how long the rest may wait."""
     g.add_argument("--max-inflight", type=int, default=d.max_inflight,
                    help="requests in flight through the proxy, PER PROCESS (--workers N admits N times it); "
                         "more wait in the queue, then 429 (0: no limit)")
@@ -165,6 +168,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                    help="bounded wait queue length, PER PROCESS (and per pool)")
     g.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
                    help="seconds a request may wait in the queue (then 503 with Retry-After)")
+
+
+def _add_health(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
+    """Circuit breakers and the active health probes."""
     g.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
                    help="consecutive failures that open a worker's circuit")
     g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds,
@@ -176,6 +183,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-health-panic", action="store_true",
                    help="refuse requests (503) when every worker of a pool failed its probes, instead "
                         "of routing to them anyway")
+
+
+def _add_recovery(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
+    """Retries, migration, deadlines, the decode-only bypass, the preflight."""
     g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts,
                    help="prefill hops tried per request (on other workers after a failure)")
     g.add_argument("--decode-attempts", type=int, default=d.decode_attempts,
@@ -191,6 +202,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with no prefill worker available, answer 503 instead of running decode-only")
     g.add_argument("--preflight", action="store_true",
                    help="send one tiny P->D hand-off through each new pair before using it")
+
+
+def _add_membership(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
+    """Where the members come from besides the flags: a file, the admin API, Kubernetes."""
     g.add_argument("--workers-file", type=Path, default=None, help="TOML pool membership, reloaded")
     g.add_argument("--admin-key-file", type=Path, default=None, metavar="PATH",
                    help="the admin key (one line): turns /admin/workers on behind it; or set "
@@ -208,6 +223,18 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                         "numbered PORT; repeat per pool (needs the k8s extra)")
     g.add_argument("--kubeconfig", default=None,
                    help="outside a pod: the kubeconfig for --k8s-endpointslices (default ~/.kube/config)")
+
+
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pools' flags, in their own ``--help`` group, each defaulting to ``PoolSettings()``'s."""
+    g = parser.add_argument_group("pools")
+    d = PoolSettings()
+    # In --help's order.
+    _add_routing(g, d)
+    _add_admission(g, d)
+    _add_health(g, d)
+    _add_recovery(g, d)
+    _add_membership(g, d)
 
 
 ADMIN_KEY_ENV = "PD_PROXY_ADMIN_KEY"
