@@ -73,6 +73,8 @@ import aiohttp
 import numpy as np
 import uvloop
 
+from benchmarks.procstat import per_stream_kib, tree_cpu_seconds, tree_rss_kib
+
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 GENERATE_PATH: Final = "/inference/v1/generate"
 FLOOR: Final = "floor"
@@ -662,58 +664,6 @@ async def run_load(
 
 # --------------------------------------------------------------------------------------------
 # Memory per open stream.
-
-
-def parse_vmrss_kib(status_text: str) -> int:
-    """VmRSS in KiB from the text of /proc/<pid>/status (0 when absent, e.g. a zombie)."""
-    for line in status_text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (via /proc/<pid>/task/*/children)."""
-    seen: list[int] = []
-    stack = [pid]
-    while stack and len(seen) < 4096:
-        p = stack.pop()
-        if p in seen:
-            continue
-        seen.append(p)
-        task_dir = Path(f"/proc/{p}/task")
-        with contextlib.suppress(OSError):
-            for task in task_dir.iterdir():
-                with contextlib.suppress(OSError):
-                    stack.extend(int(c) for c in (task / "children").read_text().split())
-    return seen
-
-
-def parse_stat_cpu_ticks(stat_text: str) -> int:
-    """utime + stime (clock ticks) from the text of /proc/<pid>/stat; the command name may hold spaces."""
-    fields = stat_text[stat_text.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
-    return int(fields[11]) + int(fields[12])
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    ticks = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ticks += parse_stat_cpu_ticks(Path(f"/proc/{p}/stat").read_text())
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def tree_rss_kib(pid: int) -> int:
-    total = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError):
-            total += parse_vmrss_kib(Path(f"/proc/{p}/status").read_text())
-    return total
-
-
-def per_stream_kib(rss_before_kib: int, rss_after_kib: int, streams: int) -> float:
-    return (rss_after_kib - rss_before_kib) / streams if streams > 0 else math.nan
 
 
 async def hold_streams(

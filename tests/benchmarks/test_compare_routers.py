@@ -308,22 +308,6 @@ def test_prefill_hop_body_follows_spec_section_3() -> None:
     assert body["stream"] is True
 
 
-def test_proc_parsers() -> None:
-    status = "Name:\tpython\nVmPeak:\t  9000 kB\nVmRSS:\t   81564 kB\nThreads:\t4\n"
-    assert cr.parse_vmrss_kib(status) == 81564
-    assert cr.parse_vmrss_kib("Name:\tzombie\n") == 0
-    stat = "1234 (tricky (name) x) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 37 0 0 20 0 4 0 500"
-    assert cr.parse_stat_cpu_ticks(stat) == 287
-    assert cr.per_stream_kib(1000, 65000, 1000) == 64.0
-    assert math.isnan(cr.per_stream_kib(1000, 2000, 0))
-
-
-def test_tree_measurements_of_this_process() -> None:
-    assert cr.tree_rss_kib(os.getpid()) > 0
-    assert cr.tree_cpu_seconds(os.getpid()) > 0
-    assert os.getpid() in cr.process_tree(os.getpid())
-
-
 # --- configuration ------------------------------------------------------------------------
 
 
