@@ -56,7 +56,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,15 +66,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, TextIO
+from typing import Any, Final
 
 import aiohttp
 import numpy as np
 import uvloop
 
 from benchmarks.procstat import per_stream_kib, tree_cpu_seconds, tree_rss_kib
+from benchmarks.sim_stack import REPO_ROOT, free_port, processes, start_logged, stop_all, wait_ready
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 GENERATE_PATH: Final = "/inference/v1/generate"
 FLOOR: Final = "floor"
 PD_PROXY: Final = "pd-proxy"
@@ -731,72 +730,23 @@ async def measure_stream_memory(
 
 
 # --------------------------------------------------------------------------------------------
-# Processes: started in their own session, killed (group) at the end whatever happens.
+# Processes: each in its own process group with its log in the output folder (sim_stack's
+# start_logged); every one is stopped, group and all, at the end whatever happens.
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def start(procs: list[subprocess.Popen[bytes]], cfg: Config, name: str, argv: Sequence[str],
+          cpus: str | None) -> subprocess.Popen[bytes]:
+    proc = start_logged(argv, cfg.out_dir / f"{name}.log", cpus)
+    procs.append(proc)
+    return proc
 
 
-class Processes:
-    """Children started for the comparison; close() kills every one of them (their process group)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self._log_dir = log_dir
-        self._procs: list[tuple[subprocess.Popen[bytes], TextIO]] = []
-
-    def start(self, name: str, argv: Sequence[str], cpus: str | None) -> subprocess.Popen[bytes]:
-        full = ["taskset", "-c", cpus, *argv] if cpus else list(argv)
-        log = (self._log_dir / f"{name}.log").open("w")
-        log.write("$ " + shlex.join(full) + "\n")
-        log.flush()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", NO_COLOR="1")
-        proc = subprocess.Popen(
-            full,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            env=env,
-            start_new_session=True,
-        )
-        self._procs.append((proc, log))
-        return proc
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-
-    def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        for i, (p, log) in enumerate(self._procs):
-            if p is proc:
-                self._kill(p)
-                log.close()
-                del self._procs[i]
-                return
-
-    def close(self) -> None:
-        while self._procs:
-            proc, log = self._procs.pop()
-            try:
-                self._kill(proc)
-            finally:
-                log.close()
+def stop(procs: list[subprocess.Popen[bytes]], proc: subprocess.Popen[bytes]) -> None:
+    stop_all([proc])
+    procs.remove(proc)
 
 
-async def wait_ready(
+async def wait_serving(
     name: str,
     proc: subprocess.Popen[bytes],
     probe: Target,
@@ -821,23 +771,6 @@ async def wait_ready(
             last = "request failed"
             await asyncio.sleep(0.2)
     raise RuntimeError(f"{name} not ready after {limit_s:.0f} s ({last}; see its log)")
-
-
-async def wait_port(proc: subprocess.Popen[bytes], name: str, port: int, limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode} (see its log)")
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            await asyncio.sleep(0.1)
-            continue
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return
-    raise RuntimeError(f"{name} did not listen on port {port} within {limit_s:.0f} s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1032,7 +965,7 @@ def proxy_argv(name: str, cfg: Config, port: int, prefill: str, decode: str) -> 
 
 
 async def start_proxy(
-    procs: Processes,
+    procs: list[subprocess.Popen[bytes]],
     name: str,
     cfg: Config,
     *,
@@ -1042,10 +975,9 @@ async def start_proxy(
     log_name: str,
 ) -> tuple[Target, subprocess.Popen[bytes]]:
     port = free_port()
-    proc = procs.start(log_name, proxy_argv(name, cfg, port, prefill, decode), cfg.proxy_cpus)
+    proc = start(procs, cfg, log_name, proxy_argv(name, cfg, port, prefill, decode), cfg.proxy_cpus)
     target = Target(name=name, url=f"http://127.0.0.1:{port}")
-    await wait_port(proc, log_name, port, 60)
-    await wait_ready(log_name, proc, target, prompt, 60)
+    await wait_serving(log_name, proc, target, prompt, 60)
     return target, proc
 
 
@@ -1056,12 +988,16 @@ def sim_argv(template: str, cfg: Config, port: int, role: str) -> list[str]:
 
 
 async def start_sim(
-    procs: Processes, cfg: Config, role: str, template: str, log_name: str
+    procs: list[subprocess.Popen[bytes]], cfg: Config, role: str, template: str, log_name: str
 ) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
-    proc = procs.start(log_name, sim_argv(template, cfg, port, role), cfg.worker_cpus)
-    await wait_port(proc, log_name, port, 60)
-    return f"http://127.0.0.1:{port}", proc
+    proc = start(procs, cfg, log_name, sim_argv(template, cfg, port, role), cfg.worker_cpus)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, proc, 60)
+    except RuntimeError as e:
+        raise RuntimeError(f"{log_name}: {e} (see its log)") from None
+    return url, proc
 
 
 def versions(cfg: Config) -> dict[str, str]:
@@ -1090,7 +1026,7 @@ def versions(cfg: Config) -> dict[str, str]:
     return out
 
 
-async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
+async def run_comparison(cfg: Config, procs: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
     prompt = make_prompt(cfg.prompt_len)
     points = build_points(cfg.concurrencies, cfg.max_tokens, cfg.streams)
     meta: dict[str, Any] = {
@@ -1114,7 +1050,7 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
     targets: dict[str, Target] = {}
     proxy_pids: dict[str, int] = {}
     floor = Target(name=FLOOR, prefill_url=prefill_url, decode_url=decode_url)
-    await wait_ready("pd-sim workers", decode_proc, floor, prompt, 60)
+    await wait_serving("pd-sim workers", decode_proc, floor, prompt, 60)
     failed: dict[str, str] = {}
     for name in cfg.targets:
         if name == FLOOR:
@@ -1185,7 +1121,7 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
                     limit_s=cfg.run_time_limit_s,
                 )
             finally:
-                procs.stop(proc)
+                stop(procs, proc)
             memory["results"].append(res)
             print(
                 f"memory {name:<12} {res['streams_open']}/{cfg.memory_streams} streams open: "
@@ -1193,7 +1129,7 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
                 f"{res['per_stream_kib']:.1f} KiB per open stream",
                 flush=True,
             )
-        procs.stop(slow_proc)
+        stop(procs, slow_proc)
     meta["loadavg_end"] = list(os.getloadavg())
     meta["finished_utc"] = dt.datetime.now(dt.UTC).isoformat()
     return build_result(meta, points, runs, memory)
@@ -1355,15 +1291,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.client_cpus:
         os.sched_setaffinity(0, {int(c) for c in cfg.client_cpus.split(",")})
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    procs = Processes(cfg.out_dir)
     try:
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        result = asyncio.run(run_comparison(cfg, procs))
+        with processes() as procs:
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+            result = asyncio.run(run_comparison(cfg, procs))
     except KeyboardInterrupt:
-        print("interrupted: stopping every process started here", file=sys.stderr)
+        print("interrupted: every process started here was stopped", file=sys.stderr)
         return 130
     finally:
-        procs.close()
         signal.signal(signal.SIGTERM, previous)
     result["meta"]["skipped_targets"] = skipped
     json_path = cfg.out_dir / "result.json"

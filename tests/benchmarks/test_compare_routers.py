@@ -9,7 +9,6 @@ import itertools
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -352,51 +351,6 @@ def test_the_workers_context_fits_a_long_prompt() -> None:
         argv = cr.sim_argv(template, cfg, 4321, "decode")
         assert int(argv[argv.index("--max-model-len") + 1]) >= 2048 + 256
     assert "--max-model-len" in cr.sim_argv(cr.parse_args([]).sim_cmd, cr.parse_args([]), 1, "prefill")
-
-
-# --- clean-up -----------------------------------------------------------------------------
-
-
-def _gone(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    try:
-        return "State:\tZ" in status.read_text()
-    except OSError:
-        return True
-
-
-def test_processes_close_kills_the_whole_group(tmp_path: Path) -> None:
-    procs = cr.Processes(tmp_path)
-    pid_file = tmp_path / "grandchild.pid"
-    # a shell that starts a grandchild: killing by process group must reach both
-    proc = procs.start("shell", ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], None)
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
-            time.sleep(0.05)
-        grandchild = int(pid_file.read_text())
-        assert not _gone(grandchild)
-    finally:
-        procs.close()
-    assert proc.poll() is not None
-    deadline = time.monotonic() + 5
-    while not _gone(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(grandchild)
-    assert (tmp_path / "shell.log").read_text().startswith("$ sh -c")
-
-
-def test_processes_stop_one_leaves_the_others(tmp_path: Path) -> None:
-    procs = cr.Processes(tmp_path)
-    try:
-        a = procs.start("a", ["sleep", "300"], None)
-        b = procs.start("b", ["sleep", "300"], None)
-        procs.stop(a)
-        assert a.poll() is not None
-        assert b.poll() is None
-    finally:
-        procs.close()
-    assert b.poll() is not None
 
 
 # --- pd-proxy with several processes ------------------------------------------------------
