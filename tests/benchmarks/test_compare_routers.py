@@ -290,23 +290,6 @@ def test_sse_counter_reports_first_tokens_and_errors() -> None:
     assert not counter.done
 
 
-def test_prefill_hop_body_follows_spec_section_3() -> None:
-    body = cr.request_body(Point(stream=True, max_tokens=256, concurrency=1), [1, 2, 3])
-    body["sampling_params"]["min_tokens"] = 4
-    body["stream_options"] = {"include_usage": True}
-    hop = cr.prefill_hop_body(body)
-    assert hop["stream"] is False
-    assert hop["sampling_params"]["max_tokens"] == 1
-    assert "min_tokens" not in hop["sampling_params"]
-    assert "stream_options" not in hop
-    assert hop["output_mode"] == "tokens"
-    assert hop["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
-    assert hop["token_ids"] == [1, 2, 3]
-    # the original is untouched (the decode hop sends it)
-    assert body["sampling_params"]["max_tokens"] == 256
-    assert body["stream"] is True
-
-
 # --- configuration ------------------------------------------------------------------------
 
 
