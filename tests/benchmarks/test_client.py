@@ -307,3 +307,16 @@ def test_prefill_hop_body_follows_spec_section_3() -> None:
     assert body["sampling_params"]["max_tokens"] == 256
     assert body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}
+
+
+async def test_only_the_output_token_ids_are_counted(aiohttp_server: ServerFactory) -> None:
+    # prompt_token_ids, a null token_ids and the usage chunk carry no output tokens
+    first = chunk("rq-1", [9, 9]).replace(b'"choices"', b'"prompt_token_ids": [1, 2, 3, 4], "choices"')
+    empty = chunk("rq-1", []).replace(b'"token_ids": []', b'"token_ids": null')
+    usage = b'data: {"output_mode":"tokens","choices":[],"usage":{"completion_tokens":3}}\n\n'
+    steps = [(0.0, first), (0.0, empty), (0.0, chunk("rq-1", [7], "length")), (0.0, usage), (0.0, DONE)]
+    url, _ = await serve(aiohttp_server, lambda b: Script(steps=steps))
+    rec = await one(url)
+    assert rec.success, rec.error
+    assert rec.output_tokens == 3
+    assert rec.chunk_tokens == [2, 1]
