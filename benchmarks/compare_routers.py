@@ -25,14 +25,20 @@ proxies' RSS growth over N idle streams held open by a decode worker with a long
 
 Metrics per target and point (medians over the repetitions):
 
-* TTFT: from sending the request to the first token-bearing SSE event; for non-stream requests,
-  to the whole answer. Added TTFT is the target's percentile minus the floor's in the same
+* TTFT: from sending the request (pd-bench's clock: when its bytes are written; for the floor,
+  when its prefill hop is sent) to the first token-bearing SSE event; for non-stream requests, to
+  the whole answer. Added TTFT is the target's percentile minus the floor's in the same
   repetition (p50 and p99).
 * tokens/s and requests/s of completed requests over the run's wall time.
 * tokens per proxy CPU-second (utime + stime of the proxy's process tree during the run): the
   relay cost per core. Unlike tokens/s it holds when the proxy is not the bottleneck or other load
   shares the machine. The CPU used by the workers and by this client is recorded too: when either
   is near the cores it has, it, not the proxy, bounds the run's throughput.
+
+The load is pd-bench's own: ``benchmarks.client`` sends every request (the floor's two hops
+too) and judges its answer by pd-bench's rules (SSE, ``[DONE]``, in-band errors, the
+``output_mode`` echo), ``benchmarks.loadgen`` keeps the loop closed; ``benchmarks.sim_stack``
+starts and stops the processes and ``benchmarks.procstat`` reads their CPU time and memory.
 
 vllm-router runs with ``--policy round_robin`` (one prefill and one decode worker: routing has
 nothing to decide; its default cache_aware policy only adds work) and ``--log-level warning``.
