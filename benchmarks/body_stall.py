@@ -48,12 +48,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
-from benchmarks.sim_stack import free_port, start_sim, stop_all, wait_ready
+from benchmarks.sim_stack import free_port, processes, start_sim, wait_ready
 
 GENERATE = "/inference/v1/generate"
 SESSION_HEADER = "X-Session-ID"
@@ -78,15 +78,6 @@ def _start_proxy(prefill: Sequence[str], decode: Sequence[str], extra: Sequence[
          *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
-
-
-@contextlib.contextmanager
-def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        stop_all(procs)
 
 
 def _rendezvous_first(key: str, urls: Sequence[str]) -> str:
@@ -205,7 +196,7 @@ async def _run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _run_with(a: argparse.Namespace, body: bytes, body_file: str | None) -> dict[str, Any]:
-    with _processes() as procs:
+    with processes() as procs:
         p, p_url = _start_sim("prefill", a.itl_ms)
         procs.append(p)
         n_decode = 2 if a.mode == "forward" else 1

@@ -25,14 +25,20 @@ proxies' RSS growth over N idle streams held open by a decode worker with a long
 
 Metrics per target and point (medians over the repetitions):
 
-* TTFT: from sending the request to the first token-bearing SSE event; for non-stream requests,
-  to the whole answer. Added TTFT is the target's percentile minus the floor's in the same
+* TTFT: from sending the request (pd-bench's clock: when its bytes are written; for the floor,
+  when its prefill hop is sent) to the first token-bearing SSE event; for non-stream requests, to
+  the whole answer. Added TTFT is the target's percentile minus the floor's in the same
   repetition (p50 and p99).
 * tokens/s and requests/s of completed requests over the run's wall time.
 * tokens per proxy CPU-second (utime + stime of the proxy's process tree during the run): the
   relay cost per core. Unlike tokens/s it holds when the proxy is not the bottleneck or other load
   shares the machine. The CPU used by the workers and by this client is recorded too: when either
   is near the cores it has, it, not the proxy, bounds the run's throughput.
+
+The load is pd-bench's own: ``benchmarks.client`` sends every request (the floor's two hops
+too) and judges its answer by pd-bench's rules (SSE, ``[DONE]``, in-band errors, the
+``output_mode`` echo), ``benchmarks.loadgen`` keeps the loop closed; ``benchmarks.sim_stack``
+starts and stops the processes and ``benchmarks.procstat`` reads their CPU time and memory.
 
 vllm-router runs with ``--policy round_robin`` (one prefill and one decode worker: routing has
 nothing to decide; its default cache_aware policy only adds work) and ``--log-level warning``.
@@ -56,7 +62,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,19 +72,24 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, TextIO
+from typing import Any, Final
 
 import aiohttp
-import numpy as np
 import uvloop
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
-GENERATE_PATH: Final = "/inference/v1/generate"
+from benchmarks.client import CancelPlan, ClientOptions, new_session, send_request
+from benchmarks.datasets import RequestSpec
+from benchmarks.loadgen import Job, drive
+from benchmarks.metrics import stats
+from benchmarks.procstat import per_stream_kib, tree_cpu_seconds, tree_rss_kib
+from benchmarks.records import FAIL_HTTP_STATUS, RequestRecord
+from benchmarks.report import json_safe
+from benchmarks.sim_stack import REPO_ROOT, free_port, processes, start_logged, stop_all, wait_ready
+
 FLOOR: Final = "floor"
 PD_PROXY: Final = "pd-proxy"
 VLLM_ROUTER: Final = "vllm-router"
 TARGETS: Final = (FLOOR, PD_PROXY, VLLM_ROUTER)
-PROXIES: Final = (PD_PROXY, VLLM_ROUTER)
 _WORKERS_SUFFIX: Final = "-w"
 
 
@@ -218,13 +228,6 @@ def requests_per_run(concurrency: int, rounds: int, min_requests: int) -> int:
 # Arithmetic: percentiles, medians, added TTFT, ratios.
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), numpy's linear interpolation; NaN when empty."""
-    if not values:
-        return math.nan
-    return float(np.percentile(np.asarray(values, dtype=float), q))
-
-
 def median(values: Sequence[float]) -> float:
     """Median of the finite values; NaN when there are none."""
     finite = [v for v in values if not math.isnan(v)]
@@ -236,16 +239,6 @@ def ratio(numerator: float, denominator: float) -> float:
     if math.isnan(numerator) or math.isnan(denominator) or denominator <= 0:
         return math.nan
     return numerator / denominator
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One request: time to first token (seconds; the whole answer when not streaming), tokens."""
-
-    ok: bool
-    ttft_s: float
-    tokens: int
-    error: str = ""  # why it failed: "http <status>", an exception name, "in-band error", ...
 
 
 @dataclass(frozen=True)
@@ -272,8 +265,23 @@ class RunStats:
     error_kinds: dict[str, int] = field(default_factory=dict)
 
 
+def first_token_s(rec: RequestRecord) -> float | None:
+    """TTFT of a streamed answer; for a non-stream one, the time to the whole answer."""
+    return rec.ttft_s if rec.ttft_s is not None else rec.e2e_s
+
+
+def error_kind(rec: RequestRecord) -> str | None:
+    """Why a request counts as an error (None: it does not): the client's failure kind (with the
+    status of an HTTP error), or ``no tokens`` for an answer that carried none."""
+    if rec.failure == FAIL_HTTP_STATUS:
+        return f"{rec.failure} {rec.http_status}"
+    if rec.failure is not None or not rec.success:
+        return rec.failure or "failed"
+    return None if rec.output_tokens > 0 else "no tokens"
+
+
 def run_stats(
-    samples: Sequence[Sample],
+    records: Sequence[RequestRecord],
     wall_s: float,
     *,
     timed_out: bool = False,
@@ -281,22 +289,23 @@ def run_stats(
     workers_cpu_s: float = math.nan,
     client_cpu_s: float = math.nan,
 ) -> RunStats:
-    good = [s for s in samples if s.ok]
-    ttfts_ms = [s.ttft_s * 1000.0 for s in good]
-    tokens = sum(s.tokens for s in good)
+    kinds = [error_kind(r) for r in records]
+    good = [r for r, kind in zip(records, kinds, strict=True) if kind is None]
+    ttft = stats([t * 1000.0 for r in good if (t := first_token_s(r)) is not None], (50, 99))
+    tokens = sum(r.output_tokens for r in good)
     return RunStats(
         proxy_cpu_s=proxy_cpu_s,
         tokens_per_proxy_cpu_s=ratio(float(tokens), proxy_cpu_s),
         proxy_cpu_util=ratio(proxy_cpu_s, wall_s),
         workers_cpu_util=ratio(workers_cpu_s, wall_s),
         client_cpu_util=ratio(client_cpu_s, wall_s),
-        ttft_p50_ms=percentile(ttfts_ms, 50),
-        ttft_p99_ms=percentile(ttfts_ms, 99),
+        ttft_p50_ms=ttft.percentiles[50] if ttft else math.nan,
+        ttft_p99_ms=ttft.percentiles[99] if ttft else math.nan,
         tokens_per_s=tokens / wall_s if wall_s > 0 else math.nan,
         requests_per_s=len(good) / wall_s if wall_s > 0 else math.nan,
         ok=len(good),
-        errors=len(samples) - len(good),
-        error_kinds=dict(Counter(s.error for s in samples if not s.ok)),
+        errors=len(records) - len(good),
+        error_kinds=dict(Counter(k for k in kinds if k is not None)),
         timed_out=timed_out,
         wall_s=wall_s,
     )
@@ -343,17 +352,6 @@ def point_ratios(
         key = f"added_ttft_{q}_ms"
         row[f"added_ttft_{q}_diff_ms"] = float(a.get(key, math.nan)) - float(b.get(key, math.nan))
     return row
-
-
-def jsonable(value: Any) -> Any:
-    """NaN and infinities become null (JSON has no NaN); containers are walked."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def _check(failing: list[str], judged: int) -> dict[str, Any]:
@@ -452,211 +450,68 @@ def build_result(
         "checks": by_proxy[variants[0]],
         "checks_by_proxy": by_proxy,
     }
-    result: dict[str, Any] = jsonable(doc)
+    result: dict[str, Any] = json_safe(doc)
     return result
 
 
 # --------------------------------------------------------------------------------------------
-# SSE: count generated tokens while parsing only the token_ids arrays.
-
-_TOKEN_IDS_KEY: Final = b'"token_ids":'
-
-
-def count_token_ids(payload: bytes) -> int:
-    """Tokens in every ``"token_ids": [...]`` array of one JSON event (not ``prompt_token_ids``)."""
-    total = 0
-    start = payload.find(_TOKEN_IDS_KEY)
-    while start >= 0:
-        open_at = payload.find(b"[", start + len(_TOKEN_IDS_KEY))
-        between = payload[start + len(_TOKEN_IDS_KEY) : open_at] if open_at >= 0 else b"x"
-        if open_at < 0 or between.strip():
-            # null or something other than a list
-            start = payload.find(_TOKEN_IDS_KEY, start + len(_TOKEN_IDS_KEY))
-            continue
-        close_at = payload.find(b"]", open_at)
-        if close_at < 0:
-            break
-        inner = payload[open_at + 1 : close_at].strip()
-        if inner:
-            total += inner.count(b",") + 1
-        start = payload.find(_TOKEN_IDS_KEY, close_at)
-    return total
+# The load: benchmarks.client sends every request (the floor: its two hops), loadgen keeps the
+# loop closed.
 
 
-@dataclass
-class SseTokenCounter:
-    """Feeds on raw body chunks; counts tokens in complete ``data:`` events, notes errors and [DONE]."""
-
-    tokens: int = 0
-    done: bool = False
-    error: bool = False
-    _buf: bytes = field(default=b"", repr=False)
-
-    def feed(self, chunk: bytes) -> int:
-        """Tokens found in the events completed by this chunk."""
-        data = self._buf + chunk if self._buf else chunk
-        if b"\n\n" not in data:
-            self._buf = data
-            return 0
-        *events, self._buf = data.split(b"\n\n")
-        found = 0
-        for event in events:
-            if not event.startswith(b"data:"):
-                continue  # SSE comments (": ...") and blank keep-alives
-            payload = event[5:].strip()
-            if payload == b"[DONE]":
-                self.done = True
-            elif payload.startswith(b'{"error"'):
-                self.error = True
-            else:
-                found += count_token_ids(payload)
-        self.tokens += found
-        return found
-
-
-# --------------------------------------------------------------------------------------------
-# The load client: one small aiohttp client doing what the targets' users would do.
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    url: str = ""  # proxies: their base URL
-    prefill_url: str = ""  # floor: the two workers
-    decode_url: str = ""
-
-
-def request_body(point: Point, prompt: Sequence[int]) -> dict[str, Any]:
-    return {
-        "token_ids": list(prompt),
-        "sampling_params": {"max_tokens": point.max_tokens, "temperature": 0.0, "ignore_eos": True},
-        "stream": point.stream,
-    }
-
-
-def prefill_hop_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """SPEC section 3.1: non-stream, one token, no min_tokens/stream_options, tokens mode, remote decode."""
-    sampling = {k: v for k, v in dict(body["sampling_params"]).items() if k != "min_tokens"}
-    sampling["max_tokens"] = 1
-    hop = {k: v for k, v in body.items() if k != "stream_options"}
-    hop.update(
-        sampling_params=sampling,
-        stream=False,
-        output_mode="tokens",
-        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+def client_options(url: str, request_timeout_s: float, prefill_url: str | None = None) -> ClientOptions:
+    """How a target is sent to (``prefill_url``: the floor, the client doing both hops). No
+    Server-Timing report is asked for: it would cost pd-proxy CPU that vllm-router does not spend."""
+    return ClientOptions(
+        url=url, prefill_url=prefill_url, request_timeout_s=request_timeout_s, ask_server_timing=False
     )
-    return hop
 
 
-class LoadClient:
-    """Sends one generate call (or the floor's two hops) and times it."""
-
-    def __init__(self, session: aiohttp.ClientSession, point: Point, prompt: Sequence[int]) -> None:
-        self._session = session
-        self._point = point
-        self._body = request_body(point, prompt)
-        self._encoded = json.dumps(self._body, separators=(",", ":")).encode()
-        self._prefill_encoded = json.dumps(prefill_hop_body(self._body), separators=(",", ":")).encode()
-
-    async def one(self, target: Target, first_token_only: bool = False) -> Sample:
-        """One request; with first_token_only a stream is closed (ok) as soon as a token arrives."""
-        rid = uuid.uuid4().hex
-        headers = {"Content-Type": "application/json", "X-Request-Id": rid}
-        t0 = time.perf_counter()
-        try:
-            if target.name == FLOOR:
-                async with self._session.post(
-                    target.prefill_url + GENERATE_PATH, data=self._prefill_encoded, headers=headers
-                ) as resp:
-                    raw = await resp.read()
-                    if resp.status != 200:
-                        return Sample(False, math.nan, 0, f"prefill http {resp.status}")
-                kv = json.loads(raw).get("kv_transfer_params")
-                decode_body = dict(self._body, kv_transfer_params=kv)
-                data = json.dumps(decode_body, separators=(",", ":")).encode()
-                url = target.decode_url + GENERATE_PATH
-            else:
-                data = self._encoded
-                url = target.url + GENERATE_PATH
-            async with self._session.post(url, data=data, headers=headers) as resp:
-                if resp.status != 200:
-                    await resp.read()
-                    return Sample(False, math.nan, 0, f"http {resp.status}")
-                if not self._point.stream:
-                    doc = json.loads(await resp.read())
-                    ttft = time.perf_counter() - t0
-                    tokens = sum(len(c.get("token_ids") or ()) for c in doc.get("choices", ()))
-                    return Sample(tokens > 0, ttft, tokens, "" if tokens else "no tokens")
-                counter = SseTokenCounter()
-                ttft = math.nan
-                async for chunk in resp.content.iter_any():
-                    if counter.feed(chunk) and math.isnan(ttft):
-                        ttft = time.perf_counter() - t0
-                        if first_token_only:
-                            return Sample(True, ttft, counter.tokens)
-                ok = counter.done and not counter.error and counter.tokens > 0
-                why = "in-band error" if counter.error else "no [DONE]" if not counter.done else "no tokens"
-                return Sample(ok, ttft, counter.tokens, "" if ok else why)
-        except (aiohttp.ClientError, ValueError, TimeoutError) as e:
-            return Sample(False, math.nan, 0, type(e).__name__)
-
-
-def new_session(concurrency: int, request_timeout_s: float) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=request_timeout_s),
-        auto_decompress=False,
-    )
+def new_record(index: int, spec: RequestSpec, target: str) -> RequestRecord:
+    return RequestRecord(index, uuid.uuid4().hex, target, len(spec.prompt), spec.output_len)
 
 
 async def run_load(
-    target: Target,
+    opts: ClientOptions,
     point: Point,
     *,
     prompt: Sequence[int],
     n_requests: int,
     time_limit_s: float,
-    request_timeout_s: float,
     proxy_pid: int | None = None,
     worker_pids: Sequence[int] = (),
 ) -> RunStats:
-    """Closed loop: `concurrency` workers send back to back until n_requests are sent or time is up."""
-    samples: list[Sample] = []
-    timed_out = False
-    async with new_session(point.concurrency, request_timeout_s) as session:
-        client = LoadClient(session, point, prompt)
+    """Closed loop: ``concurrency`` requests in flight, sent back to back until ``n_requests`` were
+    sent or ``time_limit_s`` passed (each request is bounded by its own timeout)."""
+    opts = replace(opts, stream=point.stream)
+    spec = RequestSpec(prompt=list(prompt), output_len=point.max_tokens)
+    async with new_session() as session:
+
+        async def send(job: Job, t0: float) -> RequestRecord:
+            return await send_request(session, opts, job.spec, new_record(job.index, spec, opts.url), t0)
+
         # Warm-up (not recorded): one request per concurrent stream, all at once, so that every
         # connection the run uses (client to target, target to workers) is open before the
         # clock starts. With only a few, each run paid for opening most of them, and unevenly:
         # a target whose idle upstream connections outlive the other targets' runs paid less
         # (pd-proxy drops them after 4 s, under vLLM's 5 s keep-alive).
-        await asyncio.gather(*(client.one(target) for _ in range(point.concurrency)))
-        tickets = iter(range(n_requests))
-        stop_at = time.monotonic() + time_limit_s
-
-        async def worker() -> None:
-            for _ in tickets:
-                if time.monotonic() > stop_at:
-                    return
-                samples.append(await client.one(target))
-
+        warm = [Job(i, 0, spec, 0.0) for i in range(point.concurrency)]
+        await asyncio.gather(*(send(job, time.perf_counter()) for job in warm))
+        jobs = [Job(i, 0, spec, 0.0) for i in range(n_requests)]
         cpu0 = tree_cpu_seconds(proxy_pid) if proxy_pid else math.nan
         workers0 = sum(tree_cpu_seconds(p) for p in worker_pids) if worker_pids else math.nan
         client0 = time.process_time()
-        t0 = time.perf_counter()
-        try:
-            async with asyncio.timeout(time_limit_s + request_timeout_s):
-                await asyncio.gather(*(worker() for _ in range(point.concurrency)))
-        except TimeoutError:
-            timed_out = True
-        wall = time.perf_counter() - t0
+        records, wall = await drive(jobs, send, point.concurrency, time_limit_s)
         cpu = tree_cpu_seconds(proxy_pid) - cpu0 if proxy_pid else math.nan
         workers = sum(tree_cpu_seconds(p) for p in worker_pids) - workers0 if worker_pids else math.nan
         client_cpu = time.process_time() - client0
-    timed_out = timed_out or len(samples) < n_requests
     return run_stats(
-        samples, wall, timed_out=timed_out, proxy_cpu_s=cpu, workers_cpu_s=workers, client_cpu_s=client_cpu
+        records,
+        wall,
+        timed_out=len(records) < n_requests,
+        proxy_cpu_s=cpu,
+        workers_cpu_s=workers,
+        client_cpu_s=client_cpu,
     )
 
 
@@ -664,230 +519,104 @@ async def run_load(
 # Memory per open stream.
 
 
-def parse_vmrss_kib(status_text: str) -> int:
-    """VmRSS in KiB from the text of /proc/<pid>/status (0 when absent, e.g. a zombie)."""
-    for line in status_text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (via /proc/<pid>/task/*/children)."""
-    seen: list[int] = []
-    stack = [pid]
-    while stack and len(seen) < 4096:
-        p = stack.pop()
-        if p in seen:
-            continue
-        seen.append(p)
-        task_dir = Path(f"/proc/{p}/task")
-        with contextlib.suppress(OSError):
-            for task in task_dir.iterdir():
-                with contextlib.suppress(OSError):
-                    stack.extend(int(c) for c in (task / "children").read_text().split())
-    return seen
-
-
-def parse_stat_cpu_ticks(stat_text: str) -> int:
-    """utime + stime (clock ticks) from the text of /proc/<pid>/stat; the command name may hold spaces."""
-    fields = stat_text[stat_text.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state); utime and stime are fields 14 and 15.
-    return int(fields[11]) + int(fields[12])
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    ticks = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ticks += parse_stat_cpu_ticks(Path(f"/proc/{p}/stat").read_text())
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def tree_rss_kib(pid: int) -> int:
-    total = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(OSError):
-            total += parse_vmrss_kib(Path(f"/proc/{p}/status").read_text())
-    return total
-
-
-def per_stream_kib(rss_before_kib: int, rss_after_kib: int, streams: int) -> float:
-    return (rss_after_kib - rss_before_kib) / streams if streams > 0 else math.nan
-
-
 async def hold_streams(
-    url: str, n: int, prompt: Sequence[int], settle_s: float, limit_s: float
-) -> tuple[int, list[asyncio.Task[None]], aiohttp.ClientSession]:
-    """Opens n streams and waits (bounded) until each has delivered its first token.
-    Returns how many did, the tasks holding them, and the session (caller closes both)."""
-    session = new_session(n, limit_s + 600)
-    point = Point(stream=True, max_tokens=_MEMORY_TOKENS, concurrency=n)
-    body = json.dumps(request_body(point, prompt), separators=(",", ":")).encode()
-    opened = 0
-    all_open = asyncio.Event()
+    session: aiohttp.ClientSession, opts: ClientOptions, n: int, prompt: Sequence[int], limit_s: float
+) -> tuple[list[RequestRecord], list[asyncio.Task[RequestRecord]]]:
+    """Opens n streams and waits (bounded) until each has delivered its first token or ended.
+    Returns their records and the tasks holding them (the caller cancels those)."""
+    spec = RequestSpec(prompt=list(prompt), output_len=_MEMORY_TOKENS)
+    records = [new_record(i, spec, opts.url) for i in range(n)]
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(send_request(session, opts, spec, r, t0)) for r in records]
+    deadline = time.monotonic() + limit_s
+    while (left := deadline - time.monotonic()) > 0:
+        waiting = [t for r, t in zip(records, tasks, strict=True) if r.ttft_s is None and not t.done()]
+        if not waiting:
+            break
+        await asyncio.wait(waiting, timeout=min(left, 0.05))  # the first tokens are polled
+    return records, tasks
 
-    async def one() -> None:
-        nonlocal opened
-        headers = {"Content-Type": "application/json", "X-Request-Id": uuid.uuid4().hex}
-        with contextlib.suppress(aiohttp.ClientError, ValueError):
-            async with session.post(url + GENERATE_PATH, data=body, headers=headers) as resp:
-                counter = SseTokenCounter()
-                first = True
-                async for chunk in resp.content.iter_any():
-                    if counter.feed(chunk) and first:
-                        first = False
-                        opened += 1
-                        if opened >= n:
-                            all_open.set()
 
-    tasks = [asyncio.create_task(one()) for _ in range(n)]
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(limit_s):
-            await all_open.wait()
-    await asyncio.sleep(settle_s)
-    return opened, tasks, session
+async def release(tasks: Sequence[asyncio.Task[RequestRecord]]) -> None:
+    """Close held streams (cancelling a request closes its connection)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def streams_open(records: Sequence[RequestRecord]) -> int:
+    return sum(1 for r in records if r.ttft_s is not None)
 
 
 async def measure_stream_memory(
     name: str, url: str, *, pid: int, n: int, prompt: Sequence[int], limit_s: float
 ) -> dict[str, Any]:
-    # Warm-up: a handful of held streams, released, so lazily built state is off the books.
-    opened_w, tasks_w, session_w = await hold_streams(url, 16, prompt, 0.5, min(limit_s, 30))
-    for t in tasks_w:
-        t.cancel()
-    await asyncio.gather(*tasks_w, return_exceptions=True)
-    await session_w.close()
-    await asyncio.sleep(1.0)
-    before = tree_rss_kib(pid)
-    t0 = time.perf_counter()
-    opened, tasks, session = await hold_streams(url, n, prompt, 1.0, limit_s)
-    after = tree_rss_kib(pid)
-    elapsed = time.perf_counter() - t0
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await session.close()
+    opts = client_options(url, limit_s + 600)
+    async with new_session() as session:
+        # Warm-up: a handful of held streams, released, so lazily built state is off the books.
+        warm, tasks = await hold_streams(session, opts, 16, prompt, min(limit_s, 30))
+        await asyncio.sleep(0.5)
+        await release(tasks)
+        await asyncio.sleep(1.0)
+        before = tree_rss_kib(pid)
+        t0 = time.perf_counter()
+        held, tasks = await hold_streams(session, opts, n, prompt, limit_s)
+        await asyncio.sleep(1.0)
+        after = tree_rss_kib(pid)
+        elapsed = time.perf_counter() - t0
+        await release(tasks)
     return {
         "target": name,
         "streams_requested": n,
-        "streams_open": opened,
-        "warmup_streams_open": opened_w,
+        "streams_open": streams_open(held),
+        "warmup_streams_open": streams_open(warm),
         "rss_before_kib": before,
         "rss_after_kib": after,
-        "per_stream_kib": per_stream_kib(before, after, opened),
+        "per_stream_kib": per_stream_kib(before, after, streams_open(held)),
         "open_seconds": elapsed,
     }
 
 
 # --------------------------------------------------------------------------------------------
-# Processes: started in their own session, killed (group) at the end whatever happens.
+# Processes: each in its own process group with its log in the output folder (sim_stack's
+# start_logged); every one is stopped, group and all, at the end whatever happens.
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def start(procs: list[subprocess.Popen[bytes]], cfg: Config, name: str, argv: Sequence[str],
+          cpus: str | None) -> subprocess.Popen[bytes]:
+    proc = start_logged(argv, cfg.out_dir / f"{name}.log", cpus)
+    procs.append(proc)
+    return proc
 
 
-class Processes:
-    """Children started for the comparison; close() kills every one of them (their process group)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self._log_dir = log_dir
-        self._procs: list[tuple[subprocess.Popen[bytes], TextIO]] = []
-
-    def start(self, name: str, argv: Sequence[str], cpus: str | None) -> subprocess.Popen[bytes]:
-        full = ["taskset", "-c", cpus, *argv] if cpus else list(argv)
-        log = (self._log_dir / f"{name}.log").open("w")
-        log.write("$ " + shlex.join(full) + "\n")
-        log.flush()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", NO_COLOR="1")
-        proc = subprocess.Popen(
-            full,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            env=env,
-            start_new_session=True,
-        )
-        self._procs.append((proc, log))
-        return proc
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-
-    def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        for i, (p, log) in enumerate(self._procs):
-            if p is proc:
-                self._kill(p)
-                log.close()
-                del self._procs[i]
-                return
-
-    def close(self) -> None:
-        while self._procs:
-            proc, log = self._procs.pop()
-            try:
-                self._kill(proc)
-            finally:
-                log.close()
+def stop(procs: list[subprocess.Popen[bytes]], proc: subprocess.Popen[bytes]) -> None:
+    stop_all([proc])
+    procs.remove(proc)
 
 
-async def wait_ready(
-    name: str,
-    proc: subprocess.Popen[bytes],
-    probe: Target,
-    prompt: Sequence[int],
-    limit_s: float,
+async def wait_serving(
+    name: str, proc: subprocess.Popen[bytes], opts: ClientOptions, prompt: Sequence[int], limit_s: float
 ) -> None:
     """Bounded: until a small stream through the target delivers a token (the stream is then closed,
     so this also works in front of a decode worker that takes minutes per token)."""
-    point = Point(stream=True, max_tokens=2, concurrency=1)
+    opts = replace(opts, stream=True, request_timeout_s=5.0)
+    spec = RequestSpec(prompt=list(prompt), output_len=2)
+    first_token = CancelPlan(mode="disconnect", after_tokens=1)
     deadline = time.monotonic() + limit_s
     last = "no answer"
-    async with new_session(1, 5.0) as session:
-        client = LoadClient(session, point, prompt)
+    async with new_session() as session:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"{name} exited with code {proc.returncode} before it was ready (see its log)"
                 )
-            sample = await client.one(probe, first_token_only=True)
-            if sample.ok:
+            rec = new_record(0, spec, opts.url)
+            await send_request(session, opts, spec, rec, time.perf_counter(), cancel=first_token)
+            if rec.ttft_s is not None:
                 return
-            last = "request failed"
+            last = rec.error or "request failed"
             await asyncio.sleep(0.2)
     raise RuntimeError(f"{name} not ready after {limit_s:.0f} s ({last}; see its log)")
-
-
-async def wait_port(proc: subprocess.Popen[bytes], name: str, port: int, limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode} (see its log)")
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            await asyncio.sleep(0.1)
-            continue
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return
-    raise RuntimeError(f"{name} did not listen on port {port} within {limit_s:.0f} s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1082,7 +811,7 @@ def proxy_argv(name: str, cfg: Config, port: int, prefill: str, decode: str) -> 
 
 
 async def start_proxy(
-    procs: Processes,
+    procs: list[subprocess.Popen[bytes]],
     name: str,
     cfg: Config,
     *,
@@ -1090,13 +819,12 @@ async def start_proxy(
     decode: str,
     prompt: Sequence[int],
     log_name: str,
-) -> tuple[Target, subprocess.Popen[bytes]]:
+) -> tuple[ClientOptions, subprocess.Popen[bytes]]:
     port = free_port()
-    proc = procs.start(log_name, proxy_argv(name, cfg, port, prefill, decode), cfg.proxy_cpus)
-    target = Target(name=name, url=f"http://127.0.0.1:{port}")
-    await wait_port(proc, log_name, port, 60)
-    await wait_ready(log_name, proc, target, prompt, 60)
-    return target, proc
+    proc = start(procs, cfg, log_name, proxy_argv(name, cfg, port, prefill, decode), cfg.proxy_cpus)
+    opts = client_options(f"http://127.0.0.1:{port}", cfg.request_timeout_s)
+    await wait_serving(log_name, proc, opts, prompt, 60)
+    return opts, proc
 
 
 def sim_argv(template: str, cfg: Config, port: int, role: str) -> list[str]:
@@ -1106,12 +834,16 @@ def sim_argv(template: str, cfg: Config, port: int, role: str) -> list[str]:
 
 
 async def start_sim(
-    procs: Processes, cfg: Config, role: str, template: str, log_name: str
+    procs: list[subprocess.Popen[bytes]], cfg: Config, role: str, template: str, log_name: str
 ) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
-    proc = procs.start(log_name, sim_argv(template, cfg, port, role), cfg.worker_cpus)
-    await wait_port(proc, log_name, port, 60)
-    return f"http://127.0.0.1:{port}", proc
+    proc = start(procs, cfg, log_name, sim_argv(template, cfg, port, role), cfg.worker_cpus)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, proc, 60)
+    except RuntimeError as e:
+        raise RuntimeError(f"{log_name}: {e} (see its log)") from None
+    return url, proc
 
 
 def versions(cfg: Config) -> dict[str, str]:
@@ -1140,7 +872,7 @@ def versions(cfg: Config) -> dict[str, str]:
     return out
 
 
-async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
+async def run_comparison(cfg: Config, procs: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
     prompt = make_prompt(cfg.prompt_len)
     points = build_points(cfg.concurrencies, cfg.max_tokens, cfg.streams)
     meta: dict[str, Any] = {
@@ -1161,17 +893,17 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
     }
     prefill_url, prefill_proc = await start_sim(procs, cfg, "prefill", cfg.sim_cmd, "sim-prefill")
     decode_url, decode_proc = await start_sim(procs, cfg, "decode", cfg.sim_cmd, "sim-decode")
-    targets: dict[str, Target] = {}
+    floor = client_options(decode_url, cfg.request_timeout_s, prefill_url=prefill_url)
+    await wait_serving("pd-sim workers", decode_proc, floor, prompt, 60)
+    targets: dict[str, ClientOptions] = {}
     proxy_pids: dict[str, int] = {}
-    floor = Target(name=FLOOR, prefill_url=prefill_url, decode_url=decode_url)
-    await wait_ready("pd-sim workers", decode_proc, floor, prompt, 60)
     failed: dict[str, str] = {}
     for name in cfg.targets:
         if name == FLOOR:
             targets[name] = floor
             continue
         try:
-            target, proc = await start_proxy(
+            targets[name], proc = await start_proxy(
                 procs, name, cfg, prefill=prefill_url, decode=decode_url, prompt=prompt, log_name=name
             )
         except RuntimeError as e:
@@ -1179,7 +911,6 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
             print(f"WARNING: {e}; {name} is left out of this run", file=sys.stderr, flush=True)
             failed[name] = str(e)
             continue
-        targets[name] = target
         proxy_pids[name] = proc.pid
     meta["failed_targets"] = failed
     meta["proxy_idle_rss_kib"] = {n: tree_rss_kib(pid) for n, pid in proxy_pids.items()}
@@ -1188,65 +919,66 @@ async def run_comparison(cfg: Config, procs: Processes) -> dict[str, Any]:
     runs: dict[Point, dict[str, list[RunStats]]] = {}
     plan = list(schedule(points, names, cfg.reps))
     for i, (point, rep, name) in enumerate(plan, 1):
-        n = requests_per_run(point.concurrency, cfg.rounds, cfg.min_requests)
-        stats = await run_load(
+        run = await run_load(
             targets[name],
             point,
             prompt=prompt,
-            n_requests=n,
+            n_requests=requests_per_run(point.concurrency, cfg.rounds, cfg.min_requests),
             time_limit_s=cfg.run_time_limit_s,
-            request_timeout_s=cfg.request_timeout_s,
             proxy_pid=proxy_pids.get(name),
             worker_pids=(prefill_proc.pid, decode_proc.pid),
         )
-        runs.setdefault(point, {t: [] for t in names})[name].append(stats)
-        print(
-            f"[{i:3d}/{len(plan)}] {point.label:<22} rep {rep} {name:<12} "
-            f"ttft p50 {stats.ttft_p50_ms:8.2f} ms  p99 {stats.ttft_p99_ms:8.2f} ms  "
-            f"{stats.tokens_per_s:9.0f} tok/s  {stats.requests_per_s:8.1f} req/s  "
-            f"cpu proxy {stats.proxy_cpu_util:4.2f} workers {stats.workers_cpu_util:4.2f} "
-            f"client {stats.client_cpu_util:4.2f}  ok {stats.ok} err {stats.errors}"
-            f"{' ' + str(stats.error_kinds) if stats.error_kinds else ''}"
-            f"{'  TIMED OUT' if stats.timed_out else ''}",
-            flush=True,
-        )
+        runs.setdefault(point, {t: [] for t in names})[name].append(run)
+        print(f"[{i:3d}/{len(plan)}] {point.label:<22} rep {rep} {name:<12} {run_line(run)}", flush=True)
 
     memory: dict[str, Any] = {"streams": cfg.memory_streams, "results": []}
     if cfg.memory_streams > 0 and any(is_proxy(t) for t in names):
-        slow_url, slow_proc = await start_sim(procs, cfg, "decode", cfg.slow_decode_cmd, "sim-decode-slow")
-        for name in (t for t in names if is_proxy(t)):
-            # A fresh proxy wired to the slow decode worker: the streams stay open, idle.
-            target, proc = await start_proxy(
-                procs,
-                name,
-                cfg,
-                prefill=prefill_url,
-                decode=slow_url,
-                prompt=prompt,
-                log_name=f"{name}-memory",
-            )
-            try:
-                res = await measure_stream_memory(
-                    name,
-                    target.url,
-                    pid=proc.pid,
-                    n=cfg.memory_streams,
-                    prompt=prompt,
-                    limit_s=cfg.run_time_limit_s,
-                )
-            finally:
-                procs.stop(proc)
-            memory["results"].append(res)
-            print(
-                f"memory {name:<12} {res['streams_open']}/{cfg.memory_streams} streams open: "
-                f"RSS {res['rss_before_kib']} -> {res['rss_after_kib']} KiB, "
-                f"{res['per_stream_kib']:.1f} KiB per open stream",
-                flush=True,
-            )
-        procs.stop(slow_proc)
+        proxies = [t for t in names if is_proxy(t)]
+        memory["results"] = await run_memory(procs, cfg, proxies, prefill_url, prompt)
     meta["loadavg_end"] = list(os.getloadavg())
     meta["finished_utc"] = dt.datetime.now(dt.UTC).isoformat()
     return build_result(meta, points, runs, memory)
+
+
+def run_line(run: RunStats) -> str:
+    return (
+        f"ttft p50 {run.ttft_p50_ms:8.2f} ms  p99 {run.ttft_p99_ms:8.2f} ms  "
+        f"{run.tokens_per_s:9.0f} tok/s  {run.requests_per_s:8.1f} req/s  "
+        f"cpu proxy {run.proxy_cpu_util:4.2f} workers {run.workers_cpu_util:4.2f} "
+        f"client {run.client_cpu_util:4.2f}  ok {run.ok} err {run.errors}"
+        f"{' ' + str(run.error_kinds) if run.error_kinds else ''}"
+        f"{'  TIMED OUT' if run.timed_out else ''}"
+    )
+
+
+async def run_memory(
+    procs: list[subprocess.Popen[bytes]], cfg: Config, names: Sequence[str], prefill_url: str,
+    prompt: Sequence[int],
+) -> list[dict[str, Any]]:
+    """Memory per open stream of each proxy: a fresh one wired to a decode worker that sends its
+    first token at once and the next after minutes, so the streams stay open, idle."""
+    slow_url, slow_proc = await start_sim(procs, cfg, "decode", cfg.slow_decode_cmd, "sim-decode-slow")
+    results = []
+    for name in names:
+        opts, proc = await start_proxy(
+            procs, name, cfg, prefill=prefill_url, decode=slow_url, prompt=prompt, log_name=f"{name}-memory"
+        )
+        try:
+            res = await measure_stream_memory(
+                name, opts.url, pid=proc.pid, n=cfg.memory_streams, prompt=prompt,
+                limit_s=cfg.run_time_limit_s,
+            )
+        finally:
+            stop(procs, proc)
+        results.append(res)
+        print(
+            f"memory {name:<12} {res['streams_open']}/{cfg.memory_streams} streams open: "
+            f"RSS {res['rss_before_kib']} -> {res['rss_after_kib']} KiB, "
+            f"{res['per_stream_kib']:.1f} KiB per open stream",
+            flush=True,
+        )
+    stop(procs, slow_proc)
+    return results
 
 
 # --------------------------------------------------------------------------------------------
@@ -1405,15 +1137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.client_cpus:
         os.sched_setaffinity(0, {int(c) for c in cfg.client_cpus.split(",")})
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    procs = Processes(cfg.out_dir)
     try:
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        result = asyncio.run(run_comparison(cfg, procs))
+        with processes() as procs:
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+            result = asyncio.run(run_comparison(cfg, procs))
     except KeyboardInterrupt:
-        print("interrupted: stopping every process started here", file=sys.stderr)
+        print("interrupted: every process started here was stopped", file=sys.stderr)
         return 130
     finally:
-        procs.close()
         signal.signal(signal.SIGTERM, previous)
     result["meta"]["skipped_targets"] = skipped
     json_path = cfg.out_dir / "result.json"

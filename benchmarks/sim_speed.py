@@ -16,24 +16,15 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import resource
 import shutil
 import sys
 import time
 from typing import Any
 
+from benchmarks.procstat import tree_cpu_seconds
+
 _MAX_REQUESTS = 100_000
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 async def _start_sim(core: int | None, extra: list[str]) -> tuple[asyncio.subprocess.Process, str]:
@@ -98,7 +89,7 @@ async def run(
         host, port_s = url.removeprefix("http://").rsplit(":", 1)
         port = int(port_s)
         await _stream(host, port, 16, 0)  # warm-up
-        cpu0 = _cpu_seconds(proc.pid)
+        cpu0 = tree_cpu_seconds(proc.pid)
         client0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         deadline = t0 + seconds
@@ -116,7 +107,7 @@ async def run(
 
         await asyncio.wait_for(asyncio.gather(*(worker(w) for w in range(concurrency))), seconds + 60)
         elapsed = time.perf_counter() - t0
-        cpu = _cpu_seconds(proc.pid) - cpu0
+        cpu = tree_cpu_seconds(proc.pid) - cpu0
         client1 = resource.getrusage(resource.RUSAGE_SELF)
         client_cpu = (client1.ru_utime - client0.ru_utime) + (client1.ru_stime - client0.ru_stime)
     finally:

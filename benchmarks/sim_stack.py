@@ -6,6 +6,11 @@ Starts three processes on 127.0.0.1 (``pd-sim`` twice and ``pd-proxy``, through 
 lines, so pd-bench still imports nothing of theirs), runs a concurrency sweep through the proxy
 and a comparison of the proxy against the decode worker alone, prints the summaries and the
 plot paths, and stops every process it started.
+
+Its helpers are how every benchmark here starts and stops processes: ``free_port``, ``start_sim``
+(a pd-sim on a port of its choosing), ``start_logged`` (any command, its output to a log file,
+optionally pinned to CPUs, in a process group of its own), ``wait_ready`` (``/health`` answers
+200), ``stop_all`` and ``processes`` (a list whose processes are stopped on exit).
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ import asyncio
 import contextlib
 import json
 import math
+import os
+import shlex
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import aiohttp
 
@@ -28,6 +37,7 @@ from benchmarks.datasets import DatasetConfig
 from benchmarks.runner import BenchConfig, arun_compare, arun_sweep, summary_text
 
 _READY_TIMEOUT_S = 30.0
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -90,36 +100,80 @@ def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen[bytes], st
     return proc, f"http://127.0.0.1:{port}"
 
 
+def start_logged(argv: Sequence[str], log: Path, cpus: str | None = None) -> subprocess.Popen[bytes]:
+    """``argv`` (under ``taskset -c cpus`` when given) in a session, so a process group, of its
+    own, stdout and stderr to ``log`` after a ``$ command`` line; run from the repository root."""
+    full = ["taskset", "-c", cpus, *argv] if cpus else list(argv)
+    with log.open("w") as fh:
+        fh.write("$ " + shlex.join(full) + "\n")
+        fh.flush()
+        return subprocess.Popen(
+            full,
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", NO_COLOR="1"),
+            start_new_session=True,
+        )
+
+
+def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """``sig`` to a running process, to its whole group when it leads one (``start_logged``)."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+
+
 def stop_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Stop processes started in order, the last first; one that does not stop in 5 s is killed."""
+    """Stop processes started in order, the last first; one that does not stop in 5 s is killed.
+    A process that leads its own group (``start_logged``) is stopped with its whole group."""
     for proc in reversed(procs):
-        proc.terminate()
+        _signal(proc, signal.SIGTERM)
     for proc in procs:
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _signal(proc, signal.SIGKILL)
             proc.wait()
 
 
-async def wait_ready(url: str) -> None:
-    """Poll ``url``/health until it answers 200 (at most 30 s)."""
-    deadline = time.monotonic() + _READY_TIMEOUT_S
+@contextlib.contextmanager
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """A list to append started processes to; every one of them is stopped on exit."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        stop_all(procs)
+
+
+async def wait_ready(
+    url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = _READY_TIMEOUT_S
+) -> None:
+    """Poll ``url``/health until it answers 200 (at most ``timeout_s``); fail at once when
+    ``proc`` (the process behind ``url``) exits."""
+    deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{url}: exited with code {proc.returncode} before it was ready")
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 async with s.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
                     if r.status == 200:
                         return
             await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {_READY_TIMEOUT_S:g} s")
+    raise RuntimeError(f"{url} not ready after {timeout_s:g} s")
 
 
 @contextlib.contextmanager
 def _stack(timing: Sequence[str]) -> Iterator[tuple[str, str]]:
     """(proxy URL, decode worker URL); all three processes are stopped on exit."""
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
+    with processes() as procs:
         p, p_url = start_sim("prefill", timing)
         procs.append(p)
         d, d_url = start_sim("decode", timing)
@@ -127,8 +181,6 @@ def _stack(timing: Sequence[str]) -> Iterator[tuple[str, str]]:
         x, x_url = _start_proxy(p_url, d_url)
         procs.append(x)
         yield x_url, d_url
-    finally:
-        stop_all(procs)
 
 
 async def _main(args: argparse.Namespace) -> None:

@@ -15,7 +15,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 import benchmarks.client
-from benchmarks.client import ClientOptions, endpoint, new_session, parse_server_timing, send_request
+from benchmarks.client import (
+    ClientOptions,
+    build_body,
+    endpoint,
+    new_session,
+    parse_server_timing,
+    prefill_hop_body,
+    send_request,
+)
 from benchmarks.datasets import RequestSpec
 from benchmarks.records import (
     FAIL_ABORTED,
@@ -281,3 +289,34 @@ async def test_the_clock_starts_when_the_request_is_written(
     # every later reading is a whole tick after the start (relative to it, not to the call)
     assert (rec.ttft_s + start).is_integer() and rec.ttft_s >= 1.0
     assert rec.e2e_s + start == ticks.n
+
+
+def test_prefill_hop_body_follows_spec_section_3() -> None:
+    body = build_body(RequestSpec(prompt=[1, 2, 3], output_len=256), "rq-1", ClientOptions(url="x"))
+    body["sampling_params"]["min_tokens"] = 4
+    body["stream_options"] = {"include_usage": True}
+    hop = prefill_hop_body(body)
+    assert hop["stream"] is False
+    assert hop["sampling_params"]["max_tokens"] == 1
+    assert "min_tokens" not in hop["sampling_params"]
+    assert "stream_options" not in hop
+    assert hop["output_mode"] == "tokens"
+    assert hop["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert hop["token_ids"] == [1, 2, 3]
+    # the original is untouched (the decode hop sends it)
+    assert body["sampling_params"]["max_tokens"] == 256
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+
+
+async def test_only_the_output_token_ids_are_counted(aiohttp_server: ServerFactory) -> None:
+    # prompt_token_ids, a null token_ids and the usage chunk carry no output tokens
+    first = chunk("rq-1", [9, 9]).replace(b'"choices"', b'"prompt_token_ids": [1, 2, 3, 4], "choices"')
+    empty = chunk("rq-1", []).replace(b'"token_ids": []', b'"token_ids": null')
+    usage = b'data: {"output_mode":"tokens","choices":[],"usage":{"completion_tokens":3}}\n\n'
+    steps = [(0.0, first), (0.0, empty), (0.0, chunk("rq-1", [7], "length")), (0.0, usage), (0.0, DONE)]
+    url, _ = await serve(aiohttp_server, lambda b: Script(steps=steps))
+    rec = await one(url)
+    assert rec.success, rec.error
+    assert rec.output_tokens == 3
+    assert rec.chunk_tokens == [2, 1]

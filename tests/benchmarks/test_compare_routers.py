@@ -1,24 +1,31 @@
-"""The router comparison's pure parts: plan order, arithmetic, parsing, result shape, clean-up.
+"""The router comparison: plan order, arithmetic, result shape, configuration, and its load,
+readiness and memory steps against a scripted server.
 
 No timing assertions: the numbers themselves come from `python -m benchmarks.compare_routers`.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import json
 import math
 import os
-import time
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from benchmarks import compare_routers as cr
-from benchmarks.compare_routers import FLOOR, PD_PROXY, TARGETS, VLLM_ROUTER, Point, RunStats, Sample
+from benchmarks.compare_routers import FLOOR, PD_PROXY, TARGETS, VLLM_ROUTER, Point, RunStats
+from benchmarks.records import FAIL_HTTP_STATUS, FAIL_TRANSPORT, RequestRecord
+from tests.benchmarks.scripted import SEEN, Script, chunk, echo_stream, make_app
+
+ServerFactory = Callable[..., Awaitable[TestServer]]
 
 # --- plan ---------------------------------------------------------------------------------
 
@@ -71,18 +78,6 @@ def test_requests_per_run() -> None:
 # --- arithmetic ---------------------------------------------------------------------------
 
 
-@settings(deadline=None)  # no timing in tests: a busy machine must not fail them
-@given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=2, max_size=200))
-def test_percentile_matches_numpy_linear(values: list[float]) -> None:
-    for q in (0, 1, 50, 90, 99, 99.5, 100):
-        assert cr.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-9)
-
-
-def test_percentile_edges() -> None:
-    assert math.isnan(cr.percentile([], 50))
-    assert cr.percentile([3.0], 99) == 3.0
-
-
 def test_median_ignores_nan_and_is_nan_when_empty() -> None:
     assert cr.median([1.0, math.nan, 3.0, 10.0]) == 3.0
     assert math.isnan(cr.median([math.nan]))
@@ -97,12 +92,23 @@ def test_ratio_guards() -> None:
     assert math.isnan(cr.ratio(2.0, math.nan))
 
 
+def _record(
+    ttft_s: float | None, tokens: int, failure: str | None = None, status: int = 200, e2e_s: float = 0.1
+) -> RequestRecord:
+    rec = RequestRecord(0, "r", "t", 4, tokens, ttft_s=ttft_s, e2e_s=e2e_s, output_tokens=tokens)
+    rec.http_status = status
+    if failure is not None:
+        rec.fail(failure, "x")
+    rec.success = failure is None
+    return rec
+
+
 def test_run_stats_counts_only_good_samples() -> None:
-    samples = [Sample(True, 0.010, 32), Sample(True, 0.020, 32), Sample(False, math.nan, 0, "http 502")]
+    samples = [_record(0.010, 32), _record(0.020, 32), _record(None, 0, FAIL_HTTP_STATUS, 502)]
     stats = cr.run_stats(samples, wall_s=2.0, proxy_cpu_s=0.5, workers_cpu_s=1.0, client_cpu_s=1.5)
     assert stats.ok == 2
     assert stats.errors == 1
-    assert stats.error_kinds == {"http 502": 1}
+    assert stats.error_kinds == {"http_status 502": 1}
     assert stats.tokens_per_s == 32.0
     assert stats.requests_per_s == 1.0
     assert stats.ttft_p50_ms == pytest.approx(15.0)
@@ -112,6 +118,18 @@ def test_run_stats_counts_only_good_samples() -> None:
     assert stats.client_cpu_util == 0.75
     floor_stats = cr.run_stats(samples, wall_s=2.0)
     assert math.isnan(floor_stats.tokens_per_proxy_cpu_s)
+
+
+def test_run_stats_non_stream_ttft_is_the_whole_answer_and_empty_answers_are_errors() -> None:
+    # a non-stream answer has no first token of its own: its TTFT is the time to the whole answer
+    samples = [_record(None, 16, e2e_s=0.030), _record(None, 16, e2e_s=0.050), _record(None, 0, e2e_s=0.01)]
+    stats = cr.run_stats(samples, wall_s=1.0)
+    assert stats.ttft_p50_ms == pytest.approx(40.0)
+    assert stats.ttft_p99_ms == pytest.approx(49.8)
+    assert (stats.ok, stats.errors, stats.error_kinds) == (2, 1, {"no tokens": 1})
+    assert stats.tokens_per_s == 32.0
+    nothing = cr.run_stats([_record(None, 0, FAIL_TRANSPORT)], wall_s=1.0)
+    assert math.isnan(nothing.ttft_p50_ms) and nothing.error_kinds == {FAIL_TRANSPORT: 1}
 
 
 def _rs(p50: float, p99: float, tps: float) -> RunStats:
@@ -245,85 +263,6 @@ def test_table_and_plot_are_written(tmp_path: Path) -> None:
 # --- parsing ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("payload", "tokens"),
-    [
-        (b'{"choices":[{"index":0,"token_ids":[5,6,7],"finish_reason":null}]}', 3),
-        (b'{"choices": [{"index": 0, "token_ids": [5], "text": "a"}]}', 1),
-        (b'{"choices":[{"token_ids":[]}]}', 0),
-        (b'{"choices":[{"token_ids":null}]}', 0),
-        (b'{"prompt_token_ids":[1,2,3,4],"choices":[{"token_ids":[9,9]}]}', 2),
-        (b'{"choices":[{"index":0,"token_ids":[1,2]},{"index":1,"token_ids":[3]}]}', 3),
-        (b'{"choices":[],"usage":{"completion_tokens":7}}', 0),
-    ],
-)
-def test_count_token_ids(payload: bytes, tokens: int) -> None:
-    assert cr.count_token_ids(payload) == tokens
-
-
-_STREAM = (
-    b'data: {"choices":[{"index":0,"token_ids":[1,2],"finish_reason":null}]}\n\n'
-    b": server-timing queue;dur=0.1\n\n"
-    b'data: {"choices":[{"index":0,"token_ids":[3],"finish_reason":"length"}]}\n\n'
-    b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n'
-    b"data: [DONE]\n\n"
-)
-
-
-@settings(deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=len(_STREAM)), max_size=12))
-def test_sse_counter_is_independent_of_chunking(cuts: list[int]) -> None:
-    bounds = [0, *sorted(cuts), len(_STREAM)]
-    counter = cr.SseTokenCounter()
-    for a, b in itertools.pairwise(bounds):
-        counter.feed(_STREAM[a:b])
-    assert counter.tokens == 3
-    assert counter.done
-    assert not counter.error
-
-
-def test_sse_counter_reports_first_tokens_and_errors() -> None:
-    counter = cr.SseTokenCounter()
-    assert counter.feed(b'data: {"choices":[{"token_ids":[1]') == 0  # incomplete event
-    assert counter.feed(b"]}\n\n") == 1
-    counter.feed(b'data: {"error": {"message": "boom", "type": "x", "param": null, "code": 500}}\n\n')
-    assert counter.error
-    assert not counter.done
-
-
-def test_prefill_hop_body_follows_spec_section_3() -> None:
-    body = cr.request_body(Point(stream=True, max_tokens=256, concurrency=1), [1, 2, 3])
-    body["sampling_params"]["min_tokens"] = 4
-    body["stream_options"] = {"include_usage": True}
-    hop = cr.prefill_hop_body(body)
-    assert hop["stream"] is False
-    assert hop["sampling_params"]["max_tokens"] == 1
-    assert "min_tokens" not in hop["sampling_params"]
-    assert "stream_options" not in hop
-    assert hop["output_mode"] == "tokens"
-    assert hop["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
-    assert hop["token_ids"] == [1, 2, 3]
-    # the original is untouched (the decode hop sends it)
-    assert body["sampling_params"]["max_tokens"] == 256
-    assert body["stream"] is True
-
-
-def test_proc_parsers() -> None:
-    status = "Name:\tpython\nVmPeak:\t  9000 kB\nVmRSS:\t   81564 kB\nThreads:\t4\n"
-    assert cr.parse_vmrss_kib(status) == 81564
-    assert cr.parse_vmrss_kib("Name:\tzombie\n") == 0
-    stat = "1234 (tricky (name) x) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 37 0 0 20 0 4 0 500"
-    assert cr.parse_stat_cpu_ticks(stat) == 287
-    assert cr.per_stream_kib(1000, 65000, 1000) == 64.0
-    assert math.isnan(cr.per_stream_kib(1000, 2000, 0))
-
-
-def test_tree_measurements_of_this_process() -> None:
-    assert cr.tree_rss_kib(os.getpid()) > 0
-    assert cr.tree_cpu_seconds(os.getpid()) > 0
-    assert os.getpid() in cr.process_tree(os.getpid())
-
-
 # --- configuration ------------------------------------------------------------------------
 
 
@@ -368,51 +307,6 @@ def test_the_workers_context_fits_a_long_prompt() -> None:
         argv = cr.sim_argv(template, cfg, 4321, "decode")
         assert int(argv[argv.index("--max-model-len") + 1]) >= 2048 + 256
     assert "--max-model-len" in cr.sim_argv(cr.parse_args([]).sim_cmd, cr.parse_args([]), 1, "prefill")
-
-
-# --- clean-up -----------------------------------------------------------------------------
-
-
-def _gone(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    try:
-        return "State:\tZ" in status.read_text()
-    except OSError:
-        return True
-
-
-def test_processes_close_kills_the_whole_group(tmp_path: Path) -> None:
-    procs = cr.Processes(tmp_path)
-    pid_file = tmp_path / "grandchild.pid"
-    # a shell that starts a grandchild: killing by process group must reach both
-    proc = procs.start("shell", ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"], None)
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not (pid_file.exists() and pid_file.read_text().strip()):
-            time.sleep(0.05)
-        grandchild = int(pid_file.read_text())
-        assert not _gone(grandchild)
-    finally:
-        procs.close()
-    assert proc.poll() is not None
-    deadline = time.monotonic() + 5
-    while not _gone(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(grandchild)
-    assert (tmp_path / "shell.log").read_text().startswith("$ sh -c")
-
-
-def test_processes_stop_one_leaves_the_others(tmp_path: Path) -> None:
-    procs = cr.Processes(tmp_path)
-    try:
-        a = procs.start("a", ["sleep", "300"], None)
-        b = procs.start("b", ["sleep", "300"], None)
-        procs.stop(a)
-        assert a.poll() is not None
-        assert b.poll() is None
-    finally:
-        procs.close()
-    assert b.poll() is not None
 
 
 # --- pd-proxy with several processes ------------------------------------------------------
@@ -473,3 +367,111 @@ def test_ratios_and_checks_per_pd_proxy_variant(tmp_path: Path) -> None:
     assert "pd-proxy-w2" in table and "issue targets on this run for pd-proxy-w2" in table
     cr.make_plot(result, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --- load, readiness and memory against a scripted server ------------------------------------
+
+
+def _answer(body: dict[str, Any]) -> Script:
+    """A stream of max_tokens single tokens, or the whole answer at once; the prefill hop (one
+    token, non-stream) answers with kv_transfer_params."""
+    if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+        return Script(json_body={"output_mode": "tokens", "kv_transfer_params": {"remote_block_ids": [1]},
+                                 "choices": [{"index": 0, "token_ids": [3], "finish_reason": "length"}]})
+    if body["stream"]:
+        return echo_stream(body)
+    n = int(body["sampling_params"]["max_tokens"])
+    return Script(json_body={"output_mode": "tokens",
+                             "choices": [{"index": 0, "token_ids": [3] * n, "finish_reason": "length"}]})
+
+
+async def _serve(aiohttp_server: ServerFactory, script: Callable[[dict[str, Any]], Script]) -> tuple[
+        str, web.Application]:
+    app = make_app(script)
+    server = await aiohttp_server(app)
+    return f"http://127.0.0.1:{server.port}", app
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_run_load_is_a_closed_loop_after_an_uncounted_warm_up(
+    aiohttp_server: ServerFactory, stream: bool
+) -> None:
+    url, app = await _serve(aiohttp_server, _answer)
+    point = Point(stream=stream, max_tokens=4, concurrency=3)
+    run = await cr.run_load(cr.client_options(url, 10.0), point, prompt=[5, 6, 7], n_requests=10,
+                            time_limit_s=30.0, proxy_pid=os.getpid())
+    seen = app[SEEN]
+    assert len(seen.bodies) == 3 + 10  # one warm-up request per concurrent stream, then the run
+    assert seen.max_in_flight <= 3
+    assert (run.ok, run.errors, run.timed_out) == (10, 0, False)
+    assert run.tokens_per_s == pytest.approx(40 / run.wall_s)
+    assert run.ttft_p50_ms > 0 and run.ttft_p99_ms >= run.ttft_p50_ms
+    assert not math.isnan(run.proxy_cpu_util)  # this process stands in for the proxy
+    assert all(b["stream"] is stream and b["token_ids"] == [5, 6, 7] for b in seen.bodies)
+    assert "X-PD-Timing" not in seen.headers[0]  # no Server-Timing asked of the proxies
+    assert len({b["request_id"] for b in seen.bodies}) == len(seen.bodies)
+
+
+async def test_the_floor_sends_both_hops(aiohttp_server: ServerFactory) -> None:
+    prefill_url, prefill = await _serve(aiohttp_server, _answer)
+    decode_url, decode = await _serve(aiohttp_server, _answer)
+    floor = cr.client_options(decode_url, 10.0, prefill_url=prefill_url)
+    run = await cr.run_load(floor, Point(stream=True, max_tokens=4, concurrency=2), prompt=[5],
+                            n_requests=4, time_limit_s=30.0)
+    assert (run.ok, run.errors) == (4, 0)
+    assert len(prefill[SEEN].bodies) == len(decode[SEEN].bodies) == 2 + 4
+    assert all(b["sampling_params"]["max_tokens"] == 1 for b in prefill[SEEN].bodies)
+    assert all(b["kv_transfer_params"] == {"remote_block_ids": [1]} for b in decode[SEEN].bodies)
+    assert math.isnan(run.proxy_cpu_util)
+
+
+def _held(body: dict[str, Any]) -> Script:
+    """A first token at once, the next after five minutes: the stream stays open."""
+    rid = str(body["request_id"])
+    return Script(steps=[(0.0, chunk(rid, [3])), (300.0, chunk(rid, [4], "length"))], honour_abort=False)
+
+
+@pytest.fixture
+def running() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def exited() -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+    proc.wait()
+    return proc
+
+
+async def test_wait_serving_needs_only_a_first_token(
+    aiohttp_server: ServerFactory, running: subprocess.Popen[bytes]
+) -> None:
+    url, app = await _serve(aiohttp_server, _held)
+    await cr.wait_serving("held", running, cr.client_options(url, 60.0), [5], 30)
+    assert len(app[SEEN].bodies) == 1  # ready at the first attempt, without the five minutes
+
+
+async def test_wait_serving_fails_when_the_process_exits(
+    aiohttp_server: ServerFactory, exited: subprocess.Popen[bytes]
+) -> None:
+    url, _ = await _serve(aiohttp_server, lambda b: Script(status=503))
+    with pytest.raises(RuntimeError, match="exited with code 4"):
+        await cr.wait_serving("broken", exited, cr.client_options(url, 5.0), [5], 30)
+
+
+async def test_memory_is_measured_over_streams_held_open(aiohttp_server: ServerFactory) -> None:
+    url, app = await _serve(aiohttp_server, _held)
+    res = await cr.measure_stream_memory("scripted", url, pid=os.getpid(), n=5, prompt=[5], limit_s=30)
+    assert (res["streams_requested"], res["streams_open"], res["warmup_streams_open"]) == (5, 5, 16)
+    assert res["rss_before_kib"] > 0 and res["rss_after_kib"] > 0
+    assert res["per_stream_kib"] == pytest.approx((res["rss_after_kib"] - res["rss_before_kib"]) / 5)
+    seen = app[SEEN]
+    for _ in range(100):  # the server notices the last closes a moment later (bounded)
+        if seen.disconnects == 16 + 5:
+            break
+        await asyncio.sleep(0.05)
+    assert seen.disconnects == 16 + 5  # every held stream was closed
+    assert seen.in_flight == 0

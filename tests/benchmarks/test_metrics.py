@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from hypothesis import given, settings, strategies
 
 from benchmarks.metrics import (
     GoodputSpecError,
@@ -71,6 +73,18 @@ def test_stats_match_hand_computation() -> None:
     assert st.percentiles[90.0] == pytest.approx(0.18)  # linear between 100 and 200 ms
     assert st.percentiles[99.0] == pytest.approx(0.198)
     assert stats([]) is None
+    single = stats([3.0], (99.0,))
+    assert single is not None and single.percentiles[99.0] == 3.0
+
+
+@settings(deadline=None)  # no timing in tests: a busy machine must not fail them
+@given(strategies.lists(strategies.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=2))
+def test_percentiles_match_numpy_linear(values: list[float]) -> None:
+    qs = (0.0, 1.0, 50.0, 90.0, 99.0, 99.5, 100.0)
+    got = stats(values, qs)
+    assert got is not None
+    for q in qs:
+        assert got.percentiles[q] == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-9)
 
 
 def test_aggregate_result() -> None:
