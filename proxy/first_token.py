@@ -5,7 +5,7 @@ hand-off and the decode worker's first step. The prefill worker (P) already samp
 the decode worker (D) is sent the request unchanged and generates every token itself, token 1
 included. So the proxy:
 
-1. builds the exact stream chunk vLLM would have sent for P's token (``first_events``, one event
+1. builds the exact stream chunk vLLM would have sent for P's token (``first_chunk``, one event
    per choice; the bytes of a vLLM 0.32 stream: same keys, order and number spelling);
 2. when P's token ends the request (``ends_at_first_token``), sends that chunk as the last one,
    with the usage chunk (``usage_event``) when asked, and never calls D;
@@ -25,7 +25,7 @@ client's ``output_mode`` (P's text), ``stop``, ``stop_token_ids``, ``ignore_eos`
 ``include_stop_str_in_output``, ``logprobs``, ``n`` and seed, ``max_tokens`` 1, and ``min_tokens``
 ``min(client's, 1)``: with ``min_tokens`` >= 1 vLLM masks EOS and the stop token ids when it
 samples token 1 and does not check stop strings on it; a prefill hop without it may sample a token
-the client's request cannot produce (``first_events`` refuses such a reply: ``NotBuildable``).
+the client's request cannot produce (``first_chunk`` refuses such a reply: ``NotBuildable``).
 
 Imports nothing of the proxy but ``proxy.sse``.
 """
@@ -220,9 +220,9 @@ def _first_choice(choice: Mapping[str, Any], sp: Mapping[str, Any], output_mode:
     return out, FirstToken(index, ids[0], shown)
 
 
-def first_events(reply: Mapping[str, Any], *, request_id: str, output_mode: str,
-                 sampling_params: Mapping[str, Any], final: bool = False,
-                 continuous_usage: bool = False) -> tuple[bytes, list[FirstToken]]:
+def first_chunk(reply: Mapping[str, Any], *, request_id: str, output_mode: str,
+                sampling_params: Mapping[str, Any], final: bool = False,
+                continuous_usage: bool = False) -> tuple[bytes, list[FirstToken]]:
     """The stream events vLLM 0.32 would send for P's token, one per choice (index order), and
     what each showed. ``NotBuildable`` when P's reply cannot give them exactly.
 
@@ -602,7 +602,7 @@ __all__ = [
     "NotBuildable",
     "drop_first_token",
     "ends_at_first_token",
-    "first_events",
+    "first_chunk",
     "holdback",
     "seed_for",
     "stop_strings",

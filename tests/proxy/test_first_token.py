@@ -30,7 +30,7 @@ from proxy.first_token import (
     NotBuildable,
     drop_first_token,
     ends_at_first_token,
-    first_events,
+    first_chunk,
     holdback,
     seed_for,
     usage_event,
@@ -175,10 +175,10 @@ def _continuous(req: Mapping[str, Any]) -> bool:
 def build(case: StreamCase) -> tuple[bytes, list[FirstToken]]:
     _, reply = prefill_reply(case)
     req = case.request
-    return first_events(reply, request_id=case.request_id, output_mode=req.get("output_mode", "tokens"),
-                        sampling_params=req["sampling_params"],
-                        final=ends_at_first_token(reply, req["sampling_params"]),
-                        continuous_usage=_continuous(req))
+    return first_chunk(reply, request_id=case.request_id, output_mode=req.get("output_mode", "tokens"),
+                       sampling_params=req["sampling_params"],
+                       final=ends_at_first_token(reply, req["sampling_params"]),
+                       continuous_usage=_continuous(req))
 
 
 STREAMS = sorted(stream_cases())
@@ -260,7 +260,7 @@ def test_logprobs_floats_are_spelled_as_in_a_stream(value: float, written: str) 
         '{"usage":{"prompt_tokens":3},"choices":[{"index":0,"finish_reason":"length","stop_reason":null,'
         '"token_ids":[5],"routed_experts":null,"sampling_mask":null,"weight_versions":null,'
         '"logprobs":{"content":[{"token_id":5,"logprob":' + nonstream + ',"rank":1,"top_logprobs":[]}]}}]}')
-    events, _ = first_events(reply, request_id="r", output_mode="tokens", sampling_params={"logprobs": 0})
+    events, _ = first_chunk(reply, request_id="r", output_mode="tokens", sampling_params={"logprobs": 0})
     assert b'"logprob":' + written.encode() + b',' in events
 
 
@@ -318,14 +318,14 @@ def test_a_final_first_chunk_carries_ps_end_and_its_whole_text() -> None:
     reply = _reply({"finish_reason": "stop", "stop_reason": "c", "text": "ab"}, text=True)
     sp = {"max_tokens": 5, "stop": ["c", "abcdef"]}
     assert ends_at_first_token(reply, sp)
-    events, shown = first_events(reply, request_id="generate-tokens-x", output_mode="text",
-                                 sampling_params=sp, final=True)
+    events, shown = first_chunk(reply, request_id="generate-tokens-x", output_mode="text",
+                                sampling_params=sp, final=True)
     choice = json.loads(events[6:-2])["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"], choice["text"]) == ("stop", "c", "ab")
     assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 1}]
     assert shown == [FirstToken(0, 7, "ab")]  # not held back: the request is over
-    partial, shown = first_events(reply, request_id="generate-tokens-x", output_mode="text",
-                                  sampling_params=sp)
+    partial, shown = first_chunk(reply, request_id="generate-tokens-x", output_mode="text",
+                                 sampling_params=sp)
     assert json.loads(partial[6:-2])["choices"][0]["finish_reason"] is None
     assert shown == [FirstToken(0, 7, "")]  # 5 characters held back
 
@@ -344,7 +344,7 @@ def test_usage_event_is_vllms(name: str, prompt: int, completion: int) -> None:
 def test_replies_that_cannot_give_vllms_chunk_are_refused() -> None:
     sp: dict[str, Any] = {"max_tokens": 5}
     good = _reply({})
-    first_events(good, request_id="r", output_mode="tokens", sampling_params=sp)
+    first_chunk(good, request_id="r", output_mode="tokens", sampling_params=sp)
     bad = [
         (_reply({"token_ids": []}), sp, "tokens"),
         (_reply({"token_ids": [1, 2]}), sp, "tokens"),
@@ -360,14 +360,14 @@ def test_replies_that_cannot_give_vllms_chunk_are_refused() -> None:
     ]
     for reply, params, mode in bad:
         with pytest.raises(NotBuildable):
-            first_events(reply, request_id="r", output_mode=mode, sampling_params=params)
+            first_chunk(reply, request_id="r", output_mode=mode, sampling_params=params)
 
 
 def test_prompt_token_ids_go_on_the_first_event_only() -> None:
     reply = _reply({}, {"token_ids": [9]})
     reply["prompt_token_ids"] = [1, 2, 3, 4]
-    events, _ = first_events(reply, request_id="r", output_mode="tokens",
-                             sampling_params={"n": 2, "temperature": 1.0})
+    events, _ = first_chunk(reply, request_id="r", output_mode="tokens",
+                            sampling_params={"n": 2, "temperature": 1.0})
     first, second = (json.loads(e[6:]) for e in events.split(b"\n\n")[:2])
     assert first["prompt_token_ids"] == [1, 2, 3, 4] and "prompt_token_ids" not in second
     assert list(first) == ["request_id", "usage", "prompt_token_ids", "output_mode", "choices"]
