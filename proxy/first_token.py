@@ -33,6 +33,7 @@ Imports nothing of the proxy but ``proxy.sse``.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -286,90 +287,112 @@ def usage_event(*, request_id: str, output_mode: str, prompt_tokens: int, comple
 
 # -- D's first token out --------------------------------------------------------------------------
 #
-# D's chunk is edited in its own bytes: the spans of the values to change are found by a small
-# scanner over the JSON text (the payload was parsed first, so it is valid JSON), and everything
-# else is kept byte for byte. A payload whose objects repeat a key is written again instead.
+# D's chunk is decided on its parse; what is left to send is edited in its own bytes: the spans of
+# the values to change are found by a small scanner over the JSON text (valid JSON: it was parsed),
+# and everything else is kept byte for byte. A payload whose objects repeat a key is written again.
 
 
-def _ws(raw: bytes, i: int) -> int:
-    while raw[i] in b" \t\r\n":
-        i += 1
-    return i
-
-
-def _string_end(raw: bytes, i: int) -> int:
-    """``raw[i]`` opens a string: where it ends (after the closing quote)."""
-    j = i + 1
-    while True:
-        q = raw.index(b'"', j)
-        k = q - 1
-        while raw[k] == 0x5C:  # backslash
-            k -= 1
-        if (q - 1 - k) % 2 == 0:
-            return q + 1
-        j = q + 1
-
-
-def _value_end(raw: bytes, i: int) -> int:
-    c = raw[i]
-    if c == 0x22:
-        return _string_end(raw, i)
-    if c in b"[{":
-        depth = 0
-        j = i
-        while True:
-            c = raw[j]
-            if c == 0x22:
-                j = _string_end(raw, j)
-                continue
-            if c in b"[{":
-                depth += 1
-            elif c in b"]}":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-    j = i
-    while raw[j] not in b",]} \t\r\n":
-        j += 1
-    return j
-
+_WS: Final = b" \t\r\n"
+_STRING: Final = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_TO_BRACKET: Final = re.compile(rb'(?:"(?:[^"\\]|\\.)*"|[^"\[\]{}])*', re.DOTALL)
+"""A run of JSON text up to the next bracket outside a string."""
+_SCALAR_END: Final = re.compile(rb"[,\]} \t\r\n]")
 
 _Member = tuple[str, int, int, int]
 """key, where the member starts (its key's quote), where its value starts and ends."""
 
 
-def _members(raw: bytes, i: int) -> list[_Member]:
-    """The members of the object opening at ``raw[i]``."""
-    out: list[_Member] = []
-    j = _ws(raw, i + 1)
-    if raw[j] == 0x7D:
-        return out
-    while True:
-        ke = _string_end(raw, j)
-        key = json.loads(raw[j:ke])
-        vs = _ws(raw, _ws(raw, ke) + 1)
-        ve = _value_end(raw, vs)
-        out.append((key, j, vs, ve))
-        j = _ws(raw, ve)
-        if raw[j] == 0x7D:
-            return out
-        j = _ws(raw, j + 1)
+class _Scan:
+    """Where the values of a JSON text (valid: it was parsed) start and end: one pass records
+    every array's and object's end (a regex skips from bracket to bracket, strings whole)."""
 
+    __slots__ = ("ends", "raw")
 
-def _items(raw: bytes, i: int) -> list[tuple[int, int]]:
-    """The spans of the items of the array opening at ``raw[i]``."""
-    out: list[tuple[int, int]] = []
-    j = _ws(raw, i + 1)
-    if raw[j] == 0x5D:
-        return out
-    while True:
-        end = _value_end(raw, j)
-        out.append((j, end))
-        j = _ws(raw, end)
-        if raw[j] == 0x5D:
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.ends: dict[int, int] = {}
+        stack: list[int] = []
+        at, size, run = 0, len(raw), _TO_BRACKET.match
+        while True:
+            m = run(raw, at)
+            assert m is not None
+            at = m.end()
+            if at >= size:
+                return
+            if raw[at] in b"[{":
+                stack.append(at)
+            else:
+                self.ends[stack.pop()] = at + 1
+            at += 1
+
+    def ws(self, i: int) -> int:
+        raw = self.raw
+        while raw[i] in _WS:
+            i += 1
+        return i
+
+    def end(self, i: int) -> int:
+        """Where the value starting at ``i`` ends."""
+        c = self.raw[i]
+        if c == 0x22:
+            m = _STRING.match(self.raw, i)
+        elif c in b"[{":
+            return self.ends[i]
+        else:
+            m = _SCALAR_END.search(self.raw, i)
+            assert m is not None
+            return m.start()
+        assert m is not None
+        return m.end()
+
+    def members(self, i: int) -> list[_Member]:
+        """The members of the object opening at ``i``."""
+        out: list[_Member] = []
+        j = self.ws(i + 1)
+        if self.raw[j] == 0x7D:
             return out
-        j = _ws(raw, j + 1)
+        while True:
+            ke = self.end(j)
+            quoted = self.raw[j:ke]
+            key = json.loads(quoted) if b"\\" in quoted else quoted[1:-1].decode()
+            vs = self.ws(self.ws(ke) + 1)
+            ve = self.end(vs)
+            out.append((key, j, vs, ve))
+            j = self.ws(ve)
+            if self.raw[j] == 0x7D:
+                return out
+            j = self.ws(j + 1)
+
+    def items(self, i: int) -> list[tuple[int, int]]:
+        """The spans of the items of the array opening at ``i``."""
+        out: list[tuple[int, int]] = []
+        j = self.ws(i + 1)
+        if self.raw[j] == 0x5D:
+            return out
+        while True:
+            end = self.end(j)
+            out.append((j, end))
+            j = self.ws(end)
+            if self.raw[j] == 0x5D:
+                return out
+            j = self.ws(j + 1)
+
+    def unique_members(self, i: int) -> dict[str, _Member] | None:
+        """The members of the object at ``i`` by key; None when it is not an object or repeats a
+        key (its layout cannot be told for certain)."""
+        if self.raw[i] != 0x7B:
+            return None
+        members = self.members(i)
+        found = {m[0]: m for m in members}
+        return found if len(found) == len(members) else None
+
+    def first_item(self, member: _Member) -> tuple[int, int]:
+        """The span that takes the first item out of the array ``member`` holds: up to the next
+        item, or everything between the brackets when it is the only one."""
+        items = self.items(member[2])
+        if len(items) > 1:
+            return items[0][0], items[1][0]
+        return member[2] + 1, member[3] - 1
 
 
 def _skip_chars(raw: bytes, i: int, count: int) -> int:
@@ -391,92 +414,75 @@ def _skip_chars(raw: bytes, i: int, count: int) -> int:
     return i
 
 
-def _unique(members: list[_Member]) -> dict[str, _Member] | None:
-    found = {m[0]: m for m in members}
-    return found if len(found) == len(members) else None
-
-
 def _is_empty(choice: Mapping[str, Any]) -> bool:
     return not choice.get("token_ids") and not choice.get("text") and choice.get("finish_reason") is None
 
 
-class _Edit:
-    """D's chunk, parsed, with the byte edits that take token 1 out of some of its choices."""
+@dataclass(slots=True)
+class _Cut:
+    """What to take out of one choice of D's chunk (by its position in ``choices``)."""
 
-    def __init__(self, raw: bytes, chunk: dict[str, Any]) -> None:
-        self.raw = raw
-        self.chunk = chunk
-        self.edits: list[tuple[int, int, bytes]] = []
-        top = _unique(_members(raw, _ws(raw, 0)))
-        self.top = top
-        self.choice_spans: list[dict[str, _Member] | None] = []
-        if top is not None and "choices" in top:
-            self.choice_spans = [_unique(_members(raw, s)) if raw[s] == 0x7B else None
-                                 for s, _ in _items(raw, top["choices"][2])]
+    pos: int
+    chars: int
+    """Characters at the head of its text."""
+    logprob: bool
+    """Its first logprobs entry."""
 
-    def drop_member(self, key: str) -> None:
-        """Take a top-level member out (with its comma)."""
-        if self.top is None or key not in self.top:
-            return
-        members = sorted(self.top.values(), key=lambda m: m[1])
-        at = next(i for i, m in enumerate(members) if m[0] == key)
-        if at > 0:
-            self.edits.append((members[at - 1][3], members[at][3], b""))
-        elif len(members) > 1:
-            self.edits.append((members[0][1], members[1][1], b""))
 
-    def _first_item(self, member: _Member) -> tuple[int, int, bytes]:
-        """The edit that takes the first item out of the array ``member`` holds: up to the next
-        item, or everything between the brackets when it is the only one."""
-        items = _items(self.raw, member[2])
-        if len(items) > 1:
-            return items[0][0], items[1][0], b""
-        return member[2] + 1, member[3] - 1, b""
+def _take_first(chunk: dict[str, Any], pos: int, first: FirstToken) -> _Cut | Mismatch | None:
+    """Take token 1 out of the parsed ``pos``-th choice (index ``first.index``): how, or why not
+    (None: it holds no token, an end without tokens such as an abort)."""
+    choice = chunk["choices"][pos]
+    ids = choice.get("token_ids") or []
+    text = choice.get("text")
+    if not ids:
+        return Mismatch(first.index, first.token_id, None, "text") if isinstance(text, str) and text else None
+    if ids[0] != first.token_id:
+        return Mismatch(first.index, first.token_id, ids[0], "token")
+    if first.text is not None and isinstance(text, str) and not text.startswith(first.text):
+        return Mismatch(first.index, first.token_id, ids[0], "text")
+    choice["token_ids"] = ids[1:]
+    chars = 0
+    if first.text and isinstance(text, str):
+        chars = len(first.text)
+        choice["text"] = text[chars:]
+    logprobs = choice.get("logprobs")
+    cut_logprob = isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list) \
+        and bool(logprobs["content"])
+    if cut_logprob:
+        choice["logprobs"] = {**logprobs, "content": logprobs["content"][1:]}
+    return _Cut(pos, chars, cut_logprob)
 
-    def drop_first(self, pos: int, first: FirstToken) -> Mismatch | None:
-        """Take token 1 out of the ``pos``-th choice (whose index is ``first.index``)."""
-        choice = self.chunk["choices"][pos]
-        ids = choice.get("token_ids") or []
-        text = choice.get("text")
-        if not ids:
-            if isinstance(text, str) and text:
-                return Mismatch(first.index, first.token_id, None, "text")
-            return None  # an end without tokens (an abort): nothing to take out
-        if ids[0] != first.token_id:
-            return Mismatch(first.index, first.token_id, ids[0], "token")
-        if first.text is not None and isinstance(text, str) and not text.startswith(first.text):
-            return Mismatch(first.index, first.token_id, ids[0], "text")
-        choice["token_ids"] = ids[1:]
-        spans = self.choice_spans[pos] if pos < len(self.choice_spans) else None
-        if spans is None:
-            self.top = None  # write it again
-        else:
-            self.edits.append(self._first_item(spans["token_ids"]))
-        if first.text and isinstance(text, str):
-            choice["text"] = text[len(first.text):]
-            if spans is not None:
-                vs = spans["text"][2]
-                self.edits.append((vs + 1, _skip_chars(self.raw, vs + 1, len(first.text)), b""))
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list) and logprobs["content"]:
-            choice["logprobs"] = {**logprobs, "content": logprobs["content"][1:]}
-            lp = _unique(_members(self.raw, spans["logprobs"][2])) if spans is not None else None
-            if lp is None:
-                self.top = None
-            else:
-                self.edits.append(self._first_item(lp["content"]))
+
+def _spliced(raw: bytes, cuts: list[_Cut], drop_keys: list[str]) -> bytes | None:
+    """``raw`` with the cuts made in its own bytes; None when its layout cannot be told for
+    certain (a repeated key)."""
+    scan = _Scan(raw)
+    top = scan.unique_members(scan.ws(0))
+    if top is None or "choices" not in top:
         return None
-
-    def result(self) -> bytes | None:
-        choices = self.chunk["choices"]
-        if choices and all(isinstance(c, dict) and _is_empty(c) for c in choices):
+    spans: list[tuple[int, int]] = []
+    items = scan.items(top["choices"][2])
+    for cut in cuts:
+        choice = scan.unique_members(items[cut.pos][0])
+        if choice is None:
             return None
-        if self.top is None:
-            return pydantic_core.to_json(self.chunk)
-        raw = self.raw
-        for start, end, new in sorted(self.edits, reverse=True):
-            raw = raw[:start] + new + raw[end:]
-        return raw
+        spans.append(scan.first_item(choice["token_ids"]))
+        if cut.chars:
+            vs = choice["text"][2]
+            spans.append((vs + 1, _skip_chars(raw, vs + 1, cut.chars)))
+        if cut.logprob:
+            logprobs = scan.unique_members(choice["logprobs"][2])
+            if logprobs is None:
+                return None
+            spans.append(scan.first_item(logprobs["content"]))
+    members = sorted(top.values(), key=lambda m: m[1])
+    for key in drop_keys:  # a top-level member, with its comma
+        at = next(i for i, m in enumerate(members) if m[0] == key)
+        spans.append((members[at - 1][3], members[at][3]) if at > 0 else (members[0][1], members[1][1]))
+    for start, end in sorted(spans, reverse=True):
+        raw = raw[:start] + raw[end:]
+    return raw
 
 
 def _parse_chunk(payload: bytes) -> dict[str, Any] | None:
@@ -492,8 +498,9 @@ def _parse_chunk(payload: bytes) -> dict[str, Any] | None:
 def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken], *,
           first_event: bool) -> tuple[bytes | Mismatch | None, list[int]]:
     """``payload`` (parsed: ``chunk``) without token 1 of each choice in ``firsts``; which of
-    those indexes it held."""
-    edit = _Edit(payload, chunk)
+    those indexes it held. The chunk is decided on parsed; its bytes are edited only when
+    something is left to send."""
+    cuts: list[_Cut] = []
     seen: list[int] = []
     for pos, choice in enumerate(chunk["choices"]):
         if not isinstance(choice, dict):
@@ -502,17 +509,23 @@ def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken
         if first is None:
             continue
         seen.append(first.index)
-        mismatch = edit.drop_first(pos, first)
-        if mismatch is not None:
-            return mismatch, seen
+        cut = _take_first(chunk, pos, first)
+        if isinstance(cut, Mismatch):
+            return cut, seen
+        if cut is not None:
+            cuts.append(cut)
     if not seen:
         return payload, seen
-    if first_event:
-        for key in _CHUNK_OPTIONAL:  # the client had them with P's chunk
-            if chunk.get(key) is not None:
-                chunk.pop(key)
-                edit.drop_member(key)
-    return edit.result(), seen
+    choices = chunk["choices"]
+    if choices and all(isinstance(c, dict) and _is_empty(c) for c in choices):
+        return None, seen
+    drop_keys = [key for key in _CHUNK_OPTIONAL if first_event and chunk.get(key) is not None]
+    for key in drop_keys:  # the client had them with P's chunk
+        chunk.pop(key)
+    if not cuts and not drop_keys:
+        return payload, seen
+    spliced = _spliced(payload, cuts, drop_keys)
+    return (spliced if spliced is not None else pydantic_core.to_json(chunk)), seen
 
 
 def drop_first_token(payload: bytes, expected_token: int, expected_text: str | None = None, *,

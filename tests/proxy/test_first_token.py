@@ -496,9 +496,11 @@ def test_other_bytes_are_kept_in_any_layout() -> None:
 
 
 def test_a_repeated_key_is_written_again() -> None:
-    payload = pydantic_core.to_json(_chunk([4, 5]))[:-1] + b',"usage":null}'
-    out = drop_first_token(payload, 4)
-    assert isinstance(out, bytes) and json.loads(out)["choices"][0]["token_ids"] == [5]
+    chunk = _chunk([4, 5], text="abcd", logprobs=[_lp(4, -1.0), _lp(5, -2.0)], prompt_token_ids=[1])
+    payload = pydantic_core.to_json(chunk)[:-1] + b',"usage":null}'
+    out = drop_first_token(payload, 4, "ab")
+    expected = _chunk([5], text="cd", logprobs=[_lp(5, -2.0)])
+    assert out == pydantic_core.to_json(expected)
 
 
 def test_the_first_token_alone_leaves_nothing() -> None:
