@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from tests.fixtures_sim import SimFactory, SimProcess
-from tests.sim.helpers import GEN, body, eventually, post_json, stream_events
+from tests.sim.helpers import GEN, body, eventually, post_json, stream_events, stream_tokens
 from tests.sim.test_pd import PROMPT, do_prefill, metric_value, prefill_body
 from workers.sim.cli import _parser, settings_from_args
 from workers.sim.settings import Faults
@@ -159,6 +159,35 @@ async def test_refuse_kv_pulls(sim_factory: SimFactory) -> None:
     assert len((await p.state())["kv_held"]) == 1  # P keeps them until the lease ends
 
 
+async def test_first_token_mismatch_makes_ds_first_token_differ_from_ps(sim_factory: SimFactory) -> None:
+    p = await sim_factory(role="prefill", zero_latency=True)
+    d = await sim_factory(role="decode", zero_latency=True)
+    agg = await sim_factory(zero_latency=True)
+
+    async def pd(rid: str) -> tuple[int, list[int]]:
+        """P's token, and D's stream with P's KV."""
+        st, pre = await post_json(s, p.url + GEN, prefill_body(rid))
+        assert st == 200
+        events = await stream_events(s, d.url + GEN, body(PROMPT, max_tokens=4, request_id=rid, stream=True,
+                                                          kv_transfer_params=pre["kv_transfer_params"]))
+        return pre["choices"][0]["token_ids"][0], stream_tokens(events)
+
+    async with aiohttp.ClientSession() as s:
+        _, full = await post_json(s, agg.url + GEN, body(PROMPT, max_tokens=4))
+        expected = full["choices"][0]["token_ids"]
+        assert await pd("same") == (expected[0], expected)  # without the fault: P's token, D's stream
+        await d.set_faults(first_token_mismatch=True)
+        first, toks = await pd("differs")
+        assert first == expected[0] and toks[0] != first
+        # D goes on from its own first token, as the model would after prompt + that token
+        _, cont = await post_json(s, agg.url + GEN, body([*PROMPT, toks[0]], max_tokens=3))
+        assert toks[1:] == cont["choices"][0]["token_ids"]
+        # a decode-only request (no KV from a prefill worker) is left alone
+        _, only = await post_json(s, d.url + GEN, body(PROMPT, max_tokens=4))
+        assert only["choices"][0]["token_ids"] == expected
+    assert (await d.state())["faults"]["first_token_mismatch"] is True
+
+
 async def test_bad_fault_updates_are_rejected(sim_factory: SimFactory) -> None:
     w = await sim_factory(zero_latency=True)
     async with aiohttp.ClientSession() as s:
@@ -197,6 +226,7 @@ def test_fault_flags_parse() -> None:
             "--chunk-delay-ms",
             "7",
             "--refuse-kv-pulls",
+            "--first-token-mismatch",
             "--lease-seconds",
             "0.5",
             "--zero-latency",
@@ -213,6 +243,7 @@ def test_fault_flags_parse() -> None:
         error_after_tokens=5,
         chunk_delay_ms=7.0,
         refuse_kv_pulls=True,
+        first_token_mismatch=True,
     )
     assert (s.role, s.lease_seconds, s.zero_latency, s.tokens_only, s.enable_scale_out) == (
         "prefill",
@@ -221,6 +252,12 @@ def test_fault_flags_parse() -> None:
         True,
         False,
     )
+
+
+def test_first_token_mismatch_is_in_the_help() -> None:
+    text = " ".join(_parser().format_help().split())
+    assert "--first-token-mismatch decode role: a request with the prefill worker's KV starts with " \
+        "another token than the one the prefill worker generated" in text
 
 
 async def test_exit_after_requests_flag_crashes_mid_traffic(

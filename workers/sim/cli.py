@@ -101,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--chunk-delay-ms", type=float, default=0.0)
     f.add_argument("--refuse-kv-pulls", action="store_true")
     f.add_argument(
+        "--first-token-mismatch",
+        action="store_true",
+        help="decode role: a request with the prefill worker's KV starts with another token than "
+        "the one the prefill worker generated (the rest follows from it)",
+    )
+    f.add_argument(
         "--exit-after-requests",
         type=int,
         default=None,
@@ -121,6 +127,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         error_after_tokens=args.error_after_tokens,
         chunk_delay_ms=args.chunk_delay_ms,
         refuse_kv_pulls=args.refuse_kv_pulls,
+        first_token_mismatch=args.first_token_mismatch,
         exit_after_requests=args.exit_after_requests,
     )
     return SimSettings(

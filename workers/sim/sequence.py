@@ -26,6 +26,8 @@ class SeqConfig:
     prompt: list[int]
     holdback: int = 0
     token_id_placeholders: bool = False
+    first_differs: bool = False
+    """The ``first_token_mismatch`` fault: the first token is another than the model's."""
 
     @classmethod
     def build(
@@ -38,6 +40,7 @@ class SeqConfig:
         text_mode: bool,
         prompt: list[int],
         token_id_placeholders: bool = False,
+        first_differs: bool = False,
     ) -> SeqConfig:
         stops = sp.stop_strings() if tokenizer is not None else []
         max_stop_len = max((len(s) for s in stops), default=0)
@@ -54,6 +57,7 @@ class SeqConfig:
             prompt=prompt,
             holdback=max(holdback, 0),
             token_id_placeholders=token_id_placeholders,
+            first_differs=first_differs,
         )
 
     @property
@@ -90,12 +94,16 @@ class Sequence:
         h = self.h
         tok = next_token(h, self.salt, cfg.vocab_size, allowed)
         before_min = len(self.tokens) < sp.min_tokens
+        banned: set[int] = set()
         if before_min:
-            banned = set(cfg.stop_ids)
+            banned.update(cfg.stop_ids)
             if not sp.ignore_eos:
                 banned.add(EOS_TOKEN_ID)
             if tok in banned:
                 tok = redraw(h, self.salt, cfg.vocab_size, banned, allowed)
+        if cfg.first_differs and not self.tokens:
+            # the fault: another token than the model's (still one min_tokens allows)
+            tok = redraw(h, self.salt, cfg.vocab_size, banned | {tok}, allowed)
         if sp.logprobs is not None:
             self.logprobs.append(self._logprob_entry(h, tok))
         self.tokens.append(tok)

@@ -146,6 +146,7 @@ class _Run:
             text_mode=self.text_mode,
             prompt=self.prompt,
             token_id_placeholders=s.return_tokens_as_token_ids,
+            first_differs=self.kv_consumer and self.st.faults.first_token_mismatch,
         )
         seed = 0 if sp.temperature < 1e-05 else sp.seed if sp.seed is not None else random.getrandbits(63)
         self.seed = seed

@@ -18,7 +18,10 @@ class Faults:
     ``fail_next`` counts down: each generate request consumes one and is answered with
     ``fail_status`` (vLLM's error shape). The other switches stay on until cleared.
     ``exit_after_requests`` (CLI processes only) kills the process when the generate request
-    after that many arrives.
+    after that many arrives. ``first_token_mismatch`` (decode role) makes a request that carries a
+    prefill worker's KV (``do_remote_prefill``) generate another first token than the one the
+    prefill worker generated for it (and the aggregated worker would): the later tokens follow
+    from that one, as a real engine's would. Decode-only requests are left alone.
     """
 
     fail_next: int = 0
@@ -30,6 +33,7 @@ class Faults:
     error_after_tokens: int | None = None
     chunk_delay_ms: float = 0.0
     refuse_kv_pulls: bool = False
+    first_token_mismatch: bool = False
     exit_after_requests: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
