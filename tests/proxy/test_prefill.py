@@ -66,6 +66,17 @@ async def test_a_failed_prefill_moves_to_another_worker_after_a_backoff() -> Non
     assert all(worker(core, u).inflight == 0 for u in P_URLS)
 
 
+async def test_a_retry_goes_to_the_untried_worker_even_when_it_is_busier() -> None:
+    core, up, _ = make_core(2, pools={"prefill_attempts": 2})
+    busy = worker(core, P_URLS[1])
+    busy.begin()  # least-loaded would pick the worker that failed again
+    up.script("prefill", status(503))
+    w, _, error = await Prefill(core).with_retries(make_flight(core))
+    assert up.to("prefill") == [P_URLS[0], P_URLS[1]] and w is busy and error is None
+    busy.end()
+    assert all(worker(core, u).inflight == 0 for u in P_URLS)
+
+
 async def test_every_attempt_failing_backs_off_longer_and_the_last_error_stands() -> None:
     core, up, _ = make_core(1, pools={"prefill_attempts": 3, "retry_base_delay": 0.02})
     prefill = Prefill(core)
@@ -100,6 +111,22 @@ async def test_an_abort_during_a_failed_attempt_ends_the_retries() -> None:
     up.script("prefill", aborted_then_503)
     _, _, error = await prefill.with_retries(f)
     assert isinstance(error, UpstreamStatusError) and len(up.calls) == 1 and retries(prefill) == 0
+
+
+async def test_an_abort_during_the_backoff_ends_the_retries() -> None:
+    core, up, _ = make_core(2, pools={"prefill_attempts": 3})
+    prefill = Prefill(core)
+    f = make_flight(core)
+
+    class AbortedWhilePausing(BoundRng):
+        def uniform(self, a: float, b: float) -> float:
+            asyncio.get_running_loop().call_soon(core.note_abort, f.record, "deadline")
+            return 0.0
+
+    core.pools.rng = AbortedWhilePausing()  # type: ignore[assignment]
+    up.script("prefill", status(503))
+    await prefill.with_retries(f)
+    assert len(up.calls) == 1 and f.record.abort_source == "deadline"
 
 
 async def test_no_retry_when_the_deadline_comes_before_the_pause_ends() -> None:
@@ -157,6 +184,16 @@ async def test_a_reply_without_kv_params_goes_to_another_prefill_worker() -> Non
     assert count(core.metrics.prefill_missing_kv) == 1
 
 
+async def test_replies_without_kv_params_from_every_worker_are_the_walks_to_judge() -> None:
+    """Each prefill worker answered once without usable params: none is asked again."""
+    core, up, _ = make_core(2, pools={"prefill_attempts": 3})
+    up.script("prefill", no_params, no_params, no_params)
+    w, reply, error = await Prefill(core).with_retries(make_flight(core))
+    assert sorted(up.to("prefill")) == list(P_URLS)
+    assert w is not None and w.url == up.calls[-1].worker and reply["kv_transfer_params"] is None
+    assert error is None
+
+
 async def test_a_reply_without_kv_params_and_no_worker_left_is_decode_only_with_the_bypass() -> None:
     core, up, _ = make_core(1, pools={"prefill_attempts": 3, "bypass_when_prefill_unavailable": True})
     f = make_flight(core)
@@ -174,7 +211,7 @@ async def test_a_reply_without_kv_params_and_nothing_better_is_the_walks_to_judg
 
 
 @pytest.mark.parametrize(("answer", "outcome"), [
-    (good, Outcome.SUCCESS),
+    (good, Outcome.NEUTRAL),  # judged at the hand-off (P may still fail every pull)
     (no_params, Outcome.FAILURE),  # a 200 without usable params is P's failure
     (status(503), Outcome.FAILURE),
     (UpstreamTimeout("prefill", "p", "timed out"), Outcome.FAILURE),
