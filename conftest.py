@@ -3,6 +3,7 @@
 import pytest
 
 pytest_plugins = [
+    "tests.fixtures_certs",
     "tests.fixtures_sim",
     "tests.fixtures_vllm",
 ]

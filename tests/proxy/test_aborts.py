@@ -13,7 +13,6 @@ import pytest
 
 from proxy.app import SERVING
 from proxy.pools.runtime import PoolSettings
-from proxy.state import RequestRecord
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply
 
@@ -357,14 +356,3 @@ async def test_requests_table_and_debug_views(pd_factory: PDFactory) -> None:
     await asyncio.wait_for(task, 5)
     await pd.quiet(limit=1.0)
     assert (await (await pd.client.get("/debug/requests")).json())["requests"] == []
-
-
-async def test_a_record_is_aborted_once_and_its_waiters_woken_once() -> None:
-    record = RequestRecord("r", "generate-tokens-r", stream=False)
-    calls: list[str] = []
-    record.on_abort.append(lambda: calls.append("a"))
-    record.on_abort.append(lambda: calls.append("b"))
-    assert record.mark_aborted("client_call")
-    assert not record.mark_aborted("disconnect")  # the first source stands
-    assert record.abort_source == "client_call" and record.aborted.is_set()
-    assert calls == ["a", "b"] and record.on_abort == []

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.multiproc import Supervisor, reuseport_socket
+from proxy.multiproc import Supervisor
 from proxy.settings import ProxySettings
 
 GEN = "/inference/v1/generate"
@@ -131,24 +130,6 @@ def served_by(log: str) -> set[str]:
 
 
 # ---------------------------------------------------------------- units
-
-
-def test_reuseport_sockets_share_one_port() -> None:
-    a = reuseport_socket("127.0.0.1", 0)
-    try:
-        port = a.getsockname()[1]
-        b = reuseport_socket("127.0.0.1", port)
-        try:
-            a.listen(8)
-            b.listen(8)
-            assert b.getsockname()[1] == port
-        finally:
-            b.close()
-        # a plain socket (no SO_REUSEPORT) cannot take the port meanwhile
-        with socket.socket() as c, pytest.raises(OSError):
-            c.bind(("127.0.0.1", port))
-    finally:
-        a.close()
 
 
 def test_supervisor_refuses_bad_worker_counts() -> None:

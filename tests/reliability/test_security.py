@@ -8,9 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
-import shutil
 import ssl
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,11 +18,9 @@ import pytest
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.cli import parse_args
 from proxy.pools.runtime import PoolSettings
-from proxy.server import serve
 from proxy.settings import ProxySettings
-from proxy.tls import server_context, upstream_context
+from proxy.tls import server_context
 from proxy.upstream import Upstream
 from tests.reliability.harness import GENERATE, start_sim, start_world, world
 from tests.reliability.harness import serve as serve_app
@@ -269,34 +265,6 @@ async def test_clients_can_never_choose_an_upstream(monkeypatch: pytest.MonkeyPa
 
 # ------------------------------------------------------------------ TLS
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A self-signed server certificate for 127.0.0.1 and a self-signed client certificate."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command line is needed to make test certificates")
-    d = tmp_path_factory.mktemp("certs")
-    out: dict[str, Path] = {}
-    for name, cn, san in (("server", "127.0.0.1", "IP:127.0.0.1"), ("client", "pd-proxy", "DNS:pd-proxy")):
-        cert, key = d / f"{name}.pem", d / f"{name}.key"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec",
-                        "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key),
-                        "-out", str(cert), "-days", "1", "-subj", f"/CN={cn}",
-                        "-addext", f"subjectAltName={san}"], check=True, capture_output=True, timeout=30)
-        out[name], out[f"{name}_key"] = cert, key
-    return out
-
-
-def test_cli_wires_listening_tls(monkeypatch: pytest.MonkeyPatch, certs: dict[str, Path]) -> None:
-    seen: dict[str, Any] = {}
-    monkeypatch.setattr(web, "run_app", lambda app, **kw: seen.update(kw))
-    monkeypatch.setattr(asyncio, "set_event_loop", lambda loop: None)
-    serve(parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "https://127.0.0.1:2",
-                      "--tls-cert-file", str(certs["server"]), "--tls-key-file", str(certs["server_key"])]))
-    seen["loop"].close()
-    ctx = seen["ssl_context"]
-    assert isinstance(ctx, ssl.SSLContext) and ctx.minimum_version >= ssl.TLSVersion.TLSv1_2
-
-
 async def test_https_listener(certs: dict[str, Path]) -> None:
     w = await start_world(server_kwargs={"ssl_context": server_context(str(certs["server"]),
                                                                       str(certs["server_key"]))})
@@ -345,14 +313,6 @@ async def test_tls_toward_the_workers(certs: dict[str, Path], mutual: bool) -> N
         await d_runner.cleanup()
         await p.close()
         await session.close()
-
-
-def test_upstream_context_rules(certs: dict[str, Path]) -> None:
-    assert upstream_context() is None
-    ctx = upstream_context(str(certs["server"]))
-    assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
-    with pytest.raises(ValueError, match="key file needs"):
-        upstream_context(key_file=str(certs["client_key"]))
 
 
 # ------------------------------------------------------------------ request ids

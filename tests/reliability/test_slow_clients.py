@@ -10,10 +10,7 @@ import socket
 from typing import Any
 
 import pytest
-from aiohttp import web
 
-from proxy.cli import parse_args
-from proxy.server import serve
 from tests.reliability.harness import GENERATE, World, sse_events, start_world
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,19 +81,6 @@ async def test_head_sent_byte_by_byte_is_cut_off_and_others_are_served() -> None
     finally:
         await w.close()
     await w.assert_no_tasks_after_close()
-
-
-def test_header_timeout_is_the_servers_keepalive_timer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--header-timeout`` reaches aiohttp as ``keepalive_timeout`` (the timer that closes a
-    connection whose request head has not arrived)."""
-    seen: dict[str, Any] = {}
-    monkeypatch.setattr(web, "run_app", lambda app, **kw: seen.update(kw))
-    monkeypatch.setattr(asyncio, "set_event_loop", lambda loop: None)
-    serve(parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
-                          "--header-timeout", "2.5"]))
-    seen["loop"].close()
-    assert seen["keepalive_timeout"] == 2.5
-    assert seen["handler_cancellation"] is True
 
 
 async def test_client_that_never_reads_is_cut_off_and_frees_everything() -> None:

@@ -1,0 +1,348 @@
+"""proxy.prefill: the prefill hop (picked, retried on another worker after a backoff, judged),
+P's reply accepted under a KV lease, and a migrated stream's continuation; on a Core built from
+settings and a recording upstream."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kv_transfer.handoff import PREFILL_REQUEST
+from proxy.errors import UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from proxy.pools import CircuitState, DeadlineExceeded, NoWorkerAvailable, Outcome, Worker
+from proxy.pools.admission import Deadline
+from proxy.prefill import Prefill
+from proxy.state import Phase
+from tests.proxy.parts import (
+    P_URLS,
+    BoundRng,
+    Call,
+    count,
+    make_core,
+    make_flight,
+    worker,
+)
+from tests.proxy.scripted import KV_PARAMS, prefill_reply
+
+
+def status(code: int, url: str = "p") -> UpstreamStatusError:
+    return UpstreamStatusError("prefill", url, code, b'{"error":"x"}', "application/json")
+
+
+def good(call: Call) -> dict[str, Any]:
+    return prefill_reply(call.body)
+
+
+def no_params(call: Call) -> dict[str, Any]:
+    return {**prefill_reply(call.body), "kv_transfer_params": None}
+
+
+def retries(prefill: Prefill) -> float:
+    metrics = prefill.pools.metrics
+    assert metrics is not None
+    return float(metrics.retries.labels(hop="prefill")._value.get())
+
+
+def rng(prefill: Prefill) -> BoundRng:
+    assert isinstance(prefill.pools.rng, BoundRng)
+    return prefill.pools.rng
+
+
+# ------------------------------------------------------------------ retries
+
+
+async def test_a_failed_prefill_moves_to_another_worker_after_a_backoff() -> None:
+    core, up, _ = make_core(2, pools={"prefill_attempts": 3, "retry_base_delay": 0.02})
+    prefill = Prefill(core)
+    f = make_flight(core)
+    up.script("prefill", status(503))
+    w, reply, error = await prefill.with_retries(f)
+    first, second = up.to("prefill")
+    assert first != second and w is not None and w.url == second and f.record.prefill_worker is w
+    assert error is None and reply["kv_transfer_params"] == KV_PARAMS
+    assert rng(prefill).bounds == [0.02] and retries(prefill) == 1
+    assert all(worker(core, u).inflight == 0 for u in P_URLS)
+
+
+async def test_a_retry_goes_to_the_untried_worker_even_when_it_is_busier() -> None:
+    core, up, _ = make_core(2, pools={"prefill_attempts": 2})
+    busy = worker(core, P_URLS[1])
+    busy.begin()  # least-loaded would pick the worker that failed again
+    up.script("prefill", status(503))
+    w, _, error = await Prefill(core).with_retries(make_flight(core))
+    assert up.to("prefill") == [P_URLS[0], P_URLS[1]] and w is busy and error is None
+    busy.end()
+    assert all(worker(core, u).inflight == 0 for u in P_URLS)
+
+
+async def test_every_attempt_failing_backs_off_longer_and_the_last_error_stands() -> None:
+    core, up, _ = make_core(1, pools={"prefill_attempts": 3, "retry_base_delay": 0.02})
+    prefill = Prefill(core)
+    f = make_flight(core)
+    up.script("prefill", status(500), UpstreamUnavailable("prefill", P_URLS[0], "down"), status(503))
+    w, reply, error = await prefill.with_retries(f)
+    assert up.to("prefill") == [P_URLS[0]] * 3  # every worker failed once: the same one again
+    assert isinstance(error, UpstreamStatusError) and error.upstream_status == 503
+    assert w is not None and w.url == P_URLS[0] and reply == {}
+    assert rng(prefill).bounds == [0.02, 0.04] and retries(prefill) == 2
+
+
+@pytest.mark.parametrize("error", [status(400), UpstreamProtocolError("prefill", "p", "bad JSON")])
+async def test_a_failure_another_worker_would_repeat_is_not_retried(error: Exception) -> None:
+    """A 4xx is the client's (``Serving`` answers it as is), a 2xx that is not JSON would repeat."""
+    core, up, _ = make_core(2, pools={"prefill_attempts": 3})
+    prefill = Prefill(core)
+    up.script("prefill", error)
+    _, _, last = await prefill.with_retries(make_flight(core))
+    assert last is error and len(up.calls) == 1 and rng(prefill).bounds == []
+
+
+async def test_an_abort_during_a_failed_attempt_ends_the_retries() -> None:
+    core, up, _ = make_core(2, pools={"prefill_attempts": 3})
+    prefill = Prefill(core)
+    f = make_flight(core)
+
+    def aborted_then_503(call: Call) -> Exception:
+        core.note_abort(f.record, "client_call")
+        return status(503)
+
+    up.script("prefill", aborted_then_503)
+    _, _, error = await prefill.with_retries(f)
+    assert isinstance(error, UpstreamStatusError) and len(up.calls) == 1 and retries(prefill) == 0
+
+
+async def test_an_abort_during_the_backoff_ends_the_retries() -> None:
+    core, up, _ = make_core(2, pools={"prefill_attempts": 3})
+    prefill = Prefill(core)
+    f = make_flight(core)
+
+    class AbortedWhilePausing(BoundRng):
+        def uniform(self, a: float, b: float) -> float:
+            asyncio.get_running_loop().call_soon(core.note_abort, f.record, "deadline")
+            return 0.0
+
+    core.pools.rng = AbortedWhilePausing()  # type: ignore[assignment]
+    up.script("prefill", status(503))
+    await prefill.with_retries(f)
+    assert len(up.calls) == 1 and f.record.abort_source == "deadline"
+
+
+async def test_no_retry_when_the_deadline_comes_before_the_pause_ends() -> None:
+    core, up, clock = make_core(2, pools={"prefill_attempts": 3, "retry_base_delay": 0.5})
+    prefill = Prefill(core)
+    pauses: list[float] = []
+
+    class FullPause(BoundRng):
+        def uniform(self, a: float, b: float) -> float:
+            pauses.append(b)
+            return b
+
+    core.pools.rng = FullPause()  # type: ignore[assignment]
+    f = make_flight(core)
+    f.deadline = Deadline(clock() + 0.4, clock)
+    up.script("prefill", UpstreamTimeout("prefill", "p", "timed out"))
+    _, _, error = await prefill.with_retries(f)
+    assert isinstance(error, UpstreamTimeout) and len(up.calls) == 1 and pauses == [0.5]
+    assert up.calls[0].total == pytest.approx(0.2)  # the prefill's share of the deadline
+
+
+async def test_a_hop_past_its_deadline_is_not_sent_and_leaves_no_worker_counted() -> None:
+    core, up, clock = make_core(1)
+    f = make_flight(core)
+    f.deadline = Deadline(clock() - 1.0, clock)
+    with pytest.raises(DeadlineExceeded):
+        await Prefill(core).with_retries(f)
+    assert up.calls == [] and worker(core, P_URLS[0]).inflight == 0
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+async def test_no_prefill_worker_available(bypass: bool) -> None:
+    core, up, _ = make_core(1, pools={"bypass_when_prefill_unavailable": bypass})
+    worker(core, P_URLS[0]).draining = True
+    f = make_flight(core)
+    if not bypass:
+        with pytest.raises(NoWorkerAvailable):
+            await Prefill(core).with_retries(f)
+    else:  # the decode worker computes the prompt
+        assert await Prefill(core).with_retries(f) == (None, {}, None)
+    assert up.calls == [] and f.record.prefill_worker is None
+
+
+# ------------------------------------------------------------------ P's reply
+
+
+async def test_a_reply_without_kv_params_goes_to_another_prefill_worker() -> None:
+    core, up, _ = make_core(2, pools={"prefill_attempts": 3})
+    prefill = Prefill(core)
+    up.script("prefill", no_params)
+    w, reply, error = await prefill.with_retries(make_flight(core))
+    first, second = up.to("prefill")
+    assert first != second and w is not None and w.url == second and error is None
+    assert reply["kv_transfer_params"] == KV_PARAMS
+    assert count(core.metrics.prefill_missing_kv) == 1
+
+
+async def test_replies_without_kv_params_from_every_worker_are_the_walks_to_judge() -> None:
+    """Each prefill worker answered once without usable params: none is asked again."""
+    core, up, _ = make_core(2, pools={"prefill_attempts": 3})
+    up.script("prefill", no_params, no_params, no_params)
+    w, reply, error = await Prefill(core).with_retries(make_flight(core))
+    assert sorted(up.to("prefill")) == list(P_URLS)
+    assert w is not None and w.url == up.calls[-1].worker and reply["kv_transfer_params"] is None
+    assert error is None
+
+
+async def test_a_reply_without_kv_params_and_no_worker_left_is_decode_only_with_the_bypass() -> None:
+    core, up, _ = make_core(1, pools={"prefill_attempts": 3, "bypass_when_prefill_unavailable": True})
+    f = make_flight(core)
+    up.script("prefill", no_params)
+    assert await Prefill(core).with_retries(f) == (None, {}, None)
+    assert len(up.calls) == 1 and f.record.prefill_worker is None
+
+
+async def test_a_reply_without_kv_params_and_nothing_better_is_the_walks_to_judge() -> None:
+    core, up, _ = make_core(1, pools={"prefill_attempts": 3})
+    up.script("prefill", no_params)
+    w, reply, error = await Prefill(core).with_retries(make_flight(core))
+    assert w is not None and reply["kv_transfer_params"] is None and error is None
+    assert len(up.calls) == 1
+
+
+@pytest.mark.parametrize(("answer", "outcome"), [
+    (good, Outcome.NEUTRAL),  # judged at the hand-off (P may still fail every pull)
+    (no_params, Outcome.FAILURE),  # a 200 without usable params is P's failure
+    (status(503), Outcome.FAILURE),
+    (UpstreamTimeout("prefill", "p", "timed out"), Outcome.FAILURE),
+    (status(400), Outcome.NEUTRAL),  # the client's request, not P's fault
+])
+async def test_what_the_prefill_hop_counts_on_ps_breaker(answer: Any, outcome: Outcome) -> None:
+    core, up, _ = make_core(1, pools={"breaker_failures": 1})
+    up.script("prefill", answer)
+    await Prefill(core).with_retries(make_flight(core))
+    p = worker(core, P_URLS[0])
+    assert p.inflight == 0
+    assert (p.breaker.state is CircuitState.OPEN) == (outcome is Outcome.FAILURE)
+
+
+async def test_the_prefill_hop_asks_p_to_keep_the_kv_within_its_timeout() -> None:
+    core, up, _ = make_core(1, prefill_timeout=7.0, prefill_tokens_only=True)
+    f = make_flight(core, rid="abc", sp={"max_tokens": 50, "stop": ["x"], "min_tokens": 3})
+    await Prefill(core).with_retries(f)
+    call = up.calls[0]
+    assert call.request_id == "abc" and call.total == 7.0
+    assert call.body["kv_transfer_params"] == PREFILL_REQUEST and call.body["request_id"] == "abc"
+    assert call.body["sampling_params"]["max_tokens"] == 1
+    assert "stop" not in call.body["sampling_params"]  # a tokens-only prefill pool has no detokenizer
+
+
+async def test_accepting_ps_reply_holds_the_kv_under_one_lease() -> None:
+    core, _, _ = make_core(1)
+    prefill = Prefill(core)
+    f = make_flight(core)
+    p = worker(core, P_URLS[0])
+    kv = {**KV_PARAMS, "remote_block_ids": [[1, 2, 3]]}
+    params, error = prefill.accept_reply(f, p, prefill_reply({"token_ids": [1], "request_id": "r1"}, kv))
+    assert error is None and params == kv and f.record.kv_params == kv
+    assert f.record.phase is Phase.KV_HELD and f.kv_blocks == 3
+    lease = f.record.lease
+    assert lease is not None and lease.worker == p.url and lease.blocks == 3
+    assert core.leases.ledger.open_leases() == [lease] and core.leases.ledger.recent_closed() == []
+    assert core.metrics.kv_leases_open._value.get() == 1
+
+
+async def test_a_reply_without_kv_params_is_missing_kv_params() -> None:
+    core, _, _ = make_core(1)
+    f = make_flight(core)
+    reply = {**prefill_reply({"token_ids": [1], "request_id": "r1"}), "kv_transfer_params": None}
+    params, error = Prefill(core).accept_reply(f, worker(core, P_URLS[0]), reply)
+    assert params is None and isinstance(error, UpstreamProtocolError)
+    assert (error.hop, error.worker, error.reason) == ("prefill", P_URLS[0], "kv_transfer_params is null")
+    assert f.record.phase is Phase.PREFILLING and f.record.lease is None and core.leases.open_count == 0
+    assert count(core.metrics.prefill_missing_kv) == 1
+
+
+async def test_a_reply_p_ended_as_aborted_aborts_the_request_and_its_kv_is_still_held() -> None:
+    """The client's abort reached P another way (another process): aborted here too, source
+    ``worker``; KV that came with it is held, for the clean-up to release."""
+    core, _, _ = make_core(1)
+    f = make_flight(core)
+    reply = prefill_reply({"token_ids": [1], "request_id": "r1"})
+    reply["choices"][0]["finish_reason"] = "abort"
+    params, error = Prefill(core).accept_reply(f, worker(core, P_URLS[0]), reply)
+    assert error is None and params == KV_PARAMS and core.leases.open_count == 1
+    assert f.record.abort_source == "worker"
+    assert count(core.metrics.aborts, source="worker", state="kv_held") == 1
+
+
+async def test_an_aborted_reply_without_params_is_not_counted_as_ps_fault() -> None:
+    core, _, _ = make_core(1)
+    f = make_flight(core)
+    reply = {**prefill_reply({"token_ids": [1], "request_id": "r1"}), "kv_transfer_params": None}
+    reply["choices"][0]["finish_reason"] = "abort"
+    _, error = Prefill(core).accept_reply(f, worker(core, P_URLS[0]), reply)
+    assert error is not None and f.record.is_aborted
+    assert count(core.metrics.prefill_missing_kv) == 0
+
+
+@pytest.mark.parametrize("choices", [None, [], ["x"], [{"finish_reason": "length"}]])
+async def test_only_an_abort_finish_is_a_workers_abort(choices: Any) -> None:
+    core, _, _ = make_core(1)
+    f = make_flight(core)
+    assert not Prefill(core).note_worker_abort(f, {"choices": choices})
+    assert not f.record.is_aborted
+
+
+async def test_prefill_workers_whose_every_pair_failed_the_preflight_are_left_out() -> None:
+    core, up, _ = make_core(2, 2, pools={"preflight": True})
+
+    async def check(p: Worker, d: Worker) -> None:
+        if p.url == P_URLS[0]:
+            raise RuntimeError("no route to the decode worker")
+
+    core.pools.preflight.check = check
+    core.pools.preflight.start_all(core.prefill_pool, core.decode_pool)
+    await asyncio.gather(*core.pools.preflight._tasks.values())
+    prefill = Prefill(core)
+    assert prefill.pairless() == [worker(core, P_URLS[0])]
+    for i in range(3):
+        await prefill.with_retries(make_flight(core, rid=f"r{i}"))
+    assert up.to("prefill") == [P_URLS[1]] * 3
+
+
+# ------------------------------------------------------------------ a continuation's prefill
+
+LONG = list(range(1, 21))
+
+
+async def test_a_long_continuation_is_prefilled_and_handed_off_under_a_lease() -> None:
+    core, up, _ = make_core(1, pools={"migrate_prefill_tokens": 16})
+    f = make_flight(core)
+    body = {"token_ids": LONG, "sampling_params": {"max_tokens": 5}}
+    out = await Prefill(core).continuation(f, body)
+    assert out == {**body, "kv_transfer_params": KV_PARAMS}
+    assert up.calls[0].body["token_ids"] == LONG and up.calls[0].body["sampling_params"]["max_tokens"] == 1
+    assert f.record.prefill_worker is worker(core, P_URLS[0]) and core.leases.open_count == 1
+    assert worker(core, P_URLS[0]).inflight == 0
+
+
+@pytest.mark.parametrize("case", ["short", "aborted", "failed", "no_params", "draining"])
+async def test_a_continuation_the_decode_worker_computes_itself(case: str) -> None:
+    core, up, _ = make_core(1, pools={"migrate_prefill_tokens": 16, "breaker_failures": 1})
+    f = make_flight(core)
+    body = {"token_ids": LONG[:10] if case == "short" else LONG, "sampling_params": {"max_tokens": 5}}
+    p = worker(core, P_URLS[0])
+    if case == "aborted":
+        f.record.mark_aborted("client_call")
+    if case == "failed":
+        up.script("prefill", status(503))
+    if case == "no_params":
+        up.script("prefill", no_params)
+    if case == "draining":
+        p.draining = True
+    assert await Prefill(core).continuation(f, body) is body
+    assert core.leases.open_count == 0 and f.record.prefill_worker is None and p.inflight == 0
+    assert len(up.calls) == (1 if case in ("failed", "no_params") else 0)
+    if case == "failed":
+        assert p.breaker.state is CircuitState.OPEN
