@@ -22,7 +22,9 @@ class Timing:
 
     received: float
     prefill_start: float | None = None
-    """The prefill hop was sent (after the queue and the worker pick)."""
+    """The walk began the prefill stage, after the admission queue and before the pick of a
+    prefill worker (so a wait for a worker, retries and their backoff count as "prefill"; a
+    request that bypasses P starts here too, and its wait for a decode worker is "handoff")."""
     prefill_end: float | None = None
     """P's reply was in (or the prefill hop was given up)."""
     decode_start: float | None = None
