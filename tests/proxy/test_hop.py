@@ -21,10 +21,10 @@ from proxy.hop import (
     HopDisconnected,
     HopProtocolError,
     HopStale,
-    _Conn,
     header_lines,
     parse_origin,
 )
+from proxy.hop_wire import HopConnection
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -640,7 +640,7 @@ def test_the_parser_gives_the_same_body_however_the_bytes_are_split(
         wire = wire[:-5] + b"0;ext=1\r\nTrailer: x\r\n\r\n"  # the last chunk with both
     loop = asyncio.new_event_loop()
     try:
-        conn = _Conn(loop, parse_origin("http://127.0.0.1:1"))
+        conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"))
         conn.connection_made(_Transport())  # type: ignore[arg-type]
         conn.begin()
         points = sorted({c % len(wire) for c in cuts} | {0, len(wire)})
