@@ -18,7 +18,7 @@ import select
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, cast
 from urllib.parse import urlsplit
 
 _MAX_HEAD = 64 * 1024
@@ -102,6 +102,27 @@ def _header_lines(lines: list[bytes]) -> dict[str, str]:
             raise HopProtocolError(f"a repeated {key} header")
         headers[key] = text
     return headers
+
+
+def _body_framing(status: int, headers: dict[str, str]) -> tuple[int, int, bool]:
+    """How the body after an answer's head is framed: the parser's next state, the length of a
+    Content-Length body, and whether the framing lets the connection be reused after it."""
+    encoding = headers.get("transfer-encoding")
+    length = headers.get("content-length")
+    if status in (204, 304):
+        return _DONE, 0, True
+    if encoding is not None:
+        if encoding.lower() != "chunked":
+            raise HopProtocolError(f"an unsupported transfer encoding ({encoding})")
+        # Both: chunked wins (RFC 9112 6.3), and the connection is not reused after it (the two
+        # framings may have been read differently on the way).
+        return _CHUNK_SIZE, 0, length is None
+    if length is not None:
+        if not (len(length) <= _MAX_LENGTH_DIGITS and length.isascii() and length.isdigit()):
+            raise HopProtocolError("a malformed Content-Length")
+        remaining = int(length)
+        return (_LENGTH if remaining else _DONE), remaining, True
+    return _UNTIL_CLOSE, 0, False
 
 
 def _chunk_size(line: bytes) -> int:
@@ -206,63 +227,103 @@ class HopConnection(asyncio.Protocol):
             return
         self._wake()
 
-    # -- parsing
+    # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
+    # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
+    # for the next read (``_pending``) or met bytes past the answer. Body bytes are queued as
+    # slices of the read (the whole read when it is all body), never copied byte by byte.
 
-    def _feed(self, data: bytes) -> None:  # noqa: C901, PLR0912
-        # One frame on purpose: the per-read state machine of every hop; a call per chunk line
-        # would add a Python call per SSE event on the streaming path.
+    def _feed(self, data: bytes) -> None:
         if self._pending:
             data, self._pending = self._pending + data, b""
         pos, end = 0, len(data)
+        steps = self._STEPS
         while pos < end:
-            state = self._state
-            if state in (_LENGTH, _CHUNK_DATA, _UNTIL_CLOSE):
-                take = end - pos if state == _UNTIL_CLOSE else min(self._remaining, end - pos)
-                self._push(data if pos == 0 and take == end else data[pos:pos + take])
-                pos += take
-                if state != _UNTIL_CLOSE:
-                    self._remaining -= take
-                    if self._remaining == 0:
-                        self._state = _DONE if state == _LENGTH else _CHUNK_END
-            elif state in (_CHUNK_SIZE, _CHUNK_END, _TRAILER):
-                nl = data.find(b"\r\n", pos)
-                if nl < 0:
-                    if end - pos > 4096:
-                        raise HopProtocolError("a chunk header longer than 4 KiB")
-                    self._pending = data[pos:]
-                    return
-                line = data[pos:nl]
-                pos = nl + 2
-                if state == _CHUNK_END:
-                    if line:
-                        raise HopProtocolError("chunk data longer than its declared size")
-                    self._state = _CHUNK_SIZE
-                elif state == _TRAILER:
-                    if not line:
-                        self._state = _DONE
-                else:
-                    size = _chunk_size(line)
-                    if size == 0:
-                        self._state = _TRAILER
-                    elif data[pos + size:pos + size + 2] == b"\r\n":
-                        # The whole chunk and its CRLF are here (an SSE event usually is).
-                        self._push(data[pos:pos + size])
-                        pos += size + 2
-                    else:
-                        self._state, self._remaining = _CHUNK_DATA, size
-            elif state == _HEAD:
-                mark = data.find(b"\r\n\r\n", pos)
-                if mark < 0:
-                    if end - pos > _MAX_HEAD:
-                        raise HopProtocolError("headers larger than 64 KiB")
-                    self._pending = data[pos:]
-                    return
-                head = data[pos:mark]
-                pos = mark + 4
-                self._parse_head(head)
-            else:  # _DONE: bytes past the answer
-                self._keep_alive = False
-                return
+            pos = steps[self._state](self, data, pos, end)
+
+    def _on_head(self, data: bytes, pos: int, end: int) -> int:
+        """The status line and headers, once all of them are here."""
+        mark = data.find(b"\r\n\r\n", pos)
+        if mark < 0:
+            if end - pos > _MAX_HEAD:
+                raise HopProtocolError("headers larger than 64 KiB")
+            self._pending = data[pos:]
+            return end
+        self._parse_head(data[pos:mark])
+        return mark + 4
+
+    def _on_counted(self, data: bytes, pos: int, end: int) -> int:
+        """Body bytes of a known count: a Content-Length body, or the data of a chunk that did not
+        arrive whole with its CRLF."""
+        take = min(self._remaining, end - pos)
+        self._push(data if pos == 0 and take == end else data[pos:pos + take])
+        self._remaining -= take
+        if self._remaining == 0:
+            self._state = _DONE if self._state == _LENGTH else _CHUNK_END
+        return pos + take
+
+    def _on_until_close(self, data: bytes, pos: int, end: int) -> int:
+        """A body that ends with the connection: all of it."""
+        self._push(data if pos == 0 else data[pos:])
+        return end
+
+    def _line_end(self, data: bytes, pos: int, end: int) -> int:
+        """Where the chunk line (size, data's end or trailer) at ``pos`` ends (its CRLF); -1 when
+        it has not all arrived (kept for the next read)."""
+        nl = data.find(b"\r\n", pos)
+        if nl < 0:
+            if end - pos > 4096:
+                raise HopProtocolError("a chunk header longer than 4 KiB")
+            self._pending = data[pos:]
+        return nl
+
+    def _on_chunk_size(self, data: bytes, pos: int, end: int) -> int:
+        """A chunk's size line. A chunk that follows whole with its CRLF (an SSE event usually
+        does) is taken in the same step, and so is every such chunk after it: one call per read
+        on the streaming path, not one per event."""
+        while pos < end:
+            nl = self._line_end(data, pos, end)
+            if nl < 0:
+                return end
+            size = _chunk_size(data[pos:nl])
+            pos = nl + 2
+            if size == 0:
+                self._state = _TRAILER
+                return pos
+            if data[pos + size:pos + size + 2] != b"\r\n":
+                self._state, self._remaining = _CHUNK_DATA, size
+                return pos
+            self._push(data[pos:pos + size])
+            pos += size + 2
+        return pos
+
+    def _on_chunk_end(self, data: bytes, pos: int, end: int) -> int:
+        """The CRLF after a chunk's data, and nothing before it."""
+        nl = self._line_end(data, pos, end)
+        if nl < 0:
+            return end
+        if nl != pos:
+            raise HopProtocolError("chunk data longer than its declared size")
+        self._state = _CHUNK_SIZE
+        return nl + 2
+
+    def _on_trailer(self, data: bytes, pos: int, end: int) -> int:
+        """The trailer after the last chunk (its fields ignored), up to its empty line."""
+        nl = self._line_end(data, pos, end)
+        if nl < 0:
+            return end
+        if nl == pos:
+            self._state = _DONE
+        return nl + 2
+
+    def _on_done(self, data: bytes, pos: int, end: int) -> int:
+        """Bytes past the answer: never reuse this connection."""
+        self._keep_alive = False
+        return end
+
+    _STEPS: ClassVar[tuple[Callable[[HopConnection, bytes, int, int], int], ...]] = (
+        _on_head, _on_counted, _on_chunk_size, _on_counted, _on_chunk_end, _on_trailer, _on_until_close,
+        _on_done)
+    """The step of each state, in the states' order (``_HEAD`` ... ``_DONE``)."""
 
     def _parse_head(self, head: bytes) -> None:
         lines = head.split(b"\r\n")
@@ -272,25 +333,9 @@ class HopConnection(asyncio.Protocol):
         headers = _header_lines(lines[1:])
         if version == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
             self._keep_alive = False
-        encoding = headers.get("transfer-encoding")
-        length = headers.get("content-length")
-        if status in (204, 304):
-            self._state = _DONE
-        elif encoding is not None:
-            if encoding.lower() != "chunked":
-                raise HopProtocolError(f"an unsupported transfer encoding ({encoding})")
-            self._state = _CHUNK_SIZE
-            if length is not None:
-                # Both: chunked wins (RFC 9112 6.3), and the connection is not reused after it
-                # (the two framings may have been read differently on the way).
-                self._keep_alive = False
-        elif length is not None:
-            if not (len(length) <= _MAX_LENGTH_DIGITS and length.isascii() and length.isdigit()):
-                raise HopProtocolError("a malformed Content-Length")
-            self._remaining = int(length)
-            self._state = _LENGTH if self._remaining else _DONE
-        else:
-            self._state, self._keep_alive = _UNTIL_CLOSE, False
+        self._state, self._remaining, reusable = _body_framing(status, headers)
+        if not reusable:
+            self._keep_alive = False
         self.head = (status, headers)
 
     def _push(self, chunk: bytes) -> None:
