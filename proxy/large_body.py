@@ -44,15 +44,8 @@ from typing import Any, overload
 import pydantic_core
 from pydantic import TypeAdapter, ValidationError
 
-from proxy.protocol import (
-    GenerateRequest,
-    JSONBodyError,
-    RequestValidationError,
-    VLLMValidationError,
-    format_validation_errors,
-    loads_bounded,
-    parse_generate_body,
-)
+from proxy.protocol import GenerateRequest, JSONBodyError, loads_bounded, parse_generate_body
+from proxy.validation_errors import RequestValidationError, VLLMValidationError, format_validation_errors
 
 LARGE_BODY_BYTES = 1 << 20
 """Bodies above this size go through ``parse_large_generate_body``."""

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from proxy.large_body import PackedTokenIds, parse_large_generate_body
-from proxy.protocol import RequestValidationError, VLLMValidationError, parse_generate_body
+from proxy.protocol import parse_generate_body
 from proxy.upstream import TokenIds, encode_body, ids_text
+from proxy.validation_errors import RequestValidationError, VLLMValidationError
 
 SLICE = 16  # bytes of array text per slice: every body below is cut in many slices
 
