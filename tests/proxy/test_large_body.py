@@ -143,6 +143,8 @@ async def test_validation_errors_match_the_one_go_parse(raw: bytes) -> None:
     body("[" + ",".join(map(str, IDS)) + "," + "9" * 5000 + " " * 100 + "2]"),
     body("[" + ", ".join(map(str, IDS)) + " 4" + " " * 100 + "]"),  # ids, then a missing comma
     body("[" + ", ".join(map(str, IDS)) + " " * 100 + " 4]"),
+    body("[" + ",".join(map(str, IDS)) + "," + " " * 100 + ",1]"),  # a long run with no value
+    body("[" + ",".join(map(str, IDS)) + "," + " " * 100 + "1x" + " " * 100 + "]"),  # one bad value in it
 ])
 async def test_json_errors_match_the_one_go_parse(raw: bytes) -> None:
     got = await both(raw)
