@@ -18,14 +18,8 @@ from proxy.errors import HTTPBadRequest
 from proxy.flight import Flight
 from proxy.ids import abortable_id, upstream_id
 from proxy.pools import Overloaded, Worker
-from proxy.protocol import (
-    JSONBodyError,
-    abort_full_response,
-    abort_stream_chunk,
-    compact_json,
-    engine_request_id,
-    loads_bounded,
-)
+from proxy.protocol import JSONBodyError, compact_json, engine_request_id, loads_bounded
+from proxy.replies import abort_full_response, abort_stream_chunk
 from proxy.sse import DONE_EVENT, comment_event, data_event
 from proxy.state import Phase
 from proxy.tenants import Tenant

@@ -28,7 +28,9 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.protocol import RequestValidationError, VLLMValidationError, compact_json, error_body
+from proxy.protocol import compact_json
+from proxy.replies import error_body
+from proxy.validation_errors import RequestValidationError, VLLMValidationError
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -23,7 +23,8 @@ content type, no cookies, redirects, proxies, compression or multipart. What the
   is strict: a Content-Length is 1 to 18 ASCII digits (one value), a chunk size 1 to 16 hex
   digits (extensions ignored), nothing else; anything malformed is a ``HopProtocolError`` and
   closes the connection. An answer with both Transfer-Encoding and Content-Length is read as
-  chunked and its connection closed after it (RFC 9112 6.3);
+  chunked and its connection closed after it (RFC 9112 6.3). The connection and its parser are
+  ``proxy.hop_wire``; the pool, the limits and the answers' reading are here;
 * TLS through the standard library (``ssl=`` context; ``https://`` workers);
 * a connection whose answer was not read to its end is closed, never reused: closing it is what
   tells vLLM the caller left.
@@ -37,40 +38,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import re
-import select
 import ssl
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import cast
-from urllib.parse import urlsplit
 
-_MAX_HEAD = 64 * 1024
-"""Largest status line + headers accepted from a worker."""
-_READ_PAUSE = 1 << 20
-"""Body bytes buffered unread before the socket stops being read."""
+from proxy.hop_wire import HopConnection, HopDisconnected, HopProtocolError, Origin, expire, parse_origin
+
 LINGER = 1.0
 """How long a released answer's connection waits for the end of its framing."""
 _MAX_ORIGINS = 4096
 """Cached URL parses (workers come and go through the admin API; the cache is bounded)."""
-
-_MAX_LENGTH_DIGITS = 18
-"""Longest Content-Length accepted (just under 1 EB; plain ASCII digits, nothing else)."""
-_MAX_CHUNK_DIGITS = 16
-"""Longest chunk size accepted (hex digits, nothing else)."""
-_HEX_SIZE = re.compile(rb"[0-9A-Fa-f]{1,%d}" % _MAX_CHUNK_DIGITS)
-_FRAMING = ("content-length", "transfer-encoding")
-
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
-
-
-class HopProtocolError(Exception):
-    """The worker broke HTTP/1.1 framing (or closed mid-answer: ``HopDisconnected``)."""
-
-
-class HopDisconnected(HopProtocolError, ConnectionError):
-    """The connection ended before the answer did."""
 
 
 class HopStale(HopDisconnected):
@@ -78,351 +54,6 @@ class HopStale(HopDisconnected):
     was written to it. Most likely the worker had closed it idle and never read the request, but
     it may have read it: the client does not send it again by itself (``Upstream`` does, once the
     worker aborted any copy it read)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    key: str
-    host: str
-    port: int
-    tls: bool
-    host_header: bytes
-    base_path: str
-
-
-def parse_origin(url: str) -> Origin:
-    """``ValueError`` naming the URL when it has no host or a port out of range."""
-    try:
-        parts = urlsplit(url)
-        port_given = parts.port
-    except ValueError:
-        raise ValueError(f"worker URL has an invalid port: {url!r}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"worker URL must be http(s)://host[:port], got {url!r}")
-    tls = parts.scheme == "https"
-    port = port_given or (443 if tls else 80)
-    host = parts.hostname
-    shown = f"[{host}]" if ":" in host else host
-    default = port == (443 if tls else 80)
-    return Origin(key=f"{parts.scheme}://{shown}:{port}", host=host, port=port, tls=tls,
-                  host_header=(shown if default else f"{shown}:{port}").encode("idna"),
-                  base_path=parts.path.rstrip("/"))
-
-
-
-def _status_line(line: bytes) -> tuple[int, bytes]:
-    """The status and the HTTP version of an answer's first line (strict: ``HTTP/1.x`` and a
-    3-digit status in 100-599)."""
-    parts = line.split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-        raise HopProtocolError("an answer that is not HTTP/1.x")
-    code = parts[1]
-    if len(code) != 3 or not code.isdigit():  # bytes.isdigit: ASCII digits only
-        raise HopProtocolError("a malformed status line")
-    status = int(code)
-    if not 100 <= status <= 599:
-        raise HopProtocolError("a malformed status line")
-    return status, parts[0]
-
-
-def _header_lines(lines: list[bytes]) -> dict[str, str]:
-    """An answer's headers, names lower-cased; a framing header twice (but the same
-    Content-Length) is an error: where the answer ends would not be known (RFC 9112 6.3)."""
-    headers: dict[str, str] = {}
-    for raw in lines:
-        name, sep, value = raw.partition(b":")
-        if not sep or not name or name != name.strip():
-            raise HopProtocolError("a malformed header line")
-        key = name.decode("latin-1").lower()
-        text = value.strip().decode("latin-1")
-        if key in headers and key in _FRAMING and (key != "content-length" or headers[key] != text):
-            raise HopProtocolError(f"a repeated {key} header")
-        headers[key] = text
-    return headers
-
-class _Conn(asyncio.Protocol):
-    """One connection: writes requests, parses one answer at a time into a body queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, origin: Origin) -> None:
-        self.loop = loop
-        self.origin = origin
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.uses = 0
-        self.counted = False
-        """Counted against the client's per-worker cap (until ``HopClient._drop``)."""
-        self.idle_since = 0.0
-        self._pending = b""
-        self._state = _DONE
-        self._remaining = 0
-        self._keep_alive = True
-        self.got_bytes = False
-        self.head: tuple[int, dict[str, str]] | None = None
-        self._body: deque[bytes] = deque()
-        self._buffered = 0
-        self._reading_paused = False
-        self._exc: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._drain: asyncio.Future[None] | None = None
-        self._write_paused = False
-        self.on_done: Callable[[], None] | None = None
-        """Set while lingering (``HopResponse.release``): called when the answer ends."""
-        self._poll: select.poll | None = None
-
-    # -- asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            self._poll = select.poll()
-            self._poll.register(sock.fileno(), select.POLLIN)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._state == _UNTIL_CLOSE:
-            self._state = _DONE
-        elif self._state != _DONE and self._exc is None:
-            self._exc = HopDisconnected("the worker closed the connection before its answer ended"
-                                        if self.got_bytes else "the worker closed the connection")
-        self._wake()
-        if self.on_done is not None:
-            done, self.on_done = self.on_done, None
-            done()
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(ConnectionResetError("connection lost while sending"))
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
-        self._drain = None
-
-    def eof_received(self) -> bool:
-        return False  # close the transport; connection_lost settles the answer
-
-    def data_received(self, data: bytes) -> None:
-        if not data:
-            return
-        self.got_bytes = True
-        if self._state == _DONE:
-            self._keep_alive = False  # bytes nobody asked for: never reuse this connection
-            return
-        try:
-            self._feed(data)
-        except HopProtocolError as e:
-            self._fail(e)
-        if self.on_done is not None:  # lingering: the caller has what it wanted of the body
-            self._body.clear()
-            self._buffered = 0
-            if self._state == _DONE or self._exc is not None:
-                done, self.on_done = self.on_done, None
-                done()
-            return
-        self._wake()
-
-    # -- parsing
-
-    def _feed(self, data: bytes) -> None:  # noqa: C901, PLR0912
-        # One frame on purpose: the per-read state machine of every hop; a call per chunk line
-        # would add a Python call per SSE event on the streaming path.
-        if self._pending:
-            data, self._pending = self._pending + data, b""
-        pos, end = 0, len(data)
-        while pos < end:
-            state = self._state
-            if state in (_LENGTH, _CHUNK_DATA, _UNTIL_CLOSE):
-                take = end - pos if state == _UNTIL_CLOSE else min(self._remaining, end - pos)
-                self._push(data if pos == 0 and take == end else data[pos:pos + take])
-                pos += take
-                if state != _UNTIL_CLOSE:
-                    self._remaining -= take
-                    if self._remaining == 0:
-                        self._state = _DONE if state == _LENGTH else _CHUNK_END
-            elif state in (_CHUNK_SIZE, _CHUNK_END, _TRAILER):
-                nl = data.find(b"\r\n", pos)
-                if nl < 0:
-                    if end - pos > 4096:
-                        raise HopProtocolError("a chunk header longer than 4 KiB")
-                    self._pending = data[pos:]
-                    return
-                line = data[pos:nl]
-                pos = nl + 2
-                if state == _CHUNK_END:
-                    if line:
-                        raise HopProtocolError("chunk data longer than its declared size")
-                    self._state = _CHUNK_SIZE
-                elif state == _TRAILER:
-                    if not line:
-                        self._state = _DONE
-                else:
-                    size = _chunk_size(line)
-                    if size == 0:
-                        self._state = _TRAILER
-                    elif data[pos + size:pos + size + 2] == b"\r\n":
-                        # The whole chunk and its CRLF are here (an SSE event usually is).
-                        self._push(data[pos:pos + size])
-                        pos += size + 2
-                    else:
-                        self._state, self._remaining = _CHUNK_DATA, size
-            elif state == _HEAD:
-                mark = data.find(b"\r\n\r\n", pos)
-                if mark < 0:
-                    if end - pos > _MAX_HEAD:
-                        raise HopProtocolError("headers larger than 64 KiB")
-                    self._pending = data[pos:]
-                    return
-                head = data[pos:mark]
-                pos = mark + 4
-                self._parse_head(head)
-            else:  # _DONE: bytes past the answer
-                self._keep_alive = False
-                return
-
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        status, version = _status_line(lines[0])
-        if 100 <= status < 200:
-            return  # an interim answer (100 Continue): the real one follows
-        headers = _header_lines(lines[1:])
-        if version == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
-            self._keep_alive = False
-        encoding = headers.get("transfer-encoding")
-        length = headers.get("content-length")
-        if status in (204, 304):
-            self._state = _DONE
-        elif encoding is not None:
-            if encoding.lower() != "chunked":
-                raise HopProtocolError(f"an unsupported transfer encoding ({encoding})")
-            self._state = _CHUNK_SIZE
-            if length is not None:
-                # Both: chunked wins (RFC 9112 6.3), and the connection is not reused after it
-                # (the two framings may have been read differently on the way).
-                self._keep_alive = False
-        elif length is not None:
-            if not (len(length) <= _MAX_LENGTH_DIGITS and length.isascii() and length.isdigit()):
-                raise HopProtocolError("a malformed Content-Length")
-            self._remaining = int(length)
-            self._state = _LENGTH if self._remaining else _DONE
-        else:
-            self._state, self._keep_alive = _UNTIL_CLOSE, False
-        self.head = (status, headers)
-
-    def _push(self, chunk: bytes) -> None:
-        self._body.append(chunk)
-        self._buffered += len(chunk)
-        if self._buffered > _READ_PAUSE and not self._reading_paused and self.transport is not None:
-            self._reading_paused = True
-            self.transport.pause_reading()
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._exc is None:
-            self._exc = exc
-        self._keep_alive = False
-        if self.transport is not None:
-            self.transport.close()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # -- used by HopClient / HopResponse
-
-    @property
-    def reusable(self) -> bool:
-        return (self._state == _DONE and self._keep_alive and self._exc is None and not self.closed
-                and not self._body and self.transport is not None and not self.transport.is_closing())
-
-    def stale(self) -> bool:
-        """An idle connection's socket is readable: the worker closed it (EOF, reset) or sent
-        bytes nobody asked for, and the loop has not run the callbacks that would say so yet.
-        Asked of the kernel (one ``poll``), so it holds at the moment a request would be written."""
-        return self._poll is not None and bool(self._poll.poll(0))
-
-    def begin(self) -> None:
-        self._state = _HEAD
-        self.head = None
-        self.got_bytes = False
-        self._pending = b""
-        self.uses += 1
-
-    async def send(self, data: bytes, deadline: float | None, write_limit: float) -> None:
-        """Write ``data``; while the transport's buffer is full, wait for the worker to read it.
-        ``TimeoutError`` when the worker took nothing for ``write_limit`` seconds, or at
-        ``deadline``."""
-        transport = self.transport
-        assert transport is not None
-        transport.write(data)
-        while self._write_paused and not self.closed:
-            left = transport.get_write_buffer_size()
-            drain = self._drain = self.loop.create_future()
-            until = self.loop.time() + write_limit
-            timer = self.loop.call_at(until if deadline is None else min(until, deadline), _expire, drain)
-            try:
-                await drain
-            except TimeoutError:
-                progress = transport.get_write_buffer_size() < left
-                if progress and (deadline is None or self.loop.time() < deadline):
-                    continue  # slow, not stuck: the worker took some
-                raise
-            finally:
-                timer.cancel()
-                self._drain = None
-
-    async def wait(self, deadline: float | None) -> None:
-        """Until something arrives (or the connection ends), at most until ``deadline``."""
-        if self._exc is not None:
-            raise self._exc
-        waiter = self._waiter = self.loop.create_future()
-        timer = (self.loop.call_at(deadline, _expire, waiter) if deadline is not None else None)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    def take(self) -> bytes:
-        """The body bytes buffered so far (b"" when none)."""
-        body = self._body
-        if not body:
-            return b""
-        data = body.popleft() if len(body) == 1 else b"".join(body)
-        body.clear()
-        self._buffered = 0
-        if self._reading_paused and self.transport is not None:
-            self._reading_paused = False
-            self.transport.resume_reading()
-        return data
-
-    @property
-    def finished(self) -> bool:
-        return self._state == _DONE
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._exc
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-
-def _chunk_size(line: bytes) -> int:
-    """A chunk-size line's size: 1 to 16 hex digits, optionally followed by chunk extensions
-    (``;name[=value]``, whitespace allowed before each ``;``, RFC 9112 7.1.1) that are ignored.
-    No sign, no ``0x``, no ``_``, no whitespace elsewhere: anything else is a protocol error."""
-    digits, semi, _ = line.partition(b";")
-    if semi:
-        digits = digits.rstrip(b" \t")
-    if _HEX_SIZE.fullmatch(digits) is None:  # int(, 16) alone takes signs, "0x", "_" and spaces
-        raise HopProtocolError("a malformed chunk size")
-    return int(digits, 16)
 
 
 def _until(loop: asyncio.AbstractEventLoop, deadline: float | None, read_limit: float | None) -> float | None:
@@ -433,11 +64,6 @@ def _until(loop: asyncio.AbstractEventLoop, deadline: float | None, read_limit: 
     return until if deadline is None else min(until, deadline)
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 class HopResponse:
     """An answer whose status line and headers arrived; the body is read through it.
 
@@ -446,10 +72,10 @@ class HopResponse:
 
     __slots__ = ("_client", "_conn", "_deadline", "_read_limit", "headers", "status")
 
-    def __init__(self, client: HopClient, conn: _Conn, status: int, headers: dict[str, str], *,
+    def __init__(self, client: HopClient, conn: HopConnection, status: int, headers: dict[str, str], *,
                  deadline: float | None, read_limit: float | None) -> None:
         self._client = client
-        self._conn: _Conn | None = conn
+        self._conn: HopConnection | None = conn
         self._deadline = deadline
         self._read_limit = read_limit
         self.status = status
@@ -516,8 +142,8 @@ class HopClient:
         self._loop = loop
         self.origin = functools.lru_cache(maxsize=_MAX_ORIGINS)(parse_origin)
         """``parse_origin``, each URL parsed once."""
-        self._idle: dict[str, list[_Conn]] = {}
-        self._in_use: set[_Conn] = set()
+        self._idle: dict[str, list[HopConnection]] = {}
+        self._in_use: set[HopConnection] = set()
         self._open: dict[str, int] = {}
         """Per worker: connections counted against ``max_per_host``."""
         self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
@@ -570,7 +196,7 @@ class HopClient:
         status, hdrs = conn.head
         return HopResponse(self, conn, status, hdrs, deadline=deadline, read_limit=read_limit)
 
-    async def _acquire(self, origin: Origin, deadline: float | None) -> _Conn:
+    async def _acquire(self, origin: Origin, deadline: float | None) -> HopConnection:
         key = origin.key
         conn = self._take_idle(key)
         if conn is not None:
@@ -580,9 +206,9 @@ class HopClient:
             return await self._wait_for_one(origin, deadline)
         return await self._connect(origin, deadline)
 
-    def _take_idle(self, key: str) -> _Conn | None:
+    def _take_idle(self, key: str) -> HopConnection | None:
         """A pooled connection to reuse: fresh, kept-alive, and not closed by the worker (the
-        kernel is asked: ``_Conn.stale``). Others are closed on the way."""
+        kernel is asked: ``HopConnection.stale``). Others are closed on the way."""
         idle = self._idle.get(key)
         if idle:
             now = self.loop.time()
@@ -600,7 +226,7 @@ class HopClient:
             limit = min(limit, max(0.0, deadline - self.loop.time()))
         return limit
 
-    async def _wait_for_one(self, origin: Origin, deadline: float | None) -> _Conn:
+    async def _wait_for_one(self, origin: Origin, deadline: float | None) -> HopConnection:
         """At the cap: wait for a connection to come back to the pool (reused) or to close (a new
         one is opened), at most the connect timeout and never past ``deadline`` (``TimeoutError``)."""
         key, cap, loop = origin.key, self.max_per_host, self.loop
@@ -609,7 +235,7 @@ class HopClient:
         while True:
             waiter: asyncio.Future[None] = loop.create_future()
             waiters.append(waiter)
-            timer = loop.call_at(until, _expire, waiter)
+            timer = loop.call_at(until, expire, waiter)
             try:
                 await waiter
             except BaseException:
@@ -640,14 +266,14 @@ class HopClient:
                 waiter.set_result(None)
                 return
 
-    async def _connect(self, origin: Origin, deadline: float | None) -> _Conn:
+    async def _connect(self, origin: Origin, deadline: float | None) -> HopConnection:
         limit = self._limit(deadline)
         sslctx: ssl.SSLContext | None = None
         if origin.tls:
             if self._ssl is None:  # the system's CAs, full verification
                 self._ssl = ssl.create_default_context()
             sslctx = self._ssl
-        conn = _Conn(self.loop, origin)
+        conn = HopConnection(self.loop, origin)
         conn.counted = True
         self._open[origin.key] = self._open.get(origin.key, 0) + 1
         try:
@@ -663,7 +289,7 @@ class HopClient:
         self._in_use.add(conn)
         return conn
 
-    def _drop(self, conn: _Conn) -> None:
+    def _drop(self, conn: HopConnection) -> None:
         """Close a connection; its place under the cap goes to a waiting hop."""
         conn.close()
         if conn.counted:
@@ -677,7 +303,7 @@ class HopClient:
             if self._waiters:
                 self._wake(key)
 
-    def release(self, conn: _Conn) -> None:
+    def release(self, conn: HopConnection) -> None:
         self._in_use.discard(conn)
         if self._closed or not conn.reusable:
             self._drop(conn)
@@ -688,7 +314,7 @@ class HopClient:
         if self._waiters:
             self._wake(key)
 
-    def linger(self, conn: _Conn) -> None:
+    def linger(self, conn: HopConnection) -> None:
         def give_up() -> None:
             if conn.on_done is not None:
                 conn.on_done = None

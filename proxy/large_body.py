@@ -39,20 +39,13 @@ import json
 import secrets
 from array import array
 from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import Any, NoReturn, overload
 
 import pydantic_core
 from pydantic import TypeAdapter, ValidationError
 
-from proxy.protocol import (
-    GenerateRequest,
-    JSONBodyError,
-    RequestValidationError,
-    VLLMValidationError,
-    format_validation_errors,
-    loads_bounded,
-    parse_generate_body,
-)
+from proxy.protocol import GenerateRequest, JSONBodyError, loads_bounded, parse_generate_body
+from proxy.validation_errors import RequestValidationError, VLLMValidationError, format_validation_errors
 
 LARGE_BODY_BYTES = 1 << 20
 """Bodies above this size go through ``parse_large_generate_body``."""
@@ -67,6 +60,8 @@ _NOT_FLAT = (b'"', b"[", b"{")
 _LIST_INT: TypeAdapter[list[int]] = TypeAdapter(list[int])
 _MAX_REPORTED = 10
 Buffer = bytes | bytearray
+_LateError = tuple[JSONBodyError, int]
+"""A JSON error after the array, and its position in the body."""
 
 
 class PackedTokenIds(Sequence[int]):
@@ -201,7 +196,7 @@ def _ids_error_list(ids: _Ids) -> tuple[list[dict[str, Any]], int]:
     return [], 0
 
 
-async def parse_large_generate_body(  # noqa: C901, PLR0912, PLR0915 (one slicer; to cut)
+async def parse_large_generate_body(
         body: Buffer, content_type: str, *, max_tokens: int | None = None,
         slice_bytes: int = SLICE_BYTES) -> tuple[GenerateRequest, dict[str, Any]]:
     """``protocol.parse_generate_body`` for a large body, yielding to the loop between slices.
@@ -214,11 +209,26 @@ async def parse_large_generate_body(  # noqa: C901, PLR0912, PLR0915 (one slicer
     if span is None or span[1] - span[0] < 2 * slice_bytes:
         return parse_generate_body(bytes(body), content_type)  # its bulk is elsewhere: as before
     start, end = span
+    rest = _parse_rest(body, start, end)
+    if rest is None:
+        return parse_generate_body(bytes(body), content_type)
+    rest_data, rest_error = rest
+    await asyncio.sleep(0)
+    cuts = await _cuts(body, start + 1, end - 1, slice_bytes)
+    ids = await _read_ids(body, cuts, start + 1, slice_bytes, max_tokens)
+    if rest_error is not None:
+        raise _json_error(*rest_error)
+    return _validated(body, start, end, rest_data, ids)
+
+
+def _parse_rest(body: Buffer, start: int, end: int) -> tuple[dict[str, Any], _LateError | None] | None:
+    """The body with a placeholder in place of its ``token_ids`` array (``body[start:end]``),
+    parsed first (it is small): its object, and a JSON error after the array with its position
+    in the whole body (reported once the array parsed: an error in it comes first). A JSON error
+    before the array is raised (the first one vLLM reports). None when the array is not the
+    body's own ``token_ids`` (a nested key, or one spelled with escapes)."""
     sentinel = b'"pd-token-ids-' + secrets.token_hex(8).encode() + b'"'
     rest = body[:start] + sentinel + body[end:]
-    # The rest first (it is small): a JSON error before the array is the first one vLLM reports.
-    rest_data: Any = None
-    rest_error: tuple[JSONBodyError, int] | None = None
     try:
         rest_data = loads_bounded(bytes(rest))
     except JSONBodyError as e:
@@ -228,105 +238,135 @@ async def parse_large_generate_body(  # noqa: C901, PLR0912, PLR0915 (one slicer
             pos += (end - start) - len(sentinel)  # after the array: the array's text is ASCII
         if pos <= sentinel_at:
             raise _json_error(e, pos) from None
-        rest_error = (e, pos)
-    if rest_error is None and (not isinstance(rest_data, dict)
-                               or rest_data.get("token_ids") != sentinel[1:-1].decode()):
-        # The array is not the body's own ``token_ids`` (a nested key, or one spelled with escapes).
-        return parse_generate_body(bytes(body), content_type)
-    await asyncio.sleep(0)
-    # The array's text between its brackets, cut at commas into slices of about ``slice_bytes``
-    # (a comma is never inside a number or a multi-byte character). A first pass checks that it
-    # can be cut (flat, no strings) and is UTF-8 (vLLM checks the whole body's encoding first).
-    lo, hi = start + 1, end - 1
+        return {}, (e, pos)
+    if not isinstance(rest_data, dict) or rest_data.get("token_ids") != sentinel[1:-1].decode():
+        return None
+    return rest_data, None
+
+
+async def _cuts(body: Buffer, lo: int, hi: int, slice_bytes: int) -> list[tuple[int, int]]:
+    """The array's text between its brackets (``body[lo:hi]``), cut at commas into slices of
+    about ``slice_bytes`` (a comma is never inside a number or a multi-byte character). Checks on
+    the way that it can be cut (flat, no strings) and is UTF-8 (vLLM checks the whole body's
+    encoding first)."""
     ascii_body = body.isascii()
     cuts: list[tuple[int, int]] = []
     a = lo
     while True:
-        cut = body.find(b",", a + slice_bytes, hi) if a + slice_bytes < hi else -1
-        if (cut if cut >= 0 else hi) - a > 2 * slice_bytes:
-            # No comma for a long way after this slice: end it at its own last comma, so that
-            # the long run becomes a piece of its own, with no comma at all.
-            back = body.rfind(b",", a, a + slice_bytes)
-            if back >= 0:
-                cut = back
+        cut = _next_cut(body, a, hi, slice_bytes)
         b = hi if cut < 0 else cut
-        if body.find(b'"', a, b) >= 0 or body.find(b"[", a, b) >= 0 or body.find(b"{", a, b) >= 0:
-            raise _not_flat(LARGE_BODY_BYTES)
-        if not ascii_body and not body[a:b].isascii():
-            try:
-                body[a:b].decode()
-            except UnicodeDecodeError:
-                raise _json_error(JSONBodyError("invalid UTF-8"), 0) from None
+        _check_slice(body, a, b, ascii_body)
         cuts.append((a, b))
         if cut < 0:
-            break
+            return cuts
         a = cut + 1
         if len(cuts) % 16 == 0:
             await asyncio.sleep(0)
+
+
+def _next_cut(body: Buffer, a: int, hi: int, slice_bytes: int) -> int:
+    """Where the slice from ``a`` ends: the first comma past ``slice_bytes``, -1 for the end."""
+    cut = body.find(b",", a + slice_bytes, hi) if a + slice_bytes < hi else -1
+    if (cut if cut >= 0 else hi) - a > 2 * slice_bytes:
+        # No comma for a long way after this slice: end it at its own last comma, so that the
+        # long run becomes a piece of its own, with no comma at all.
+        back = body.rfind(b",", a, a + slice_bytes)
+        if back >= 0:
+            cut = back
+    return cut
+
+
+def _check_slice(body: Buffer, a: int, b: int, ascii_body: bool) -> None:
+    if body.find(b'"', a, b) >= 0 or body.find(b"[", a, b) >= 0 or body.find(b"{", a, b) >= 0:
+        raise _not_flat(LARGE_BODY_BYTES)
+    if not ascii_body and not body[a:b].isascii():
+        try:
+            body[a:b].decode()
+        except UnicodeDecodeError:
+            raise _json_error(JSONBodyError("invalid UTF-8"), 0) from None
+
+
+async def _read_ids(body: Buffer, cuts: list[tuple[int, int]], lo: int, slice_bytes: int,
+                    max_tokens: int | None) -> _Ids:
+    """The slices parsed one by one, the loop given back between them; the prompt cap checked
+    as the count grows."""
     ids = _Ids()
-    char_base: int | None = None
     for i, (a, b) in enumerate(cuts):
         if i:
             await asyncio.sleep(0)
-        piece = body[a:b]
-        at = a  # where ``piece`` starts in the body
-        if len(piece) > 2 * slice_bytes and b"\x0b" not in piece and b"\x0c" not in piece:
-            # A long piece has no comma (see the cuts): one value among many blanks, or values
-            # with no comma between them (an error at the second one). Only what decides it is
-            # parsed, the blanks skipped by ``bytes.split`` (``strip`` is ten times slower); the
-            # two blanks that it knows and JSON does not (VT, FF) are left to the other branch.
-            parts = piece.split(None, 2)
-            if len(parts) > 1:
-                if char_base is None:
-                    char_base = _char_pos(body, lo) - lo
-                first = piece.find(parts[0])
-                try:
-                    json.loads(b"[" + parts[0] + b"]")
-                except json.JSONDecodeError as e:
-                    raise _json_error(JSONBodyError(e.msg, e.pos), char_base + at + first + e.pos - 1) \
-                        from None
-                except ValueError as e:
-                    raise _json_error(JSONBodyError(str(e).split(":", 1)[0]), 0) from None
-                second = piece.find(parts[1], first + len(parts[0]))
-                raise _json_error(JSONBodyError("Expecting ',' delimiter"), char_base + at + second)
-            empty = not parts
-            if parts:
-                at += piece.find(parts[0])
-                piece = parts[0]
-        else:
-            empty = not piece.strip(_WS)
+        piece, at, empty = _slice_text(body, a, b, lo, slice_bytes)
         if len(cuts) > 1 and empty:
             # ``1,,2``, ``[,1]`` or ``[1,]``: a value is missing where the next comma (or the
             # closing bracket) stands.
-            if char_base is None:
-                char_base = _char_pos(body, lo) - lo
-            raise _json_error(JSONBodyError("Expecting value"), char_base + b)
-        if empty:
-            piece = b""
-        text = b"[" + piece + b"]"
-        plain = not piece.translate(None, _PLAIN)
-        values: Any = None
-        packed: array[int] | None = None
-        if plain:  # digits, commas and blanks: pydantic-core's parse, 40% faster than json's
-            try:
-                values = pydantic_core.from_json(text)
-                packed = array("q", values)
-            except (ValueError, OverflowError):
-                values = None  # ``json.loads`` tells what is wrong, in vLLM's words
-        if packed is None:
-            try:
-                values = json.loads(text)
-            except json.JSONDecodeError as e:
-                if char_base is None:
-                    char_base = _char_pos(body, lo) - lo
-                raise _json_error(JSONBodyError(e.msg, e.pos), char_base + at + e.pos - 1) from None
-            except ValueError as e:  # a number past Python's digit limit
-                raise _json_error(JSONBodyError(str(e).split(":", 1)[0]), 0) from None
-        ids.add(values, plain, packed)
+            raise _json_error(JSONBodyError("Expecting value"), _char_at(body, lo, b))
+        ids.add(*_slice_values(body, lo, b"" if empty else piece, at))
         if max_tokens is not None and ids.count > max_tokens:
             raise prompt_too_long(max_tokens)
-    if rest_error is not None:
-        raise _json_error(*rest_error)
+    return ids
+
+
+def _char_at(body: Buffer, lo: int, byte_pos: int) -> int:
+    """The character position of ``byte_pos`` at or after ``lo`` (the array's text is ASCII up
+    to an error in it)."""
+    return _char_pos(body, lo) - lo + byte_pos
+
+
+def _slice_text(body: Buffer, a: int, b: int, lo: int, slice_bytes: int) -> tuple[Buffer, int, bool]:
+    """The slice ``body[a:b]``'s text to parse, where that text starts in the body, and whether
+    it holds no value at all."""
+    piece = body[a:b]
+    if len(piece) > 2 * slice_bytes and b"\x0b" not in piece and b"\x0c" not in piece:
+        # A long piece has no comma (see the cuts): one value among many blanks, or values with
+        # no comma between them (an error at the second one). Only what decides it is parsed,
+        # the blanks skipped by ``bytes.split`` (``strip`` is ten times slower); the two blanks
+        # that it knows and JSON does not (VT, FF) are left to the other branch.
+        parts = piece.split(None, 2)
+        if len(parts) > 1:
+            _raise_for_run(body, lo, piece, a, parts)
+        if parts:
+            return parts[0], a + piece.find(parts[0]), False
+        return piece, a, True
+    return piece, a, not piece.strip(_WS)
+
+
+def _raise_for_run(body: Buffer, lo: int, piece: Buffer, at: int, parts: Sequence[Buffer]) -> NoReturn:
+    """The error of a long run with no comma and two values or more (``piece`` at ``at``): the
+    first value's own, else the missing comma before the second."""
+    first = piece.find(parts[0])
+    try:
+        json.loads(b"[" + parts[0] + b"]")
+    except json.JSONDecodeError as e:
+        raise _json_error(JSONBodyError(e.msg, e.pos), _char_at(body, lo, at + first + e.pos - 1)) from None
+    except ValueError as e:
+        raise _json_error(JSONBodyError(str(e).split(":", 1)[0]), 0) from None
+    second = piece.find(parts[1], first + len(parts[0]))
+    raise _json_error(JSONBodyError("Expecting ',' delimiter"), _char_at(body, lo, at + second))
+
+
+def _slice_values(body: Buffer, lo: int, piece: Buffer, at: int) -> tuple[list[Any], bool, array[int] | None]:
+    """A slice's values, whether it is plain (digits, commas and blanks: ints >= 0), and the
+    same packed when they are."""
+    text = b"[" + piece + b"]"
+    plain = not piece.translate(None, _PLAIN)
+    if plain:  # pydantic-core's parse, 40% faster than json's
+        try:
+            values = pydantic_core.from_json(text)
+            return values, True, array("q", values)
+        except (ValueError, OverflowError):
+            pass  # ``json.loads`` tells what is wrong, in vLLM's words
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _json_error(JSONBodyError(e.msg, e.pos), _char_at(body, lo, at + e.pos - 1)) from None
+    except ValueError as e:  # a number past Python's digit limit
+        raise _json_error(JSONBodyError(str(e).split(":", 1)[0]), 0) from None
+    return values, plain, None
+
+
+def _validated(body: Buffer, start: int, end: int, rest_data: dict[str, Any],
+               ids: _Ids) -> tuple[GenerateRequest, dict[str, Any]]:
+    """The request validated as vLLM's model would, the ids checked slice by slice standing in
+    for the array: the errors of both, merged in pydantic's order, or the request."""
     ids_errors, ids_total = _ids_error_list(ids)
     rest_data["token_ids"] = [0]
     rest_errors: list[dict[str, Any]] = []

@@ -1,24 +1,27 @@
 """Wire models of vLLM's tokens-in/tokens-out API (``/inference/v1/generate``).
 
-This is the leaf module of the proxy: it imports nothing else of the project, so pd-sim and
-pd-bench may share it. It reproduces what vLLM 0.32 does *before* a request reaches the engine:
+A leaf of the proxy with the modules it uses (``sampling``, ``validation_errors``): they import
+nothing else of the project. It reproduces what vLLM 0.32 does *before* a request reaches the
+engine:
 
 * the pydantic request model (``GenerateRequest``) with vLLM's field types and validators,
-* vLLM's ``SamplingParams`` checks (``VLLMValidationError``: a 400 ``BadRequestError``),
+* vLLM's ``SamplingParams`` checks (``proxy.sampling``; ``VLLMValidationError``: a 400
+  ``BadRequestError``),
 * FastAPI's body handling (content type, JSON decode errors) and vLLM's formatting of
-  validation errors into ``{"error": {"message", "type", "param", "code"}}``.
+  validation errors into ``{"error": {"message", "type", "param", "code"}}``
+  (``proxy.validation_errors``).
 
-The proxy validates with these models only; what it forwards is the client's own JSON object
-(unknown keys included), so validation can never silently change a request.
-The referee is ``tests/proxy/data/validation_cases.json``, generated from vLLM's own code.
+It also holds the JSON helpers of the proxy's hot paths (client-facing compact JSON, hop bodies,
+workers' answers, splicing a key's null without a parse). The proxy validates with these models
+only; what it forwards is the client's own JSON object (unknown keys included), so validation can
+never silently change a request. The referee is ``tests/proxy/data/validation_cases.json``,
+generated from vLLM's own code.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import pydantic_core
@@ -26,336 +29,22 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    GetCoreSchemaHandler,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_core import core_schema
+
+from proxy.sampling import SamplingParams
+from proxy.validation_errors import VLLMValidationError, format_validation_errors
 
 OutputMode = Literal["tokens", "text"]
 GENERATE_PREFIX = "generate-tokens-"
-_SAMPLING_EPS = 1e-5
-_MAX_N_SEQUENCES = 16384
 _CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
 _MAX_CACHE_SALT_LENGTH = 128
 
 
 # --------------------------------------------------------------------------------------------
-# Errors raised while validating (mapped to HTTP by proxy.errors)
-
-
-class VLLMValidationError(Exception):
-    """vLLM's ``VLLMValidationError``: not a ``ValueError``, so pydantic lets it propagate
-    and the client sees ``type: "BadRequestError"`` with ``param`` = the parameter (or null)."""
-
-    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
-        super().__init__(message)
-        self.parameter = parameter
-        self.value = value
-
-    def __str__(self) -> str:
-        base = super().__str__()
-        extras = []
-        if self.parameter is not None:
-            extras.append(f"parameter={self.parameter}")
-        if self.value is not None:
-            extras.append(f"value={self.value}")
-        return f"{base} ({', '.join(extras)})" if extras else base
-
-
-class RequestValidationError(Exception):
-    """FastAPI's ``RequestValidationError``: a 400 with ``type: "Bad Request"``."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-# --------------------------------------------------------------------------------------------
-# vLLM's formatting of validation errors (vllm/entrypoints/serve/exception_handling)
-
-_BRACKETED_INTERNAL_RE = re.compile(r"[\[\]{}()]")
-_INTERNAL_LOC_MARKERS = frozenset(
-    {
-        "function-wrap", "function-after", "function-before", "function-plain", "json-or-python",
-        "lax-or-strict", "chain", "default", "nullable", "tagged-union", "union", "call",
-        "arguments", "is-instance", "is-subclass", "callable", "str", "int", "float", "bool",
-        "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset", "complex", "none",
-        "nonetype",
-    }
-)
-_MAX_REPORTED_ERRORS = 10
-_MAX_ERROR_INPUT_CHARS = 200
-_MAX_ERROR_CHARS = 1000
-
-
-def _summarize_error_input(value: object) -> object:
-    if isinstance(value, bytes | bytearray):
-        return f"<{type(value).__name__} of {len(value)} bytes>"
-    if isinstance(value, list | tuple | set | frozenset | dict):
-        return f"<{type(value).__name__} of {len(value)} items>"
-    if isinstance(value, str):
-        text = value
-    else:
-        try:
-            text = str(value)
-        except Exception:
-            return f"<{type(value).__name__}>"
-    if len(text) > _MAX_ERROR_INPUT_CHARS:
-        return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
-    return text
-
-
-def _is_internal_loc_segment(segment: str) -> bool:
-    return bool(_BRACKETED_INTERNAL_RE.search(segment)) or segment.lower() in _INTERNAL_LOC_MARKERS
-
-
-def clean_loc_for_param(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if not _is_internal_loc_segment(str(p))]
-    if not parts:
-        return ".".join(str(p) for p in loc)
-    return ".".join(parts)
-
-
-def _format_error(err: object) -> str:
-    if isinstance(err, dict):
-        err = dict(err)
-        if "input" in err:
-            err["input"] = _summarize_error_input(err["input"])
-        loc = err.get("loc")
-        if isinstance(loc, tuple | list):
-            err["loc"] = clean_loc_for_param(tuple(loc))
-    text = str(err)
-    if len(text) > _MAX_ERROR_CHARS:
-        text = text[:_MAX_ERROR_CHARS] + "...[truncated]"
-    return text
-
-
-def sanitize_message(message: str) -> str:
-    message = re.sub(r" at 0x[0-9a-fA-F]+>", ">", message)
-    message = re.sub(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?', "", message)
-    message = re.sub(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+", "<path>", message)
-    message = re.sub(r"(?:/[\w\-]+)+/[\w\-]+\.\w+", "<path>", message)
-    return message.strip()
-
-
-def format_validation_errors(errors: list[Any], *, total: int | None = None) -> RequestValidationError:
-    """Build the 400 that vLLM's ``validation_exception_handler`` would send for ``errors``
-    (FastAPI-style dicts whose ``loc`` starts with ``"body"``, or plain strings). ``total``: how
-    many errors there were when ``errors`` holds only the first of them."""
-    param: str | None = None
-    if errors:
-        first = errors[0]
-        loc = first.get("loc") if isinstance(first, dict) else None
-        if loc:
-            param = clean_loc_for_param(tuple(loc))
-        count = len(errors) if total is None else total
-        label = "error" if count == 1 else "errors"
-        reported = errors[:_MAX_REPORTED_ERRORS]
-        message = f"{count} validation {label}:\n"
-        message += "".join(f"  {_format_error(err)}\n" for err in reported)
-        if count > len(reported):
-            message += f"  ...and {count - len(reported)} more {label}\n"
-        message = message.rstrip()
-    else:
-        message = "Validation error"
-    return RequestValidationError(sanitize_message(message), param)
-
-
-# --------------------------------------------------------------------------------------------
 # Request models
-
-
-class SamplingParams:
-    """The sampling parameters of a request, validated like vLLM's msgspec ``SamplingParams``
-    (same pydantic schema shape: ``is-instance | typed-dict`` union, then ``_verify_args``).
-
-    ``values`` holds the validated values of the keys the client sent (plus nothing else).
-    """
-
-    __slots__ = ("values",)
-
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        self.values: dict[str, Any] = dict(values)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.values.get(key, default)
-
-    @property
-    def n(self) -> int:
-        return int(self.values.get("n", 1))
-
-    @property
-    def detokenize(self) -> bool:
-        return bool(self.values.get("detokenize", True))
-
-    @property
-    def stop(self) -> list[str]:
-        stop = self.values.get("stop")
-        if stop is None:
-            return []
-        return [stop] if isinstance(stop, str) else list(stop)
-
-    @classmethod
-    def __get_pydantic_core_schema__(
-        cls, source_type: Any, handler: GetCoreSchemaHandler
-    ) -> core_schema.CoreSchema:
-        types: dict[str, Any] = {
-            "n": int,
-            "presence_penalty": float,
-            "frequency_penalty": float,
-            "repetition_penalty": float,
-            "temperature": float,
-            "top_p": float,
-            "top_k": int,
-            "min_p": float,
-            "seed": int | None,
-            "stop": str | list[str] | None,
-            "stop_token_ids": list[int] | None,
-            "ignore_eos": bool,
-            "max_tokens": int | None,
-            "min_tokens": int,
-            "logprobs": int | None,
-            "prompt_logprobs": int | None,
-            "prompt_logprob_token_ids": list[list[int]] | None,
-            "logprob_token_ids": list[int] | None,
-            "detokenize": bool,
-            "skip_special_tokens": bool,
-            "spaces_between_special_tokens": bool,
-            "include_stop_str_in_output": bool,
-            "stream_interval": int | None,
-            "logit_bias": dict[int, float] | None,
-            "allowed_token_ids": list[int] | None,
-            "extra_args": dict[str, Any] | None,
-            "bad_words": list[str] | None,
-        }
-        fields = {
-            name: core_schema.typed_dict_field(handler.generate_schema(tp), required=False)
-            for name, tp in types.items()
-        }
-        return core_schema.union_schema(
-            [
-                core_schema.is_instance_schema(cls),
-                core_schema.no_info_after_validator_function(
-                    cls._verify, core_schema.typed_dict_schema(fields)
-                ),
-            ]
-        )
-
-    @classmethod
-    def _verify(cls, values: dict[str, Any]) -> SamplingParams:
-        """vLLM's ``SamplingParams.__post_init__`` / ``_verify_args`` checks, in its order."""
-        n = values.get("n", 1)
-        _verify_n_and_penalties(values, n)
-        temperature = _verify_temperature(values.get("temperature", 1.0))
-        _verify_ranges(values)
-        _verify_stop_and_bad_words(values)
-        if temperature < _SAMPLING_EPS and n > 1:
-            raise VLLMValidationError(f"n must be 1 when using greedy sampling, got {n}.")
-        return cls(values)
-
-
-def _verify_n_and_penalties(v: dict[str, Any], n: int) -> None:
-    if n < 1:
-        raise VLLMValidationError(f"n must be at least 1, got {n}.")
-    if n > _MAX_N_SEQUENCES:
-        raise VLLMValidationError(
-            f"n must be at most {_MAX_N_SEQUENCES}, got {n}. To increase this limit, set the "
-            "VLLM_MAX_N_SEQUENCES environment variable."
-        )
-    presence = v.get("presence_penalty", 0.0)
-    if not -2.0 <= presence <= 2.0:
-        raise VLLMValidationError(f"presence_penalty must be in [-2, 2], got {presence}.")
-    frequency = v.get("frequency_penalty", 0.0)
-    if not -2.0 <= frequency <= 2.0:
-        raise VLLMValidationError(f"frequency_penalty must be in [-2, 2], got {frequency}.")
-    rep = v.get("repetition_penalty", 1.0)
-    if not math.isfinite(rep):
-        raise VLLMValidationError(f"repetition_penalty must be a finite number, got {rep}.")
-    if rep <= 0.0:
-        raise VLLMValidationError(f"repetition_penalty must be greater than zero, got {rep}.")
-
-
-def _verify_temperature(temperature: float) -> float:
-    """The temperature vLLM samples with (a tiny positive one is raised to 0.01), checked."""
-    if 0 < temperature < 1e-2:
-        temperature = 1e-2
-    if not math.isfinite(temperature):
-        raise VLLMValidationError(
-            f"temperature must be a finite number, got {temperature}.",
-            parameter="temperature", value=temperature,
-        )
-    if temperature < 0.0:
-        raise VLLMValidationError(
-            f"temperature must be non-negative, got {temperature}.",
-            parameter="temperature", value=temperature,
-        )
-    if temperature > 2.0:
-        raise VLLMValidationError(
-            f"temperature must be in [0, 2], got {temperature}.",
-            parameter="temperature", value=temperature,
-        )
-    return temperature
-
-
-def _verify_ranges(v: dict[str, Any]) -> None:
-    top_p = v.get("top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise VLLMValidationError(
-            f"top_p must be in (0, 1], got {top_p}.", parameter="top_p", value=top_p
-        )
-    top_k = v.get("top_k", 0)
-    if top_k < -1:
-        raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
-    min_p = v.get("min_p", 0.0)
-    if not 0.0 <= min_p <= 1.0:
-        raise VLLMValidationError(f"min_p must be in [0, 1], got {min_p}.")
-    max_tokens = v.get("max_tokens", 16)
-    if max_tokens is not None and max_tokens < 1:
-        raise VLLMValidationError(
-            f"max_tokens must be at least 1, got {max_tokens}.",
-            parameter="max_tokens", value=max_tokens,
-        )
-    min_tokens = v.get("min_tokens", 0)
-    if min_tokens < 0:
-        raise VLLMValidationError(
-            f"min_tokens must be greater than or equal to 0, got {min_tokens}."
-        )
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise VLLMValidationError(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
-        )
-    interval = v.get("stream_interval")
-    if interval is not None and interval < 1:
-        raise VLLMValidationError(
-            f"stream_interval must be at least 1, got {interval}.",
-            parameter="stream_interval", value=interval,
-        )
-    for name in ("logprobs", "prompt_logprobs"):
-        lp = v.get(name)
-        if lp is not None and lp != -1 and lp < 0:
-            raise VLLMValidationError(
-                f"{name} must be non-negative or -1, got {lp}.", parameter=name, value=lp
-            )
-
-
-def _verify_stop_and_bad_words(v: dict[str, Any]) -> None:
-    stop = v.get("stop")
-    stop_list = [] if stop is None else ([stop] if isinstance(stop, str) else stop)
-    if any(not s for s in stop_list):
-        raise VLLMValidationError("stop cannot contain an empty string.")
-    if stop_list and not v.get("detokenize", True):
-        raise VLLMValidationError(
-            "stop strings are only supported when detokenize is True. "
-            "Set detokenize=True to use stop."
-        )
-    bad_words = v.get("bad_words") or []
-    if any(not w for w in bad_words):
-        raise VLLMValidationError(
-            f"bad_words cannot contain an empty string. Got bad_words={list(dict.fromkeys(bad_words))}"
-        )
 
 
 class StreamOptions(BaseModel):
@@ -531,7 +220,7 @@ def parse_generate_body(body: bytes, content_type: str) -> tuple[GenerateRequest
 
 
 # --------------------------------------------------------------------------------------------
-# Response / error shapes
+# JSON in and out
 
 _COMPACT_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 """Built once: ``json.dumps`` with keyword arguments builds a new encoder per call."""
@@ -580,57 +269,6 @@ def splice_null_key(raw: bytes, key: str, value: Any) -> bytes | None:
     return raw[:end] + b":" + compact_json(value) + raw[end + len(b":null"):]
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
-    """vLLM's error JSON object."""
-    return ErrorResponse(
-        error=ErrorInfo(message=message, type=err_type, param=param, code=code)
-    ).model_dump()
-
-
 def engine_request_id(base: str) -> str:
     """The id vLLM's engine knows a generate request by."""
     return GENERATE_PREFIX + base
-
-
-def abort_choice(index: int, output_mode: str) -> dict[str, Any]:
-    """A stream chunk's choice that vLLM sends when a request is aborted."""
-    choice: dict[str, Any] = {
-        "index": index, "finish_reason": "abort", "stop_reason": None, "token_ids": [],
-        "routed_experts": None, "sampling_mask": None, "weight_versions": None,
-    }
-    if output_mode == "text":
-        choice["text"] = ""
-    choice["logprobs"] = None
-    return choice
-
-
-def abort_stream_chunk(request_id: str, output_mode: str, index: int = 0) -> dict[str, Any]:
-    return {"request_id": request_id, "usage": None, "output_mode": output_mode,
-            "choices": [abort_choice(index, output_mode)]}
-
-
-def abort_full_response(
-    request_id: str, *, model: str | None, created: int, prompt_tokens: int, output_mode: str, n: int
-) -> dict[str, Any]:
-    """A non-stream response for a request aborted before it produced anything."""
-    return {
-        "request_id": request_id, "model": model, "created": created,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
-                  "completion_tokens": 0, "prompt_tokens_details": None,
-                  "completion_tokens_details": None},
-        "prompt_logprobs": None, "prompt_token_id_logprobs": None, "prompt_token_ids": None,
-        "mm_placeholders": None, "metrics": None, "kv_transfer_params": None,
-        "ec_transfer_params": None, "output_mode": output_mode,
-        "choices": [abort_choice(i, output_mode) for i in range(n)],
-    }

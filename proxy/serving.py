@@ -49,13 +49,7 @@ from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
 from proxy.pools import Deadline, NoWorkerAvailable, Overloaded, Worker, handoff_check
 from proxy.prefill import Prefill
-from proxy.protocol import (
-    GenerateRequest,
-    RequestValidationError,
-    VLLMValidationError,
-    engine_request_id,
-    parse_generate_body,
-)
+from proxy.protocol import GenerateRequest, engine_request_id, parse_generate_body
 from proxy.settings import ProxySettings
 from proxy.state import Phase, RequestRecord
 from proxy.stream import StreamDecode
@@ -63,6 +57,7 @@ from proxy.tenants import OPEN, Tenant
 from proxy.tracing import DISABLED as TRACING_DISABLED
 from proxy.tracing import Tracing
 from proxy.upstream import TokenIds, Upstream, ids_text
+from proxy.validation_errors import RequestValidationError, VLLMValidationError
 
 log = logging.getLogger("pd_proxy")
 _WALK_DATA = b"transfer_params"

@@ -1,133 +1,19 @@
 """The generate hops' HTTP/1.1 client (``proxy.hop``) against scripted servers on loopback:
-framing (strict lengths and chunk sizes), keep-alive reuse, kept-alive connections the worker
-closed (polled before reuse; never sent twice silently), the connection cap per worker, timeouts
-(reads and writes), back-pressure, closing, cancellation, and the parser fed byte by byte."""
+keep-alive reuse, kept-alive connections the worker closed (polled before reuse; never sent twice
+silently), the connection cap per worker, timeouts (reads and writes), back-pressure, closing and
+cancellation. The framing of answers and the parser: ``test_hop_wire``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import select
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from proxy.hop import (
-    HopClient,
-    HopDisconnected,
-    HopProtocolError,
-    HopStale,
-    _Conn,
-    header_lines,
-    parse_origin,
-)
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
-
-
-class Server:
-    """A TCP server on 127.0.0.1 whose handler gets each connection's number (0, 1, ...)."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.closed_by_client: list[int] = []
-        self.requests: list[bytes] = []
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        n = self.connections
-        self.connections += 1
-        try:
-            await self.handler(reader, writer, n)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    async def request(self, reader: asyncio.StreamReader) -> bytes:
-        """One request (head + Content-Length body); b"" when the client closed."""
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError:
-            return b""
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
-        body = await reader.readexactly(length)
-        self.requests.append(head + body)
-        return head + body
-
-    async def start(self, *, rcvbuf: int | None = None, limit: int = 1 << 16) -> str:
-        """``rcvbuf``: a small fixed receive buffer for the accepted sockets (no autotuning), so
-        that a handler that stops reading soon fills the client's send path."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if rcvbuf is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        sock.bind(("127.0.0.1", 0))
-        self._server = await asyncio.start_server(self._handle, sock=sock, limit=limit)
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
-
-
-@contextlib.asynccontextmanager
-async def serving(handler: Handler, *, rcvbuf: int | None = None, limit: int = 1 << 16, max_per_host: int = 0,
-                  **client_kw: float) -> AsyncIterator[tuple[Server, str, HopClient]]:
-    server = Server(handler)
-    url = await server.start(rcvbuf=rcvbuf, limit=limit)
-    client = HopClient(connect_timeout=client_kw.get("connect_timeout", 5.0),
-                       keepalive=client_kw.get("keepalive", 4.0),
-                       write_timeout=client_kw.get("write_timeout"), max_per_host=max_per_host)
-    try:
-        yield server, url, client
-    finally:
-        await client.close()
-        await server.close()
-
-
-async def until(check: Callable[[], bool]) -> None:
-    """Wait (bounded: 2 s) for a state; the assertion after it says what was expected."""
-    for _ in range(200):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-
-
-def ok(body: bytes, extra: bytes = b"") -> bytes:
-    return b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body
-
-
-def chunked(*parts: bytes) -> bytes:
-    out = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"
-    for p in parts:
-        out += f"{len(p):x}\r\n".encode() + p + b"\r\n"
-    return out + b"0\r\n\r\n"
-
-
-async def post(client: HopClient, url: str, body: bytes = b"{}", *, deadline: float | None = None,
-               read_limit: float | None = 5.0) -> tuple[int, bytes]:
-    if deadline is None:
-        deadline = asyncio.get_running_loop().time() + 10
-    resp = await client.request(url, "/inference/v1/generate", b"Content-Type: application/json\r\n", body,
-                                deadline=deadline, read_limit=read_limit)
-    try:
-        return resp.status, await resp.read()
-    finally:
-        resp.close()
+from proxy.hop import HopDisconnected, HopStale, header_lines, parse_origin
+from tests.proxy.hop_servers import BIG_BODY, chunked, head_only, ok, post, serving, until
 
 
 async def test_a_kept_alive_connection_carries_the_next_request() -> None:
@@ -309,17 +195,6 @@ async def test_a_silent_worker_times_out_and_its_connection_is_closed(where: str
         assert client.counts() == {"in_use": 0, "idle": 0}
 
 
-_BIG = 16 << 20
-"""A request body larger than what the kernel buffers on both sides (4 MiB of send buffer at most
-here, and the scripted server's receive buffer fixed small)."""
-
-
-async def head_only(r: asyncio.StreamReader) -> int:
-    """Reads a request's head; its Content-Length."""
-    head = await r.readuntil(b"\r\n\r\n")
-    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:"))
-
 
 @pytest.mark.parametrize("limit", ["write_timeout", "deadline"])
 async def test_a_worker_that_stops_reading_the_request_fails_the_hop_it_does_not_hold_it(limit: str) -> None:
@@ -339,7 +214,7 @@ async def test_a_worker_that_stops_reading_the_request_fails_the_hop_it_does_not
     async with serving(handler, rcvbuf=4096, write_timeout=write_timeout) as (server, url, client):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (60 if limit == "write_timeout" else 0.3)
-        task = asyncio.create_task(post(client, url, b"x" * _BIG, deadline=deadline, read_limit=None))
+        task = asyncio.create_task(post(client, url, b"x" * BIG_BODY, deadline=deadline, read_limit=None))
         done, _ = await asyncio.wait({task}, timeout=20)  # a bound for the old behaviour (it hung)
         assert task in done, "the hop is still writing to a worker that stopped reading"
         assert isinstance(task.exception(), TimeoutError)
@@ -360,7 +235,7 @@ async def test_a_worker_that_reads_the_request_slowly_but_steadily_is_not_cut_of
         await w.drain()
 
     async with serving(handler, rcvbuf=65536, limit=1 << 20, write_timeout=0.5) as (_, url, client):
-        assert await post(client, url, b"x" * _BIG, read_limit=None) == (200, b"{}")
+        assert await post(client, url, b"x" * BIG_BODY, read_limit=None) == (200, b"{}")
 
 
 @pytest.mark.parametrize("cap", [2, 0])
@@ -512,144 +387,5 @@ async def test_idle_connections_past_the_keepalive_are_not_reused_and_are_swept(
         assert client.counts() == {"in_use": 0, "idle": 0}
 
 
-_CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-_TAIL = b"{}\r\n0\r\n\r\n"
-"""A chunk of 2 bytes once its size line is given, then the last chunk."""
-
-
-@pytest.mark.parametrize("answer", [
-    b"SPDY/3 200 OK\r\n\r\n",
-    b"HTTP/1.1 abc OK\r\n\r\n",
-    b"HTTP/1.1 +200 OK\r\nContent-Length: 2\r\n\r\n{}",
-    _CHUNKED + b"zz\r\n",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
-    _CHUNKED + b"2\r\nabc\r\n0\r\n\r\n",
-    # Content-Length: plain ASCII digits, at most 18 of them, one value.
-    b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nContent-Length: 2 2\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n{}",  # a latin-1 superscript two
-    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"0" * 5000 + b"2\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"1" * 19 + b"\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}x",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n" + b"2\r\n" + _TAIL,
-    # Chunk sizes: 1 to 16 hex digits, no sign, prefix, separator or stray whitespace.
-    _CHUNKED + b"+2\r\n" + _TAIL,
-    _CHUNKED + b" 2\r\n" + _TAIL,
-    _CHUNKED + b"2 \r\n" + _TAIL,
-    _CHUNKED + b"0x2\r\n" + _TAIL,
-    _CHUNKED + b"0_2\r\n" + _TAIL,
-    _CHUNKED + b"\xb2\r\n" + _TAIL,
-    _CHUNKED + b"0" * 16 + b"2\r\n" + _TAIL,
-    _CHUNKED + b"-0\r\n\r\n",
-])
-async def test_a_broken_answer_is_a_protocol_error_and_its_connection_is_closed(answer: bytes) -> None:
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
-        await server.request(r)
-        w.write(answer)
-        await w.drain()
-        await r.read()
-        server.closed_by_client.append(n)
-
-    async with serving(handler) as (server, url, client):
-        with pytest.raises(HopProtocolError) as e:
-            await post(client, url)
-        assert not isinstance(e.value, HopDisconnected)
-        assert client.counts() == {"in_use": 0, "idle": 0}
-        await until(lambda: bool(server.closed_by_client))
-        assert server.closed_by_client == [0]
-
-
-@pytest.mark.parametrize("size_line", [b"2", b"02", b"0000000000000002", b"2;ext", b"2 ;a=b",
-                                       b'2\t; a="x;y" ;b', b"2;"])
-async def test_chunk_extensions_are_tolerated(size_line: bytes) -> None:
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
-        while await server.request(r):
-            w.write(_CHUNKED + size_line + b"\r\n{}\r\n0;end\r\n\r\n")
-            await w.drain()
-
-    async with serving(handler) as (server, url, client):
-        assert await post(client, url) == (200, b"{}")
-        assert await post(client, url) == (200, b"{}")
-        assert server.connections == 1
-
-
-async def test_an_answer_with_both_transfer_encoding_and_content_length_is_chunked_and_not_reused() -> None:
-    """RFC 9112 6.3: Transfer-Encoding overrides Content-Length, and such a message may be an
-    attempt at request smuggling: read as chunked, and its connection is closed afterwards."""
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
-        while await server.request(r):
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
-                    b"4\r\nabcd\r\n0\r\n\r\n")
-            await w.drain()
-        server.closed_by_client.append(n)
-
-    async with serving(handler) as (server, url, client):
-        assert await post(client, url) == (200, b"abcd")
-        assert client.counts() == {"in_use": 0, "idle": 0}
-        await until(lambda: bool(server.closed_by_client))
-        assert server.closed_by_client == [0]
-        assert await post(client, url) == (200, b"abcd")
-        assert server.connections == 2
-
-
 def test_header_values_with_line_breaks_are_left_out() -> None:
     assert header_lines({"X-Request-Id": "a\r\nEvil: 1", "X-Ok": "b"}) == b"X-Ok: b\r\n"
-
-
-@pytest.mark.parametrize(("url", "key", "host", "path"), [
-    ("http://127.0.0.1:8000", "http://127.0.0.1:8000", b"127.0.0.1:8000", ""),
-    ("http://[::1]:9/", "http://[::1]:9", b"[::1]:9", ""),
-    ("https://w.example/v", "https://w.example:443", b"w.example", "/v"),
-])
-def test_origins(url: str, key: str, host: bytes, path: str) -> None:
-    o = parse_origin(url)
-    assert (o.key, o.host_header, o.base_path) == (key, host, path)
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.paused = False
-        self.closing = False
-
-    def pause_reading(self) -> None:
-        self.paused = True
-
-    def resume_reading(self) -> None:
-        self.paused = False
-
-    def close(self) -> None:
-        self.closing = True
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def get_extra_info(self, name: str) -> None:
-        return None
-
-
-@settings(max_examples=200, deadline=None)
-@given(parts=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=8),
-       cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
-       extension=st.booleans())
-def test_the_parser_gives_the_same_body_however_the_bytes_are_split(
-        parts: list[bytes], cuts: list[int], extension: bool) -> None:
-    wire = chunked(*parts)
-    if extension:
-        wire = wire[:-5] + b"0;ext=1\r\nTrailer: x\r\n\r\n"  # the last chunk with both
-    loop = asyncio.new_event_loop()
-    try:
-        conn = _Conn(loop, parse_origin("http://127.0.0.1:1"))
-        conn.connection_made(_Transport())  # type: ignore[arg-type]
-        conn.begin()
-        points = sorted({c % len(wire) for c in cuts} | {0, len(wire)})
-        body = b""
-        for a, b in itertools.pairwise(points):
-            conn.data_received(wire[a:b])
-            body += conn.take()
-        assert conn.head is not None and conn.head[0] == 200
-        assert body == b"".join(parts)
-        assert conn.finished and conn.reusable
-    finally:
-        loop.close()

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from proxy.large_body import PackedTokenIds, parse_large_generate_body
-from proxy.protocol import RequestValidationError, VLLMValidationError, parse_generate_body
+from proxy.protocol import parse_generate_body
 from proxy.upstream import TokenIds, encode_body, ids_text
+from proxy.validation_errors import RequestValidationError, VLLMValidationError
 
 SLICE = 16  # bytes of array text per slice: every body below is cut in many slices
 
@@ -142,6 +143,8 @@ async def test_validation_errors_match_the_one_go_parse(raw: bytes) -> None:
     body("[" + ",".join(map(str, IDS)) + "," + "9" * 5000 + " " * 100 + "2]"),
     body("[" + ", ".join(map(str, IDS)) + " 4" + " " * 100 + "]"),  # ids, then a missing comma
     body("[" + ", ".join(map(str, IDS)) + " " * 100 + " 4]"),
+    body("[" + ",".join(map(str, IDS)) + "," + " " * 100 + ",1]"),  # a long run with no value
+    body("[" + ",".join(map(str, IDS)) + "," + " " * 100 + "1x" + " " * 100 + "]"),  # one bad value in it
 ])
 async def test_json_errors_match_the_one_go_parse(raw: bytes) -> None:
     got = await both(raw)

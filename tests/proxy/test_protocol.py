@@ -11,13 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_transfer.handoff import check_prefill_params
-from proxy.protocol import (
-    RequestValidationError,
-    VLLMValidationError,
-    error_body,
-    parse_generate_body,
-    splice_null_key,
-)
+from proxy.protocol import parse_generate_body, splice_null_key
+from proxy.replies import error_body
+from proxy.validation_errors import RequestValidationError, VLLMValidationError
 from tests.traces import TRACE_DIR
 
 CASES: list[dict[str, Any]] = json.loads(

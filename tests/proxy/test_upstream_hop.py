@@ -15,7 +15,7 @@ import pytest
 
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.upstream import ABORT_PATH, Upstream
-from tests.proxy.test_hop import _BIG, Handler, Server, head_only, ok, serving
+from tests.proxy.hop_servers import BIG_BODY, Handler, Server, head_only, ok, serving
 
 Event = tuple[str, Any]
 Counted = list[tuple[str, str]]
@@ -92,7 +92,7 @@ async def test_a_worker_that_stops_reading_the_request_is_an_upstream_timeout() 
         await release.wait()
 
     async with upstream(handler, rcvbuf=4096, write_timeout=0.3) as (_, url, up, _counted):
-        task = asyncio.create_task(up.open("decode", url, {"x": "y" * _BIG}, request_id="r", total=None))
+        task = asyncio.create_task(up.open("decode", url, {"x": "y" * BIG_BODY}, request_id="r", total=None))
         done, _ = await asyncio.wait({task}, timeout=20)  # a bound for the old behaviour (it hung)
         release.set()
         assert task in done, "the hop is still writing to a worker that stopped reading"

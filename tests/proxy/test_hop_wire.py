@@ -1,0 +1,284 @@
+"""One hop connection's answer parser (``proxy.hop_wire``): strict framing through the client
+against scripted servers, and the parser alone, fed byte by byte and in odd splits."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterable, Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.hop_wire import HopConnection, HopDisconnected, HopProtocolError, parse_origin
+from tests.proxy.hop_servers import chunked, post, serving, until
+
+_CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+_TAIL = b"{}\r\n0\r\n\r\n"
+"""A chunk of 2 bytes once its size line is given, then the last chunk."""
+
+
+@pytest.mark.parametrize("answer", [
+    b"SPDY/3 200 OK\r\n\r\n",
+    b"HTTP/1.1 abc OK\r\n\r\n",
+    b"HTTP/1.1 +200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    _CHUNKED + b"zz\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+    _CHUNKED + b"2\r\nabc\r\n0\r\n\r\n",
+    # Content-Length: plain ASCII digits, at most 18 of them, one value.
+    b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n{}",  # a latin-1 superscript two
+    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"0" * 5000 + b"2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: " + b"1" * 19 + b"\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}x",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n" + b"2\r\n" + _TAIL,
+    # Chunk sizes: 1 to 16 hex digits, no sign, prefix, separator or stray whitespace.
+    _CHUNKED + b"+2\r\n" + _TAIL,
+    _CHUNKED + b" 2\r\n" + _TAIL,
+    _CHUNKED + b"2 \r\n" + _TAIL,
+    _CHUNKED + b"0x2\r\n" + _TAIL,
+    _CHUNKED + b"0_2\r\n" + _TAIL,
+    _CHUNKED + b"\xb2\r\n" + _TAIL,
+    _CHUNKED + b"0" * 16 + b"2\r\n" + _TAIL,
+    _CHUNKED + b"-0\r\n\r\n",
+])
+async def test_a_broken_answer_is_a_protocol_error_and_its_connection_is_closed(answer: bytes) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        w.write(answer)
+        await w.drain()
+        await r.read()
+        server.closed_by_client.append(n)
+
+    async with serving(handler) as (server, url, client):
+        with pytest.raises(HopProtocolError) as e:
+            await post(client, url)
+        assert not isinstance(e.value, HopDisconnected)
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+
+
+@pytest.mark.parametrize("size_line", [b"2", b"02", b"0000000000000002", b"2;ext", b"2 ;a=b",
+                                       b'2\t; a="x;y" ;b', b"2;"])
+async def test_chunk_extensions_are_tolerated(size_line: bytes) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(_CHUNKED + size_line + b"\r\n{}\r\n0;end\r\n\r\n")
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b"{}")
+        assert await post(client, url) == (200, b"{}")
+        assert server.connections == 1
+
+
+async def test_an_answer_with_both_transfer_encoding_and_content_length_is_chunked_and_not_reused() -> None:
+    """RFC 9112 6.3: Transfer-Encoding overrides Content-Length, and such a message may be an
+    attempt at request smuggling: read as chunked, and its connection is closed afterwards."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"4\r\nabcd\r\n0\r\n\r\n")
+            await w.drain()
+        server.closed_by_client.append(n)
+
+    async with serving(handler) as (server, url, client):
+        assert await post(client, url) == (200, b"abcd")
+        assert client.counts() == {"in_use": 0, "idle": 0}
+        await until(lambda: bool(server.closed_by_client))
+        assert server.closed_by_client == [0]
+        assert await post(client, url) == (200, b"abcd")
+        assert server.connections == 2
+
+
+@pytest.mark.parametrize(("url", "key", "host", "path"), [
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000", b"127.0.0.1:8000", ""),
+    ("http://[::1]:9/", "http://[::1]:9", b"[::1]:9", ""),
+    ("https://w.example/v", "https://w.example:443", b"w.example", "/v"),
+])
+def test_origins(url: str, key: str, host: bytes, path: str) -> None:
+    o = parse_origin(url)
+    assert (o.key, o.host_header, o.base_path) == (key, host, path)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.paused = False
+        self.closing = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def close(self) -> None:
+        self.closing = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=8),
+       cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+       extension=st.booleans())
+def test_the_parser_gives_the_same_body_however_the_bytes_are_split(
+        parts: list[bytes], cuts: list[int], extension: bool) -> None:
+    wire = chunked(*parts)
+    if extension:
+        wire = wire[:-5] + b"0;ext=1\r\nTrailer: x\r\n\r\n"  # the last chunk with both
+    loop = asyncio.new_event_loop()
+    try:
+        conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"))
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        conn.begin()
+        points = sorted({c % len(wire) for c in cuts} | {0, len(wire)})
+        body = b""
+        for a, b in itertools.pairwise(points):
+            conn.data_received(wire[a:b])
+            body += conn.take()
+        assert conn.head is not None and conn.head[0] == 200
+        assert body == b"".join(parts)
+        assert conn.finished and conn.reusable
+    finally:
+        loop.close()
+
+
+Parsed = tuple[int | None, bytes, bool, bool, BaseException | None]
+"""What the parser made of an answer: its status, its body, whether it ended, whether the
+connection may carry the next request, and the error it stopped at."""
+
+
+def parse(pieces: Iterable[bytes], *, close: bool = False) -> Parsed:
+    """Feed ``pieces`` to a fresh connection (as reads), the body taken after each; ``close``:
+    then the worker closes the connection."""
+    loop = asyncio.new_event_loop()
+    try:
+        conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"))
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        conn.begin()
+        body = b""
+        for piece in pieces:
+            conn.data_received(piece)
+            body += conn.take()
+            if conn.error is not None:
+                break  # the transport is closed: nothing more arrives
+        if close:
+            conn.connection_lost(None)
+        return (conn.head[0] if conn.head else None), body, conn.finished, conn.reusable, conn.error
+    finally:
+        loop.close()
+
+
+def splits(wire: bytes) -> Iterator[list[bytes]]:
+    """The answer whole, byte by byte, cut once at every point, and cut twice close together (a
+    CRLF, a size line or a short chunk across three reads)."""
+    yield [wire]
+    yield [wire[i:i + 1] for i in range(len(wire))]
+    for i in range(1, len(wire)):
+        yield [wire[:i], wire[i:]]
+        for k in (1, 2, 3, 5):
+            if i + k < len(wire):
+                yield [wire[:i], wire[i:i + k], wire[i + k:]]
+
+
+_EVENTS = [b'data: {"t":[1]}\n\n', b'data: {"t":[22]}\n\n', b"data: [DONE]\n\n"]
+_LONG = bytes(range(256)) + b"\r\n0\r\n" * 8
+"""A chunk longer than a read's cut, with CRLFs and what looks like a last chunk inside it."""
+_ANSWERS = {
+    "length": (b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{\"a\":\"\r\n\r\n0\"}",
+               b'{"a":"\r\n\r\n0"}', True),
+    "length zero": (b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", b"", True),
+    "chunked events": (chunked(*_EVENTS), b"".join(_EVENTS), True),
+    "chunked, extensions and a trailer": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;a=b\r\n{}\r\nA ;x\r\n0123456789\r\n"
+        b"0;end\r\nX-Trailer: 1\r\nY: 2\r\n\r\n", b"{}0123456789", True),
+    "a long chunk": (chunked(_LONG, b"x"), _LONG + b"x", True),
+    "an interim answer first": (b"HTTP/1.1 100 Continue\r\n\r\n"
+                                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", b"{}", True),
+    "no content": (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+    "chunked and a length": (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"4\r\nabcd\r\n0\r\n\r\n", b"abcd", False),
+    "HTTP/1.0": (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}", b"{}", False),
+    "connection close": (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}",
+                         b"{}", False),
+}
+
+
+@pytest.mark.parametrize("name", list(_ANSWERS))
+def test_an_answer_is_parsed_the_same_however_its_reads_are_cut(name: str) -> None:
+    """Content-Length, chunked (events, extensions, trailers, a chunk longer than a read), an
+    interim answer, no body: the same status, body and reuse for any cut of the reads."""
+    wire, body, reusable = _ANSWERS[name]
+    for pieces in splits(wire):
+        assert parse(pieces) == (200 if name != "no content" else 204, body, True, reusable, None), pieces
+
+
+def test_a_body_until_the_connection_ends_is_whole_only_at_the_end() -> None:
+    wire = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"x\":\"\r\n0\r\n\r\n\"}"
+    for pieces in splits(wire):
+        assert parse(pieces) == (200, b'{"x":"\r\n0\r\n\r\n"}', False, False, None)
+        assert parse(pieces, close=True) == (200, b'{"x":"\r\n0\r\n\r\n"}', True, False, None)
+
+
+@pytest.mark.parametrize("wire", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    chunked(b"{}"),
+])
+def test_bytes_past_the_answer_keep_the_connection_from_being_reused(wire: bytes) -> None:
+    for extra in (b"H", b"HTTP/1.1 200 OK\r\n\r\n"):
+        assert parse([wire + extra]) == (200, b"{}", True, False, None)  # in the same read
+        assert parse([wire, extra]) == (200, b"{}", True, False, None)  # in a read of its own
+
+
+@pytest.mark.parametrize("wire", [
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n",  # data past its size
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n+1\r\nx\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}x\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 0x2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+    b"HTTP/1.1 2000 OK\r\n\r\n",
+])
+def test_a_broken_answer_is_a_protocol_error_however_its_reads_are_cut(wire: bytes) -> None:
+    for pieces in splits(wire):
+        *_, reusable, error = parse(pieces)
+        assert isinstance(error, HopProtocolError) and not isinstance(error, HopDisconnected), pieces
+        assert not reusable
+
+
+@pytest.mark.parametrize(("line", "fails"), [(b"2;" + b"e" * 4000, False), (b"2;" + b"e" * 5000, True)])
+def test_a_chunk_line_may_not_grow_past_4_kib_over_many_reads(line: bytes, fails: bool) -> None:
+    wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + line + b"\r\n{}\r\n0\r\n\r\n"
+    cut = [wire[i:i + 100] for i in range(0, len(wire), 100)]
+    status, body, finished, _, error = parse(cut)
+    if fails:
+        assert isinstance(error, HopProtocolError) and "4 KiB" in str(error)
+    else:
+        assert (status, body, finished, error) == (200, b"{}", True, None)
+
+
+def test_headers_may_not_grow_past_64_kib_over_many_reads() -> None:
+    head = b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * (70 << 10)
+    *_, error = parse([head[i:i + 4096] for i in range(0, len(head), 4096)])
+    assert isinstance(error, HopProtocolError) and "64 KiB" in str(error)
+
+
+@pytest.mark.parametrize("wire", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX: 1\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Le",
+])
+def test_an_answer_cut_short_by_the_worker_is_a_disconnect(wire: bytes) -> None:
+    for pieces in splits(wire):
+        *_, finished, reusable, error = parse(pieces, close=True)
+        assert isinstance(error, HopDisconnected) and not finished and not reusable, pieces
