@@ -27,7 +27,8 @@ client's ``output_mode`` (P's text), ``stop``, ``stop_token_ids``, ``ignore_eos`
 samples token 1 and does not check stop strings on it; a prefill hop without it may sample a token
 the client's request cannot produce (``first_chunk`` refuses such a reply: ``NotBuildable``).
 
-Imports nothing of the proxy but ``proxy.sse``. D's side (token 1 out of its stream) is ``proxy.first_token_filter``.
+Imports nothing of the proxy but ``proxy.sse``. D's side (token 1 out of its stream) is
+``proxy.first_token_filter``.
 """
 
 from __future__ import annotations
