@@ -7,17 +7,12 @@ from proxy.pools.admission import DEADLINE_HEADER, Admission, Deadline, WaitQueu
 from proxy.pools.breaker import BreakerConfig, CircuitBreaker, CircuitState
 from proxy.pools.errors import DeadlineExceeded, NoWorkerAvailable, Overloaded
 from proxy.pools.migration import StreamFollower, migration_blocker
+from proxy.pools.options import PoolSettings, add_pool_arguments, pool_settings_from_args
 from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
 from proxy.pools.pool import LoadWeights, Pool, normalize_url
 from proxy.pools.preflight import handoff_check
 from proxy.pools.retry import is_transient
-from proxy.pools.runtime import (
-    BYPASS_HEADER,
-    PoolRuntime,
-    PoolSettings,
-    add_pool_arguments,
-    pool_settings_from_args,
-)
+from proxy.pools.runtime import BYPASS_HEADER, PoolRuntime
 from proxy.pools.worker import Outcome, ScrapedLoad, Worker
 
 __all__ = [

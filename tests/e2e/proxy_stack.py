@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from workers.launcher import Cluster
 

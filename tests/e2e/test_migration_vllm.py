@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from proxy.app import SERVING, build_app
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from tests.fixtures_vllm import vllm_connector
 from workers.launcher import Cluster

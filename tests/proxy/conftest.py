@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy.app import SERVING, build_app
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.serving import Serving
 from proxy.settings import ProxySettings
 from tests.fixtures_sim import SimWorker

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.app import SERVING
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply
 

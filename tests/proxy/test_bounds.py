@@ -8,7 +8,7 @@ from typing import Any
 
 from proxy.cli import parse_args
 from proxy.large_body import LARGE_BODY_BYTES
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from tests.proxy.conftest import PDFactory, req
 

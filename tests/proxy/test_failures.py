@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from tests.proxy.conftest import PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import Scripted, ScriptedFactory, SSEBytes, prefill_reply
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import __version__
 from proxy.metrics import ProxyMetrics
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
 from tests.proxy.test_aborts import SLOW_DECODE, _disconnect_when, abort, wait_for_state

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.app import DRAINING
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, req
 
 

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 import proxy.cli
 import proxy.tracing
 from proxy.app import SERVING, build_app
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from proxy.tracing import NOOP_HOP, NOOP_TRACE, REQUEST_SPAN, Tracing, TracingUnavailable
 from tests.fixtures_sim import SimFactory, SimWorker

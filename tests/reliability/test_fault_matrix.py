@@ -30,7 +30,7 @@ from typing import Any, Literal
 import aiohttp
 import pytest
 
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from tests.reliability.harness import GENERATE, World, sse_events, start_world
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from proxy.tls import server_context
 from proxy.upstream import Upstream

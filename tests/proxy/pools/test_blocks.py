@@ -13,11 +13,11 @@ import pytest
 from prometheus_client import generate_latest
 
 from proxy.app import SERVING, build_app
+from proxy.pools import PoolRuntime, PoolSettings
 from proxy.pools.blocks import FALLBACK_BLOCK_SIZE, BlockSizeLearner, BlockSizes, parse_block_size
 from proxy.pools.policies import PickContext, PrefixAware
 from proxy.pools.pool import Pool
 from proxy.pools.preflight import handoff_check
-from proxy.pools.runtime import PoolRuntime, PoolSettings
 from proxy.pools.worker import Worker
 from proxy.settings import ProxySettings
 from tests.proxy.conftest import ProxyFactory

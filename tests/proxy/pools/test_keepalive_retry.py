@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import SERVING, build_app
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from tests.proxy.pools.helpers import CutRelay
 

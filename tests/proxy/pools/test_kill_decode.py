@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from proxy.app import SERVING, build_app
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 
 N_REQUESTS = 48

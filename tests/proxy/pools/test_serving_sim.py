@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 
 from proxy.app import build_app
+from proxy.pools import PoolSettings
 from proxy.pools.breaker import CircuitState
 from proxy.pools.health import HealthChecker, http_probe
-from proxy.pools.runtime import PoolSettings
 from proxy.settings import ProxySettings
 from tests.proxy.conftest import PD
 from workers.sim import SimSettings
