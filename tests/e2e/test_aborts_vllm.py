@@ -27,6 +27,8 @@ USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
 GENERATED = "vllm:generation_tokens_total"
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+P_LEASE_S = 30.0
+"""The prefill worker's kv_lease_duration (vLLM's default; the test cluster keeps it)."""
 
 
 async def metric(url: str, name: str) -> float:
@@ -115,7 +117,12 @@ async def test_without_proxy_the_kv_stays_pinned_for_the_lease(vllm_cluster: Clu
         assert r.status == 200
         assert (await r.json())["kv_transfer_params"] is not None
     answered = time.monotonic() - t0
-    assert await metric(p, USAGE) > 0.0
+    usage = await metric(p, USAGE)
+    # P holds the blocks until its lease (30 s from its finish) runs out; on the starved CI host
+    # the answer plus one scrape has taken longer than that, so the hold is only checked when the
+    # scrape answered within the lease.
+    if time.monotonic() - t0 < P_LEASE_S:
+        assert usage > 0.0
     freed = await seconds_until(p, USAGE, lambda v: v == 0.0, 60, step=0.5)
     assert freed is not None
     print(f"\nwithout pd-proxy: P's KV freed {answered + freed:.1f} s after the request was sent, "
