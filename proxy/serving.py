@@ -282,17 +282,21 @@ class Serving:
         if error is not None and not f.record.is_aborted:
             await self._prefill_failed(f, failure, error)
             kv_params = None
+        resp: web.StreamResponse | None = None
+        if f.first is not None and kv_params is not None and not f.record.is_aborted:
+            resp = await self.first.start(request, f)  # the client's first token, from P
+            if f.first.final:
+                return await self.first.finish_at_prefill(request, f, resp)
         if kv_params is not None and self.settings.hold_between_hops > 0:  # a test hook: KV_HELD
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(f.record.aborted.wait(), self.settings.hold_between_hops)
         if f.record.is_aborted:
             await self.cleanup.release_shielded(f)
+            if resp is not None:  # the client has P's token: its stream ends as vLLM ends an abort
+                self.core.set_done(f)
+                await self.first.end(request, f, resp, self.first.abort_events(f))
+                return resp
             return await self.aborts.respond_aborted(request, f)
-        resp: web.StreamResponse | None = None
-        if f.first is not None and kv_params is not None:
-            resp = await self.first.start(request, f)  # the client's first token, from P
-            if f.first.final:
-                return await self.first.finish_at_prefill(request, f, resp)
         return await self._decode(request, f, kv_params, resp)
 
     async def _prefill(self, f: Flight) -> tuple[dict[str, Any] | None, str, UpstreamError | None]:

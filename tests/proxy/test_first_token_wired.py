@@ -1,0 +1,143 @@
+"""The prefill worker's first token streamed at once (``--first-token-from-prefill on``, issue 19),
+through pd-proxy against pd-sim: the client's stream is the aggregated worker's, event for event,
+while its first chunk came from P before the decode hop (``first_to_second`` in its timing)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from tests.fixtures_sim import SimFactory
+from tests.proxy.conftest import PD, PDFactory, req, sse_datas
+from tests.proxy.test_sim_fields import reference, volatile
+
+ON = {"first_token_from_prefill": True}
+PROMPT = [65, 66, 67, 68, 69]
+"""Greedy on pd-sim: 290 ("ca"), 264 ("lazy"), 331 (" jihele"), ... (whole characters)."""
+
+
+def r(**kw: Any) -> dict[str, Any]:
+    return req(token_ids=PROMPT, **kw)
+
+TIMED = {"X-PD-Timing": "1"}
+
+CASES: dict[str, dict[str, Any]] = {
+    "greedy-tokens": r(),
+    "greedy-text": r(output_mode="text"),
+    "seeded-tokens": r(sp={"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 3}),
+    "seeded-text": r(output_mode="text", sp={"temperature": 0.9, "seed": 11}),
+    "text-stop-strings": r(output_mode="text", sp={"max_tokens": 30, "stop": ["e", "a"]}),
+    "text-stop-include": r(output_mode="text",
+                             sp={"max_tokens": 30, "stop": ["e"], "include_stop_str_in_output": True}),
+    "stop-token-ids": r(sp={"max_tokens": 30, "stop_token_ids": [300, 301, 302]}),
+    "min-tokens": r(sp={"max_tokens": 12, "min_tokens": 10}),
+    "min-tokens-1": r(sp={"max_tokens": 12, "min_tokens": 1}),
+    "logprobs-tokens": r(sp={"logprobs": 2}),
+    "logprobs-text": r(output_mode="text", sp={"logprobs": 2}),
+    "return-token-ids": r(return_token_ids=True),
+    "ignore-eos": r(sp={"ignore_eos": True, "max_tokens": 5}),
+    "stop-string-on-2": r(output_mode="text", sp={"max_tokens": 8, "stop": ["z"]}),
+    "stop-string-across-1-and-2": r(output_mode="text", sp={"max_tokens": 8, "stop": ["al"]}),
+    "stop-string-held-back": r(output_mode="text", sp={"max_tokens": 8, "stop": ["la", "qq"]}),
+    "stop-token-on-2": r(sp={"max_tokens": 8, "stop_token_ids": [264]}),
+    "continuous-usage": r(stream_options={"include_usage": True, "continuous_usage_stats": True}),
+}
+
+
+async def stream(pd: PD, body: dict[str, Any], **kw: Any) -> tuple[int, list[Any], str]:
+    """Status, parsed data events, and the server-timing comment."""
+    r = await pd.client.post("/inference/v1/generate", json={**body, "stream": True}, headers=TIMED, **kw)
+    raw = await r.read()
+    timing = next((line for line in raw.decode().splitlines() if line.startswith(": server-timing")), "")
+    return r.status, sse_datas(raw), timing
+
+
+async def decode_calls(pd: PD) -> float:
+    text = (await (await pd.client.get("/metrics")).read()).decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pd_proxy_upstream_requests_total{") and 'pool="decode"' in line)
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
+@pytest.mark.parametrize("name", list(CASES))
+async def test_stream_is_the_aggregated_workers_with_ps_token_first(
+        pd_factory: PDFactory, sim_factory: SimFactory, name: str, usage: bool) -> None:
+    pd = await pd_factory(**ON)
+    body = {**CASES[name], "request_id": f"ft-{name}"}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    status, got, timing = await stream(pd, body)
+    want_status, want = await reference(sim_factory, body, True, {})
+    assert status == want_status == 200
+    assert volatile(got) == volatile(want)
+    assert "first_to_second;dur=" in timing  # token 1 was P's, written before the decode hop
+    await pd.quiet()
+
+
+FINISH_AT_P: dict[str, dict[str, Any]] = {
+    "max-tokens-1": r(sp={"max_tokens": 1}),
+    "max-tokens-1-text": r(output_mode="text", sp={"max_tokens": 1, "logprobs": 1}),
+    "stop-token-on-1": r(sp={"max_tokens": 8, "stop_token_ids": [290]}),
+    "stop-string-on-1": r(output_mode="text", sp={"max_tokens": 8, "stop": ["a"]}),
+}
+
+
+async def test_off_by_default_the_stream_is_todays(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
+    pd = await pd_factory()
+    body = {**r(output_mode="text"), "request_id": "off"}
+    status, got, timing = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200 and volatile(got) == volatile(want)
+    assert "first_to_second" not in timing
+
+
+async def test_first_token_reaches_the_client_while_the_decode_worker_hangs_then_ends_in_band(
+        pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode={"faults": {"hang_before_headers": True}}, stream_idle_timeout=0.5,
+                          prefill={"lease_seconds": 0.5}, **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "hang"})
+    assert resp.status == 200
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5.0)
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == [290]  # P's token; D sent nothing
+    rest = sse_datas(await resp.read())
+    assert "error" in rest[0] and rest[-1] == "[DONE]"  # the headers were sent: the failure is in-band
+    await pd.d.set_faults(hang_before_headers=False)
+    await asyncio.sleep(0.6)
+    pd.serving.expire_leases()
+    await pd.quiet(limit=5.0)
+
+
+async def wait_for_phase(pd: PD, phase: str) -> None:
+    for _ in range(250):
+        if any(rec.phase.value == phase for rec in pd.serving.table.all()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no request reached {phase}")
+
+
+async def test_abort_right_after_ps_chunk_ends_the_stream_and_frees_ps_kv(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(hold_between_hops=10.0, **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "ab"})
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5.0)
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == [290]
+    assert (await pd.p.state())["kv_held"]
+    a = await pd.client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-ab"]})
+    assert a.status == 200
+    rest = sse_datas(await resp.read())
+    assert rest[0]["choices"][0]["finish_reason"] == "abort" and rest[-1] == "[DONE]"
+    assert not [t for e in rest[:-1] for c in e["choices"] for t in c["token_ids"]]
+    await pd.quiet(limit=5.0)  # P's KV released, lease closed, nothing in the table or tracker
+    assert (await pd.p.state())["releases"]["pulled"] == 1
+
+
+async def test_disconnect_right_after_ps_chunk_frees_ps_kv(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(hold_between_hops=10.0, **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "dc"})
+    await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5.0)
+    await wait_for_phase(pd, "kv_held")
+    resp.close()  # the client goes away holding one token, before the decode hop
+    await pd.quiet(limit=5.0)
+    assert (await pd.p.state())["releases"]["pulled"] == 1
