@@ -15,7 +15,7 @@ from proxy.aborts import Aborts
 from proxy.cleanup import Cleanup
 from proxy.core import Core, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
-from proxy.errors import StreamOverflow, UpstreamError, UpstreamStatusError
+from proxy.errors import StreamOverflow, UpstreamError, UpstreamProtocolError, UpstreamStatusError
 from proxy.flight import Flight
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
@@ -182,6 +182,8 @@ class StreamDecode(Part):
                 assert f.first_filter is not None
                 f.first_filter.clear()
                 self.metrics.first_token_mismatch.inc()
+                error = UpstreamProtocolError("decode", tries.worker.url, "its first token is not the "
+                                              "prefill worker's, which the client already has").sse_event()
                 if not await self._migrate(f, tries, buffer, follower, status=status, error=error):
                     return
                 continue

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from proxy.pools.runtime import PoolSettings
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import PD, PDFactory, req, sse_datas
 from tests.proxy.test_sim_fields import reference, volatile
@@ -141,3 +142,40 @@ async def test_disconnect_right_after_ps_chunk_frees_ps_kv(pd_factory: PDFactory
     resp.close()  # the client goes away holding one token, before the decode hop
     await pd.quiet(limit=5.0)
     assert (await pd.p.state())["releases"]["pulled"] == 1
+
+
+MIGRATE = PoolSettings.plain(migrate=True)
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+async def test_mismatch_continues_from_ps_token_without_a_contradiction(
+        pd_factory: PDFactory, sim_factory: SimFactory, mode: str) -> None:
+    pd = await pd_factory(pools=MIGRATE, decode={"faults": {"first_token_mismatch": True}}, **ON)
+    body = {**r(output_mode=mode, sp={"max_tokens": 10}), "request_id": f"mm-{mode}",
+            "stream_options": {"include_usage": True}}
+    status, got, _ = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200
+    assert volatile(got) == volatile(want)  # P's token kept; the rest continues from it
+    assert await metric(pd, "pd_proxy_first_token_mismatch_total") == 1
+    await pd.quiet()
+
+
+async def test_mismatch_of_a_request_that_cannot_continue_ends_in_band(
+        pd_factory: PDFactory) -> None:
+    pd = await pd_factory(pools=MIGRATE, decode={"faults": {"first_token_mismatch": True}}, **ON)
+    body = {**r(output_mode="text", sp={"max_tokens": 10, "stop": ["qq"]}), "request_id": "mm-stop"}
+    status, got, _ = await stream(pd, body)
+    assert status == 200
+    assert got[0]["choices"][0]["token_ids"] == [290]
+    assert "error" in got[1] and got[-1] == "[DONE]"  # never D's contradicting token
+    assert [t for e in got if isinstance(e, dict) for c in e.get("choices", [])
+            for t in c["token_ids"]] == [290]
+    assert await metric(pd, "pd_proxy_first_token_mismatch_total") == 1
+    await pd.quiet()
+
+
+async def metric(pd: PD, name: str) -> float:
+    text = (await (await pd.client.get("/metrics")).read()).decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
