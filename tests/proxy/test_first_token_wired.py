@@ -179,3 +179,24 @@ async def metric(pd: PD, name: str) -> float:
     text = (await (await pd.client.get("/metrics")).read()).decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + " ", name + "{")))
+
+
+@pytest.mark.parametrize("fault", ["fail_next", "refuse_kv_pulls"])
+async def test_a_retried_or_decode_only_attempt_still_drops_token_1(
+        pd_factory: PDFactory, sim_factory: SimFactory, fault: str) -> None:
+    """D's open fails (a 500 before its first byte: retried) or its pull of P's KV does (the
+    decode-only rescue computes the prompt itself): that attempt's token 1 is taken out too."""
+    on_d = {"fail_next": 1} if fault == "fail_next" else {}
+    on_p = {"refuse_kv_pulls": True} if fault == "refuse_kv_pulls" else {}
+    pd = await pd_factory(pools=PoolSettings.plain(decode_attempts=2), n_decode=2,
+                          decode={"faults": on_d}, prefill={"faults": on_p, "lease_seconds": 0.5}, **ON)
+    body = {**r(output_mode="text", sp={"max_tokens": 6}), "request_id": f"re-{fault}"}
+    status, got, timing = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200
+    assert volatile(got) == volatile(want)
+    assert "first_to_second;dur=" in timing
+    calls = [(await d.state())["generate_calls"] for d in pd.decode]
+    assert sum(calls) >= 2  # the failed attempt did happen, another took the request
+    await pd.p.set_faults(refuse_kv_pulls=False)
+    await pd.quiet(limit=5.0)  # P's blocks: pulled, or freed at the end of its (short) lease
