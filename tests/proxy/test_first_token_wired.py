@@ -12,7 +12,9 @@ import pytest
 
 from proxy.pools.runtime import PoolSettings
 from tests.fixtures_sim import SimFactory
-from tests.proxy.conftest import PD, PDFactory, req, sse_datas
+from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
+from tests.proxy.scripted import Scripted, ScriptedFactory, SSEBytes, prefill_reply
+from tests.proxy.test_generate import trace_stream
 from tests.proxy.test_sim_fields import reference, volatile
 
 ON = {"first_token_from_prefill": True}
@@ -200,3 +202,57 @@ async def test_a_retried_or_decode_only_attempt_still_drops_token_1(
     assert sum(calls) >= 2  # the failed attempt did happen, another took the request
     await pd.p.set_faults(refuse_kv_pulls=False)
     await pd.quiet(limit=5.0)  # P's blocks: pulled, or freed at the end of its (short) lease
+
+
+# --------------------------------------------------------- vLLM's recorded bytes (scripted workers)
+
+
+def _prefill_from_trace(first: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """P's one-token reply as vLLM writes it, for the trace's first token."""
+    c = first["choices"][0]
+    choice = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": c["token_ids"],
+              "routed_experts": None, "sampling_mask": None,
+              "weight_versions": [{"version": "default", "start": 0, "end": 1}]}
+    if "text" in c:
+        choice["text"] = c["text"]
+    choice["logprobs"] = c["logprobs"]
+    return prefill_reply(body, request_id=first["request_id"], choices=[choice])
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["as-recorded", "merged-first-chunk"])
+@pytest.mark.parametrize("name", ["gen-text-stream-include-usage.txt", "gen-logprobs-text-stream.txt",
+                                  "gen-logprobs-tokens-stream.txt"])
+async def test_the_client_gets_vllms_recorded_bytes(scripted_factory: ScriptedFactory,
+                                                    proxy_factory: ProxyFactory, name: str,
+                                                    merged: bool) -> None:
+    """P's chunk, then D's stream without token 1, are the bytes the aggregated vLLM sent; when
+    D merged tokens 1 and 2 into one chunk, token 1 is cut out of its bytes and the rest kept."""
+    body, stream = trace_stream(name)
+    events = stream.split(b"\n\n")[:-1]
+    first = json.loads(events[0][6:])
+    d_stream = stream
+    if merged:
+        one, two = json.loads(events[0][6:]), json.loads(events[1][6:])
+        c1, c2 = one["choices"][0], two["choices"][0]
+        head = events[0].replace(b'"token_ids":' + json.dumps(c1["token_ids"]).encode(),
+                                 b'"token_ids":' + json.dumps(c1["token_ids"] + c2["token_ids"],
+                                                              separators=(",", ":")).encode())
+        if "text" in c1:
+            head = head.replace(json.dumps(c1["text"]).encode(), json.dumps(c1["text"] + c2["text"]).encode())
+        if c1["logprobs"] is not None:  # the content list is last: its items as recorded
+            tail = b"]}}]}"
+            assert head.endswith(tail) and events[1].endswith(tail)
+            lp2 = events[1][events[1].index(b'"content":[') + 11 : -len(tail)]
+            head = head[: -len(tail)] + b"," + lp2 + tail
+        d_stream = b"\n\n".join([head, *events[2:]]) + b"\n\n"
+    p: Scripted = await scripted_factory(lambda b, r: _prefill_from_trace(first, b))
+    d: Scripted = await scripted_factory(lambda b, r: SSEBytes([d_stream[i : i + 7] for i in
+                                                                range(0, len(d_stream), 7)]))
+    client, _ = await proxy_factory([p.url], [d.url], **ON)
+    r = await client.post("/inference/v1/generate", json=body)
+    got = await r.read()
+    assert r.status == 200
+    assert p.received[0]["output_mode"] == body.get("output_mode", "tokens")
+    assert got == stream
+    text = (await (await client.get("/metrics")).read()).decode()
+    assert 'pd_proxy_stage_seconds_count{stage="first_to_second"} 1.0' in text  # token 1 was P's
