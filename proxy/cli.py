@@ -65,7 +65,7 @@ def _add_walk_switches(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-failure", choices=["fail", "decode-only"], default="fail",
                    help="when the prefill hop gives no usable KV: 502, or run on decode alone")
     p.add_argument("--first-token-from-prefill", choices=["on", "off"], default="off",
-                   help="streams (n=1): send the prefill worker's token as the first chunk at once, "
+                   help="streams: send the prefill worker's token as the first chunk at once, "
                         "before the hand-off; the decode worker's token 1 is checked and dropped")
     p.add_argument("--no-rewrite-remote-host", action="store_true",
                    help="keep a loopback remote_host a prefill worker advertises, instead of the host "

@@ -89,7 +89,7 @@ class Flight:
     tenant: Tenant = OPEN
     first_token: bool = False
     """The prefill worker's token may be the client's first chunk (``first_token_from_prefill``:
-    a stream with n == 1); the prefill hop is then sent for it."""
+    a stream); the prefill hop is then sent for it."""
     first: PrefillFirst | None = None
     """P's first chunk, once built from its reply (None: D's stream is relayed as it is)."""
     first_filter: FirstTokenFilter | None = None

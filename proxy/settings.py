@@ -36,7 +36,7 @@ class ProxySettings:
     first_token_from_prefill: bool = False
     """Streams: the client gets the prefill worker's token as its first chunk when the prefill hop
     answers (TTFT without the hand-off); the decode worker's token 1 is checked against it and
-    left out of the relayed stream (``proxy.first_token``). n == 1 only."""
+    left out of the relayed stream (``proxy.first_token``)."""
     rewrite_remote_host: bool = True
     """Replace a loopback/unspecified ``remote_host`` advertised by a prefill worker with the
     host the proxy reached that worker at (when that host is not loopback itself)."""

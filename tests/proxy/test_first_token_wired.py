@@ -46,6 +46,8 @@ CASES: dict[str, dict[str, Any]] = {
     "stop-string-across-1-and-2": r(output_mode="text", sp={"max_tokens": 8, "stop": ["al"]}),
     "stop-string-held-back": r(output_mode="text", sp={"max_tokens": 8, "stop": ["la", "qq"]}),
     "stop-token-on-2": r(sp={"max_tokens": 8, "stop_token_ids": [264]}),
+    "n2-seeded": r(sp={"n": 2, "temperature": 1.0, "seed": 7}),
+    "n3-seeded-text": r(output_mode="text", sp={"n": 3, "temperature": 0.7, "seed": 5, "logprobs": 1}),
     "continuous-usage": r(stream_options={"include_usage": True, "continuous_usage_stats": True}),
 }
 
@@ -77,6 +79,25 @@ async def test_stream_is_the_aggregated_workers_with_ps_token_first(
     assert status == want_status == 200
     assert volatile(got) == volatile(want)
     assert "first_to_second;dur=" in timing  # token 1 was P's, written before the decode hop
+    await pd.quiet()
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+@pytest.mark.parametrize("n", [1, 2])
+async def test_unseeded_sampling_gets_one_seed_for_both_hops(pd_factory: PDFactory, mode: str, n: int) -> None:
+    """No seed: P and D draw the same token 1 (a generated seed on both hops), so every choice
+    is a whole sample: no token 1 twice, none missing, no mismatch."""
+    pd = await pd_factory(**ON)
+    body = {**r(output_mode=mode, sp={"n": n, "temperature": 1.0, "max_tokens": 8}),
+            "stream_options": {"include_usage": True}}
+    for _ in range(3):
+        status, got, timing = await stream(pd, body)
+        assert status == 200 and "first_to_second;dur=" in timing
+        per = [[t for e in got if isinstance(e, dict) for c in e["choices"] if c["index"] == i
+                for t in c["token_ids"]] for i in range(n)]
+        assert [len(ids) for ids in per] == [8] * n
+        assert got[-2]["usage"]["completion_tokens"] == 8 * n
+    assert await metric(pd, "pd_proxy_first_token_mismatch_total") == 0
     await pd.quiet()
 
 
@@ -256,3 +277,30 @@ async def test_the_client_gets_vllms_recorded_bytes(scripted_factory: ScriptedFa
     assert got == stream
     text = (await (await client.get("/metrics")).read()).decode()
     assert 'pd_proxy_stage_seconds_count{stage="first_to_second"} 1.0' in text  # token 1 was P's
+
+
+async def test_n2_where_one_choice_stops_at_token_1(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
+    """Only choice 0 stops at token 1 (a stop token): the stream goes on for choice 1; choice 0
+    gets its end from D (``token_ids: []`` with the finish reason), the same tokens as vLLM's."""
+    base = r(sp={"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6})
+    _, plain = await reference(sim_factory, {**base, "request_id": "n2a"}, True, {})
+    first = [next(c["token_ids"][0] for e in plain[:-1] for c in e["choices"] if c["index"] == i)
+             for i in range(2)]
+    assert first[0] != first[1]
+    body = {**base, "request_id": "n2s", "sampling_params": {**base["sampling_params"],
+                                                           "stop_token_ids": [first[0]]}}
+    pd = await pd_factory(**ON)
+    status, got, timing = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200 and "first_to_second;dur=" in timing
+
+    def per_choice(events: list[Any]) -> list[tuple[list[int], str | None]]:
+        out = []
+        for i in range(2):
+            cs = [c for e in events if isinstance(e, dict) for c in e["choices"] if c["index"] == i]
+            out.append(([t for c in cs for t in c["token_ids"]], cs[-1]["finish_reason"]))
+        return out
+
+    assert per_choice(got) == per_choice(want)
+    assert per_choice(got)[0] == ([first[0]], "stop")
+    await pd.quiet()
