@@ -84,7 +84,8 @@ async def test_stream_is_the_aggregated_workers_with_ps_token_first(
 
 @pytest.mark.parametrize("mode", ["tokens", "text"])
 @pytest.mark.parametrize("n", [1, 2])
-async def test_unseeded_sampling_gets_one_seed_for_both_hops(pd_factory: PDFactory, mode: str, n: int) -> None:
+async def test_unseeded_sampling_gets_one_seed_for_both_hops(pd_factory: PDFactory, mode: str,
+                                                             n: int) -> None:
     """No seed: P and D draw the same token 1 (a generated seed on both hops), so every choice
     is a whole sample: no token 1 twice, none missing, no mismatch."""
     pd = await pd_factory(**ON)
