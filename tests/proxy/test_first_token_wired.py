@@ -305,3 +305,27 @@ async def test_n2_where_one_choice_stops_at_token_1(pd_factory: PDFactory, sim_f
     assert per_choice(got) == per_choice(want)
     assert per_choice(got)[0] == ([first[0]], "stop")
     await pd.quiet()
+
+
+async def test_a_deadline_passing_after_ps_chunk_ends_the_stream_and_frees_ps_kv(
+        pd_factory: PDFactory) -> None:
+    pd = await pd_factory(hold_between_hops=10.0, **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "dl"},
+                                headers={"X-PD-Deadline-Ms": "300"})
+    rest = sse_datas(await asyncio.wait_for(resp.read(), 5.0))
+    assert rest[0]["choices"][0]["token_ids"] == [290]  # P's token, then the deadline's abort
+    assert rest[1]["choices"][0]["finish_reason"] == "abort" and rest[-1] == "[DONE]"
+    await pd.quiet(limit=5.0)
+    assert (await pd.p.state())["releases"]["pulled"] == 1
+
+
+async def test_ps_chunk_carries_the_id_the_client_knows(pd_factory: PDFactory) -> None:
+    """Several tenants: the workers see a namespaced id; P's chunk, as D's, is rewritten back."""
+    pd = await pd_factory(api_keys=(("a", "key-a"), ("b", "key-b")), **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "tn"},
+                                headers={"Authorization": "Bearer key-a"})
+    got = sse_datas(await resp.read())
+    assert resp.status == 200 and len(got) > 2
+    assert {e["request_id"] for e in got if isinstance(e, dict)} == {"generate-tokens-tn"}
+    assert (await pd.p.state())["generate_calls"] == 1
+    await pd.quiet()
