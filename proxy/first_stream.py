@@ -11,6 +11,7 @@ ends in-band: the client's headers are sent.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -98,7 +99,13 @@ class FirstStream(Part):
         data = f.first.events
         if f.first.final:
             data += f.first.usage
-        await resp.write(f.rewrite.apply(data) if f.rewrite is not None else data)
+        try:
+            async with asyncio.timeout(self.settings.slow_reader_timeout):
+                await resp.write(f.rewrite.apply(data) if f.rewrite is not None else data)
+        except TimeoutError:  # as ``StreamDecode.write_client``: a client that stopped reading
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading its stream") from None
         now = f.first.written_at = f.timing.first_write = self.clock()
         self.metrics.ttft.observe(now - f.timing.received)
         return resp
