@@ -1,6 +1,6 @@
 """The prefill worker's first token streamed at once (``first_token_from_prefill``): the I/O part.
 
-For a stream with n == 1 the prefill hop samples token 1 as the client's request would
+For a stream the prefill hop samples token 1 as the client's request would
 (``kv_transfer.handoff.prefill_body(first_token=True)``); when it answers, the client's event
 stream is opened and P's chunk written (``proxy.first_token.first_chunk``), before the hand-off.
 When P's token ends the request the stream ends there (usage, ``[DONE]``) and P's KV is released
@@ -30,6 +30,7 @@ from proxy.first_token import (
     usage_event,
 )
 from proxy.flight import Flight
+from proxy.pools import migration_blocker
 from proxy.protocol import abort_stream_chunk, compact_json, engine_request_id
 from proxy.sse import DONE_EVENT, comment_event, data_event
 
@@ -45,7 +46,7 @@ class FirstStream(Part):
         """Before the prefill hop: whether this request gets P's token first, and then one seed
         for every hop of a random request without one (P and D then draw the same token 1)."""
         s, req = self.settings, f.request
-        if not s.first_token_from_prefill or not req.is_stream or req.sampling_params.n != 1:
+        if not s.first_token_from_prefill or not req.is_stream:
             return
         sp = f.data["sampling_params"]
         if s.prefill_tokens_only and (req.output_mode != "tokens" or sp.get("stop")):
@@ -72,8 +73,11 @@ class FirstStream(Part):
         except NotBuildable as e:
             log.info("request %s: first token not sent from prefill: %s", f.record.engine_id, e)
             return
-        if not final and any(t.text == "" for t in shown):
-            return  # nothing to show yet (a partial character, or held back): D's stream as it is
+        if not final and any(t.text == "" for t in shown) and self.pools.settings.migrate \
+                and migration_blocker(f.data) is None:
+            # No text for token 1 yet (a partial character, or held back): a continuation (after a
+            # mismatch or a migration) would rewind over it and regenerate it; D's stream as it is.
+            return
         usage = b""
         if final and req.include_usage:
             u = reply.get("usage")
