@@ -38,6 +38,7 @@ CASES: dict[str, dict[str, Any]] = {
     "stop-token-ids": r(sp={"max_tokens": 30, "stop_token_ids": [300, 301, 302]}),
     "min-tokens": r(sp={"max_tokens": 12, "min_tokens": 10}),
     "min-tokens-1": r(sp={"max_tokens": 12, "min_tokens": 1}),
+    "min-tokens-masks-a-stop-token": r(sp={"max_tokens": 6, "min_tokens": 1, "stop_token_ids": [290]}),
     "logprobs-tokens": r(sp={"logprobs": 2}),
     "logprobs-text": r(output_mode="text", sp={"logprobs": 2}),
     "return-token-ids": r(return_token_ids=True),
@@ -108,6 +109,26 @@ FINISH_AT_P: dict[str, dict[str, Any]] = {
     "stop-token-on-1": r(sp={"max_tokens": 8, "stop_token_ids": [290]}),
     "stop-string-on-1": r(output_mode="text", sp={"max_tokens": 8, "stop": ["a"]}),
 }
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
+@pytest.mark.parametrize("name", list(FINISH_AT_P))
+async def test_ps_token_that_ends_the_request_ends_the_stream_without_a_decode_hop(
+        pd_factory: PDFactory, sim_factory: SimFactory, name: str, usage: bool) -> None:
+    pd = await pd_factory(**ON)
+    body = {**FINISH_AT_P[name], "request_id": f"fp-{name}"}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    status, got, timing = await stream(pd, body)
+    want_status, want = await reference(sim_factory, body, True, {})
+    assert status == want_status == 200
+    assert volatile(got) == volatile(want)
+    assert got[-2 if not usage else -3]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "first_to_second" in timing  # P's chunk was the client's
+    decode = [(await d.state())["generate_calls"] for d in pd.decode]
+    assert decode == [1]  # the KV release only (one token, thrown away): no decode hop
+    await pd.quiet()  # P's KV freed, nothing left in the table
+    assert (await pd.p.state())["releases"]["pulled"] == 1
 
 
 async def test_off_by_default_the_stream_is_todays(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
