@@ -209,7 +209,8 @@ class StreamDecode(Part):
         finally:
             passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
             outcome = (Outcome.SUCCESS if status is Status.DONE else
-                       Outcome.NEUTRAL if status is Status.CLOSED or passthrough or f.record.is_aborted
+                       Outcome.NEUTRAL if status in (Status.CLOSED, Status.MISMATCH) or passthrough
+                       or f.record.is_aborted
                        else Outcome.FAILURE)
             if status in (Status.OPEN_FAILED, Status.KV_FAILED) and exc is not None:
                 outcome = tries.failed(exc, outcome)

@@ -61,12 +61,6 @@ async def stream(pd: PD, body: dict[str, Any], **kw: Any) -> tuple[int, list[Any
     return r.status, sse_datas(raw), timing
 
 
-async def decode_calls(pd: PD) -> float:
-    text = (await (await pd.client.get("/metrics")).read()).decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pd_proxy_upstream_requests_total{") and 'pool="decode"' in line)
-
-
 @pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
 @pytest.mark.parametrize("name", list(CASES))
 async def test_stream_is_the_aggregated_workers_with_ps_token_first(
@@ -189,7 +183,8 @@ async def test_disconnect_right_after_ps_chunk_frees_ps_kv(pd_factory: PDFactory
     assert (await pd.p.state())["releases"]["pulled"] == 1
 
 
-MIGRATE = PoolSettings.plain(migrate=True)
+MIGRATE = PoolSettings.plain(migrate=True, breaker_failures=1)
+"""One failure would open a worker's circuit: a mismatch is not the worker's failure."""
 
 
 @pytest.mark.parametrize("mode", ["tokens", "text"])
@@ -203,6 +198,7 @@ async def test_mismatch_continues_from_ps_token_without_a_contradiction(
     assert status == 200
     assert volatile(got) == volatile(want)  # P's token kept; the rest continues from it
     assert await metric(pd, "pd_proxy_first_token_mismatch_total") == 1
+    assert pd.serving.decode_pool.workers[0].breaker.opened_count == 0  # a mismatch: not its failure
     await pd.quiet()
 
 
