@@ -64,7 +64,7 @@ def _add_walk_switches(p: argparse.ArgumentParser) -> None:
                    help="the workers' --max-num-seqs: sampling_params.n above it is refused up front")
     p.add_argument("--prefill-failure", choices=["fail", "decode-only"], default="fail",
                    help="when the prefill hop gives no usable KV: 502, or run on decode alone")
-    p.add_argument("--first-token-from-prefill", choices=["on", "off"], default="off",
+    p.add_argument("--first-token-from-prefill", type=_on_off, choices=["on", "off"], default="off",
                    help="streams: send the prefill worker's token as the first chunk at once, "
                         "before the hand-off; the decode worker's token 1 is checked and dropped")
     p.add_argument("--no-rewrite-remote-host", action="store_true",
@@ -221,6 +221,12 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         upstream_cert_file=a.upstream_cert_file, upstream_key_file=a.upstream_key_file,
         pools=pools,
     )
+
+
+def _on_off(value: str) -> str:
+    """``on``/``off``; a config file's YAML reads a bare ``on`` as true (``config_file`` passes
+    ``true``), so true/false are taken as on/off."""
+    return {"true": "on", "false": "off"}.get(value.lower(), value.lower())
 
 
 def _switch(value: str) -> bool:
