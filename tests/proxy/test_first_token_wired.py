@@ -346,3 +346,23 @@ async def test_ps_chunk_carries_the_id_the_client_knows(pd_factory: PDFactory) -
     assert {e["request_id"] for e in got if isinstance(e, dict)} == {"generate-tokens-tn"}
     assert (await pd.p.state())["generate_calls"] == 1
     await pd.quiet()
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+async def test_a_stream_that_breaks_after_ps_token_migrates_from_where_the_client_is(
+        pd_factory: PDFactory, sim_factory: SimFactory, mode: str) -> None:
+    """D resets mid-stream: the continuation's prompt holds P's token (the client had it from P,
+    not from D), so the stream goes on seamlessly, as the aggregated worker's."""
+    pd = await pd_factory(pools=PoolSettings.plain(migrate=True), n_decode=2,
+                          decode={"faults": {"reset_after_tokens": 3}}, **ON)
+    for d in pd.decode[1:]:
+        await d.set_faults(reset_after_tokens=None)
+    body = {**r(output_mode=mode, sp={"max_tokens": 10}), "request_id": f"mig-{mode}",
+            "stream_options": {"include_usage": True}}
+    for _ in range(2):  # whichever decode worker is picked first, one stream breaks
+        status, got, timing = await stream(pd, body)
+        _, want = await reference(sim_factory, body, True, {})
+        assert status == 200 and "first_to_second;dur=" in timing
+        assert volatile(got) == volatile(want)
+    assert await metric(pd, "pd_proxy_migrations_total") >= 1
+    await pd.quiet()
