@@ -71,7 +71,7 @@ class FirstStream(Part):
             events, shown = first_chunk(reply, request_id=rid, output_mode=req.output_mode,
                                         sampling_params=sp, final=final, continuous_usage=continuous)
         except NotBuildable as e:
-            log.info("request %s: first token not sent from prefill: %s", f.record.engine_id, e)
+            log.debug("request %s: first token not sent from prefill: %s", f.record.engine_id, e)
             return
         if not final and any(t.text == "" for t in shown) and self.pools.settings.migrate \
                 and migration_blocker(f.data) is None:

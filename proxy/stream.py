@@ -132,6 +132,11 @@ class StreamDecode(Part):
     def _observe_stream(self, f: Flight, first_write: float | None, last_write: float | None) -> None:
         """A stream relayed to its end: the decode stage after D's first token, and the time per
         output token the client saw (when usage gives the count)."""
+        if f.timing.first_write is not None and f.timing.second_write is None:
+            # P's token went first and nothing but the stream's end follows it
+            f.timing.second_write = self.clock()
+            self.metrics.child(self.metrics.stage, "first_to_second").observe(
+                f.timing.second_write - f.timing.first_write)
         if f.timing.first_token is not None:
             self.metrics.child(self.metrics.stage, "decode_stream").observe(
                 self.clock() - f.timing.first_token)
