@@ -23,13 +23,12 @@ from proxy.core import Core, Part
 from proxy.first_token import (
     FirstTokenFilter,
     NotBuildable,
-    PrefillFirst,
     ends_at_first_token,
     first_chunk,
     seed_for,
     usage_event,
 )
-from proxy.flight import Flight
+from proxy.flight import Flight, PrefillFirst
 from proxy.pools import migration_blocker
 from proxy.protocol import abort_stream_chunk, compact_json, engine_request_id
 from proxy.sse import DONE_EVENT, comment_event, data_event

@@ -285,25 +285,6 @@ def usage_event(*, request_id: str, output_mode: str, prompt_tokens: int, comple
     return data_event(pydantic_core.to_json(chunk))
 
 
-@dataclass(slots=True)
-class PrefillFirst:
-    """P's first chunk for one request, as built from its reply."""
-
-    events: bytes
-    """The data events to write (``first_chunk``)."""
-    tokens: list[FirstToken]
-    final: bool
-    """P's token ends the request (``ends_at_first_token``): no decode hop."""
-    usage: bytes = b""
-    """The ``include_usage`` chunk after a final first chunk."""
-    written_at: float | None = None
-    """When the client's write of ``events`` returned (the app's clock)."""
-
-    def payloads(self) -> list[bytes]:
-        """The ``data`` payload of each event."""
-        return [block[6:] for block in self.events.split(b"\n\n") if block.startswith(b"data: ")]
-
-
 # -- D's first token out --------------------------------------------------------------------------
 #
 # D's chunk is decided on its parse; what is left to send is edited in its own bytes: the spans of
@@ -632,7 +613,6 @@ __all__ = [
     "FirstTokenFilter",
     "Mismatch",
     "NotBuildable",
-    "PrefillFirst",
     "drop_first_token",
     "ends_at_first_token",
     "first_chunk",

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.first_token import FirstTokenFilter, PrefillFirst
+from proxy.first_token import FirstToken, FirstTokenFilter
 from proxy.ids import Rewrite
 from proxy.pools import Deadline, PickContext
 from proxy.protocol import GenerateRequest
@@ -56,6 +56,25 @@ class Timing:
 
 
 
+@dataclass(slots=True)
+class PrefillFirst:
+    """P's first chunk for one request, as built from its reply (``proxy.first_stream``)."""
+
+    events: bytes
+    """The data events to write (``proxy.first_token.first_chunk``)."""
+    tokens: list[FirstToken]
+    final: bool
+    """P's token ends the request (``ends_at_first_token``): no decode hop."""
+    usage: bytes = b""
+    """The ``include_usage`` chunk after a final first chunk."""
+    written_at: float | None = None
+    """When the client's write of ``events`` returned (the app's clock)."""
+
+    def payloads(self) -> list[bytes]:
+        """The ``data`` payload of each event."""
+        return [block[6:] for block in self.events.split(b"\n\n") if block.startswith(b"data: ")]
+
+
 @dataclass(eq=False, slots=True)
 class Flight:
     """What the walk and the clean-up share about one request's upstream calls."""
@@ -96,4 +115,4 @@ class Flight:
     """Takes token 1 out of D's stream once P's chunk was written."""
 
 
-__all__ = ["Flight", "Timing"]
+__all__ = ["Flight", "PrefillFirst", "Timing"]

@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from workers.sim import SimSettings
 from workers.sim import build_app as sim_app

@@ -166,18 +166,3 @@ def test_an_empty_file_and_keys_from_the_environment(tmp_path: Path, monkeypatch
     monkeypatch.setenv("PD_PROXY_API_KEY", "client-key-Lm55")
     s = parse_args(["--config", str(write(tmp_path, "# nothing yet\n")), "--prefill", P1, "--decode", D1])
     assert s.client_keys() == [(None, "client-key-Lm55")]
-
-
-def test_first_token_from_prefill_is_off_unless_turned_on() -> None:
-    base = ["--prefill", P1, "--decode", D1]
-    assert parse_args(base).first_token_from_prefill is False
-    assert parse_args([*base, "--first-token-from-prefill", "on"]).first_token_from_prefill is True
-    assert parse_args([*base, "--first-token-from-prefill", "off"]).first_token_from_prefill is False
-
-
-@pytest.mark.parametrize(("value", "on"), [("on", True), ("off", False), ("true", True), ("false", False)])
-def test_first_token_from_prefill_in_the_config_file(tmp_path: Path, value: str, on: bool) -> None:
-    """YAML reads a bare ``on`` / ``off`` as a boolean: both spellings work."""
-    f = tmp_path / "pd.yaml"
-    f.write_text(f"prefill: {P1}\ndecode: {D1}\nfirst-token-from-prefill: {value}\n")
-    assert parse_args(["--config", str(f)]).first_token_from_prefill is on

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxy.pools.runtime import PoolSettings
+from proxy.pools import PoolSettings
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import Scripted, ScriptedFactory, SSEBytes, prefill_reply
