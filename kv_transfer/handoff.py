@@ -46,14 +46,19 @@ def prefill_params() -> dict[str, Any]:
 
 
 def prefill_body(data: Mapping[str, Any], base_id: str, *, stream: bool,
-                 keep_stop: bool = True) -> dict[str, Any]:
+                 keep_stop: bool = True, first_token: bool = False) -> dict[str, Any]:
     """The prefill hop for a client request ``data`` (parsed and checked). ``stream`` is the
     client's: vLLM drops prompt logprobs on streams, so P does not compute them; ``keep_stop``
-    False drops stop strings (a prefill pool that does not detokenize)."""
+    False drops stop strings (a prefill pool that does not detokenize). ``first_token``: P's token
+    goes to the client (``proxy.first_token``), so P samples it as the client's request would:
+    the client's ``output_mode`` (its text) and ``min_tokens`` capped at 1 (vLLM then masks EOS
+    and the stop token ids at token 1, as the decode worker does)."""
     body = dict(data)
     sp = dict(data["sampling_params"])
     sp["max_tokens"] = 1
-    sp.pop("min_tokens", None)
+    min_tokens = sp.pop("min_tokens", None)
+    if first_token and isinstance(min_tokens, int) and min_tokens >= 1:
+        sp["min_tokens"] = 1
     if not keep_stop:
         sp.pop("stop", None)
     if stream:
@@ -62,7 +67,7 @@ def prefill_body(data: Mapping[str, Any], base_id: str, *, stream: bool,
     body["request_id"] = base_id
     body["stream"] = False
     body.pop("stream_options", None)
-    body["output_mode"] = "tokens"
+    body["output_mode"] = (data.get("output_mode") or "tokens") if first_token else "tokens"
     body["kv_transfer_params"] = prefill_params()
     return body
 

@@ -64,6 +64,9 @@ def _add_walk_switches(p: argparse.ArgumentParser) -> None:
                    help="the workers' --max-num-seqs: sampling_params.n above it is refused up front")
     p.add_argument("--prefill-failure", choices=["fail", "decode-only"], default="fail",
                    help="when the prefill hop gives no usable KV: 502, or run on decode alone")
+    p.add_argument("--first-token-from-prefill", type=_on_off, choices=["on", "off"], default="off",
+                   help="streams: send the prefill worker's token as the first chunk at once, "
+                        "before the hand-off; the decode worker's token 1 is checked and dropped")
     p.add_argument("--no-rewrite-remote-host", action="store_true",
                    help="keep a loopback remote_host a prefill worker advertises, instead of the host "
                         "the proxy reached it at")
@@ -199,7 +202,9 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         upstream_api_key=a.upstream_api_key or os.environ.get("PD_PROXY_UPSTREAM_API_KEY"),
         decode_tokens_only=a.decode_tokens_only, prefill_tokens_only=a.prefill_tokens_only,
         max_num_seqs=a.max_num_seqs,
-        prefill_failure_policy=a.prefill_failure, rewrite_remote_host=not a.no_rewrite_remote_host,
+        prefill_failure_policy=a.prefill_failure,
+        first_token_from_prefill=_switch(a.first_token_from_prefill),
+        rewrite_remote_host=not a.no_rewrite_remote_host,
         abort_unknown_broadcast=not a.no_abort_broadcast,
         legacy_abort_mirror_vllm=a.legacy_abort_mirror_vllm, prefill_timeout=a.prefill_timeout,
         decode_timeout=a.decode_timeout, stream_idle_timeout=a.stream_idle_timeout,
@@ -216,6 +221,17 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         upstream_cert_file=a.upstream_cert_file, upstream_key_file=a.upstream_key_file,
         pools=pools,
     )
+
+
+def _on_off(value: str) -> str:
+    """``on``/``off``; a config file's YAML reads a bare ``on`` as true (``config_file`` passes
+    ``true``), so true/false are taken as on/off."""
+    return {"true": "on", "false": "off"}.get(value.lower(), value.lower())
+
+
+def _switch(value: str) -> bool:
+    """An ``on|off`` flag's value."""
+    return value == "on"
 
 
 def is_loopback(host: str) -> bool:

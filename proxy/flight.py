@@ -7,6 +7,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.first_token import FirstToken
+from proxy.first_token_filter import FirstTokenFilter
 from proxy.ids import Rewrite
 from proxy.pools import Deadline, PickContext
 from proxy.protocol import GenerateRequest
@@ -31,23 +33,49 @@ class Timing:
     """The decode hop was sent."""
     first_token: float | None = None
     """D's first token (a stream's first event, or the whole non-stream reply) was in."""
+    first_write: float | None = None
+    """P's token was written to the client (``first_token_from_prefill``)."""
+    second_write: float | None = None
+    """The write after it (D's tokens from 2 on, or the stream's end) returned."""
 
     def durations_ms(self, now: float) -> dict[str, float]:
         def ms(a: float | None, b: float | None) -> float:
             return 0.0 if a is None or b is None else max(0.0, (b - a) * 1000.0)
 
-        return {
+        out = {
             "queue": ms(self.received,
                         self.prefill_start if self.prefill_start is not None else self.decode_start),
             "prefill": ms(self.prefill_start, self.prefill_end),
             "handoff": ms(self.prefill_end, self.decode_start),
             "decode_ttft": ms(self.decode_start, self.first_token),
-            "total": ms(self.received, now),
         }
+        if self.first_write is not None:  # P's token went first: the hand-off the client waited
+            out["first_to_second"] = ms(self.first_write, self.second_write)
+        out["total"] = ms(self.received, now)
+        return out
 
     def header(self, now: float) -> str:
         return ", ".join(f"{name};dur={value:.3f}" for name, value in self.durations_ms(now).items())
 
+
+
+@dataclass(slots=True)
+class PrefillFirst:
+    """P's first chunk for one request, as built from its reply (``proxy.first_stream``)."""
+
+    events: bytes
+    """The data events to write (``proxy.first_token.first_chunk``)."""
+    tokens: list[FirstToken]
+    final: bool
+    """P's token ends the request (``ends_at_first_token``): no decode hop."""
+    usage: bytes = b""
+    """The ``include_usage`` chunk after a final first chunk."""
+    written_at: float | None = None
+    """When the client's write of ``events`` returned (the app's clock)."""
+
+    def payloads(self) -> list[bytes]:
+        """The ``data`` payload of each event."""
+        return [block[6:] for block in self.events.split(b"\n\n") if block.startswith(b"data: ")]
 
 
 @dataclass(eq=False, slots=True)
@@ -81,6 +109,13 @@ class Flight:
     rewrite: Rewrite | None = None
     """Puts the client's id back into worker bytes sent to the client (several tenants only)."""
     tenant: Tenant = OPEN
+    first_token: bool = False
+    """The prefill worker's token may be the client's first chunk (``first_token_from_prefill``:
+    a stream); the prefill hop is then sent for it."""
+    first: PrefillFirst | None = None
+    """P's first chunk, once built from its reply (None: D's stream is relayed as it is)."""
+    first_filter: FirstTokenFilter | None = None
+    """Takes token 1 out of D's stream once P's chunk was written."""
 
 
-__all__ = ["Flight", "Timing"]
+__all__ = ["Flight", "PrefillFirst", "Timing"]

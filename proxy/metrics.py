@@ -190,6 +190,10 @@ class ProxyMetrics:
                                           registry=r)
         self.decode_only = Counter("pd_proxy_decode_only", "Requests run on a decode worker alone",
                                    ["reason"], registry=r)
+        self.first_token_mismatch = Counter(
+            "pd_proxy_first_token_mismatch",
+            "Streams whose decode worker's first token was not the prefill worker's the client had",
+            registry=r)
         self.suspect_no_transfer = Counter(
             "pd_proxy_suspect_no_transfer",
             "Prompts of at least one KV block whose decode shows no transferred KV", registry=r)

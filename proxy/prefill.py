@@ -138,7 +138,7 @@ class Prefill(Part):
 
     async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
         body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,
-                            keep_stop=not self.settings.prefill_tokens_only)
+                            keep_stop=not self.settings.prefill_tokens_only, first_token=f.first_token)
         outcome = Outcome.NEUTRAL
         try:
             reply: dict[str, Any] = await self.core.call(worker, self.upstream.post_generate(

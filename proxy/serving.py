@@ -40,6 +40,7 @@ from proxy.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
+from proxy.first_stream import FirstStream
 from proxy.flight import Flight, Timing
 from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, upstream_id
@@ -47,7 +48,7 @@ from proxy.large_body import LARGE_BODY_BYTES, PackedTokenIds, parse_large_gener
 from proxy.limits import request_body
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
-from proxy.pools import Deadline, NoWorkerAvailable, Overloaded, Worker, handoff_check
+from proxy.pools import Deadline, NoWorkerAvailable, Outcome, Overloaded, Worker, handoff_check
 from proxy.prefill import Prefill
 from proxy.protocol import GenerateRequest, engine_request_id, parse_generate_body
 from proxy.settings import ProxySettings
@@ -80,6 +81,7 @@ class Serving:
         self.engine = DecodeEngine(core)
         self.full = FullDecode(core, self.engine, self.aborts, self.cleanup)
         self.stream = StreamDecode(core, self.engine, self.aborts, self.cleanup, self.prefill)
+        self.first = FirstStream(core, self.cleanup)
         # what the app calls
         self.attach = core.attach
         self.expire_leases = core.expire_leases
@@ -270,17 +272,25 @@ class Serving:
         max_tokens = req.sampling_params.get("max_tokens")
         f.ctx = self.pools.pick_context(req.token_ids, request.headers,
                                         tokens=max_tokens if isinstance(max_tokens, int) else 0)
+        self.first.arm(f)
         kv_params, failure, error = await self._prefill(f)
         if error is not None and not f.record.is_aborted:
             await self._prefill_failed(f, failure, error)
             kv_params = None
+        resp: web.StreamResponse | None = None
+        if f.first is not None and kv_params is not None and not f.record.is_aborted:
+            resp = await self.first.start(request, f)  # the client's first token, from P
+            if f.first.final:
+                return await self.first.finish_at_prefill(request, f, resp)
         if kv_params is not None and self.settings.hold_between_hops > 0:  # a test hook: KV_HELD
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(f.record.aborted.wait(), self.settings.hold_between_hops)
         if f.record.is_aborted:
             await self.cleanup.release_shielded(f)
+            if resp is not None:  # the client has P's token
+                return await self.first.end_aborted(request, f, resp)
             return await self.aborts.respond_aborted(request, f)
-        return await self._decode(request, f, kv_params)
+        return await self._decode(request, f, kv_params, resp)
 
     async def _prefill(self, f: Flight) -> tuple[dict[str, Any] | None, str, UpstreamError | None]:
         """PREFILLING: the prefill hop (retried), or decode-only when the request bypasses it.
@@ -311,6 +321,8 @@ class Serving:
         if prefill is None:
             return None, "", None  # aborted before any prefill worker took it
         kv_params, error = self.prefill.accept_reply(f, prefill, reply)
+        if kv_params is not None and f.first_token and not record.is_aborted:
+            self.first.build(f, reply)
         return kv_params, "missing_kv_params", error
 
     async def _prefill_failed(self, f: Flight, failure: str, error: UpstreamError) -> None:
@@ -321,10 +333,11 @@ class Serving:
             raise error
         self.core.decode_only(f, failure)
 
-    async def _decode(self, request: web.Request, f: Flight,
-                      kv_params: dict[str, Any] | None) -> web.StreamResponse:
+    async def _decode(self, request: web.Request, f: Flight, kv_params: dict[str, Any] | None,
+                      resp: web.StreamResponse | None = None) -> web.StreamResponse:
         """DECODING: a decode worker (one whose pair with P passed the preflight, when it is on)
-        takes the request with P's params, or decode-only; then the stream or the full reply."""
+        takes the request with P's params, or decode-only; then the stream or the full reply.
+        ``resp``: the client's stream, already open with P's token (failures then end in-band)."""
         record = f.record
         try:
             try:
@@ -338,9 +351,15 @@ class Serving:
                 self.core.decode_only(f, "no_usable_pair")
                 kv_params = None
                 decode = await self.engine.acquire(f, [])
-        except ProxyError:
+        except ProxyError as e:
             await self.cleanup.release_shielded(f)
-            raise
+            if resp is None:
+                raise
+            return await self.first.end_with_error(request, f, resp, e)
+        if resp is not None and record.is_aborted:  # aborted while the decode worker was picked
+            self.decode_pool.release(decode, Outcome.NEUTRAL, f.ctx.tokens)
+            await self.cleanup.release_shielded(f)
+            return await self.first.end_aborted(request, f, resp)
         record.decode_worker = decode
         record.phase = Phase.DECODING
         f.timing.decode_start = decode_start = self.clock()
@@ -348,5 +367,5 @@ class Serving:
             decode_start - (f.timing.prefill_end or decode_start))
         body = decode_body(f.data, record.base_id, kv_params)
         if f.request.is_stream:
-            return await self.stream.decode(request, f, decode, body)
+            return await self.stream.decode(request, f, decode, body, resp)
         return await self.full.decode(f, decode, body, request)

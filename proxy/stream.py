@@ -15,7 +15,7 @@ from proxy.aborts import Aborts
 from proxy.cleanup import Cleanup
 from proxy.core import Core, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
-from proxy.errors import StreamOverflow, UpstreamError, UpstreamStatusError
+from proxy.errors import StreamOverflow, UpstreamError, UpstreamProtocolError, UpstreamStatusError
 from proxy.flight import Flight
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
@@ -40,11 +40,19 @@ class StreamDecode(Part):
         self.reader = DecodeReader(core)
 
     async def decode(self, request: web.Request, f: Flight, worker: Worker,
-                     body: dict[str, Any]) -> web.StreamResponse:
+                     body: dict[str, Any], opened: web.StreamResponse | None = None) -> web.StreamResponse:
+        """``opened``: the client's stream, already open with P's token (``proxy.first_stream``):
+        D's stream follows it; a failure before D's first event then ends in-band."""
         buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes, self.core.stream_budget)
         try:
             f.headers_ready = asyncio.get_running_loop().create_future()
             f.decode_task = self.tracker.spawn(self.produce(f, worker, body, buffer))
+            if opened is not None:
+                try:
+                    await self.relay(request, f, opened, buffer)
+                except ConnectionResetError:
+                    self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
+                return opened
             if not await self.aborts.hop_or_abandon(f, f.headers_ready):
                 return await self.aborts.respond_aborted(request, f, done=False)
             try:
@@ -71,8 +79,8 @@ class StreamDecode(Part):
     async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
         want_timing = request.headers.get("X-PD-Timing") == "1"
-        last_write: float | None = None
-        first_write: float | None = None
+        last_write: float | None = f.timing.first_write  # P's token went first
+        first_write: float | None = last_write
         transport = request.transport
         # A write that leaves the transport's buffer at or below its high-water mark cannot pause
         # writing, so it cannot block: it needs no timer (profiled: the per-write timeout was the
@@ -97,6 +105,9 @@ class StreamDecode(Part):
                     self.metrics.ttft.observe(now - f.timing.received)
                 else:
                     self.metrics.itl.observe(now - last_write)
+                    if f.timing.second_write is None and f.timing.first_write is not None:
+                        f.timing.second_write = now
+                        self.metrics.child(self.metrics.stage, "first_to_second").observe(now - last_write)
                 last_write = now
             if finished:
                 break
@@ -121,6 +132,11 @@ class StreamDecode(Part):
     def _observe_stream(self, f: Flight, first_write: float | None, last_write: float | None) -> None:
         """A stream relayed to its end: the decode stage after D's first token, and the time per
         output token the client saw (when usage gives the count)."""
+        if f.timing.first_write is not None and f.timing.second_write is None:
+            # P's token went first and nothing but the stream's end follows it
+            f.timing.second_write = self.clock()
+            self.metrics.child(self.metrics.stage, "first_to_second").observe(
+                f.timing.second_write - f.timing.first_write)
         if f.timing.first_token is not None:
             self.metrics.child(self.metrics.stage, "decode_stream").observe(
                 self.clock() - f.timing.first_token)
@@ -154,6 +170,9 @@ class StreamDecode(Part):
         assert f.headers_ready is not None
         follower = (StreamFollower(f.data, f.request.output_mode)
                     if self.pools.settings.migrate and migration_blocker(f.data) is None else None)
+        if follower is not None and f.first_filter is not None and f.first is not None:
+            for payload in f.first.payloads():  # the client has P's token: the stream starts there
+                follower.event(payload)
         tries = DecodeAttempts(self.engine, f, worker, body)
         while True:
             status, error, exc = await self._attempt(f, tries, buffer, follower)
@@ -162,6 +181,17 @@ class StreamDecode(Part):
                 return
             if status is Status.CLOSED:
                 return
+            if status is Status.MISMATCH:
+                # D's token 1 is not the one the client has from P: go on from prompt + P's
+                # token (a continuation), never relaying D's contradicting token.
+                assert f.first_filter is not None
+                f.first_filter.clear()
+                self.metrics.first_token_mismatch.inc()
+                error = UpstreamProtocolError("decode", tries.worker.url, "its first token is not the "
+                                              "prefill worker's, which the client already has").sse_event()
+                if not await self._migrate(f, tries, buffer, follower, status=status, error=error):
+                    return
+                continue
             if status is Status.KV_FAILED or (status is Status.OPEN_FAILED and not f.headers_ready.done()):
                 # Nothing reached the client yet: another decode worker may take the same body
                 # (P's KV while its lease holds), as before D's first byte; when those retries
@@ -184,7 +214,8 @@ class StreamDecode(Part):
         finally:
             passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
             outcome = (Outcome.SUCCESS if status is Status.DONE else
-                       Outcome.NEUTRAL if status is Status.CLOSED or passthrough or f.record.is_aborted
+                       Outcome.NEUTRAL if status in (Status.CLOSED, Status.MISMATCH) or passthrough
+                       or f.record.is_aborted
                        else Outcome.FAILURE)
             if status in (Status.OPEN_FAILED, Status.KV_FAILED) and exc is not None:
                 outcome = tries.failed(exc, outcome)
@@ -206,7 +237,10 @@ class StreamDecode(Part):
         except UpstreamError:
             pass  # no worker left to take it
         f.settled.set()
-        if status is Status.OPEN_FAILED:
+        if status is Status.OPEN_FAILED and f.first is not None:  # the client's stream is open
+            self.cleanup.after_decode_error(f, exc)
+            self.end_with_error(f, buffer, error, exc.message)
+        elif status is Status.OPEN_FAILED:
             f.headers_ready.set_exception(exc)
         else:
             self.end_with_error(f, buffer, error, exc.message)
@@ -224,7 +258,8 @@ class StreamDecode(Part):
             if cont is None:  # the client already has every token
                 buffer.finish(done=True)
                 return False
-            tries.tried.append(w)
+            if status is not Status.MISMATCH:  # a mismatching worker is not broken: it may take it
+                tries.tried.append(w)
             try:
                 w = await self.decode_pool.acquire(f.ctx, exclude=tries.tried, limit=self.core.queue_limit(f),
                                                    wait_recovering=True)

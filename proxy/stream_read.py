@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 from typing import Any
 
 from proxy.core import Part, error_class
 from proxy.errors import UpstreamError, UpstreamProtocolError, UpstreamStatusError
+from proxy.first_token import Mismatch
 from proxy.flight import Flight
 from proxy.hop import HopResponse
 from proxy.pools import StreamFollower, Worker
 from proxy.protocol import parse_worker_json
 from proxy.relay import StreamBuffer, block_token_ids
 from proxy.sse import DONE_DATA, Batch, SSEReader, data_event, last_data
+
+log = logging.getLogger("pd_proxy")
 
 
 class Status(enum.Enum):
@@ -35,19 +39,21 @@ class Status(enum.Enum):
     """D answered something unusable."""
     BROKEN = "broken"
     """It ended mid-way (reset, error event, no [DONE])."""
+    MISMATCH = "first_token_mismatch"
+    """D's token 1 is not the prefill worker's the client already has (nothing of it relayed)."""
 
 
 class _Read:
     """Where one decode stream's reading stands."""
 
     __slots__ = ("body", "buffer", "done", "error", "exc", "f", "first", "follower", "kv_failed", "last",
-                 "protocol", "stop", "worker")
+                 "mismatch", "protocol", "stop", "worker")
 
     def __init__(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
                  follower: StreamFollower | None) -> None:
         self.f, self.worker, self.body, self.buffer, self.follower = f, worker, body, buffer, follower
         self.first = True
-        self.done = self.protocol = self.stop = False
+        self.done = self.protocol = self.stop = self.mismatch = False
         self.error: bytes | None = None
         self.last = b""
         self.exc: UpstreamError | None = None
@@ -114,6 +120,8 @@ class DecodeReader(Part):
         if not batch.plain or (rd.first and not batch.body):
             return False
         f, follower = rd.f, rd.follower
+        if f.first_filter is not None and f.first_filter.pending:
+            return False  # token 1 is still to take out of D's stream: event by event
         if batch.body:
             if rd.first:
                 rd.first = False
@@ -141,7 +149,7 @@ class DecodeReader(Part):
     def _slow(self, rd: _Read, batch: Batch) -> None:
         """A batch read event by event: error events, the first event of a hop with P's KV,
         a migrated stream's replayed tokens."""
-        f, worker, buffer, follower = rd.f, rd.worker, rd.buffer, rd.follower
+        f, worker, buffer = rd.f, rd.worker, rd.buffer
         for ev in batch.events():
             if ev.data == DONE_DATA:
                 rd.done = True
@@ -164,18 +172,50 @@ class DecodeReader(Part):
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "error_event").inc()
                 rd.error = ev.raw
                 break
-            if follower is not None:
-                payload = follower.event(ev.data)
-                if payload is None:
-                    continue  # only tokens the client already has
-                if payload is not ev.data:
-                    buffer.put(data_event(payload), payload)
-                    continue
-            buffer.put(ev.raw, ev.data)
-        rd.stop = rd.done or rd.error is not None or buffer.closed
+            if not self._put(rd, ev.data, ev.raw):
+                break
+        rd.stop = rd.done or rd.error is not None or buffer.closed or rd.mismatch
+
+    def _put(self, rd: _Read, data: bytes, raw: bytes) -> bool:
+        """One of D's chunks to the client's buffer: token 1 taken out while pending (False: D's
+        token 1 is not P's), a continuation's replayed tokens stripped by the follower."""
+        if rd.f.first_filter is not None and rd.f.first_filter.pending:
+            data, raw = self._without_first(rd, data, raw)
+            if not data:
+                return not rd.mismatch  # nothing left but token 1, which the client has from P
+        if rd.follower is not None:
+            payload = rd.follower.event(data)
+            if payload is None:
+                return True  # only tokens the client already has
+            if payload is not data:
+                rd.buffer.put(data_event(payload), payload)
+                return True
+        rd.buffer.put(raw, data)
+        return True
+
+    def _without_first(self, rd: _Read, data: bytes, raw: bytes) -> tuple[bytes, bytes]:
+        """D's event without token 1 (``FirstTokenFilter``): its payload and event, empty when
+        nothing is left to send; ``rd.mismatch`` when D's token 1 is not P's."""
+        f = rd.f
+        assert f.first_filter is not None
+        out = f.first_filter.event(data)
+        if out is None:
+            return b"", b""
+        if isinstance(out, Mismatch):
+            log.warning("request %s: decode worker %s sent another first token than the prefill worker's "
+                        "(%s)", f.record.engine_id, rd.worker.url, out.reason)
+            rd.mismatch = True
+            return b"", b""
+        if out is data:
+            return data, raw
+        rd.last = out
+        return out, data_event(out)
 
     def _ended(self, rd: _Read, resp: HopResponse) -> tuple[Status, bytes | None, UpstreamError | None]:
         f = rd.f
+        if rd.mismatch:
+            f.settled.set()
+            return Status.MISMATCH, None, None
         if not rd.done and rd.error is None and not rd.buffer.closed:
             rd.error = self.protocol_error(rd.worker, "stream ended without [DONE]")
         f.settled.set()

@@ -43,6 +43,18 @@ def test_prefill_body_asks_for_one_token_and_the_kv_kept() -> None:
     assert prefill_body(CLIENT, "b", stream=False)["sampling_params"]["prompt_logprobs"] == 1
 
 
+def test_prefill_body_for_the_first_token_samples_it_as_the_client_would() -> None:
+    hop = prefill_body(CLIENT, "base", stream=True, first_token=True)
+    assert hop["output_mode"] == "text"  # P's text is the client's first chunk's
+    sp = hop["sampling_params"]
+    assert sp["max_tokens"] == 1 and sp["min_tokens"] == 1  # EOS / stop ids masked at token 1
+    assert sp["stop"] == ["x"] and sp["logprobs"] == 1 and sp["n"] == 2
+    none = {**CLIENT, "sampling_params": {**CLIENT["sampling_params"], "min_tokens": 0}}
+    assert "min_tokens" not in prefill_body(none, "b", stream=True, first_token=True)["sampling_params"]
+    tokens = {k: v for k, v in CLIENT.items() if k != "output_mode"}
+    assert prefill_body(tokens, "b", stream=True, first_token=True)["output_mode"] == "tokens"
+
+
 def test_decode_body_is_the_client_request_with_ps_params() -> None:
     hop = decode_body(CLIENT, "base", KV)
     assert hop["kv_transfer_params"] is KV and hop["request_id"] == "base"

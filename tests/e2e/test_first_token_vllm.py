@@ -1,0 +1,50 @@
+"""Real vLLM on CPU through pd-proxy with ``--first-token-from-prefill on`` (issue 19): streams
+token-exact against the aggregated worker, the first token from the prefill worker (Server-Timing's
+``first_to_second``), no mismatch, and every KV lease closed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.app import SERVING
+from tests.e2e.proxy_stack import run_proxy
+from tests.e2e.test_proxy_vllm import MAX_TOKENS, call, prompts
+from tests.fixtures_vllm import vllm_connector
+from workers.launcher import Cluster
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+
+@pytest.fixture
+async def proxy(vllm_cluster: Cluster) -> AsyncIterator[tuple[str, web.Application]]:
+    async with run_proxy(vllm_cluster, first_token_from_prefill=True) as served:
+        yield served
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+async def test_streams_identical_to_aggregated_with_the_first_token_from_prefill(
+        vllm_cluster: Cluster, proxy: tuple[str, web.Application], mode: str) -> None:
+    url, app = proxy
+    aggregated = vllm_cluster.aggregated_urls[0]
+    serving = app[SERVING]
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=vllm_connector()) as s:
+        for i, prompt in enumerate(prompts()):
+            body = {"token_ids": prompt, "output_mode": mode, "stream": True,
+                    "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS}}
+            want = await call(s, aggregated, {**body, "request_id": f"fagg-{mode}-{i}"})
+            got = await call(s, url, {**body, "request_id": f"fpx-{mode}-{i}"})
+            assert got == want, f"prompt {i} ({len(prompt)} tokens)"
+        async with s.post(url + "/inference/v1/generate", headers={"X-PD-Timing": "1"},
+                          json={"token_ids": prompts()[0], "output_mode": mode, "stream": True,
+                                "sampling_params": {"temperature": 0, "max_tokens": 4}}) as r:
+            raw = await r.read()
+        assert b"first_to_second;dur=" in raw  # token 1 was the prefill worker's
+        async with s.get(url + "/metrics") as r:
+            metrics = (await r.read()).decode()
+    assert "pd_proxy_first_token_mismatch_total 0.0" in metrics
+    assert serving.leases.ledger.open_count == 0

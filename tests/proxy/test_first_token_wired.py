@@ -1,0 +1,368 @@
+"""The prefill worker's first token streamed at once (``--first-token-from-prefill on``, issue 19),
+through pd-proxy against pd-sim: the client's stream is the aggregated worker's, event for event,
+while its first chunk came from P before the decode hop (``first_to_second`` in its timing)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from proxy.pools import PoolSettings
+from tests.fixtures_sim import SimFactory
+from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
+from tests.proxy.scripted import Scripted, ScriptedFactory, SSEBytes, prefill_reply
+from tests.proxy.test_generate import trace_stream
+from tests.proxy.test_sim_fields import reference, volatile
+
+ON = {"first_token_from_prefill": True}
+PROMPT = [65, 66, 67, 68, 69]
+"""Greedy on pd-sim: 290 ("ca"), 264 ("lazy"), 331 (" jihele"), ... (whole characters)."""
+
+
+def r(**kw: Any) -> dict[str, Any]:
+    return req(token_ids=PROMPT, **kw)
+
+TIMED = {"X-PD-Timing": "1"}
+
+CASES: dict[str, dict[str, Any]] = {
+    "greedy-tokens": r(),
+    "greedy-text": r(output_mode="text"),
+    "seeded-tokens": r(sp={"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 3}),
+    "seeded-text": r(output_mode="text", sp={"temperature": 0.9, "seed": 11}),
+    "text-stop-strings": r(output_mode="text", sp={"max_tokens": 30, "stop": ["e", "a"]}),
+    "text-stop-include": r(output_mode="text",
+                             sp={"max_tokens": 30, "stop": ["e"], "include_stop_str_in_output": True}),
+    "stop-token-ids": r(sp={"max_tokens": 30, "stop_token_ids": [300, 301, 302]}),
+    "min-tokens": r(sp={"max_tokens": 12, "min_tokens": 10}),
+    "min-tokens-1": r(sp={"max_tokens": 12, "min_tokens": 1}),
+    "min-tokens-masks-a-stop-token": r(sp={"max_tokens": 6, "min_tokens": 1, "stop_token_ids": [290]}),
+    "logprobs-tokens": r(sp={"logprobs": 2}),
+    "logprobs-text": r(output_mode="text", sp={"logprobs": 2}),
+    "return-token-ids": r(return_token_ids=True),
+    "ignore-eos": r(sp={"ignore_eos": True, "max_tokens": 5}),
+    "stop-string-on-2": r(output_mode="text", sp={"max_tokens": 8, "stop": ["z"]}),
+    "stop-string-across-1-and-2": r(output_mode="text", sp={"max_tokens": 8, "stop": ["al"]}),
+    "stop-string-held-back": r(output_mode="text", sp={"max_tokens": 8, "stop": ["la", "qq"]}),
+    "stop-token-on-2": r(sp={"max_tokens": 8, "stop_token_ids": [264]}),
+    "n2-seeded": r(sp={"n": 2, "temperature": 1.0, "seed": 7}),
+    "n3-seeded-text": r(output_mode="text", sp={"n": 3, "temperature": 0.7, "seed": 5, "logprobs": 1}),
+    "continuous-usage": r(stream_options={"include_usage": True, "continuous_usage_stats": True}),
+}
+
+
+async def stream(pd: PD, body: dict[str, Any], **kw: Any) -> tuple[int, list[Any], str]:
+    """Status, parsed data events, and the server-timing comment."""
+    r = await pd.client.post("/inference/v1/generate", json={**body, "stream": True}, headers=TIMED, **kw)
+    raw = await r.read()
+    timing = next((line for line in raw.decode().splitlines() if line.startswith(": server-timing")), "")
+    return r.status, sse_datas(raw), timing
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
+@pytest.mark.parametrize("name", list(CASES))
+async def test_stream_is_the_aggregated_workers_with_ps_token_first(
+        pd_factory: PDFactory, sim_factory: SimFactory, name: str, usage: bool) -> None:
+    pd = await pd_factory(**ON)
+    body = {**CASES[name], "request_id": f"ft-{name}"}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    status, got, timing = await stream(pd, body)
+    want_status, want = await reference(sim_factory, body, True, {})
+    assert status == want_status == 200
+    assert volatile(got) == volatile(want)
+    assert "first_to_second;dur=" in timing  # token 1 was P's, written before the decode hop
+    await pd.quiet()
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+@pytest.mark.parametrize("n", [1, 2])
+async def test_unseeded_sampling_gets_one_seed_for_both_hops(pd_factory: PDFactory, mode: str,
+                                                             n: int) -> None:
+    """No seed: P and D draw the same token 1 (a generated seed on both hops), so every choice
+    is a whole sample: no token 1 twice, none missing, no mismatch."""
+    pd = await pd_factory(**ON)
+    body = {**r(output_mode=mode, sp={"n": n, "temperature": 1.0, "max_tokens": 8}),
+            "stream_options": {"include_usage": True}}
+    for _ in range(3):
+        status, got, timing = await stream(pd, body)
+        assert status == 200 and "first_to_second;dur=" in timing
+        per = [[t for e in got if isinstance(e, dict) for c in e["choices"] if c["index"] == i
+                for t in c["token_ids"]] for i in range(n)]
+        assert [len(ids) for ids in per] == [8] * n
+        assert got[-2]["usage"]["completion_tokens"] == 8 * n
+    assert await metric(pd, "pd_proxy_first_token_mismatch_total") == 0
+    await pd.quiet()
+
+
+FINISH_AT_P: dict[str, dict[str, Any]] = {
+    "max-tokens-1": r(sp={"max_tokens": 1}),
+    "max-tokens-1-text": r(output_mode="text", sp={"max_tokens": 1, "logprobs": 1}),
+    "stop-token-on-1": r(sp={"max_tokens": 8, "stop_token_ids": [290]}),
+    "stop-string-on-1": r(output_mode="text", sp={"max_tokens": 8, "stop": ["a"]}),
+}
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
+@pytest.mark.parametrize("name", list(FINISH_AT_P))
+async def test_ps_token_that_ends_the_request_ends_the_stream_without_a_decode_hop(
+        pd_factory: PDFactory, sim_factory: SimFactory, name: str, usage: bool) -> None:
+    pd = await pd_factory(**ON)
+    body = {**FINISH_AT_P[name], "request_id": f"fp-{name}"}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    status, got, timing = await stream(pd, body)
+    want_status, want = await reference(sim_factory, body, True, {})
+    assert status == want_status == 200
+    assert volatile(got) == volatile(want)
+    assert got[-2 if not usage else -3]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "first_to_second" in timing  # P's chunk was the client's
+    decode = [(await d.state())["generate_calls"] for d in pd.decode]
+    assert decode == [1]  # the KV release only (one token, thrown away): no decode hop
+    await pd.quiet()  # P's KV freed, nothing left in the table
+    assert (await pd.p.state())["releases"]["pulled"] == 1
+
+
+async def test_off_by_default_the_stream_is_todays(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
+    pd = await pd_factory()
+    body = {**r(output_mode="text"), "request_id": "off"}
+    status, got, timing = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200 and volatile(got) == volatile(want)
+    assert "first_to_second" not in timing
+
+
+async def test_first_token_reaches_the_client_while_the_decode_worker_hangs_then_ends_in_band(
+        pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode={"faults": {"hang_before_headers": True}}, stream_idle_timeout=0.5,
+                          prefill={"lease_seconds": 0.5}, **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "hang"})
+    assert resp.status == 200
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5.0)
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == [290]  # P's token; D sent nothing
+    rest = sse_datas(await resp.read())
+    assert "error" in rest[0] and rest[-1] == "[DONE]"  # the headers were sent: the failure is in-band
+    await pd.d.set_faults(hang_before_headers=False)
+    await asyncio.sleep(0.6)
+    pd.serving.expire_leases()
+    await pd.quiet(limit=5.0)
+
+
+async def wait_for_phase(pd: PD, phase: str) -> None:
+    for _ in range(250):
+        if any(rec.phase.value == phase for rec in pd.serving.table.all()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no request reached {phase}")
+
+
+async def test_abort_right_after_ps_chunk_ends_the_stream_and_frees_ps_kv(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(hold_between_hops=10.0, **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "ab"})
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5.0)
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == [290]
+    assert (await pd.p.state())["kv_held"]
+    a = await pd.client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-ab"]})
+    assert a.status == 200
+    rest = sse_datas(await resp.read())
+    assert rest[0]["choices"][0]["finish_reason"] == "abort" and rest[-1] == "[DONE]"
+    assert not [t for e in rest[:-1] for c in e["choices"] for t in c["token_ids"]]
+    await pd.quiet(limit=5.0)  # P's KV released, lease closed, nothing in the table or tracker
+    assert (await pd.p.state())["releases"]["pulled"] == 1
+
+
+async def test_disconnect_right_after_ps_chunk_frees_ps_kv(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(hold_between_hops=10.0, **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "dc"})
+    await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5.0)
+    await wait_for_phase(pd, "kv_held")
+    resp.close()  # the client goes away holding one token, before the decode hop
+    await pd.quiet(limit=5.0)
+    assert (await pd.p.state())["releases"]["pulled"] == 1
+
+
+MIGRATE = PoolSettings.plain(migrate=True, breaker_failures=1)
+"""One failure would open a worker's circuit: a mismatch is not the worker's failure."""
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+async def test_mismatch_continues_from_ps_token_without_a_contradiction(
+        pd_factory: PDFactory, sim_factory: SimFactory, mode: str) -> None:
+    pd = await pd_factory(pools=MIGRATE, decode={"faults": {"first_token_mismatch": True}}, **ON)
+    body = {**r(output_mode=mode, sp={"max_tokens": 10}), "request_id": f"mm-{mode}",
+            "stream_options": {"include_usage": True}}
+    status, got, _ = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200
+    assert volatile(got) == volatile(want)  # P's token kept; the rest continues from it
+    assert await metric(pd, "pd_proxy_first_token_mismatch_total") == 1
+    assert pd.serving.decode_pool.workers[0].breaker.opened_count == 0  # a mismatch: not its failure
+    await pd.quiet()
+
+
+async def test_mismatch_of_a_request_that_cannot_continue_ends_in_band(
+        pd_factory: PDFactory) -> None:
+    pd = await pd_factory(pools=MIGRATE, decode={"faults": {"first_token_mismatch": True}}, **ON)
+    body = {**r(output_mode="text", sp={"max_tokens": 10, "stop": ["qq"]}), "request_id": "mm-stop"}
+    status, got, _ = await stream(pd, body)
+    assert status == 200
+    assert got[0]["choices"][0]["token_ids"] == [290]
+    assert "error" in got[1] and got[-1] == "[DONE]"  # never D's contradicting token
+    assert [t for e in got if isinstance(e, dict) for c in e.get("choices", [])
+            for t in c["token_ids"]] == [290]
+    assert await metric(pd, "pd_proxy_first_token_mismatch_total") == 1
+    await pd.quiet()
+
+
+async def metric(pd: PD, name: str) -> float:
+    text = (await (await pd.client.get("/metrics")).read()).decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
+@pytest.mark.parametrize("fault", ["fail_next", "refuse_kv_pulls"])
+async def test_a_retried_or_decode_only_attempt_still_drops_token_1(
+        pd_factory: PDFactory, sim_factory: SimFactory, fault: str) -> None:
+    """D's open fails (a 500 before its first byte: retried) or its pull of P's KV does (the
+    decode-only rescue computes the prompt itself): that attempt's token 1 is taken out too."""
+    on_d = {"fail_next": 1} if fault == "fail_next" else {}
+    on_p = {"refuse_kv_pulls": True} if fault == "refuse_kv_pulls" else {}
+    pd = await pd_factory(pools=PoolSettings.plain(decode_attempts=2), n_decode=2,
+                          decode={"faults": on_d}, prefill={"faults": on_p, "lease_seconds": 0.5}, **ON)
+    body = {**r(output_mode="text", sp={"max_tokens": 6}), "request_id": f"re-{fault}"}
+    status, got, timing = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200
+    assert volatile(got) == volatile(want)
+    assert "first_to_second;dur=" in timing
+    calls = [(await d.state())["generate_calls"] for d in pd.decode]
+    assert sum(calls) >= 2  # the failed attempt did happen, another took the request
+    await pd.p.set_faults(refuse_kv_pulls=False)
+    await pd.quiet(limit=5.0)  # P's blocks: pulled, or freed at the end of its (short) lease
+
+
+# --------------------------------------------------------- vLLM's recorded bytes (scripted workers)
+
+
+def _prefill_from_trace(first: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """P's one-token reply as vLLM writes it, for the trace's first token."""
+    c = first["choices"][0]
+    choice = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": c["token_ids"],
+              "routed_experts": None, "sampling_mask": None,
+              "weight_versions": [{"version": "default", "start": 0, "end": 1}]}
+    if "text" in c:
+        choice["text"] = c["text"]
+    choice["logprobs"] = c["logprobs"]
+    return prefill_reply(body, request_id=first["request_id"], choices=[choice])
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["as-recorded", "merged-first-chunk"])
+@pytest.mark.parametrize("name", ["gen-text-stream-include-usage.txt", "gen-logprobs-text-stream.txt",
+                                  "gen-logprobs-tokens-stream.txt"])
+async def test_the_client_gets_vllms_recorded_bytes(scripted_factory: ScriptedFactory,
+                                                    proxy_factory: ProxyFactory, name: str,
+                                                    merged: bool) -> None:
+    """P's chunk, then D's stream without token 1, are the bytes the aggregated vLLM sent; when
+    D merged tokens 1 and 2 into one chunk, token 1 is cut out of its bytes and the rest kept."""
+    body, stream = trace_stream(name)
+    events = stream.split(b"\n\n")[:-1]
+    first = json.loads(events[0][6:])
+    d_stream = stream
+    if merged:
+        one, two = json.loads(events[0][6:]), json.loads(events[1][6:])
+        c1, c2 = one["choices"][0], two["choices"][0]
+        head = events[0].replace(b'"token_ids":' + json.dumps(c1["token_ids"]).encode(),
+                                 b'"token_ids":' + json.dumps(c1["token_ids"] + c2["token_ids"],
+                                                              separators=(",", ":")).encode())
+        if "text" in c1:
+            head = head.replace(json.dumps(c1["text"]).encode(), json.dumps(c1["text"] + c2["text"]).encode())
+        if c1["logprobs"] is not None:  # the content list is last: its items as recorded
+            tail = b"]}}]}"
+            assert head.endswith(tail) and events[1].endswith(tail)
+            lp2 = events[1][events[1].index(b'"content":[') + 11 : -len(tail)]
+            head = head[: -len(tail)] + b"," + lp2 + tail
+        d_stream = b"\n\n".join([head, *events[2:]]) + b"\n\n"
+    p: Scripted = await scripted_factory(lambda b, r: _prefill_from_trace(first, b))
+    d: Scripted = await scripted_factory(lambda b, r: SSEBytes([d_stream[i : i + 7] for i in
+                                                                range(0, len(d_stream), 7)]))
+    client, _ = await proxy_factory([p.url], [d.url], **ON)
+    r = await client.post("/inference/v1/generate", json=body)
+    got = await r.read()
+    assert r.status == 200
+    assert p.received[0]["output_mode"] == body.get("output_mode", "tokens")
+    assert got == stream
+    text = (await (await client.get("/metrics")).read()).decode()
+    assert 'pd_proxy_stage_seconds_count{stage="first_to_second"} 1.0' in text  # token 1 was P's
+
+
+async def test_n2_where_one_choice_stops_at_token_1(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
+    """Only choice 0 stops at token 1 (a stop token): the stream goes on for choice 1; choice 0
+    gets its end from D (``token_ids: []`` with the finish reason), the same tokens as vLLM's."""
+    base = r(sp={"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6})
+    _, plain = await reference(sim_factory, {**base, "request_id": "n2a"}, True, {})
+    first = [next(c["token_ids"][0] for e in plain[:-1] for c in e["choices"] if c["index"] == i)
+             for i in range(2)]
+    assert first[0] != first[1]
+    body = {**base, "request_id": "n2s", "sampling_params": {**base["sampling_params"],
+                                                           "stop_token_ids": [first[0]]}}
+    pd = await pd_factory(**ON)
+    status, got, timing = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200 and "first_to_second;dur=" in timing
+
+    def per_choice(events: list[Any]) -> list[tuple[list[int], str | None]]:
+        out = []
+        for i in range(2):
+            cs = [c for e in events if isinstance(e, dict) for c in e["choices"] if c["index"] == i]
+            out.append(([t for c in cs for t in c["token_ids"]], cs[-1]["finish_reason"]))
+        return out
+
+    assert per_choice(got) == per_choice(want)
+    assert per_choice(got)[0] == ([first[0]], "stop")
+    await pd.quiet()
+
+
+async def test_a_deadline_passing_after_ps_chunk_ends_the_stream_and_frees_ps_kv(
+        pd_factory: PDFactory) -> None:
+    pd = await pd_factory(hold_between_hops=10.0, **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "dl"},
+                                headers={"X-PD-Deadline-Ms": "300"})
+    rest = sse_datas(await asyncio.wait_for(resp.read(), 5.0))
+    assert rest[0]["choices"][0]["token_ids"] == [290]  # P's token, then the deadline's abort
+    assert rest[1]["choices"][0]["finish_reason"] == "abort" and rest[-1] == "[DONE]"
+    await pd.quiet(limit=5.0)
+    assert (await pd.p.state())["releases"]["pulled"] == 1
+
+
+async def test_ps_chunk_carries_the_id_the_client_knows(pd_factory: PDFactory) -> None:
+    """Several tenants: the workers see a namespaced id; P's chunk, as D's, is rewritten back."""
+    pd = await pd_factory(api_keys=(("a", "key-a"), ("b", "key-b")), **ON)
+    resp = await pd.client.post("/inference/v1/generate", json={**r(), "stream": True, "request_id": "tn"},
+                                headers={"Authorization": "Bearer key-a"})
+    got = sse_datas(await resp.read())
+    assert resp.status == 200 and len(got) > 2
+    assert {e["request_id"] for e in got if isinstance(e, dict)} == {"generate-tokens-tn"}
+    assert (await pd.p.state())["generate_calls"] == 1
+    await pd.quiet()
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+async def test_a_stream_that_breaks_after_ps_token_migrates_from_where_the_client_is(
+        pd_factory: PDFactory, sim_factory: SimFactory, mode: str) -> None:
+    """D resets mid-stream: the continuation's prompt holds P's token (the client had it from P,
+    not from D), so the stream goes on seamlessly, as the aggregated worker's."""
+    pd = await pd_factory(pools=PoolSettings.plain(migrate=True), n_decode=2,
+                          decode={"faults": {"reset_after_tokens": 3}}, **ON)
+    for d in pd.decode[1:]:
+        await d.set_faults(reset_after_tokens=None)
+    body = {**r(output_mode=mode, sp={"max_tokens": 10}), "request_id": f"mig-{mode}",
+            "stream_options": {"include_usage": True}}
+    for _ in range(2):  # whichever decode worker is picked first, one stream breaks
+        status, got, timing = await stream(pd, body)
+        _, want = await reference(sim_factory, body, True, {})
+        assert status == 200 and "first_to_second;dur=" in timing
+        assert volatile(got) == volatile(want)
+    assert await metric(pd, "pd_proxy_migrations_total") >= 1
+    await pd.quiet()
