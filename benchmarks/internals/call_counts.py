@@ -80,7 +80,7 @@ def _key(path: str, name: str, tree: str) -> str:
     return f"{path}:{name}"
 
 
-async def _measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
+async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
     from aiohttp import web  # noqa: PLC0415
 
     from proxy.app import build_app  # noqa: PLC0415
@@ -139,7 +139,7 @@ async def _measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
             "calls_per_request": dict(sorted(calls.items(), key=lambda kv: -kv[1]))}
 
 
-def _diff(a_path: str, b_path: str, top: int) -> None:
+def print_diff(a_path: str, b_path: str, top: int) -> None:
     a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
     ca, cb = a["calls_per_request"], b["calls_per_request"]
     print(f"calls per request: {sum(ca.values()):.1f} -> {sum(cb.values()):.1f}; "
@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         asyncio.run(_client(a.client, a.requests, a.stream))
         return
     if a.diff:
-        _diff(a.diff[0], a.diff[1], a.top)
+        print_diff(a.diff[0], a.diff[1], a.top)
         return
     if a.out is None:
         p.error("--out (or --diff) is required")
@@ -177,9 +177,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         import uvloop  # noqa: PLC0415
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            result = runner.run(_measure(a.requests, a.stream, tree))
+            result = runner.run(measure(a.requests, a.stream, tree))
     else:
-        result = asyncio.run(_measure(a.requests, a.stream, tree))
+        result = asyncio.run(measure(a.requests, a.stream, tree))
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['tree']}: {sum(result['calls_per_request'].values()):.1f} calls per request, "
           f"{result['tasks_per_request']:.2f} tasks per request (stream: {a.stream})")
