@@ -71,12 +71,12 @@ def _start_sim(role: str, tree: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def _key(path: str, name: str, tree: str) -> str:
-    if path.startswith(tree + "/"):
-        path = path[len(tree) + 1:]
-    elif "site-packages/" in path:
+    if "site-packages/" in path:  # before the tree: a venv may live inside it
         path = path.split("site-packages/", 1)[1]
     elif "/lib/python3" in path:
         path = "stdlib/" + path.split("/lib/python3", 1)[1].split("/", 1)[-1]
+    elif path.startswith(tree + "/"):
+        path = path[len(tree) + 1:]
     return f"{path}:{name}"
 
 

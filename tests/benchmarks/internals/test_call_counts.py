@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import proxy
-from benchmarks.internals.call_counts import measure, print_diff
+from benchmarks.internals.call_counts import _key, measure, print_diff
 
 TREE = os.path.dirname(os.path.dirname(os.path.realpath(proxy.__file__)))
 
@@ -35,3 +35,10 @@ def test_diff_prints_the_totals_and_the_largest_changes(
     assert out[0] == "calls per request: 12.0 -> 5.0; tasks per request: 3.00 -> 3.00"
     assert out[1].split() == ["-6.00", "10.00", "->", "4.00", "m.py:f"]
     assert {line.split()[-1] for line in out[2:]} == {"m.py:g", "m.py:h"}
+
+
+def test_a_venv_inside_the_tree_is_named_as_site_packages_not_as_the_tree() -> None:
+    venv = "/t/.venv/lib/python3.11/site-packages/aiohttp/web.py"
+    assert _key(venv, "f", "/t") == "aiohttp/web.py:f"
+    assert _key("/t/proxy/core.py", "call", "/t") == "proxy/core.py:call"
+    assert _key("~", "<built-in method len>", "/t") == "~:<built-in method len>"
