@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -118,7 +119,8 @@ def check_prefill_params(params: object) -> str | None:
     if params["do_remote_prefill"] is not True:
         return "kv_transfer_params.do_remote_prefill is not true"
     blocks = params["remote_block_ids"]
-    flat = all(isinstance(g, list) and all(isinstance(b, int) for b in g) for g in blocks)
+    # map, not a generator: no Python frame per block id (this runs on every prefill reply)
+    flat = all(isinstance(g, list) and all(map(isinstance, g, repeat(int))) for g in blocks)
     return None if flat else "kv_transfer_params.remote_block_ids is not a list of lists of ints"
 
 

@@ -172,7 +172,8 @@ class Part:
 
     @property
     def upstream(self) -> Upstream:
-        return self.core.upstream
+        upstream = self.core._upstream  # read directly: one property call per hop, not two
+        return upstream if upstream is not None else self.core.upstream
 
     @property
     def draining(self) -> bool:

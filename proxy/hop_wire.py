@@ -281,10 +281,13 @@ class HopConnection(asyncio.Protocol):
         does) is taken in the same step, and so is every such chunk after it: one call per read
         on the streaming path, not one per event."""
         while pos < end:
-            nl = self._line_end(data, pos, end)
+            nl = data.find(b"\r\n", pos)  # _line_end inlined: this runs once per streamed event
             if nl < 0:
+                self._line_end(data, pos, end)
                 return end
-            size = _chunk_size(data[pos:nl])
+            line = data[pos:nl]
+            # A bare size (no extensions) is the usual line: one match and int, no partition.
+            size = int(line, 16) if _HEX_SIZE.fullmatch(line) is not None else _chunk_size(line)
             pos = nl + 2
             if size == 0:
                 self._state = _TRAILER

@@ -90,10 +90,11 @@ class Prefill(Part):
         the request: why, or "" when none is left (the decode worker then computes the prompt,
         as when none is available)."""
         reason = check_prefill_params(reply.get("kv_transfer_params"))
+        if reason is None or f.record.is_aborted or self.note_worker_abort(f, reply) or last_attempt:
+            return None  # the usual case: no pass over the pool for the untried workers
         bypass = self.pools.settings.bypass_when_prefill_unavailable
         untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
-        if reason is None or f.record.is_aborted or self.note_worker_abort(f, reply) or last_attempt \
-                or not (untried or bypass):
+        if not (untried or bypass):
             return None
         self.metrics.prefill_missing_kv.inc()
         return reason if untried else ""

@@ -47,6 +47,7 @@ takes 64 tokens merged into chunks with no one-token chunk with text between the
 _GENERATED_DEPENDENT = ("presence_penalty", "frequency_penalty")
 _NOT_NULL_BLOCKERS = ("structured_outputs", "guided_decoding", "bad_words", "truncate_prompt_tokens",
                       "logits_processors")
+_MULTIMODAL = ("features", "content_parts", "token_offsets")
 
 
 def migration_blocker(data: Mapping[str, Any]) -> str | None:
@@ -59,11 +60,22 @@ def migration_blocker(data: Mapping[str, Any]) -> str | None:
         return "n > 1"
     if sp.get("stop"):
         return "stop strings"
-    blocker = next((key for key in _GENERATED_DEPENDENT if sp.get(key) not in (None, 0, 0.0)), None) or \
-        next((key for key in _NOT_NULL_BLOCKERS if sp.get(key)), None)
-    if blocker is None and any(data.get(key) for key in ("features", "content_parts", "token_offsets")):
-        return "multimodal input"
-    return blocker
+    return _option_blocker(sp, data)
+
+
+def _option_blocker(sp: Mapping[str, Any], data: Mapping[str, Any]) -> str | None:
+    """``migration_blocker``'s last checks, in plain loops, not generators (they run on every
+    streamed request)."""
+    for key in _GENERATED_DEPENDENT:
+        if sp.get(key) not in (None, 0, 0.0):
+            return key
+    for key in _NOT_NULL_BLOCKERS:
+        if sp.get(key):
+            return key
+    for key in _MULTIMODAL:
+        if data.get(key):
+            return "multimodal input"
+    return None
 
 
 @dataclass(slots=True)
