@@ -166,3 +166,7 @@ def test_first_to_second_is_a_known_hop_and_ttft_ends_at_the_prefill_token() -> 
     text = summary_table({**m, "percentiles": [50.0, 99.0]})
     assert "hop first_to_second" in text
     assert text.index("hop first_to_second") < text.index("hop total")
+    rows = [line for line in text.splitlines() if line.startswith(("(ms)", "TTFT ", "  hop "))]
+    # the columns stay aligned: every row's first number ends where the "mean" header ends
+    mean_end = rows[0].index("mean") + len("mean")
+    assert all(line[mean_end - 1] != " " and line[mean_end] == " " for line in rows[1:]), rows
