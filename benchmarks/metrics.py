@@ -41,7 +41,14 @@ QUEUE_METRICS: Final = ("client_queue_time", "e2el_including_client_queue")
 PERCENTILE_METRICS: Final = (*LATENCY_METRICS, *QUEUE_METRICS)
 """Every name ``--percentile-metrics`` accepts (vLLM's six plus ``itl_token``)."""
 GOODPUT_KEYS: Final = ("ttft", "tpot", "e2el")
-HOP_ORDER: Final = ("queue", "prefill", "handoff", "decode_ttft")
+TTFT_HOPS: Final = ("queue", "prefill", "handoff", "decode_ttft")
+"""pd-proxy's stages that make up the client's TTFT when the first token comes from the decode worker."""
+PREFILL_FIRST_HOPS: Final = ("queue", "prefill")
+"""The stages before the client's first token when it came from the prefill worker
+(``--first-token-from-prefill on``: the response then carries ``first_to_second``)."""
+HOP_ORDER: Final = (*TTFT_HOPS, "first_to_second")
+"""Every stage pd-bench knows, in report order (``first_to_second``: P's token to the client's next
+write, the hand-off the client still waits for; only on streams whose first token came from P)."""
 
 
 class GoodputSpecError(ValueError):
@@ -159,11 +166,16 @@ def hop_names(records: Iterable[RequestRecord]) -> list[str]:
 
 
 def ttft_unattributed(rec: RequestRecord) -> float | None:
-    """Client TTFT minus the proxy's queue+prefill+handoff+decode_ttft (network and relay), seconds."""
+    """Client TTFT minus the proxy's stages before the first token (network and relay), seconds:
+    queue+prefill+handoff+decode_ttft, or queue+prefill when the first token came from the prefill
+    worker (the response carries ``first_to_second``)."""
     st = rec.server_timing
-    if rec.ttft_s is None or not st or not all(h in st for h in HOP_ORDER):
+    if rec.ttft_s is None or not st:
         return None
-    return rec.ttft_s - sum(st[h] for h in HOP_ORDER) / 1000.0
+    hops = PREFILL_FIRST_HOPS if "first_to_second" in st else TTFT_HOPS
+    if not all(h in st for h in hops):
+        return None
+    return rec.ttft_s - sum(st[h] for h in hops) / 1000.0
 
 
 def queue_time(rec: RequestRecord) -> float:

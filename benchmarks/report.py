@@ -132,18 +132,19 @@ def summary_table(data: dict[str, Any], title: str = "pd-bench result") -> str:
     if data.get("num_output_len_mismatch"):
         row("Outputs not of the asked length:", data.get("num_output_len_mismatch"))
     pct = [percentile_word(p) for p in data.get("percentiles", [])]
-    head = f"{'(ms)':<17}{'mean':>9}{'median':>9}{'std':>9}" + "".join(f"{'p' + p:>9}" for p in pct)
-    lines.append("-" * 72)
-    lines.append(head)
     names = [(METRIC_TITLES[m], m) for m in data.get("percentile_metrics") or LATENCY_METRICS]
     for hop in data.get("hops") or []:
         names.append((f"  hop {hop}", f"hop_{hop}"))
     if data.get("hops"):
         names.append(("  TTFT unattrib.", "ttft_unattributed"))
+    width = max(17, *(len(t) + 1 for t, _ in names))  # "  hop first_to_second" is longer than 17
+    head = f"{'(ms)':<{width}}{'mean':>9}{'median':>9}{'std':>9}" + "".join(f"{'p' + p:>9}" for p in pct)
+    lines.append("-" * 72)
+    lines.append(head)
     for title_, key in names:
         vals = [data.get(f"{s}_{key}_ms") for s in ("mean", "median", "std")]
         vals += [data.get(f"p{p}_{key}_ms") for p in pct]
-        lines.append(f"{title_:<17}" + "".join(f"{_fmt(v):>9}" for v in vals))
+        lines.append(f"{title_:<{width}}" + "".join(f"{_fmt(v):>9}" for v in vals))
     if "cancelled" in data:
         lines.extend(_cancel_lines(data))
     lines.append("=" * 72)

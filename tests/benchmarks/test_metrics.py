@@ -16,8 +16,10 @@ from benchmarks.metrics import (
     stats,
     token_itls,
     tpot,
+    ttft_unattributed,
 )
 from benchmarks.records import FAIL_HTTP_STATUS, RequestRecord
+from benchmarks.report import summary_table
 
 
 def rec(
@@ -142,3 +144,29 @@ def test_parse_goodput() -> None:
     for bad in ("ttft", "itl:5", "ttft:x", "ttft:-1", "ttft:0"):
         with pytest.raises(GoodputSpecError):
             parse_goodput(bad)
+
+
+# --first-token-from-prefill on: the client's first token is P's (TTFT ends after queue + prefill),
+# and pd-proxy adds first_to_second (P's token to the next write), before "total".
+TIMING_P_FIRST = {
+    "queue": 1.0, "prefill": 50.0, "handoff": 5.0, "decode_ttft": 140.0,
+    "first_to_second": 148.0, "total": 400.0,
+}  # fmt: skip
+P_FIRST = rec(4, 10, [0.055, 0.205, 0.235], [1, 1, 1], 0.24, timing=TIMING_P_FIRST)
+
+
+def test_first_to_second_is_a_known_hop_and_ttft_ends_at_the_prefill_token() -> None:
+    m = compute_metrics([A, P_FIRST], 1.0)
+    assert m["hops"] == ["queue", "prefill", "handoff", "decode_ttft", "first_to_second", "total"]
+    assert m["mean_hop_first_to_second_ms"] == pytest.approx(148.0)
+    assert m["median_hop_first_to_second_ms"] == pytest.approx(148.0)
+    # A: 100 - (1 + 60 + 10 + 25) = 4 ms; P_FIRST: 55 - (1 + 50) = 4 ms (not 55 - 196 < 0)
+    assert ttft_unattributed(P_FIRST) == pytest.approx(0.004)
+    assert m["mean_ttft_unattributed_ms"] == pytest.approx(4.0)
+    text = summary_table({**m, "percentiles": [50.0, 99.0]})
+    assert "hop first_to_second" in text
+    assert text.index("hop first_to_second") < text.index("hop total")
+    rows = [line for line in text.splitlines() if line.startswith(("(ms)", "TTFT ", "  hop "))]
+    # the columns stay aligned: every row's first number ends where the "mean" header ends
+    mean_end = rows[0].index("mean") + len("mean")
+    assert all(line[mean_end - 1] != " " and line[mean_end] == " " for line in rows[1:]), rows
