@@ -30,7 +30,7 @@ WORKER_TARGET_LABELS: Final = frozenset({"job", "instance", "namespace", "pool",
 SYNTHETIC: Final = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
 
 _OUTCOME = frozenset({"ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"})
-_STAGE = frozenset({"queue", "prefill", "handoff", "decode_first_token", "decode_stream"})
+_STAGE = frozenset({"queue", "prefill", "handoff", "decode_first_token", "decode_stream", "first_to_second"})
 _SOURCE = frozenset({"client_call", "disconnect", "deadline", "shutdown"})
 _STATE = frozenset({"prefilling", "kv_held", "decoding", "done", "unknown"})
 _REASON = frozenset({"pulled", "aborted", "expired", "unknown"})
@@ -82,6 +82,7 @@ def proxy_metrics() -> dict[str, MetricSpec]:
             frozenset({"limit"}), {"limit": frozenset({"stream", "total"})}),
         "pd_proxy_slow_reader_buffered_bytes": MetricSpec(frozenset()),
         "pd_proxy_slow_reader_budget_bytes": MetricSpec(frozenset()),
+        "pd_proxy_first_token_mismatch_total": MetricSpec(frozenset()),
     }
     for name in ("ttft", "itl", "tpot", "e2e"):
         m.update(_histogram(f"pd_proxy_{name}_seconds"))
