@@ -50,6 +50,25 @@ def abort_request_ids(body: bytes, *, limit: int) -> list[str]:
     return unique
 
 
+def abort_events(f: Flight) -> bytes:
+    """vLLM's abort chunk of each choice of ``f``'s stream."""
+    req, rid = f.request, engine_request_id(f.client_id)
+    return b"".join(data_event(compact_json(abort_stream_chunk(rid, req.output_mode, i)))
+                    for i in range(req.sampling_params.n))
+
+
+async def end_stream(request: web.Request, resp: web.StreamResponse, f: Flight, now: float,
+                     events: bytes) -> None:
+    """End a client's stream after ``events``: Server-Timing when asked, ``[DONE]``, EOF."""
+    tail = [events] if events else []
+    if request.headers.get("X-PD-Timing") == "1":
+        tail.append(comment_event("server-timing " + f.timing.header(now)))
+    tail.append(DONE_EVENT)
+    with contextlib.suppress(ConnectionResetError):  # the client is gone: nothing to tell
+        await resp.write(b"".join(tail))
+        await resp.write_eof()
+
+
 class Aborts(Part):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
@@ -172,18 +191,13 @@ class Aborts(Part):
         headers["Content-Type"] = "text/event-stream; charset=utf-8"
         resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
-        out = [data_event(compact_json(abort_stream_chunk(rid, req.output_mode, i))) for i in range(n)]
+        out = [abort_events(f)]
         if req.include_usage:
             usage = {"request_id": rid, "usage": {"prompt_tokens": prompt_tokens,
                      "total_tokens": prompt_tokens, "completion_tokens": 0},
                      "output_mode": req.output_mode, "choices": []}
             out.append(data_event(compact_json(usage)))
-        if request.headers.get("X-PD-Timing") == "1":
-            out.append(comment_event("server-timing " + f.timing.header(self.clock())))
-        out.append(DONE_EVENT)
-        with contextlib.suppress(ConnectionResetError):  # the client is gone: nothing to tell
-            await resp.write(b"".join(out))
-            await resp.write_eof()
+        await end_stream(request, resp, f, self.clock(), b"".join(out))
         return resp
 
     async def abort_until(self, worker: Worker | None, engine_id: str, task: asyncio.Future[Any],

@@ -12,12 +12,12 @@ ends in-band: the client's headers are sent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 from aiohttp import web
 
+from proxy.aborts import abort_events, end_stream
 from proxy.cleanup import Cleanup
 from proxy.core import Core, Part
 from proxy.errors import ProxyError
@@ -31,9 +31,6 @@ from proxy.first_token import (
 from proxy.first_token_filter import FirstTokenFilter
 from proxy.flight import Flight, PrefillFirst
 from proxy.pools import migration_blocker
-from proxy.protocol import compact_json, engine_request_id
-from proxy.replies import abort_stream_chunk
-from proxy.sse import DONE_EVENT, comment_event, data_event
 
 log = logging.getLogger("pd_proxy")
 
@@ -120,25 +117,15 @@ class FirstStream(Part):
         """P's token ended the request: end the stream and free P's KV (no decode hop)."""
         await self.cleanup.release_shielded(f)
         self.core.set_done(f)
-        await self.end(request, f, resp, b"")
+        await end_stream(request, resp, f, self.clock(), b"")
         return resp
-
-    async def end(self, request: web.Request, f: Flight, resp: web.StreamResponse, event: bytes) -> None:
-        """End the client's stream after ``event`` (an error or abort chunk, or nothing)."""
-        tail = [event] if event else []
-        if request.headers.get("X-PD-Timing") == "1":
-            tail.append(comment_event("server-timing " + f.timing.header(self.clock())))
-        tail.append(DONE_EVENT)
-        with contextlib.suppress(ConnectionResetError):  # the client is gone: nothing to tell
-            await resp.write(b"".join(tail))
-            await resp.write_eof()
 
     async def end_aborted(self, request: web.Request, f: Flight,
                           resp: web.StreamResponse) -> web.StreamResponse:
         """The request was aborted after the client had P's token: done, and its stream ends as
         vLLM ends an aborted stream."""
         self.core.set_done(f)
-        await self.end(request, f, resp, self.abort_events(f))
+        await end_stream(request, resp, f, self.clock(), abort_events(f))
         return resp
 
     async def end_with_error(self, request: web.Request, f: Flight, resp: web.StreamResponse,
@@ -146,14 +133,8 @@ class FirstStream(Part):
         """No decode could start after the client had P's token: the error goes in-band."""
         self.core.set_done(f)
         log.warning("request %s: stream ended with an error: %s", f.record.engine_id, e.message)
-        await self.end(request, f, resp, e.sse_event())
+        await end_stream(request, resp, f, self.clock(), e.sse_event())
         return resp
-
-    def abort_events(self, f: Flight) -> bytes:
-        """vLLM's abort chunk for a stream the client already had token 1 of."""
-        req, rid = f.request, engine_request_id(f.client_id)
-        return b"".join(data_event(compact_json(abort_stream_chunk(rid, req.output_mode, i)))
-                        for i in range(req.sampling_params.n))
 
 
 __all__ = ["FirstStream"]
