@@ -64,7 +64,7 @@ def _add_walk_switches(p: argparse.ArgumentParser) -> None:
                    help="the workers' --max-num-seqs: sampling_params.n above it is refused up front")
     p.add_argument("--prefill-failure", choices=["fail", "decode-only"], default="fail",
                    help="when the prefill hop gives no usable KV: 502, or run on decode alone")
-    p.add_argument("--first-token-from-prefill", type=_on_off, choices=["on", "off"], default="off",
+    p.add_argument("--first-token-from-prefill", type=_on_off, choices=["on", "off"], default="on",
                    help="streams: send the prefill worker's token as the first chunk at once, "
                         "before the hand-off; the decode worker's token 1 is checked and dropped")
     p.add_argument("--no-rewrite-remote-host", action="store_true",

@@ -33,7 +33,7 @@ class ProxySettings:
     prefill_failure_policy: PrefillFailurePolicy = "fail"
     """What to do when the prefill hop fails or returns no usable ``kv_transfer_params``:
     ``fail`` with a 502 naming the worker, or run the request on a decode worker alone."""
-    first_token_from_prefill: bool = False
+    first_token_from_prefill: bool = True
     """Streams: the client gets the prefill worker's token as its first chunk when the prefill hop
     answers (TTFT without the hand-off); the decode worker's token 1 is checked against it and
     left out of the relayed stream (``proxy.first_token``)."""

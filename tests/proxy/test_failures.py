@@ -116,11 +116,25 @@ async def test_decode_5xx_is_a_502_naming_the_decode_worker(pd_factory: PDFactor
 @pytest.mark.parametrize("stream", [False, True])
 async def test_decode_4xx_passes_through_and_kv_is_still_released(pd_factory: PDFactory,
                                                                   stream: bool) -> None:
-    pd = await pd_factory()  # P's lease is 30 s: only the proxy's release frees the KV in time
+    # P's lease is 30 s: only the proxy's release frees the KV in time
+    pd = await pd_factory(first_token_from_prefill=False)
     await pd.d.set_faults(fail_next=1, fail_status=400)
     r = await pd.client.post("/inference/v1/generate", json={**req(), "stream": stream})
     assert r.status == 400
     assert (await r.json())["error"]["code"] == 400
+    await pd.quiet(limit=1.0)
+    ledger = await (await pd.client.get("/debug/kv-leases")).json()
+    assert ledger["closed"][0]["reason"] == "aborted"
+
+
+async def test_decode_4xx_after_the_prefill_workers_token_ends_in_band(pd_factory: PDFactory) -> None:
+    """The client has P's token (the headers are out): D's 400 becomes the stream's error event,
+    with D's status as its code, and P's KV is still released."""
+    pd = await pd_factory()
+    await pd.d.set_faults(fail_next=1, fail_status=400)
+    status, events, _ = await pd.stream(req(sp={"max_tokens": 10}))
+    assert status == 200 and len(events[0]["choices"][0]["token_ids"]) == 1
+    assert events[1]["error"]["code"] == 400 and events[2:] == ["[DONE]"]
     await pd.quiet(limit=1.0)
     ledger = await (await pd.client.get("/debug/kv-leases")).json()
     assert ledger["closed"][0]["reason"] == "aborted"
@@ -155,27 +169,42 @@ async def test_decode_in_band_error_is_relayed(pd_factory: PDFactory) -> None:
 async def test_stream_without_done_becomes_in_band_error(scripted_factory: ScriptedFactory,
                                                          proxy_factory: ProxyFactory,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    chunk = b'data: {"request_id":"generate-tokens-x","usage":null,"output_mode":"tokens","choices":' \
-            b'[{"index":0,"finish_reason":null,"stop_reason":null,"token_ids":[5],"logprobs":null}]}\n\n'
-    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
-    d: Scripted = await scripted_factory(lambda b, r: SSEBytes([chunk, b"data: {\"trunc"]))
+    def chunk(token: int) -> bytes:
+        return (b'data: {"request_id":"generate-tokens-x","usage":null,"output_mode":"tokens","choices":'
+                b'[{"index":0,"finish_reason":null,"stop_reason":null,"token_ids":[%d],"logprobs":null}]}'
+                b'\n\n' % token)
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))  # P's token: 7
+    d: Scripted = await scripted_factory(lambda b, r: SSEBytes([chunk(7), chunk(5), b"data: {\"trunc"]))
     client, _ = await proxy_factory([p.url], [d.url])
     r = await client.post("/inference/v1/generate", json={**req(), "stream": True})
     events = sse_datas(await r.read())
-    assert events[0]["choices"][0]["token_ids"] == [5]
-    assert "stream ended without [DONE]" in events[1]["error"]["message"]
-    assert events[2] == "[DONE]" and len(events) == 3
+    assert [e["choices"][0]["token_ids"] for e in events[:2]] == [[7], [5]]
+    assert "stream ended without [DONE]" in events[2]["error"]["message"]
+    assert events[3] == "[DONE]" and len(events) == 4
     # The client-visible error is in the log, with why it was not migrated (migration is off here)
     ended = [m.getMessage() for m in caplog.records if "stream ended with an error" in m.getMessage()]
     assert len(ended) == 1 and "not migrated: this request cannot migrate" in ended[0], ended
 
 
 async def test_decode_stream_headers_timeout_is_a_504(pd_factory: PDFactory) -> None:
-    pd = await pd_factory(stream_idle_timeout=0.3, prefill={"lease_seconds": 0.3})
+    pd = await pd_factory(stream_idle_timeout=0.3, prefill={"lease_seconds": 0.3},
+                          first_token_from_prefill=False)
     await pd.d.set_faults(hang_before_headers=True)
     r = await pd.client.post("/inference/v1/generate", json={**req(), "stream": True})
     body = await r.json()
     assert r.status == 504 and f"decode worker {pd.d.url}" in body["error"]["message"]
+    await pd.d.set_faults(hang_before_headers=False)
+
+
+async def test_decode_stream_headers_timeout_after_the_prefill_workers_token_is_in_band(
+        pd_factory: PDFactory) -> None:
+    pd = await pd_factory(stream_idle_timeout=0.3, prefill={"lease_seconds": 0.3})
+    await pd.d.set_faults(hang_before_headers=True)
+    status, events, _ = await pd.stream(req())
+    assert status == 200 and len(events[0]["choices"][0]["token_ids"]) == 1
+    err = events[1]["error"]
+    assert err["code"] == 504 and err["type"] == "GatewayTimeoutError"
+    assert f"decode worker {pd.d.url}" in err["message"] and events[2:] == ["[DONE]"]
     await pd.d.set_faults(hang_before_headers=False)
 
 
@@ -185,16 +214,17 @@ async def test_endless_upstream_event_is_cut(scripted_factory: ScriptedFactory,
     d: Scripted = await scripted_factory(lambda b, r: SSEBytes([b"data: " + b"x" * 4000] * 3))
     client, _ = await proxy_factory([p.url], [d.url], slow_reader_max_bytes=5000)
     r = await client.post("/inference/v1/generate", json={**req(), "stream": True})
-    events = sse_datas(await r.read())
-    assert "larger than the byte cap" in events[0]["error"]["message"] and events[-1] == "[DONE]"
+    events = sse_datas(await r.read())  # P's token first (first_token_from_prefill), then the cut
+    assert [e for e in events[:-2] if "error" in e] == []
+    assert "larger than the byte cap" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
 
 
 async def test_stream_idle_timeout_becomes_in_band_error(pd_factory: PDFactory) -> None:
     pd = await pd_factory(stream_idle_timeout=0.3)
     await pd.d.set_faults(hang_after_headers=True)
     status, events, _ = await pd.stream(req())
-    assert status == 200
-    assert events[0]["error"]["type"] == "GatewayTimeoutError" and events[-1] == "[DONE]"
+    assert status == 200 and len(events) == 3  # P's token, the timeout, [DONE]
+    assert events[-2]["error"]["type"] == "GatewayTimeoutError" and events[-1] == "[DONE]"
     await pd.d.set_faults(hang_after_headers=False)
 
 

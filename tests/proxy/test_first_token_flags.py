@@ -11,9 +11,9 @@ from proxy.cli import parse_args
 P1, D1 = "http://127.0.0.1:8101", "http://127.0.0.1:8201"
 
 
-def test_first_token_from_prefill_is_off_unless_turned_on() -> None:
+def test_first_token_from_prefill_is_on_unless_turned_off() -> None:
     base = ["--prefill", P1, "--decode", D1]
-    assert parse_args(base).first_token_from_prefill is False
+    assert parse_args(base).first_token_from_prefill is True
     assert parse_args([*base, "--first-token-from-prefill", "on"]).first_token_from_prefill is True
     assert parse_args([*base, "--first-token-from-prefill", "off"]).first_token_from_prefill is False
 

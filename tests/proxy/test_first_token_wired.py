@@ -125,13 +125,23 @@ async def test_ps_token_that_ends_the_request_ends_the_stream_without_a_decode_h
     assert (await pd.p.state())["releases"]["pulled"] == 1
 
 
-async def test_off_by_default_the_stream_is_todays(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
-    pd = await pd_factory()
+async def test_turned_off_the_stream_is_the_decode_workers(pd_factory: PDFactory,
+                                                          sim_factory: SimFactory) -> None:
+    pd = await pd_factory(first_token_from_prefill=False)
     body = {**r(output_mode="text"), "request_id": "off"}
     status, got, timing = await stream(pd, body)
     _, want = await reference(sim_factory, body, True, {})
     assert status == 200 and volatile(got) == volatile(want)
     assert "first_to_second" not in timing
+
+
+async def test_on_by_default(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
+    pd = await pd_factory()
+    body = {**r(output_mode="text"), "request_id": "default"}
+    status, got, timing = await stream(pd, body)
+    _, want = await reference(sim_factory, body, True, {})
+    assert status == 200 and volatile(got) == volatile(want)
+    assert "first_to_second" in timing
 
 
 async def test_first_token_reaches_the_client_while_the_decode_worker_hangs_then_ends_in_band(

@@ -234,8 +234,8 @@ async def test_kv_block_size_is_a_setting(scripted_factory: ScriptedFactory,
 async def test_stream_without_done_is_a_protocol_error(scripted_factory: ScriptedFactory,
                                                        proxy_factory: ProxyFactory) -> None:
     chunk = b'data: {"request_id":"generate-tokens-x","usage":null,"output_mode":"tokens","choices":' \
-            b'[{"index":0,"finish_reason":null,"stop_reason":null,"token_ids":[5],"logprobs":null}]}\n\n'
-    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+            b'[{"index":0,"finish_reason":null,"stop_reason":null,"token_ids":[7],"logprobs":null}]}\n\n'
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))  # P's token is 7 too
     d: Scripted = await scripted_factory(lambda b, r: SSEBytes([chunk, b"data: {\"trunc"]))
     client, _ = await proxy_factory([p.url], [d.url])
     r = await client.post("/inference/v1/generate", json={**req(), "stream": True})

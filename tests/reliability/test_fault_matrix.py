@@ -127,16 +127,29 @@ FAULTS: list[Fault] = [
     # No other prefill worker to try: the decode worker computes the prompt (it was a 502).
     *both("prefill_no_kv_params", "200:length", "sse:length", "now", "now",
           prefill={"faults": {"drop_kv_params": True}, "lease_seconds": SHORT_LEASE}, expired_ok=True),
-    # --- decode worker faults
-    *both("decode_down", "502", "502", "now", "now", down="decode",
+    # --- decode worker faults. A stream has the prefill worker's token before the decode hop
+    # (first_token_from_prefill, on by default): its headers are out, so a decode failure ends
+    # in-band; with the setting off it is the status a non-stream request gets.
+    *both("decode_down", "502", "sse:error:502", "now", "now", down="decode",
           prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True),
-    *both("decode_5xx", "502", "502", "now", "now",
+    *both("decode_5xx", "502", "sse:error:502", "now", "now",
           decode={**SLOW_DECODE, "faults": {"fail_next": PERSISTENT, "fail_status": 503}},
           prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True),
-    *both("decode_hang_before_headers", "504", "504", "decode", "decode",
+    *both("decode_hang_before_headers", "504", "sse:error:504", "decode", "decode",
           decode={**SLOW_DECODE, "faults": {"hang_before_headers": True}},
           prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True,
           settings={"decode_timeout": 0.5, "stream_idle_timeout": 0.5}),
+    Fault("decode_down@first_token_off", True, "502", "now", down="decode",
+          prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True,
+          settings={"first_token_from_prefill": False}),
+    Fault("decode_5xx@first_token_off", True, "502", "now",
+          decode={**SLOW_DECODE, "faults": {"fail_next": PERSISTENT, "fail_status": 503}},
+          prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True,
+          settings={"first_token_from_prefill": False}),
+    Fault("decode_hang_before_headers@first_token_off", True, "504", "decode",
+          decode={**SLOW_DECODE, "faults": {"hang_before_headers": True}},
+          prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True,
+          settings={"decode_timeout": 0.5, "stream_idle_timeout": 0.5, "first_token_from_prefill": False}),
     *both("decode_hang_after_headers", "504", "sse:error:504", "decode", "decode",
           decode={**SLOW_DECODE, "faults": {"hang_after_headers": True}},
           prefill={"lease_seconds": SHORT_LEASE}, expired_ok=True,

@@ -72,7 +72,9 @@ async def test_decode_worker_restarted_mid_stream(stream: bool, sim_process_fact
         async def client() -> tuple[int, bytes]:
             async with w.session.post(w.url + GENERATE, json=body(stream)) as r:
                 if stream:
-                    first = await r.content.readuntil(b"\n\n")
+                    # Two events: the prefill worker's token (first_token_from_prefill), then one
+                    # relayed from D, so D pulled the KV and is streaming when it is killed.
+                    first = await r.content.readuntil(b"\n\n") + await r.content.readuntil(b"\n\n")
                     started.set()
                     return r.status, first + await r.read()
                 return r.status, await r.read()
