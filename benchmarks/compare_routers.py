@@ -16,7 +16,10 @@ the same closed-loop load through three targets:
 
 Every point (stream or not x output tokens x concurrency) is repeated; within a point the targets
 take turns, their order rotated on every repetition so that machine drift hits all alike. The
-medians over the repetitions are reported. Every proxy is pinned (taskset) to the same CPU cores:
+medians over the repetitions are reported. ``--pinning`` picks how the processes share the cores:
+``pinned`` (the default), ``unpinned`` (no taskset anywhere: every proxy, the workers and this client
+share all the cores, as on a real host) or ``both`` (the whole comparison pinned, then unpinned, in
+one invocation, reported side by side). Pinned, every proxy is pinned (taskset) to the same CPU cores:
 the last core when pd-proxy runs one process only; the last N cores when a pd-proxy target runs
 N processes (vllm-router's tokio runtime sizes its worker threads by the cores it may use, so it gets
 N threads). The workers and this client run on the other cores, or, on a machine with no core left
@@ -30,6 +33,8 @@ Metrics per target and point (medians over the repetitions):
   the whole answer. Added TTFT is the target's percentile minus the floor's in the same
   repetition (p50 and p99).
 * tokens/s and requests/s of completed requests over the run's wall time.
+* proxy CPU per request: the proxy process tree's CPU time during the run over its completed
+  requests (microseconds), for every proxy target; with its ratio to vllm-router's.
 * tokens per proxy CPU-second (utime + stime of the proxy's process tree during the run): the
   relay cost per core. Unlike tokens/s it holds when the proxy is not the bottleneck or other load
   shares the machine. The CPU used by the workers and by this client is recorded too: when either
@@ -44,7 +49,9 @@ vllm-router runs with ``--policy round_robin`` (one prefill and one decode worke
 nothing to decide; its default cache_aware policy only adds work) and ``--log-level warning``.
 
 Outputs go to ``results/compare_routers-<UTC time>/``: ``result.json``, ``result.png`` and each
-process's log. A table of ratios pd-proxy / vllm-router is printed. Every process started here is
+process's log (with ``--pinning both``: one such folder per mode, ``pinned/`` and ``unpinned/``,
+and a ``result.json`` at the top holding both runs and the side-by-side rows). A table of ratios
+pd-proxy / vllm-router is printed (per mode, then side by side). Every process started here is
 killed at the end, also on Ctrl-C, SIGTERM or an error. A target that cannot start is left out
 (said on stderr and in ``meta.failed_targets``); the others still run.
 """
@@ -90,6 +97,10 @@ FLOOR: Final = "floor"
 PD_PROXY: Final = "pd-proxy"
 VLLM_ROUTER: Final = "vllm-router"
 TARGETS: Final = (FLOOR, PD_PROXY, VLLM_ROUTER)
+PINNED: Final = "pinned"
+UNPINNED: Final = "unpinned"
+BOTH: Final = "both"
+PINNINGS: Final = (PINNED, UNPINNED)
 _WORKERS_SUFFIX: Final = "-w"
 
 
@@ -118,6 +129,17 @@ def target_rank(name: str) -> tuple[int, int]:
     return (1, workers) if workers is not None else ((0, 0) if name == FLOOR else (2, 0))
 
 RESULT_KEYS: Final = ("meta", "points", "ratios", "memory", "checks", "checks_by_proxy")
+BOTH_KEYS: Final = ("meta", "runs", "side_by_side")
+"""``--pinning both``: the two runs' documents (RESULT_KEYS each) by mode, and the rows side by side."""
+SIDE_KEYS: Final = ("label", "target", *PINNINGS)
+SIDE_METRICS: Final = (
+    "proxy_cpu_us_per_request",
+    "requests_per_s",
+    "tokens_per_proxy_cpu_s",
+    "added_ttft_p50_ms",
+    "cpu_per_request_vs_router",
+    "requests_per_s_vs_router",
+)
 CHECK_KEYS: Final = ("relay_throughput", "added_ttft", "memory_per_stream", "floor_headroom")
 MEMORY_TARGET_KIB: Final = 64.0
 FLOOR_HEADROOM: Final = 1.2  # "well above": the floor relays at least 1.2x either proxy's tokens/s
@@ -131,6 +153,7 @@ METRIC_KEYS: Final = (
     "tokens_per_s",
     "requests_per_s",
     "tokens_per_proxy_cpu_s",
+    "proxy_cpu_us_per_request",
     "proxy_cpu_util",
     "workers_cpu_util",
     "client_cpu_util",
@@ -144,12 +167,13 @@ RATIO_KEYS: Final = (
     "tokens_per_s",
     "requests_per_s",
     "tokens_per_proxy_cpu_s",
+    "proxy_cpu_us_per_request",
     "added_ttft_p50_ms",
     "added_ttft_p99_ms",
     "added_ttft_p50_diff_ms",
     "added_ttft_p99_diff_ms",
 )
-_RATIOS: Final = RATIO_KEYS[2:7]
+_RATIOS: Final = RATIO_KEYS[2:8]
 
 # Command templates; {bin} is this interpreter's bin directory, {router_bin} the router venv's.
 # The workers never queue nor run out of KV blocks at these concurrencies, and their context
@@ -257,6 +281,8 @@ class RunStats:
     # CPU-second is the relay cost per core, and holds up when other load shares the machine.
     proxy_cpu_s: float = math.nan
     tokens_per_proxy_cpu_s: float = math.nan
+    # The proxy process tree's CPU time over the requests it completed (microseconds; NaN for the floor).
+    proxy_cpu_us_per_request: float = math.nan
     proxy_cpu_util: float = math.nan
     # Where else the CPU went (in cores busy): the pd-sim workers and this load client. When either
     # is near the cores it has, it (not the proxy) bounds the throughput of the run.
@@ -296,6 +322,7 @@ def run_stats(
     return RunStats(
         proxy_cpu_s=proxy_cpu_s,
         tokens_per_proxy_cpu_s=ratio(float(tokens), proxy_cpu_s),
+        proxy_cpu_us_per_request=ratio(proxy_cpu_s * 1e6, float(len(good))),
         proxy_cpu_util=ratio(proxy_cpu_s, wall_s),
         workers_cpu_util=ratio(workers_cpu_s, wall_s),
         client_cpu_util=ratio(client_cpu_s, wall_s),
@@ -327,6 +354,7 @@ def summarise_point(runs: Mapping[str, Sequence[RunStats]]) -> dict[str, dict[st
             "tokens_per_s": median([r.tokens_per_s for r in reps]),
             "requests_per_s": median([r.requests_per_s for r in reps]),
             "tokens_per_proxy_cpu_s": median([r.tokens_per_proxy_cpu_s for r in reps]),
+            "proxy_cpu_us_per_request": median([r.proxy_cpu_us_per_request for r in reps]),
             "proxy_cpu_util": median([r.proxy_cpu_util for r in reps]),
             "workers_cpu_util": median([r.workers_cpu_util for r in reps]),
             "client_cpu_util": median([r.client_cpu_util for r in reps]),
@@ -340,7 +368,8 @@ def summarise_point(runs: Mapping[str, Sequence[RunStats]]) -> dict[str, dict[st
 def point_ratios(
     label: str, medians: Mapping[str, Mapping[str, float | int | bool]], proxy: str = PD_PROXY
 ) -> dict[str, Any]:
-    """pd-proxy / vllm-router for one point: above 1 is better for throughput, below 1 for added TTFT.
+    """pd-proxy / vllm-router for one point: above 1 is better for throughput, below 1 for CPU per
+    request and added TTFT.
     Added TTFT near zero makes its ratio meaningless, so the difference (pd-proxy minus vllm-router,
     ms; below 0 is better) is given too."""
     a = medians.get(proxy, {})
@@ -646,6 +675,33 @@ class Config:
     router_venv: Path
     out_dir: Path
     quick: bool
+    pinnings: tuple[str, ...] = (PINNED,)
+    """The modes run, in order: ``pinned`` uses proxy_cpus, worker_cpus and client_cpus;
+    ``unpinned`` runs everything with no taskset."""
+
+    @property
+    def pinning(self) -> str:
+        """``pinned``, ``unpinned`` or ``both``."""
+        return self.pinnings[0] if len(self.pinnings) == 1 else BOTH
+
+
+def for_pinning(cfg: Config, mode: str) -> Config:
+    """The configuration of one mode's run: unpinned, no CPU list at all; with both modes, each
+    run writes into its own folder (``pinned/``, ``unpinned/``)."""
+    out_dir = cfg.out_dir / mode if len(cfg.pinnings) > 1 else cfg.out_dir
+    if mode == UNPINNED:
+        return replace(cfg, pinnings=(mode,), proxy_cpus=None, worker_cpus=None, client_cpus=None,
+                       out_dir=out_dir)
+    return replace(cfg, pinnings=(mode,), out_dir=out_dir)
+
+
+def describe_pinning(meta: Mapping[str, Any]) -> str:
+    """One line for the table: the mode and the CPU lists the run used."""
+    if meta.get("pinning") == UNPINNED:
+        return "unpinned: no taskset, every proxy, the workers and the client share all the cores"
+    cpus = [f"{who} {meta.get(key) or 'all cores'}" for who, key in
+            (("proxies", "proxy_cpus"), ("workers", "worker_cpus"), ("client", "client_cpus"))]
+    return "pinned (taskset): " + ", ".join(cpus)
 
 
 def default_cpu_split() -> tuple[str | None, str | None]:
@@ -711,6 +767,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         help="taskset list for every proxy ('' = no pinning; default: the last core, or every core "
         "when a pd-proxy target runs several processes)",
     )
+    p.add_argument(
+        "--pinning",
+        choices=(*PINNINGS, BOTH),
+        default=PINNED,
+        help="pinned: proxies, workers and client each on their cores (below); unpinned: no taskset "
+        "at all, everything sharing every core as on a real host; both: pinned then unpinned, "
+        "reported side by side",
+    )
     p.add_argument("--worker-cpus", default=None, help="taskset list for the pd-sim workers")
     p.add_argument("--client-cpus", default=None, help="CPU list this client process pins itself to")
     p.add_argument("--sim-cmd", default=DEFAULT_SIM_CMD)
@@ -755,6 +819,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
     if any(m not in ("stream", "nonstream") for m in modes):
         p.error("--modes takes stream and/or nonstream")
+    if a.pinning == UNPINNED and any((a.proxy_cpus, a.worker_cpus, a.client_cpus)):
+        p.error("--pinning unpinned runs nothing under taskset: drop --proxy-cpus, --worker-cpus and "
+                "--client-cpus (or use --pinning both)")
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     return Config(
         targets=targets,
@@ -778,6 +845,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         router_venv=a.router_venv.resolve(),
         out_dir=a.out if a.out is not None else REPO_ROOT / "results" / f"compare_routers-{stamp}",
         quick=a.quick,
+        pinnings=PINNINGS if a.pinning == BOTH else (a.pinning,),
     )
 
 
@@ -878,6 +946,7 @@ async def run_comparison(cfg: Config, procs: list[subprocess.Popen[bytes]]) -> d
     meta: dict[str, Any] = {
         "started_utc": dt.datetime.now(dt.UTC).isoformat(),
         "quick": cfg.quick,
+        "pinning": cfg.pinning,
         "targets": list(cfg.targets),
         "reps": cfg.reps,
         "rounds": cfg.rounds,
@@ -944,6 +1013,7 @@ def run_line(run: RunStats) -> str:
     return (
         f"ttft p50 {run.ttft_p50_ms:8.2f} ms  p99 {run.ttft_p99_ms:8.2f} ms  "
         f"{run.tokens_per_s:9.0f} tok/s  {run.requests_per_s:8.1f} req/s  "
+        f"{run.proxy_cpu_us_per_request:7.0f} us/req  "
         f"cpu proxy {run.proxy_cpu_util:4.2f} workers {run.workers_cpu_util:4.2f} "
         f"client {run.client_cpu_util:4.2f}  ok {run.ok} err {run.errors}"
         f"{' ' + str(run.error_kinds) if run.error_kinds else ''}"
@@ -996,14 +1066,20 @@ def format_table(result: Mapping[str, Any]) -> str:
         ("tokens_per_s", "tok/s"),
         ("requests_per_s", "req/s"),
         ("tokens_per_proxy_cpu_s", "tok/cpu-s"),
+        ("proxy_cpu_us_per_request", "cpu/req"),
         ("added_ttft_p50_ms", "+ttft50"),
         ("added_ttft_p99_ms", "+ttft99"),
         ("added_ttft_p50_diff_ms", "d50 ms"),
         ("added_ttft_p99_diff_ms", "d99 ms"),
     )
+    meta = result.get("meta", {})
+    load = " / ".join(" ".join(f"{x:.2f}" for x in meta[k]) for k in ("loadavg_start", "loadavg_end")
+                      if meta.get(k))
     lines = [
-        "pd-proxy / vllm-router (throughput ratios: >= 1 meets the target; added-TTFT ratios: <= 1 does;"
-        " d50/d99: pd-proxy's added TTFT minus vllm-router's, <= 0 meets the target)",
+        describe_pinning(meta) + (f"; load average at start / end: {load}" if load else ""),
+        "pd-proxy / vllm-router (throughput ratios: >= 1 meets the target; CPU per request and"
+        " added-TTFT ratios: <= 1 does; d50/d99: pd-proxy's added TTFT minus vllm-router's, <= 0 meets"
+        " the target)",
         f"{'point':<22}{'proxy':<13}" + "".join(f"{title:>10}" for _, title in ratio_cols),
     ]
     for row in result["ratios"]:
@@ -1013,8 +1089,9 @@ def format_table(result: Mapping[str, Any]) -> str:
         )
     lines.append("")
     lines.append(
-        "medians per target: added TTFT p50/p99 over the floor (ms) | tokens/s | tokens per proxy CPU-s "
-        "| CPU use in cores busy (proxy; pd-sim workers and load client in brackets)"
+        "medians per target: added TTFT p50/p99 over the floor (ms) | tokens/s | requests/s | proxy CPU "
+        "per request (us) | tokens per proxy CPU-s | CPU use in cores busy (proxy; pd-sim workers and "
+        "load client in brackets)"
     )
     for point in result["points"]:
         cells = []
@@ -1024,8 +1101,9 @@ def format_table(result: Mapping[str, Any]) -> str:
             if name != FLOOR:
                 added = f"{_fmt(m['added_ttft_p50_ms'], '.2f')}/{_fmt(m['added_ttft_p99_ms'], '.2f')}"
                 cell += f"added {added} ms "
-            cell += f"{_fmt(m['tokens_per_s'], '.0f')} tok/s"
+            cell += f"{_fmt(m['tokens_per_s'], '.0f')} tok/s {_fmt(m['requests_per_s'], '.1f')} req/s"
             if name != FLOOR:
+                cell += f" {_fmt(m.get('proxy_cpu_us_per_request'), '.0f')} us/req"
                 cell += f" {_fmt(m['tokens_per_proxy_cpu_s'], '.0f')} tok/cpu-s"
                 cell += f" cpu {_fmt(m['proxy_cpu_util'], '.2f')}"
             cell += f" (cpu: workers {_fmt(m['workers_cpu_util'], '.2f')}"
@@ -1047,6 +1125,79 @@ def format_table(result: Mapping[str, Any]) -> str:
             f"(RSS {res['rss_before_kib']} -> {res['rss_after_kib']} KiB, "
             f"{res['streams_open']}/{res['streams_requested']} streams open)"
         )
+    return "\n".join(lines)
+
+
+def _num(value: Any) -> float:
+    """A number of a JSON-safe document (null was NaN)."""
+    return math.nan if value is None else float(value)
+
+
+def _side(point: Mapping[str, Any] | None, target: str) -> dict[str, float] | None:
+    """One target's figures at one point of one mode's run, with its ratios to vllm-router there."""
+    if point is None or target not in point["targets"]:
+        return None
+    m = point["targets"][target]["median"]
+    router = point["targets"].get(VLLM_ROUTER, {}).get("median", {})
+    cpu, rps = _num(m.get("proxy_cpu_us_per_request")), _num(m.get("requests_per_s"))
+    return {
+        "proxy_cpu_us_per_request": cpu,
+        "requests_per_s": rps,
+        "tokens_per_proxy_cpu_s": _num(m.get("tokens_per_proxy_cpu_s")),
+        "added_ttft_p50_ms": _num(m.get("added_ttft_p50_ms")),
+        "cpu_per_request_vs_router": ratio(cpu, _num(router.get("proxy_cpu_us_per_request"))),
+        "requests_per_s_vs_router": ratio(rps, _num(router.get("requests_per_s"))),
+    }
+
+
+def side_by_side(runs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per point and target, each mode's figures (SIDE_METRICS; None where the mode did not run it)."""
+    by_mode = {mode: {p["label"]: p for p in doc["points"]} for mode, doc in runs.items()}
+    labels = list(dict.fromkeys(label for points in by_mode.values() for label in points))
+    rows: list[dict[str, Any]] = []
+    for label in labels:
+        targets = {t for points in by_mode.values() if label in points for t in points[label]["targets"]}
+        for target in sorted(targets, key=target_rank):
+            row: dict[str, Any] = {"label": label, "target": target}
+            for mode in PINNINGS:
+                row[mode] = _side(by_mode.get(mode, {}).get(label), target)
+            rows.append(row)
+    return rows
+
+
+def combine(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``--pinning both``: one document (BOTH_KEYS) with each mode's run and the rows side by side."""
+    meta = {
+        "pinning": BOTH,
+        "modes": list(runs),
+        "loadavg": {mode: [doc["meta"].get("loadavg_start"), doc["meta"].get("loadavg_end")]
+                    for mode, doc in runs.items()},
+    }
+    doc: dict[str, Any] = json_safe({"meta": meta, "runs": dict(runs), "side_by_side": side_by_side(runs)})
+    return doc
+
+
+def format_side_by_side(combined: Mapping[str, Any]) -> str:
+    """Pinned and unpinned next to each other: proxy CPU per request and requests/s, with their
+    ratios to vllm-router in brackets."""
+    lines = [
+        "pinned vs unpinned, medians: proxy CPU per request (us) and requests/s; in brackets the ratio "
+        "to vllm-router (CPU per request <= 1 and requests/s >= 1 meet the issue's targets)",
+        f"{'point':<22}{'target':<13}" + "".join(f"{m + ' us/req':>22}{m + ' req/s':>24}" for m in PINNINGS),
+    ]
+    for row in combined["side_by_side"]:
+        cells = ""
+        for mode in PINNINGS:
+            side = row[mode] or {}
+            cpu = _fmt(side.get("proxy_cpu_us_per_request"), ".0f")
+            cpu += f" ({_fmt(side.get('cpu_per_request_vs_router'), '.2f')})"
+            rps = _fmt(side.get("requests_per_s"), ".1f")
+            rps += f" ({_fmt(side.get('requests_per_s_vs_router'), '.2f')})"
+            cells += f"{cpu:>22}{rps:>24}"
+        lines.append(f"{row['label']:<22}{row['target']:<13}{cells}")
+    for mode, (start, end) in combined["meta"]["loadavg"].items():
+        shown = " / ".join(" ".join(f"{x:.2f}" for x in v) for v in (start, end) if v)
+        lines.append(f"load average {mode}: {shown} (start / end)")
     return "\n".join(lines)
 
 
@@ -1128,31 +1279,51 @@ def resolve_targets(cfg: Config) -> tuple[Config, list[str]]:
     return replace(cfg, targets=tuple(targets)), skipped
 
 
+def run_mode(cfg: Config, mode: str, skipped: Sequence[str], all_cpus: set[int]) -> dict[str, Any]:
+    """One mode's whole comparison (its processes started and stopped here), written into its folder
+    and printed."""
+    run_cfg = for_pinning(cfg, mode)
+    run_cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    # This client too: on its CPU list pinned, back on every core unpinned.
+    client = {int(c) for c in run_cfg.client_cpus.split(",")} if run_cfg.client_cpus else all_cpus
+    os.sched_setaffinity(0, client)
+    with processes() as procs:
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        result = asyncio.run(run_comparison(run_cfg, procs))
+    result["meta"]["skipped_targets"] = list(skipped)
+    json_path = run_cfg.out_dir / "result.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    png_path = run_cfg.out_dir / "result.png"
+    make_plot(result, png_path)
+    print(format_table(result))
+    print(f"wrote {json_path} and {png_path}")
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     if VLLM_ROUTER in cfg.targets:
         ensure_router(cfg)
     cfg, skipped = resolve_targets(cfg)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.client_cpus:
-        os.sched_setaffinity(0, {int(c) for c in cfg.client_cpus.split(",")})
+    all_cpus = os.sched_getaffinity(0)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    runs: dict[str, dict[str, Any]] = {}
     try:
-        with processes() as procs:
-            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-            result = asyncio.run(run_comparison(cfg, procs))
+        for mode in cfg.pinnings:
+            runs[mode] = run_mode(cfg, mode, skipped, all_cpus)
     except KeyboardInterrupt:
         print("interrupted: every process started here was stopped", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    result["meta"]["skipped_targets"] = skipped
-    json_path = cfg.out_dir / "result.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    png_path = cfg.out_dir / "result.png"
-    make_plot(result, png_path)
-    print(format_table(result))
-    print(f"wrote {json_path} and {png_path}")
+        os.sched_setaffinity(0, all_cpus)
+    if len(runs) > 1:
+        combined = combine(runs)
+        json_path = cfg.out_dir / "result.json"
+        json_path.write_text(json.dumps(combined, indent=2) + "\n")
+        print(format_side_by_side(combined))
+        print(f"wrote {json_path}")
     return 0
 
 

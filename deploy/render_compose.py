@@ -206,8 +206,10 @@ GPU_BLOCK_SIZE = 16
 
 
 def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str) -> list[str]:
-    """pd-proxy's command line for a set of workers."""
-    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port)]
+    """pd-proxy's command line for a set of workers: one process per CPU the container may use
+    (``--workers auto``, capped by the service's ``cpus``: PROXY_CPUS in .env)."""
+    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port),
+            "--workers", "auto"]
 
 
 def _q(value: str) -> str:
@@ -300,6 +302,8 @@ def render_compose(s: Settings) -> str:
         "      context: ../..",
         "      dockerfile: Dockerfile",
         f"    command: {_flow(proxy)}",
+        # --workers auto runs one process per CPU of this quota (the host's GPU workers keep the rest).
+        '    cpus: "${PROXY_CPUS:-4}"',
         "    network_mode: host",
         "    restart: unless-stopped",
         "    environment:",

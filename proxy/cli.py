@@ -13,6 +13,7 @@ from pathlib import Path
 
 from proxy.config_file import CONFIG_FLAG, HelpFormatter, with_config_file
 from proxy.logs import EscapingFormatter
+from proxy.multiproc import available_cpus
 from proxy.pools import add_pool_arguments, normalize_url, pool_settings_from_args
 from proxy.server import serve
 from proxy.settings import ProxySettings
@@ -36,10 +37,11 @@ def _add_workers_and_listener(p: argparse.ArgumentParser) -> None:
                    help="decode worker URLs, space-separated or the flag repeated")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="N processes serving the port (SO_REUSEPORT); see proxy/multiproc.py. Admin "
-                        "changes reach every process; limits (in-flight, queues, per-worker caps, "
-                        "buffers) are PER PROCESS")
+    p.add_argument("--workers", type=workers_arg, default=1, metavar="N|auto",
+                   help="N processes serving the port (SO_REUSEPORT), or auto: one per CPU available "
+                        "(affinity, capped by a cgroup CPU quota). Admin changes reach every process; "
+                        "limits (in-flight, queues, per-worker caps, buffers) are PER PROCESS; see "
+                        "proxy/multiproc.py")
 
 
 def _add_keys(p: argparse.ArgumentParser) -> None:
@@ -159,7 +161,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+AUTO = "auto"
+
+
+def workers_arg(value: str) -> int | str:
+    """``--workers``: a whole number of processes, at least 1, or ``auto``."""
+    if value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of processes (1 or more) or auto, got {value!r}")
+    return n
+
+
+def resolve_workers(value: int | str) -> tuple[int, str]:
+    """The process count for ``--workers`` and how it was reached, for the start-up log."""
+    if value != AUTO:
+        return int(value), f"--workers {value}"
+    cpus = available_cpus()
+    return cpus.count, f"--workers auto: {cpus.describe()}"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
+    return parse_args_explained(argv)[0]
+
+
+def parse_args_explained(argv: Sequence[str] | None = None) -> tuple[ProxySettings, str]:
+    """The settings, and how ``--workers`` came to its process count."""
     p = build_parser()
     a = p.parse_args(with_config_file(p, sys.argv[1:] if argv is None else argv))
     if a.otel and not otel_installed():
@@ -170,7 +201,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxySettings:
     try:
         for url in (*a.prefill, *a.decode):
             normalize_url(url)
-        return _settings(a)
+        a.workers, why = resolve_workers(a.workers)
+        if a.workers > 1 and a.no_abort_broadcast:
+            raise ValueError(f"{why} gives {a.workers} processes, and several processes need the abort "
+                             "broadcast (an abort may reach another process): drop --no-abort-broadcast "
+                             "or give --workers 1")
+        return _settings(a), why
     except ValueError as e:
         p.error(str(e))
 
@@ -253,9 +289,20 @@ def warn_if_unguarded(settings: ProxySettings) -> None:
                 "and abort requests; set --api-key or PD_PROXY_API_KEY", settings.host, settings.port)
 
 
+def log_processes(settings: ProxySettings, why: str) -> None:
+    """The process count at start-up, how it was reached, and that the limits hold per process."""
+    n = settings.workers
+    inflight = settings.pools.max_inflight
+    total = "no limit" if inflight is None else f"{inflight} per process, up to {n * inflight} in all"
+    log.info("pd-proxy: %d process%s (%s); limits hold per process: --max-inflight %s, and "
+             "--max-queue, --max-inflight-per-worker and the byte budgets likewise",
+             n, "" if n == 1 else "es", why, total)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_args(argv)
+    settings, why = parse_args_explained(argv)
     warn_if_unguarded(settings)
+    log_processes(settings, why)
     if settings.workers > 1:
         from proxy.multiproc import run_workers  # noqa: PLC0415
 

@@ -29,6 +29,14 @@ applied there at once and appended; the others apply it within 0.25 s (``proxy.p
 With ``--admin-port`` the parent also reserves the admin port (``SO_REUSEPORT``, resolving 0) and
 every child listens on it too.
 
+How many processes: ``--workers N``, or ``--workers auto`` for one per CPU this process may use
+(:func:`available_cpus`): the CPUs of its affinity mask (``os.sched_getaffinity``; ``os.cpu_count``
+where there is none), capped by the cgroup's CPU quota when it sets one (cgroup v2 ``cpu.max``, v1
+``cpu.cfs_quota_us``/``cpu.cfs_period_us``): a container limited to 2 CPUs on a 64-core node gets 2
+processes, not 64. A quota is rounded down to whole CPUs (at least 1), so N single-threaded
+processes busy at once stay within it instead of being throttled in turns. ``auto`` that comes
+to 1 runs the ordinary single process (none of the machinery here).
+
 Limits are per process: ``--max-inflight``, ``--max-queue``, ``--max-inflight-per-worker``, the
 abort-broadcast queue and the slow-reader buffers each hold for one child, so the run as a whole
 admits up to N times as much. Health probes, circuit breakers, preflight and KV leases are per
@@ -47,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -55,7 +64,7 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
@@ -69,6 +78,75 @@ log = logging.getLogger("pd_proxy")
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 KILL_AFTER_DRAIN = 10.0
 _PR_SET_PDEATHSIG = 1
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2: ``QUOTA PERIOD`` (microseconds) or ``max PERIOD`` (no quota), as the container sees it."""
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+"""cgroup v1: ``cpu.cfs_quota_us`` (-1: no quota) and ``cpu.cfs_period_us``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuCount:
+    """What ``--workers auto`` resolved to, and from what."""
+
+    count: int
+    """Processes to run: ``affinity``, capped by the quota rounded down (at least 1)."""
+    affinity: int
+    """CPUs this process may run on (its affinity mask, else ``os.cpu_count``)."""
+    quota: float | None
+    """CPUs the cgroup's quota allows (may be fractional); None: no quota."""
+
+    def describe(self) -> str:
+        """``4 CPUs available`` or ``2 of 64 CPUs: cgroup CPU quota 2.5``, for the start-up log."""
+        if self.quota is None:
+            return f"{self.affinity} CPU{'s' if self.affinity != 1 else ''} available"
+        return f"{self.count} of {self.affinity} CPUs: cgroup CPU quota {self.quota:g}"
+
+
+def parse_cpu_quota(quota: str, period: str) -> float | None:
+    """CPUs a cgroup quota allows (``quota / period``); None for no quota (``max``, ``-1``) or a
+    value that is not a positive number."""
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def cgroup_cpu_quota(cpu_max: Path = CGROUP_CPU_MAX, v1_dir: Path = CGROUP_V1_CPU) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs, from cgroup v2's ``cpu.max`` or else v1's
+    files; None when neither file is there or readable, or they set no quota."""
+    try:
+        fields = cpu_max.read_text(encoding="ascii").split()
+    except (OSError, UnicodeDecodeError):
+        pass
+    else:
+        return parse_cpu_quota(*fields) if len(fields) == 2 else None
+    try:
+        return parse_cpu_quota((v1_dir / "cpu.cfs_quota_us").read_text(encoding="ascii").strip(),
+                               (v1_dir / "cpu.cfs_period_us").read_text(encoding="ascii").strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def affinity_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, else ``os.cpu_count()`` (at least 1)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def available_cpus(affinity: int | None = None, *, cpu_max: Path = CGROUP_CPU_MAX,
+                   v1_dir: Path = CGROUP_V1_CPU) -> CpuCount:
+    """``--workers auto``: one process per CPU of the affinity mask (read unless given), capped by
+    the cgroup's CPU quota rounded down (at least 1). The cgroup files' paths are parameters, so
+    that tests give their own."""
+    cpus = affinity_cpus() if affinity is None else max(1, affinity)
+    quota = cgroup_cpu_quota(cpu_max, v1_dir)
+    count = cpus if quota is None else max(1, min(cpus, math.floor(quota)))
+    return CpuCount(count=count, affinity=cpus, quota=quota)
+
+
 def _die_with_parent() -> None:
     """Linux: SIGTERM this process when its parent dies (no orphaned children serving on)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -238,4 +316,7 @@ def run_workers(settings: ProxySettings, workers: int) -> int:
         sup.close()
 
 
-__all__ = ["Supervisor", "child_main", "reuseport_socket", "run_workers"]
+__all__ = [
+    "CpuCount", "Supervisor", "affinity_cpus", "available_cpus", "cgroup_cpu_quota", "child_main",
+    "parse_cpu_quota", "reuseport_socket", "run_workers",
+]

@@ -475,3 +475,140 @@ async def test_memory_is_measured_over_streams_held_open(aiohttp_server: ServerF
         await asyncio.sleep(0.05)
     assert seen.disconnects == 16 + 5  # every held stream was closed
     assert seen.in_flight == 0
+
+
+# --- pinning modes and CPU per request ---------------------------------------------------------
+
+
+def test_pinning_modes_parse() -> None:
+    assert cr.parse_args([]).pinnings == (cr.PINNED,)  # the default is unchanged
+    assert cr.parse_args([]).pinning == cr.PINNED
+    assert cr.parse_args(["--pinning", "unpinned"]).pinnings == (cr.UNPINNED,)
+    both = cr.parse_args(["--pinning", "both"])
+    assert both.pinnings == (cr.PINNED, cr.UNPINNED)
+    assert both.pinning == cr.BOTH
+    with pytest.raises(SystemExit):
+        cr.parse_args(["--pinning", "sometimes"])
+    with pytest.raises(SystemExit):  # unpinned and a CPU list contradict each other
+        cr.parse_args(["--pinning", "unpinned", "--proxy-cpus", "1"])
+    assert cr.parse_args(["--pinning", "both", "--proxy-cpus", "1"]).proxy_cpus == "1"  # for the pinned half
+
+
+def test_unpinned_runs_nothing_under_taskset(tmp_path: Path) -> None:
+    cfg = cr.parse_args(["--pinning", "both", "--proxy-cpus", "0", "--worker-cpus", "0", "--client-cpus", "0",
+                         "--out", str(tmp_path)])
+    pinned, unpinned = cr.for_pinning(cfg, cr.PINNED), cr.for_pinning(cfg, cr.UNPINNED)
+    assert (pinned.proxy_cpus, pinned.worker_cpus, pinned.client_cpus) == ("0", "0", "0")
+    assert (unpinned.proxy_cpus, unpinned.worker_cpus, unpinned.client_cpus) == (None, None, None)
+    assert (pinned.out_dir, unpinned.out_dir) == (tmp_path / "pinned", tmp_path / "unpinned")
+    assert (pinned.pinning, unpinned.pinning) == (cr.PINNED, cr.UNPINNED)
+    single = cr.parse_args(["--pinning", "unpinned", "--out", str(tmp_path)])
+    assert cr.for_pinning(single, cr.UNPINNED).out_dir == tmp_path  # one mode: no subfolder
+    # The command line each process is started with: taskset when pinned, none at all unpinned.
+    from benchmarks.sim_stack import start_logged, stop_all  # noqa: PLC0415
+
+    for run_cfg, log in ((pinned, tmp_path / "p.log"), (unpinned, tmp_path / "u.log")):
+        proc = start_logged([sys.executable, "-c", "pass"], log, run_cfg.proxy_cpus)
+        proc.wait(30)
+        stop_all([proc])
+    assert (tmp_path / "p.log").read_text().startswith("$ taskset -c 0 ")
+    assert "taskset" not in (tmp_path / "u.log").read_text()
+
+
+def _rs_cpu(tps: float, ok: int, cpu_s: float) -> RunStats:
+    return cr.run_stats([_record(0.001, int(tps // max(ok, 1))) for _ in range(ok)], 1.0, proxy_cpu_s=cpu_s)
+
+
+def test_cpu_per_request_is_proxy_cpu_over_completed_requests() -> None:
+    run = cr.run_stats([_record(0.01, 4), _record(0.01, 4), _record(None, 0, FAIL_TRANSPORT)], 2.0,
+                       proxy_cpu_s=0.002)
+    assert run.proxy_cpu_us_per_request == pytest.approx(1000.0)  # 2 ms over the 2 completed
+    assert math.isnan(cr.run_stats([_record(0.01, 4)], 1.0).proxy_cpu_us_per_request)  # the floor
+    assert math.isnan(cr.run_stats([], 1.0, proxy_cpu_s=0.5).proxy_cpu_us_per_request)  # none completed
+
+
+def _mode_result(mode: str, ours_cpu: float, router_cpu: float) -> dict[str, Any]:
+    points = cr.build_points([64], [32], [True, False])
+    runs = {p: {FLOOR: [_rs_cpu(1000, 10, math.nan)], PD_PROXY: [_rs_cpu(500, 10, ours_cpu)],
+                VLLM_ROUTER: [_rs_cpu(400, 8, router_cpu)]} for p in points}
+    meta = {"pinning": mode, "proxy_cpus": "1" if mode == cr.PINNED else None,
+            "loadavg_start": [1.5, 1.0, 0.5], "loadavg_end": [2.0, 1.25, 0.75]}
+    return cr.build_result(meta, points, runs, {"results": []})
+
+
+def test_every_proxy_target_reports_cpu_per_request_and_its_ratio() -> None:
+    result = _mode_result(cr.PINNED, 0.010, 0.004)
+    doc = json.loads(json.dumps(result, allow_nan=False))
+    for point in doc["points"]:
+        assert point["targets"][PD_PROXY]["median"]["proxy_cpu_us_per_request"] == pytest.approx(1000.0)
+        assert point["targets"][VLLM_ROUTER]["median"]["proxy_cpu_us_per_request"] == pytest.approx(500.0)
+        assert point["targets"][FLOOR]["median"]["proxy_cpu_us_per_request"] is None  # no proxy
+    for row in doc["ratios"]:
+        assert tuple(row) == cr.RATIO_KEYS
+        assert row["proxy_cpu_us_per_request"] == pytest.approx(2.0)
+    assert doc["meta"]["pinning"] == cr.PINNED
+    table = cr.format_table(result)
+    assert table.splitlines()[0] == (
+        "pinned (taskset): proxies 1, workers all cores, client all cores; "
+        "load average at start / end: 1.50 1.00 0.50 / 2.00 1.25 0.75")
+    assert "cpu/req" in table and "1000 us/req" in table and "500 us/req" in table
+    assert cr.format_table(_mode_result(cr.UNPINNED, 0.01, 0.01)).startswith(
+        "unpinned: no taskset, every proxy, the workers and the client share all the cores")
+
+
+def test_both_modes_side_by_side() -> None:
+    combined = cr.combine({cr.PINNED: _mode_result(cr.PINNED, 0.010, 0.004),
+                           cr.UNPINNED: _mode_result(cr.UNPINNED, 0.006, 0.006)})
+    doc = json.loads(json.dumps(combined, allow_nan=False))
+    assert tuple(doc) == cr.BOTH_KEYS
+    assert doc["meta"]["pinning"] == cr.BOTH and doc["meta"]["modes"] == list(cr.PINNINGS)
+    assert doc["runs"][cr.UNPINNED]["meta"]["pinning"] == cr.UNPINNED
+    assert tuple(doc["runs"][cr.PINNED]) == cr.RESULT_KEYS
+    rows = doc["side_by_side"]
+    labels = ("stream-out32-c64", "nonstream-out32-c64")
+    assert [(r["label"], r["target"]) for r in rows] == [
+        (label, t) for label in labels for t in (FLOOR, PD_PROXY, VLLM_ROUTER)]
+    ours = rows[1]
+    assert tuple(ours) == cr.SIDE_KEYS
+    assert tuple(ours[cr.PINNED]) == cr.SIDE_METRICS
+    assert ours[cr.PINNED]["proxy_cpu_us_per_request"] == pytest.approx(1000.0)
+    assert ours[cr.PINNED]["cpu_per_request_vs_router"] == pytest.approx(2.0)
+    assert ours[cr.UNPINNED]["cpu_per_request_vs_router"] == pytest.approx(600.0 / 750.0)
+    assert ours[cr.PINNED]["requests_per_s_vs_router"] == pytest.approx(10 / 8)
+    assert rows[0][cr.PINNED]["proxy_cpu_us_per_request"] is None  # the floor: no proxy
+    table = cr.format_side_by_side(combined)
+    assert "pinned us/req" in table and "unpinned us/req" in table
+    assert "1000 (2.00)" in table and "600 (0.80)" in table
+    assert "load average unpinned: 1.50 1.00 0.50 / 2.00 1.25 0.75 (start / end)" in table
+
+
+def test_a_mode_missing_from_a_point_is_none() -> None:
+    only = cr.combine({cr.UNPINNED: _mode_result(cr.UNPINNED, 0.006, 0.006)})
+    assert all(row[cr.PINNED] is None for row in only["side_by_side"])
+
+
+def test_both_runs_every_mode_and_writes_each_and_the_combined_result(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """main with --pinning both: one full comparison per mode (each in its folder, the client's own
+    CPU list set for each), then the side-by-side document; no process is started here."""
+    seen: list[tuple[str, str | None, str | None, set[int]]] = []
+
+    async def fake_run(cfg: cr.Config, procs: list[Any]) -> dict[str, Any]:
+        seen.append((cfg.pinning, cfg.proxy_cpus, cfg.worker_cpus, os.sched_getaffinity(0)))
+        return _mode_result(cfg.pinning, 0.010, 0.004)
+
+    monkeypatch.setattr(cr, "run_comparison", fake_run)
+    monkeypatch.setattr(cr, "ensure_router", lambda cfg: None)
+    cpus = sorted(os.sched_getaffinity(0))
+    first = str(cpus[0])
+    assert cr.main(["--pinning", "both", "--targets", "floor,pd-proxy,vllm-router", "--pd-proxy-workers", "1",
+                    "--proxy-cpus", first, "--worker-cpus", first, "--client-cpus", first,
+                    "--out", str(tmp_path), "--memory-streams", "0"]) == 0
+    assert [s[:3] for s in seen] == [(cr.PINNED, first, first), (cr.UNPINNED, None, None)]
+    assert seen[0][3] == {cpus[0]} and seen[1][3] == set(cpus)  # the client: pinned, then every core
+    assert os.sched_getaffinity(0) == set(cpus)  # given back
+    for mode in cr.PINNINGS:
+        assert json.loads((tmp_path / mode / "result.json").read_text())["meta"]["pinning"] == mode
+    combined = json.loads((tmp_path / "result.json").read_text())
+    assert tuple(combined) == cr.BOTH_KEYS
+    assert "pinned vs unpinned" in capsys.readouterr().out

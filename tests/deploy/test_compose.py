@@ -269,3 +269,26 @@ def test_bad_bind_addresses_are_refused(change: dict[str, str]) -> None:
     env = {"PREFILL_COUNT": "1", "DECODE_COUNT": "1", "PREFILL_GPUS": "0", "DECODE_GPUS": "1", **change}
     with pytest.raises(rc.SettingsError, match="must be an IP address"):
         rc.settings_from_env(env)
+
+
+@needs_compose
+def test_the_proxy_runs_one_process_per_cpu_of_its_limit(tmp_path: Path) -> None:
+    """pd-proxy runs --workers auto under a CPU limit (PROXY_CPUS, 4 unless .env says otherwise): on a
+    GPU host with many cores it gets that many processes, not one per core."""
+    config = compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, rc.COMPOSE_DIR / ".env", **SECRETS)
+    proxy = config["services"]["pd-proxy"]
+    assert proxy["command"][proxy["command"].index("--workers") + 1] == "auto"
+    assert float(proxy["cpus"]) == float(rc.parse_env((rc.COMPOSE_DIR / ".env").read_text())["PROXY_CPUS"])
+    env_file = tmp_path / ".env"
+    env_file.write_text("PROXY_CPUS=2\n")
+    assert float(compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, env_file, **WORKER_ENV, **SECRETS)
+                 ["services"]["pd-proxy"]["cpus"]) == 2.0
+    assert float(compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, None, **WORKER_ENV, **SECRETS)
+                 ["services"]["pd-proxy"]["cpus"]) == 4.0  # no .env: the default
+
+
+def test_the_proxy_command_is_one_pd_proxy_accepts() -> None:
+    from proxy.cli import build_parser  # noqa: PLC0415
+
+    args = rc.proxy_args(["http://127.0.0.1:8100"], ["http://127.0.0.1:8200"], 8000, "127.0.0.1")
+    assert build_parser().parse_args(args).workers == "auto"

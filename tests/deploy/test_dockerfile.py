@@ -199,3 +199,18 @@ def test_build_context_is_installable(tmp_path: Path) -> None:
         assert "pd-proxy = proxy.cli:main" in zf.read(entry_points).decode()
     assert "proxy/__init__.py" in names and "kv_transfer/config.py" in names
     assert not any(n.startswith(("tests/", "deploy/")) for n in names)
+
+
+def test_the_image_runs_one_process_per_available_cpu() -> None:
+    """The image's default is --workers auto (one process per CPU the container may use); arguments
+    given to the image are appended, so a later --workers N wins."""
+    import json  # noqa: PLC0415
+
+    from proxy.cli import build_parser  # noqa: PLC0415
+
+    steps = instructions(DOCKERFILE.read_text())
+    entry = json.loads([rest for word, rest in steps if word == "ENTRYPOINT"][-1])
+    assert entry[0] == "pd-proxy"
+    parser = build_parser()
+    assert parser.parse_args(entry[1:]).workers == "auto"
+    assert parser.parse_args([*entry[1:], "--workers", "1"]).workers == 1

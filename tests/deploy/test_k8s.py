@@ -336,6 +336,20 @@ def test_proxy_probes_never_restart_it_for_a_pool_outage(overlay: str) -> None:
 
 
 @needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_proxy_runs_one_process_per_cpu_of_its_limit(overlay: str) -> None:
+    """pd-proxy runs --workers auto (whatever the overlay does to its args), and the container has a
+    whole-CPU limit for auto to count: without one, auto would start one process per node core."""
+    from proxy.cli import build_parser  # noqa: PLC0415
+
+    proxy = container(by_kind(build(f"overlays/{overlay}"), "Deployment")["pd-proxy"], "pd-proxy")
+    args = [a.replace("$(POD_NAMESPACE)", "pd-proxy") for a in proxy["args"]]
+    assert build_parser().parse_args(args).workers == "auto"
+    cpus = str(proxy["resources"]["limits"]["cpu"])
+    assert cpus.isdigit() and int(cpus) >= 1, cpus
+
+
+@needs_kubectl
 def test_gpu_overlay_finds_every_pod_through_endpointslices() -> None:
     """The GPU overlay's own comment says pd-proxy finds new pods through the EndpointSlices: it includes
     the discovery component, so every pod of each pool is a worker (its health, breaker, block size and
