@@ -81,7 +81,8 @@ def _add_walk_switches(p: argparse.ArgumentParser) -> None:
 def _add_timeouts(p: argparse.ArgumentParser) -> None:
     """The hops' timeouts and connection caps toward the workers, the drain, the KV lease."""
     p.add_argument("--prefill-timeout", type=float, default=300.0,
-                   help="seconds the whole prefill hop may take")
+                   help="seconds the whole prefill hop may take; then the prefill worker is sent an "
+                        "abort and has 2 s more to answer (a late answer's KV is taken, not stranded)")
     p.add_argument("--decode-timeout", type=float, default=600.0,
                    help="seconds a whole non-streaming decode hop may take")
     p.add_argument("--stream-idle-timeout", type=float, default=120.0,

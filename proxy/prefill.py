@@ -18,6 +18,7 @@ from proxy.errors import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatusError,
+    UpstreamTimeout,
 )
 from proxy.flight import Flight
 from proxy.pools import (
@@ -138,18 +139,27 @@ class Prefill(Part):
         return task
 
     async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
+        """At ``limit`` P is sent an abort, not cut off: P then answers within ``abort_grace``,
+        either aborted (a timeout, as before) or finished with its KV, which the walk takes (a
+        cut connection would leave that KV held on P until its lease ends, with no params for
+        the proxy to release it with)."""
         body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,
                             keep_stop=not self.settings.prefill_tokens_only, first_token=f.first_token)
         outcome = Outcome.NEUTRAL
+        aborted: list[asyncio.Task[None]] = []
+        late = asyncio.get_running_loop().call_later(
+            limit, lambda: aborted.append(self.tracker.spawn(self._abort_late(worker, f.record.engine_id))))
         try:
             reply: dict[str, Any] = await self.core.call(worker, self.upstream.post_generate(
-                "prefill", worker.url, body, request_id=f.record.base_id, total=limit),
-                f.trace.hop("prefill", worker))
+                "prefill", worker.url, body, request_id=f.record.base_id,
+                total=limit + self.settings.abort_grace), f.trace.hop("prefill", worker))
             # A reply without usable KV params is P's failure; one with them is judged at the
             # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
             # every pull, which only the decode hops see.
             if check_prefill_params(reply.get("kv_transfer_params")) is not None:
                 outcome = Outcome.FAILURE
+                if aborted and not f.record.is_aborted:
+                    raise UpstreamTimeout("prefill", worker.url, "timed out before answering")
             return reply
         except UpstreamStatusError as e:
             outcome = Outcome.NEUTRAL if e.passthrough else Outcome.FAILURE
@@ -158,7 +168,13 @@ class Prefill(Part):
             outcome = Outcome.FAILURE
             raise
         finally:
+            late.cancel()
             self.prefill_pool.release(worker, outcome)
+
+    async def _abort_late(self, worker: Worker, engine_id: str) -> None:
+        """The prefill hop's time is up: abort it on P (which then answers at once)."""
+        ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
+        self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
 
     def pairless(self) -> list[Worker]:
         """With the preflight on: prefill workers whose every pair with the decode pool failed it

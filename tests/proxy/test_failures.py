@@ -10,7 +10,7 @@ import pytest
 
 from proxy.pools import PoolSettings
 from tests.proxy.conftest import PDFactory, ProxyFactory, req, sse_datas
-from tests.proxy.scripted import Scripted, ScriptedFactory, SSEBytes, prefill_reply
+from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
 
 
 def dead_url() -> str:
@@ -301,3 +301,53 @@ async def test_one_client_session_per_app(pd_factory: PDFactory) -> None:
         await pd.gen(req())
     assert pd.serving.upstream.session is session
     assert not session.closed
+
+
+def _late_prefill(worker_aborts: list[Any], *, finished: bool) -> Any:
+    """A prefill worker whose answer comes only once it was sent an abort (bounded: 20 s):
+    ``finished`` = it had prefilled (its KV held, the answer late), else vLLM's aborted answer."""
+    async def reply(body: dict[str, Any], request: Any) -> dict[str, Any]:
+        for _ in range(2000):
+            if worker_aborts:
+                break
+            await asyncio.sleep(0.01)
+        if finished:
+            return prefill_reply(body)
+        out = prefill_reply(body, kv_transfer_params=None)
+        out["choices"][0]["finish_reason"] = "abort"
+        return out
+    return reply
+
+
+def _decode_answer(body: dict[str, Any], request: Any) -> dict[str, Any]:
+    out = prefill_reply(body, kv_transfer_params=None)
+    out["choices"][0]["token_ids"] = [7, 8, 9]
+    return out
+
+
+async def test_a_prefill_hop_past_its_timeout_is_aborted_and_a_late_kv_is_taken(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    """At its timeout the prefill hop is not cut: P is sent an abort and has the abort grace to
+    answer. P had finished (its answer was late): the KV it holds is taken, not left on P with
+    no params to release it by (the request goes on to the decode worker with P's params)."""
+    p: Scripted = await scripted_factory(lambda b, r: None)
+    p.reply = _late_prefill(p.aborts, finished=True)
+    d: Scripted = await scripted_factory(_decode_answer)
+    client, _ = await proxy_factory([p.url], [d.url], prefill_timeout=0.3)
+    r = await client.post("/inference/v1/generate", json=req())
+    assert r.status == 200 and (await r.json())["choices"][0]["token_ids"] == [7, 8, 9]
+    assert [a["request_ids"] for a in p.aborts] == [[f"generate-tokens-{p.received[0]['request_id']}"]]
+    assert d.received[0]["kv_transfer_params"]["remote_request_id"] == KV_PARAMS["remote_request_id"]
+
+
+async def test_a_prefill_hop_past_its_timeout_that_p_aborts_is_a_504(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    p: Scripted = await scripted_factory(lambda b, r: None)
+    p.reply = _late_prefill(p.aborts, finished=False)
+    d: Scripted = await scripted_factory(_decode_answer)
+    client, _ = await proxy_factory([p.url], [d.url], prefill_timeout=0.3)
+    r = await client.post("/inference/v1/generate", json=req())
+    body = await r.json()
+    assert r.status == 504 and body["error"]["type"] == "GatewayTimeoutError"
+    assert f"prefill worker {p.url}" in body["error"]["message"]
+    assert len(p.aborts) == 1 and d.received == []

@@ -145,7 +145,8 @@ async def test_no_retry_when_the_deadline_comes_before_the_pause_ends() -> None:
     up.script("prefill", UpstreamTimeout("prefill", "p", "timed out"))
     _, _, error = await prefill.with_retries(f)
     assert isinstance(error, UpstreamTimeout) and len(up.calls) == 1 and pauses == [0.5]
-    assert up.calls[0].total == pytest.approx(0.2)  # the prefill's share of the deadline
+    # the prefill's share of the deadline, then the abort grace for P's answer to the abort
+    assert up.calls[0].total == pytest.approx(0.2 + core.settings.abort_grace)
 
 
 async def test_a_hop_past_its_deadline_is_not_sent_and_leaves_no_worker_counted() -> None:
@@ -231,7 +232,7 @@ async def test_the_prefill_hop_asks_p_to_keep_the_kv_within_its_timeout() -> Non
     f = make_flight(core, rid="abc", sp={"max_tokens": 50, "stop": ["x"], "min_tokens": 3})
     await Prefill(core).with_retries(f)
     call = up.calls[0]
-    assert call.request_id == "abc" and call.total == 7.0
+    assert call.request_id == "abc" and call.total == 7.0 + core.settings.abort_grace
     assert call.body["kv_transfer_params"] == PREFILL_REQUEST and call.body["request_id"] == "abc"
     assert call.body["sampling_params"]["max_tokens"] == 1
     assert "stop" not in call.body["sampling_params"]  # a tokens-only prefill pool has no detokenizer
