@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.request
 from collections.abc import Sequence
@@ -182,15 +183,18 @@ def compare_first_token(stack: local.Stack, args: argparse.Namespace, out: IO[st
     off_url = local.start_proxy(stack, local.free_port(), args.run_dir.absolute(),
                                 ["--first-token-from-prefill", "off"], name="pd-proxy-first-token-off")
     n = args.first_token_requests
-    print(f"\nfirst token from the prefill worker, on vs off (pd-proxy {on_url} and {off_url}, the same\n"
-          f"workers): {n} streams each, one at a time, alternating, each proxy with its own cache_salt:",
+    print(f"\nfirst token from the prefill worker, on vs off (pd-proxy {on_url} and {off_url}):\n"
+          f"  same workers, {n} streams each, one at a time, alternating, each proxy its own cache_salt",
           file=out, flush=True)  # fmt: skip
+    load_before = os.getloadavg()[0]
     base = demo_config(on_url, result_dir=str(args.result_dir.absolute()), num_requests=n)
     cfg = replace(base, dataset=replace(base.dataset, seed=1), max_concurrency=1, salt_per_target=True,
                   label="demo-first-token")
     comparison: CompareResult = run_compare(cfg, [on_url, off_url], err=sys.stderr)
     on, off = (first_token_side(s, r) for s, r in zip(("on", "off"), comparison.results, strict=True))
     print(first_token_text(on, off, metric_sum(on_url, MISMATCH_COUNT)), file=out)
+    print(f"  load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs", file=out)  # fmt: skip
     for side, r in zip((on, off), comparison.results, strict=True):
         for key, path in r.files.items():
             print(f"{side.setting} {key}: {path}", file=out)
