@@ -8,7 +8,8 @@ them, sends one greedy request through the proxy and shows that its KV crossed f
 through the proxy, prints its summary, the per-hop TTFT breakdown and where the plots, the Grafana
 dashboards and the Prometheus scrape config are. Then it measures the first token from the prefill
 worker: a second pd-proxy with ``--first-token-from-prefill off`` in front of the same workers, and the
-same streams sent to both proxies one at a time, alternating (each proxy's requests with a
+same streams sent to both proxies in pairs with ``pd-bench compare`` (each stream to both proxies at
+once, one pair at a time, so load on the host hits both alike; each proxy's requests with a
 ``cache_salt`` of their own, so neither is served from the prefix cache the other filled); it prints
 TTFT and the second token's gap with the feature on and off side by side. Then it stops everything.
 Exit status 0 only when the request went through the proxy, the KV crossed and neither benchmark had
@@ -178,13 +179,15 @@ def first_token_text(on: FirstTokenSide, off: FirstTokenSide, mismatches: float 
 
 def compare_first_token(stack: local.Stack, args: argparse.Namespace, out: IO[str]) -> int:
     """A second pd-proxy with the feature off in front of the same workers; the same streams through
-    both, one at a time, alternating, each proxy with its own cache_salt. Returns the failures."""
+    both in pairs (each stream to both at once, one pair at a time), each proxy with its own
+    cache_salt. Returns the failures."""
     on_url = stack.info["proxy"]
     off_url = local.start_proxy(stack, local.free_port(), args.run_dir.absolute(),
                                 ["--first-token-from-prefill", "off"], name="pd-proxy-first-token-off")
     n = args.first_token_requests
     print(f"\nfirst token from the prefill worker, on vs off (pd-proxy {on_url} and {off_url}):\n"
-          f"  same workers, {n} streams each, one at a time, alternating, each proxy its own cache_salt",
+          f"  same workers; {n} streams each, in pairs (both proxies at once, one pair at a time), "
+          "each proxy its own cache_salt",
           file=out, flush=True)  # fmt: skip
     load_before = os.getloadavg()[0]
     base = demo_config(on_url, result_dir=str(args.result_dir.absolute()), num_requests=n)
