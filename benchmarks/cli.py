@@ -301,6 +301,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     _vllm_options(cmp_, url_multi=True)
     _dataset_groups(cmp_)
     _pd_bench_groups(cmp_, single_target=False)
+    cmp_.add_argument("--salt-per-target", action="store_true",
+                      help="each target sends its own vLLM cache_salt, so that targets sharing workers "
+                           "(two proxies in front of one pool) get no prefix-cache hit from each other")
     return parser, {"run": run, "serve": run, "sweep": sweep, "compare": cmp_}
 
 
@@ -421,6 +424,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         kv_probe_interval_s=getattr(args, "kv_probe_interval", 0.02),
         kv_free_timeout_s=getattr(args, "kv_free_timeout", 60.0),
         kv_settle=getattr(args, "kv_settle", False),
+        salt_per_target=getattr(args, "salt_per_target", False),
     )
 
 

@@ -121,6 +121,9 @@ class BenchConfig:
     kv_probe_interval_s: float = 0.02
     kv_free_timeout_s: float = 60.0
     kv_settle: bool = False
+    # compare: each target sends its own vLLM cache_salt (warm-ups included), so that targets sharing
+    # workers (two proxies in front of one pool) do not serve each other's prompts from the prefix cache
+    salt_per_target: bool = False
 
     def check(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -400,15 +403,16 @@ async def _warmup(
     *,
     specs: Sequence[RequestSpec],
     n: int,
-    salt: str | None = None,
+    salts: Sequence[str | None],
 ) -> list[RequestRecord]:
     """``n`` uncounted requests per target (vLLM's ``--num-warmups``: at most ``--max-concurrency``
-    at a time), shaped like the first requests of the run with fresh prompts."""
+    at a time), shaped like the first requests of the run with fresh prompts; each target's with
+    its ``salts`` entry."""
     if n <= 0:
         return []
     sem = asyncio.Semaphore(cfg.max_concurrency or n)
 
-    async def one(i: int, spec: RequestSpec, url: str) -> RequestRecord:
+    async def one(i: int, spec: RequestSpec, url: str, salt: str | None) -> RequestRecord:
         rec = RequestRecord(i, f"{cfg.request_id_prefix}{tag}-warmup-{i}", url, len(spec.prompt),
                             spec.output_len)
         async with sem:
@@ -416,7 +420,19 @@ async def _warmup(
                                       rec, 0.0)
 
     warm = _shaped_like(specs, n, cfg, 7919)
-    return list(await asyncio.gather(*(one(i, s, u) for i, s in enumerate(warm) for u in urls)))
+    return list(await asyncio.gather(
+        *(one(i, s, u, salt) for i, s in enumerate(warm) for u, salt in zip(urls, salts, strict=True))
+    ))
+
+
+def _salts(cfg: BenchConfig, tag: str, n_targets: int) -> list[str | None]:
+    """Each target's vLLM ``cache_salt``: with ``salt_per_target`` one per target; a cancellation
+    run one of its own (its baseline run has another), so that neither finds the other's prompts in
+    a worker's prefix cache; else none."""
+    base = f"{cfg.request_id_prefix}{tag}"
+    if cfg.salt_per_target:
+        return [f"{base}-t{t}" for t in range(n_targets)]
+    return [base if cfg.cancel is not None else None] * n_targets
 
 
 def _id_pattern(cfg: BenchConfig, tag: str) -> re.Pattern[str]:
@@ -455,10 +471,8 @@ async def _run_targets(
     started = datetime.now(UTC)
     run_tag = f"{started:%H%M%S}{secrets.token_hex(3)}"  # unique ids across runs
     jobs, rates = _schedule(specs, cfg, len(urls))
-    # A cancellation run and its baseline send the same prompts: each gets its own cache salt, so
-    # neither finds the other's prompts in a worker's prefix cache.
-    salt = f"{cfg.request_id_prefix}{run_tag}" if cfg.cancel is not None else None
-    opts = [replace(cfg.client_options(u), cache_salt=salt) for u in urls]
+    salts = _salts(cfg, run_tag, len(urls))
+    opts = [replace(cfg.client_options(u), cache_salt=salt) for u, salt in zip(urls, salts, strict=True)]
     plans: dict[int, CancelPlan] = {}
     probe_session = aiohttp.ClientSession() if cfg.kv_probes else None
     try:
@@ -468,7 +482,7 @@ async def _run_targets(
                     await _ready_check(session, cfg, url, specs, run_tag)
             calibrate = cfg.cancelling and cfg.cancel is not None and cfg.cancel.needs_ttft_reference
             n_warm = max(cfg.warmup, CALIBRATION_REQUESTS if calibrate and baseline is None else 0)
-            warm = await _warmup(session, cfg, urls, run_tag, specs=specs, n=n_warm, salt=salt)
+            warm = await _warmup(session, cfg, urls, run_tag, specs=specs, n=n_warm, salts=salts)
             if cfg.cancelling and cfg.cancel is not None:
                 ref = (
                     {r.index: r.ttft_s for r in baseline.records if r.success and r.ttft_s is not None}

@@ -231,7 +231,8 @@ def start_vllm_workers(stack: Stack, args: argparse.Namespace, run_dir: Path) ->
     stack.info["decode"] = list(stack.cluster.decode_urls)
 
 
-def start_proxy(stack: Stack, port: int, run_dir: Path, extra: Sequence[str]) -> str:
+def start_proxy(stack: Stack, port: int, run_dir: Path, extra: Sequence[str], name: str = "pd-proxy") -> str:
+    """pd-proxy in front of the stack's workers, its log in ``logs/<name>.log``; its URL once healthy."""
     url = f"http://{HOST}:{port}"
     cmd = [
         sys.executable,
@@ -249,9 +250,9 @@ def start_proxy(stack: Stack, port: int, run_dir: Path, extra: Sequence[str]) ->
         # from its /metrics.
         *extra,
     ]
-    child = spawn("pd-proxy", cmd, run_dir / "logs" / "pd-proxy.log")
+    child = spawn(name, cmd, run_dir / "logs" / f"{name}.log")
     stack.children.append(child)
-    wait_until(lambda: http_ok(f"{url}/health"), child, 60.0, "pd-proxy")
+    wait_until(lambda: http_ok(f"{url}/health"), child, 60.0, name)
     return url
 
 

@@ -183,6 +183,26 @@ async def test_compare_interleaves_the_same_requests(aiohttp_server: ServerFacto
         await arun_compare(cfg(url_a), [url_a])
 
 
+@pytest.mark.parametrize("per_target", [False, True])
+async def test_compare_salts_each_target_apart_when_asked(
+    aiohttp_server: ServerFactory, per_target: bool
+) -> None:
+    # Two proxies in front of the same workers get the same prompts: with salt_per_target each
+    # target's requests (warm-ups too) carry a cache_salt of their own, so neither is served from the
+    # prefix cache the other filled; without it no salt is sent (vLLM's request as it was).
+    url_a, app_a = await serve(aiohttp_server)
+    url_b, app_b = await serve(aiohttp_server)
+    await arun_compare(cfg(url_a, n=3, warmup=1, max_concurrency=1, salt_per_target=per_target),
+                       [url_a, url_b])
+    salts_a = {b.get("cache_salt") for b in app_a[SEEN].bodies}
+    salts_b = {b.get("cache_salt") for b in app_b[SEEN].bodies}
+    assert len(app_a[SEEN].bodies) == len(app_b[SEEN].bodies) == 4  # 3 measured + 1 warm-up each
+    if per_target:
+        assert len(salts_a) == len(salts_b) == 1 and salts_a.isdisjoint(salts_b) and None not in salts_a
+    else:
+        assert salts_a == salts_b == {None}
+
+
 async def test_sweep_over_concurrency(aiohttp_server: ServerFactory, tmp_path: Path) -> None:
     url, _ = await serve(aiohttp_server)
     sw = await arun_sweep(cfg(url, n=4, result_dir=str(tmp_path), label="sw"), concurrencies=[1, 2])

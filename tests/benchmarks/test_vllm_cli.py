@@ -137,6 +137,15 @@ def test_pd_bench_spellings_stay_aliases() -> None:
     assert replace(old, dataset=replace(old.dataset, sharegpt_output_len=None, custom_output_len=256)) == new
 
 
+def test_compare_takes_salt_per_target_and_run_does_not(capsys: pytest.CaptureFixture[str]) -> None:
+    urls = ("--url", "http://127.0.0.1:9", "--url", "http://127.0.0.1:10")
+    assert _parse("compare", *urls, "--salt-per-target").salt_per_target is True
+    assert _parse("compare", *urls).salt_per_target is False
+    with pytest.raises(SystemExit):  # one target has nobody to share a prefix cache with
+        _parse("run", "--base-url", "http://127.0.0.1:9", "--salt-per-target")
+    assert "--salt-per-target" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -15,6 +15,7 @@ import re
 import shutil
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -101,8 +102,81 @@ def test_dashboards_cover_every_required_view() -> None:
         "vllm:nixl_xfer_time_seconds_bucket",
         "vllm:nixl_num_kv_expired_reqs_total",
         "vllm:nixl_num_failed_transfers_total",
+        "pd_proxy_first_token_mismatch_total",
     }
     assert required - named == set()
+
+
+LATENCY = dash.DASHBOARDS / "pd-proxy-latency.json"
+TTFT_STAGES = {"queue", "prefill", "handoff", "decode_first_token"}
+ALL_STAGES = cat.proxy_metrics()["pd_proxy_stage_seconds_sum"].values["stage"]
+
+
+def _panels(path: Path) -> list[dict[str, Any]]:
+    return [p for p in dash.load(path)["panels"] if p["type"] != "row"]
+
+
+def _stages(expr: str) -> set[str]:
+    """The stages of pd_proxy_stage_seconds an expression reads (every stage when it names none)."""
+    found: set[str] = set()
+    for sel in dash.selectors(dash.parse(expr)):
+        if not sel.name.startswith("pd_proxy_stage_seconds"):
+            continue
+        stage = ALL_STAGES
+        for label, op, value in sel.matchers:
+            if label != "stage":
+                continue
+            if op == "Equal":
+                stage = frozenset({value})
+            elif op == "NotEqual":
+                stage = stage - {value}
+            elif op == "Re":  # a plain alternation narrows; any other regex is taken as every stage
+                stage = frozenset(dash._alternatives(value) or stage)
+            else:  # NotRe
+                stage = stage - set(dash._alternatives(value) or ())
+        found |= stage
+    return found
+
+
+def test_stage_times_against_client_ttft_take_the_stages_up_to_the_decode_first_token() -> None:
+    """Panels that stack or divide stage times against the client's TTFT take queue, prefill, handoff
+    and decode_first_token only: first_to_second (P's token to the next write) overlaps handoff and
+    decode_first_token, and decode_stream comes after the first token."""
+    checked = 0
+    for panel in _panels(LATENCY):
+        exprs = [t["expr"] for t in panel["targets"]]
+        if not any("pd_proxy_ttft_seconds_sum" in e for e in exprs):
+            continue
+        for expr in exprs:
+            if "pd_proxy_stage_seconds_sum" in expr:
+                checked += 1
+                assert _stages(expr) == TTFT_STAGES, (panel["title"], expr)
+        # and the description tells a reader that a stream with P's token adds up differently
+        assert "first_to_second" in panel["description"], panel["title"]
+    assert checked == 2  # the stacked means and the shares
+
+
+def test_first_to_second_has_its_percentiles_and_the_mismatches_their_rate() -> None:
+    exprs = [t["expr"] for p in _panels(LATENCY) for t in p["targets"]]
+    quantiles = {
+        e.split(",", 1)[0].removeprefix("histogram_quantile(")
+        for e in exprs
+        if e.startswith("histogram_quantile(") and _stages(e) == {"first_to_second"}
+    }
+    assert {"0.5", "0.99"} <= quantiles
+    assert any(
+        re.fullmatch(r"sum \(rate\(pd_proxy_first_token_mismatch_total\{[^}]*\}\[\$__rate_interval\]\)\)", e)
+        for e in exprs
+    )
+
+
+def test_the_stage_reader_follows_matchers() -> None:
+    assert _stages('pd_proxy_stage_seconds_sum{stage!="decode_stream"}') == ALL_STAGES - {"decode_stream"}
+    assert _stages('pd_proxy_stage_seconds_sum{stage=~"queue|prefill"}') == {"queue", "prefill"}
+    assert _stages('pd_proxy_stage_seconds_sum{stage="first_to_second"}') == {"first_to_second"}
+    assert _stages('pd_proxy_stage_seconds_sum{stage!~"queue|prefill"}') == ALL_STAGES - {"queue", "prefill"}
+    assert _stages('pd_proxy_stage_seconds_sum{stage=~"q.*"}') == ALL_STAGES
+    assert _stages("rate(pd_proxy_ttft_seconds_sum[5m])") == set()
 
 
 def test_panels_are_well_formed() -> None:
