@@ -4,6 +4,8 @@ token-exact against the aggregated worker, the first token from the prefill work
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -12,6 +14,7 @@ from aiohttp import web
 
 from proxy.app import SERVING
 from tests.e2e.proxy_stack import run_proxy
+from tests.e2e.test_aborts_vllm import prompt
 from tests.e2e.test_proxy_vllm import MAX_TOKENS, call, prompts
 from tests.fixtures_vllm import vllm_connector
 from workers.launcher import Cluster
@@ -48,3 +51,33 @@ async def test_streams_identical_to_aggregated_with_the_first_token_from_prefill
             metrics = (await r.read()).decode()
     assert "pd_proxy_first_token_mismatch_total 0.0" in metrics
     assert serving.leases.ledger.open_count == 0
+
+
+async def test_an_abort_right_after_the_prefill_workers_token_frees_its_kv(
+        vllm_cluster: Cluster, proxy: tuple[str, web.Application]) -> None:
+    """The client has P's token, D has not streamed yet (the hand-off): an abort then ends the
+    stream as vLLM's aborted stream and settles P's KV through D (pulled, or released), never
+    leaving it to P's lease."""
+    url, app = proxy
+    serving = app[SERVING]
+    body = {"request_id": "ft-abort", "token_ids": prompt(300, seed=11), "stream": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 200, "ignore_eos": True}}
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=vllm_connector()) as s, \
+            s.post(url + "/inference/v1/generate", json=body) as r:
+        first = await r.content.readuntil(b"\n\n")
+        a = await s.post(url + "/inference/v1/abort_requests",
+                         json={"request_ids": ["generate-tokens-ft-abort"]})
+        assert a.status == 200
+        rest = await asyncio.wait_for(r.read(), 120)
+    events = [json.loads(b[6:]) for b in (first + rest).split(b"\n\n") if b.startswith(b"data: {")]
+    assert len(events[0]["choices"][0]["token_ids"]) == 1  # P's token
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["abort"] and rest.rstrip().endswith(b"data: [DONE]")
+    ledger = serving.leases.ledger
+    for _ in range(1200):  # bounded: up to 120 s on a loaded machine
+        if ledger.open_count == 0:
+            break
+        await asyncio.sleep(0.1)
+    closed = [lease for lease in ledger.recent_closed() if lease.request_id.endswith("ft-abort")]
+    assert [lease.reason for lease in closed] in (["pulled"], ["aborted"]), closed
