@@ -290,6 +290,21 @@ def warn_if_unguarded(settings: ProxySettings) -> None:
                 "and abort requests; set --api-key or PD_PROXY_API_KEY", settings.host, settings.port)
 
 
+KEY_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--api-key", "PD_PROXY_API_KEY(S) or --api-key-file"),
+    ("--upstream-api-key", "PD_PROXY_UPSTREAM_API_KEY or the config file"))
+"""Flags that take a secret, and where the secret belongs instead (the command line shows in ps)."""
+
+
+def warn_keys_on_command_line(argv: Sequence[str]) -> None:
+    """A WARNING for each key flag given on the command line, naming the flag, never the key."""
+    given = {arg.split("=", 1)[0] for arg in argv}
+    for flag, instead in KEY_FLAGS:
+        if flag in given:
+            log.warning("%s on the command line: any local user can read it in ps or /proc; "
+                        "give it with %s", flag, instead)
+
+
 def log_processes(settings: ProxySettings, why: str) -> None:
     """The process count at start-up, how it was reached, and that the limits hold per process."""
     n = settings.workers
@@ -302,6 +317,7 @@ def log_processes(settings: ProxySettings, why: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings, why = parse_args_explained(argv)
+    warn_keys_on_command_line(sys.argv[1:] if argv is None else argv)
     warn_if_unguarded(settings)
     log_processes(settings, why)
     if settings.workers > 1:

@@ -47,9 +47,33 @@ def test_no_warning_on_loopback(monkeypatch: pytest.MonkeyPatch, caplog: pytest.
 def test_no_warning_with_a_key_from_the_flag_or_the_environment(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("PD_PROXY_API_KEY", raising=False)
-    assert start(monkeypatch, caplog, "--host", "0.0.0.0", "--api-key", KEY) == []
+    # The flag guards the port; it only earns the warning about keys on the command line
+    (record,) = start(monkeypatch, caplog, "--host", "0.0.0.0", "--api-key", KEY)
+    assert record.getMessage().startswith("--api-key on the command line")
     monkeypatch.setenv("PD_PROXY_API_KEY", KEY)
     assert start(monkeypatch, caplog, "--host", "0.0.0.0") == []
     # An empty key guards nothing (the app adds no auth for it): still a warning.
     monkeypatch.setenv("PD_PROXY_API_KEY", "")
     assert len(start(monkeypatch, caplog, "--host", "0.0.0.0")) == 1
+
+
+@pytest.mark.parametrize(("args", "flags"), [
+    (["--api-key", KEY], ["--api-key"]),
+    ([f"--upstream-api-key={KEY}"], ["--upstream-api-key"]),
+    (["--api-key", KEY, "--api-key", KEY + "2", "--upstream-api-key", KEY],
+     ["--api-key", "--upstream-api-key"]),
+])
+def test_a_key_on_the_command_line_is_warned_about_without_the_key(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, args: list[str],
+        flags: list[str]) -> None:
+    records = start(monkeypatch, caplog, *args)
+    messages = [r.getMessage() for r in records if "on the command line" in r.getMessage()]
+    assert [m.split(" ", 1)[0] for m in messages] == flags
+    assert all("ps" in m and KEY not in m for m in messages)
+
+
+def test_keys_from_the_environment_are_not_warned_about(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("PD_PROXY_API_KEY", KEY)
+    monkeypatch.setenv("PD_PROXY_UPSTREAM_API_KEY", KEY)
+    assert [r for r in start(monkeypatch, caplog) if "command line" in r.getMessage()] == []
