@@ -17,6 +17,9 @@ each key a tenant (``proxy.tenants``); ``/debug/*`` behind the admin key when se
                                           (``proxy.pools.admin``; only when that key is set); with
                                           ``--admin-port`` on its own listener instead (the main
                                           port then answers 404 for ``/admin/*``)
+
+The three ``POST`` calls above the health routes take the lean front (``proxy.lean``): the same
+key check, body limits and error answers as the middlewares, without the router.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Limits on what a client may send before the proxy spends anything on it.
 
-``body_middleware`` runs after authentication and before any handler: a body announced
+``BodyLimit`` runs after authentication and before any handler (as ``body_middleware`` on the full
+path, and inside the lean front of the generate and abort calls, ``proxy.lean``): a body announced
 larger than ``max_bytes`` is refused at once (413, nothing read); otherwise, on the routes
 that read bodies (generate, abort), the whole body is read under ``timeout`` (a client
 trickling it gets a 408) and cached on the request, so the handlers' ``await request.read()``
