@@ -17,6 +17,9 @@ each key a tenant (``proxy.tenants``); ``/debug/*`` behind the admin key when se
                                           (``proxy.pools.admin``; only when that key is set); with
                                           ``--admin-port`` on its own listener instead (the main
                                           port then answers 404 for ``/admin/*``)
+
+The three ``POST`` calls above the health routes take the lean front (``proxy.lean``): the same
+key check, body limits and error answers as the middlewares, without the router.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from proxy.errors import (
     json_response,
 )
 from proxy.hop import HopClient
-from proxy.limits import body_middleware
+from proxy.lean import LeanApplication
+from proxy.limits import BodyLimit, body_middleware
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.serving import Serving
@@ -119,20 +123,22 @@ class _Auth:
             raise Unauthorized("Unauthorized")
         return OPEN if legacy else None
 
+    def admit(self, request: web.Request) -> None:
+        """A request on a guarded route: its tenant noted (raises without a valid key)."""
+        tenant = self.tenant_of(request)
+        if tenant is not None:
+            request[TENANT] = tenant
+
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method == "OPTIONS":
             return await handler(request)
         if request.path.startswith(ADMIN_PREFIXES) and self.admin_gate(request):
             return await handler(request)
-        tenant = self.tenant_of(request)
-        if tenant is not None:
-            request[TENANT] = tenant
+        self.admit(request)
         return await handler(request)
 
 
-def _auth_middleware(settings: ProxySettings, tenants: Tenants, admin: Tenants) -> Middleware:
-    gate = _Auth(settings, tenants, admin)
-
+def _auth_middleware(gate: _Auth) -> Middleware:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await gate(request, handler)
@@ -367,12 +373,17 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     # client without the key never gets its body read).
     tenants = Tenants(settings.client_keys())
     admin_keys = Tenants([(None, settings.pools.admin_key)] if settings.pools.admin_key else [])
-    auth = tenants.enabled or admin_keys.enabled
-    middlewares = [error_middleware, *([_auth_middleware(settings, tenants, admin_keys)] if auth else []),
+    gate = _Auth(settings, tenants, admin_keys) if tenants.enabled or admin_keys.enabled else None
+    middlewares = [error_middleware, *([_auth_middleware(gate)] if gate is not None else []),
                    body_middleware(settings.max_body_bytes, settings.body_timeout,
                                    (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH),
                                    large_paths=(GENERATE_PATH,))]
-    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    # The generate and abort calls take the lean front (``proxy.lean``): the same steps as the
+    # middlewares above, in one frame and without the router.
+    app = LeanApplication(limit=BodyLimit(settings.max_body_bytes, settings.body_timeout),
+                          middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    if gate is not None:
+        app.set_guard(gate.admit)
     metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=settings.lease_duration)
     app[SETTINGS] = settings
     app[METRICS] = metrics
@@ -383,9 +394,9 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app[ON_ERROR] = _count_error
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
-    app.router.add_post("/inference/v1/generate", generate)
-    app.router.add_post("/inference/v1/abort_requests", abort_requests)
-    app.router.add_post(LEGACY_ABORT_PATH, abort_requests)
+    app.add_lean_post(GENERATE_PATH, generate, large=True)
+    app.add_lean_post(ABORT_PATH, abort_requests)
+    app.add_lean_post(LEGACY_ABORT_PATH, abort_requests)
     app.router.add_get("/health", health)
     app.router.add_get("/livez", livez)
     app.router.add_get("/readyz", readyz)

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import traceback
@@ -230,26 +229,34 @@ ON_ERROR: web.AppKey[ErrorHook] = web.AppKey("on_error")
 counts failed generate calls there)."""
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Outermost middleware: every error leaves in vLLM's shape, and an unexpected exception
-    is a logged (method, path and type only: never the body) generic 500, not aiohttp's text.
-    Handlers and the walk raise; this is where errors become answers (and are counted)."""
-    try:
-        return await handler(request)
-    except ProxyError as e:
+def answer_error(request: web.Request, e: Exception) -> web.StreamResponse:
+    """What a handler's exception becomes: every error in vLLM's shape (``ProxyError``s counted
+    through the app's ``ON_ERROR`` hook), an unexpected exception a logged (method, path and type
+    only: never the body) generic 500, not aiohttp's text. Re-raises what is not an error answer:
+    an ``HTTPException`` under 400 (a redirect) and ``ConnectionResetError``. The error middleware
+    and the lean front of the generate and abort calls (``proxy.lean``) both answer through it."""
+    if isinstance(e, ProxyError):
         on_error = request.app.get(ON_ERROR)
         if on_error is not None:
             on_error(request, e)
         return e.to_response()
-    except web.HTTPException as e:
+    if isinstance(e, web.HTTPException):
         if e.status < 400:
-            raise
+            raise e
         return http_exception_response(e)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
+    if isinstance(e, ConnectionResetError):
+        raise e
+    # The frames (code locations) but not the message: messages can quote request values.
+    log.error("unexpected %s while serving %s %s\n%s", type(e).__name__, request.method,
+              request.path, "".join(traceback.format_tb(e.__traceback__)).rstrip())
+    return json_response(error_body("Internal server error", "InternalServerError", 500), 500)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Outermost middleware: every error leaves in vLLM's shape (``answer_error``). Handlers and
+    the walk raise; this is where errors become answers (and are counted). Cancellation passes."""
+    try:
+        return await handler(request)
     except Exception as e:
-        # The frames (code locations) but not the message: messages can quote request values.
-        log.error("unexpected %s while serving %s %s\n%s", type(e).__name__, request.method,
-                  request.path, "".join(traceback.format_tb(e.__traceback__)).rstrip())
-        return json_response(error_body("Internal server error", "InternalServerError", 500), 500)
+        return answer_error(request, e)

@@ -1,6 +1,7 @@
 """Limits on what a client may send before the proxy spends anything on it.
 
-``body_middleware`` runs after authentication and before any handler: a body announced
+``BodyLimit`` runs after authentication and before any handler (as ``body_middleware`` on the full
+path, and inside the lean front of the generate and abort calls, ``proxy.lean``): a body announced
 larger than ``max_bytes`` is refused at once (413, nothing read); otherwise, on the routes
 that read bodies (generate, abort), the whole body is read under ``timeout`` (a client
 trickling it gets a 408) and cached on the request, so the handlers' ``await request.read()``
@@ -49,6 +50,39 @@ async def request_body(request: web.Request) -> bytes | bytearray:
     return raw if raw is not None else await request.read()
 
 
+class BodyLimit:
+    """The body checks of one app: a body announced larger than ``max_bytes`` is refused (413,
+    nothing read); a body that is read is read whole under ``timeout`` (408) and cached on the
+    request. ``body_middleware`` applies it to every route, the lean front (``proxy.lean``) to the
+    generate and abort calls."""
+
+    def __init__(self, max_bytes: int, timeout: float, *, large_bytes: int = LARGE_BODY_BYTES) -> None:
+        self.max_bytes, self.timeout, self.large_bytes = max_bytes, timeout, large_bytes
+
+    async def take(self, request: web.Request, *, read: bool = True, large: bool = False) -> None:
+        """Check ``request``'s body and, when ``read``, read it (``large``: a body over
+        ``large_bytes``, or of unknown length, into one growing buffer, for ``request_body``)."""
+        if not request.body_exists:
+            return
+        max_bytes, timeout = self.max_bytes, self.timeout
+        length = request.content_length
+        if length is not None and length > max_bytes:
+            raise PayloadTooLarge(f"Request body too large: {length} bytes, the limit is {max_bytes}")
+        if not read:
+            return
+        try:
+            if large and (length is None or length > self.large_bytes):
+                request[RAW_BODY] = await asyncio.wait_for(_read_growing(request, max_bytes), timeout)
+            elif request.content.is_eof():
+                await request.read()  # it all came with the headers: no timer, no task
+            else:
+                await asyncio.wait_for(request.read(), timeout)
+        except TimeoutError:
+            raise BodyTimeout(f"the request body did not arrive within {timeout:g} s") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(f"Request body too large: the limit is {max_bytes} bytes") from None
+
+
 def body_middleware(max_bytes: int, timeout: float, read_paths: Collection[str], *,
                     large_paths: Collection[str] = (), large_bytes: int = LARGE_BODY_BYTES) -> Middleware:
     """``read_paths``: the routes whose handlers read the body (it is read here, under the
@@ -58,29 +92,15 @@ def body_middleware(max_bytes: int, timeout: float, read_paths: Collection[str],
     handler takes it with ``request_body``."""
     paths = frozenset(read_paths)
     large = frozenset(large_paths)
+    limit = BodyLimit(max_bytes, timeout, large_bytes=large_bytes)
 
     @web.middleware
     async def limit_body(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.body_exists:
-            length = request.content_length
-            if length is not None and length > max_bytes:
-                raise PayloadTooLarge(f"Request body too large: {length} bytes, the limit is {max_bytes}")
-            if request.path not in paths:
-                return await handler(request)
-            try:
-                if request.path in large and (length is None or length > large_bytes):
-                    request[RAW_BODY] = await asyncio.wait_for(_read_growing(request, max_bytes), timeout)
-                elif request.content.is_eof():
-                    await request.read()  # it all came with the headers: no timer, no task
-                else:
-                    await asyncio.wait_for(request.read(), timeout)
-            except TimeoutError:
-                raise BodyTimeout(f"the request body did not arrive within {timeout:g} s") from None
-            except web.HTTPRequestEntityTooLarge:
-                raise PayloadTooLarge(f"Request body too large: the limit is {max_bytes} bytes") from None
+        path = request.path
+        await limit.take(request, read=path in paths, large=path in large)
         return await handler(request)
 
     return limit_body
 
 
-__all__ = ["RAW_BODY", "body_middleware", "request_body"]
+__all__ = ["RAW_BODY", "BodyLimit", "body_middleware", "request_body"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,91 @@ class _Uncounted:
 
 
 _UNCOUNTED = _Uncounted()
+
+
+class _Child:
+    """One labelled series on the hot path: prometheus_client's ``inc``/``observe`` re-check on
+    every call that the object is a series and not a labelled parent (two calls each) and walk a
+    histogram's bounds one by one; ``ProxyMetrics.child`` checked that once, so its series are
+    updated here straight on their values (``observe``: the bucket found by bisection, as
+    ``Histogram.observe`` finds it, for the finite amounts the proxy observes). The same values
+    change, so ``/metrics`` and the multiprocess files see what ``inc``/``observe`` would have
+    written. Counters, histograms and gauges that are not in a ``mostrecent`` mode (``fast``)."""
+
+    __slots__ = ("_bounds", "_buckets", "_series", "_sum", "_value")
+
+    def __init__(self, series: Any) -> None:
+        self._series = series
+        self._value = getattr(series, "_value", None)  # counters and gauges
+        self._sum = getattr(series, "_sum", None)  # histograms
+        self._buckets = getattr(series, "_buckets", None)
+        self._bounds = getattr(series, "_upper_bounds", None)
+
+    def inc(self, amount: float = 1) -> None:
+        self._value.inc(amount)  # type: ignore[union-attr]
+
+    def dec(self, amount: float = 1) -> None:
+        self._value.inc(-amount)  # type: ignore[union-attr]
+
+    def set(self, value: float) -> None:
+        self._series.set(value)
+
+    def observe(self, amount: float) -> None:
+        self._sum.inc(amount)  # type: ignore[union-attr]
+        self._buckets[bisect_left(self._bounds, amount)].inc(1)  # type: ignore[index, arg-type]
+
+
+class _CounterChild(_Child):
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._value.inc(amount)  # type: ignore[union-attr]
+
+
+def fast(metric: Any, series: Any) -> Any:
+    """``series`` (``metric.labels(...)``) updated through ``_Child`` when its kind allows."""
+    if isinstance(metric, Counter):
+        return _CounterChild(series)
+    if isinstance(metric, Histogram) or (isinstance(metric, Gauge) and not series._is_most_recent):
+        return _Child(series)
+    return series
+
+
+class HistogramBatch:
+    """Observations of one histogram without labels (or one child), counted here per bucket and
+    added to it in one step per bucket by ``flush``. prometheus_client's ``observe`` is two
+    locked increments and a walk of the bounds per call, several microseconds: a stream's
+    inter-token gaps, one per write, are the hot case. Until ``flush`` the histogram does not
+    show them (a stream flushes as its relay ends, whatever ends it)."""
+
+    __slots__ = ("_bounds", "_counts", "_histogram", "_sum")
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._bounds: list[float] = histogram._upper_bounds
+        self._counts: list[int] | None = None
+        self._sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        """As ``Histogram.observe``: the first bucket whose bound is at least ``amount``."""
+        counts = self._counts
+        if counts is None:
+            counts = self._counts = [0] * len(self._bounds)
+        counts[bisect_left(self._bounds, amount)] += 1
+        self._sum += amount
+
+    def flush(self) -> None:
+        counts = self._counts
+        if counts is None:
+            return
+        buckets = self._histogram._buckets
+        for i, n in enumerate(counts):
+            if n:
+                buckets[i].inc(n)
+        self._histogram._sum.inc(self._sum)
+        self._counts, self._sum = None, 0.0
 
 
 def latency_buckets(longest: float = 0.0) -> tuple[float, ...]:
@@ -233,7 +319,7 @@ class ProxyMetrics:
             if where is not None and self.members is not None and \
                     not self.members(values[where[1]], values[where[2]]):
                 return _UNCOUNTED  # the worker left: its series stay gone (not cached)
-            found = self._children[key] = metric.labels(*values)
+            found = self._children[key] = fast(metric, metric.labels(*values))
         return found
 
     def forget_worker(self, pool: str, worker: str) -> None:

@@ -17,6 +17,7 @@ from proxy.core import Core, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
 from proxy.errors import StreamOverflow, UpstreamError, UpstreamProtocolError, UpstreamStatusError
 from proxy.flight import Flight
+from proxy.metrics import HistogramBatch
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
 from proxy.relay import StreamBuffer
@@ -76,9 +77,9 @@ class StreamDecode(Part):
         finally:
             buffer.discard()  # nothing more goes to this client: its bytes leave the budget
 
-    async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
-                     buffer: StreamBuffer) -> None:
-        want_timing = request.headers.get("X-PD-Timing") == "1"
+    async def _pump(self, request: web.Request, f: Flight, resp: web.StreamResponse, buffer: StreamBuffer,
+                    itl: HistogramBatch) -> tuple[float | None, float | None]:
+        """The buffer's events to the client until D's stream ends; the first and last write."""
         last_write: float | None = f.timing.first_write  # P's token went first
         first_write: float | None = last_write
         transport = request.transport
@@ -104,13 +105,22 @@ class StreamDecode(Part):
                     first_write = now
                     self.metrics.ttft.observe(now - f.timing.received)
                 else:
-                    self.metrics.itl.observe(now - last_write)
+                    itl.observe(now - last_write)
                     if f.timing.second_write is None and f.timing.first_write is not None:
                         f.timing.second_write = now
                         self.metrics.child(self.metrics.stage, "first_to_second").observe(now - last_write)
                 last_write = now
             if finished:
-                break
+                return first_write, last_write
+
+    async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
+                     buffer: StreamBuffer) -> None:
+        want_timing = request.headers.get("X-PD-Timing") == "1"
+        itl = HistogramBatch(self.metrics.itl)  # one update per bucket when the relay ends
+        try:
+            first_write, last_write = await self._pump(request, f, resp, buffer, itl)
+        finally:
+            itl.flush()
         if buffer.overflowed:
             self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()
             err = StreamOverflow(
