@@ -102,11 +102,6 @@ class Aborts(Part):
             buffer.put(data_event(chunk), chunk)
         buffer.finish(done=True)
 
-    async def send_abort(self, worker: Worker, engine_id: str) -> bool:
-        ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
-        self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
-        return ok
-
     async def broadcast_abort(self, request_ids: list[str]) -> None:
         async with self._broadcast_slots:  # bounded fan-outs at once (``abort_broadcast_concurrency``)
             workers = [*self.prefill_pool, *self.decode_pool]

@@ -178,3 +178,9 @@ class Part:
     @property
     def draining(self) -> bool:
         return self.core.draining
+
+    async def send_abort(self, worker: Worker, engine_id: str) -> bool:
+        """One abort of ``engine_id`` to ``worker`` (counted by pool and result)."""
+        ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
+        self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
+        return ok

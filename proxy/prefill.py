@@ -146,9 +146,9 @@ class Prefill(Part):
         body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,
                             keep_stop=not self.settings.prefill_tokens_only, first_token=f.first_token)
         outcome = Outcome.NEUTRAL
-        aborted: list[asyncio.Task[None]] = []
+        aborted: list[asyncio.Task[bool]] = []  # the abort sent at ``limit`` (P then answers at once)
         late = asyncio.get_running_loop().call_later(
-            limit, lambda: aborted.append(self.tracker.spawn(self._abort_late(worker, f.record.engine_id))))
+            limit, lambda: aborted.append(self.tracker.spawn(self.send_abort(worker, f.record.engine_id))))
         try:
             reply: dict[str, Any] = await self.core.call(worker, self.upstream.post_generate(
                 "prefill", worker.url, body, request_id=f.record.base_id,
@@ -170,11 +170,6 @@ class Prefill(Part):
         finally:
             late.cancel()
             self.prefill_pool.release(worker, outcome)
-
-    async def _abort_late(self, worker: Worker, engine_id: str) -> None:
-        """The prefill hop's time is up: abort it on P (which then answers at once)."""
-        ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
-        self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
 
     def pairless(self) -> list[Worker]:
         """With the preflight on: prefill workers whose every pair with the decode pool failed it

@@ -61,16 +61,24 @@ async def stream(pd: PD, body: dict[str, Any], **kw: Any) -> tuple[int, list[Any
     return r.status, sse_datas(raw), timing
 
 
+async def stream_and_reference(pd: PD, sim_factory: SimFactory, body: dict[str, Any], *,
+                               usage: bool = False) -> tuple[int, int, list[Any], list[Any], str]:
+    """``body`` streamed through the proxy and through one aggregated pd-sim (``usage``: with
+    ``include_usage``): both statuses, both event lists, and the proxy's Server-Timing line."""
+    if usage:
+        body = {**body, "stream_options": {"include_usage": True}}
+    status, got, timing = await stream(pd, body)
+    want_status, want = await reference(sim_factory, body, True, {})
+    return status, want_status, got, want, timing
+
+
 @pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
 @pytest.mark.parametrize("name", list(CASES))
 async def test_stream_is_the_aggregated_workers_with_ps_token_first(
         pd_factory: PDFactory, sim_factory: SimFactory, name: str, usage: bool) -> None:
     pd = await pd_factory(**ON)
-    body = {**CASES[name], "request_id": f"ft-{name}"}
-    if usage:
-        body["stream_options"] = {"include_usage": True}
-    status, got, timing = await stream(pd, body)
-    want_status, want = await reference(sim_factory, body, True, {})
+    status, want_status, got, want, timing = await stream_and_reference(
+        pd, sim_factory, {**CASES[name], "request_id": f"ft-{name}"}, usage=usage)
     assert status == want_status == 200
     assert volatile(got) == volatile(want)
     assert "first_to_second;dur=" in timing  # token 1 was P's, written before the decode hop
@@ -110,11 +118,8 @@ FINISH_AT_P: dict[str, dict[str, Any]] = {
 async def test_ps_token_that_ends_the_request_ends_the_stream_without_a_decode_hop(
         pd_factory: PDFactory, sim_factory: SimFactory, name: str, usage: bool) -> None:
     pd = await pd_factory(**ON)
-    body = {**FINISH_AT_P[name], "request_id": f"fp-{name}"}
-    if usage:
-        body["stream_options"] = {"include_usage": True}
-    status, got, timing = await stream(pd, body)
-    want_status, want = await reference(sim_factory, body, True, {})
+    status, want_status, got, want, timing = await stream_and_reference(
+        pd, sim_factory, {**FINISH_AT_P[name], "request_id": f"fp-{name}"}, usage=usage)
     assert status == want_status == 200
     assert volatile(got) == volatile(want)
     assert got[-2 if not usage else -3]["choices"][0]["finish_reason"] in ("stop", "length")
@@ -128,18 +133,16 @@ async def test_ps_token_that_ends_the_request_ends_the_stream_without_a_decode_h
 async def test_turned_off_the_stream_is_the_decode_workers(pd_factory: PDFactory,
                                                           sim_factory: SimFactory) -> None:
     pd = await pd_factory(first_token_from_prefill=False)
-    body = {**r(output_mode="text"), "request_id": "off"}
-    status, got, timing = await stream(pd, body)
-    _, want = await reference(sim_factory, body, True, {})
+    status, _, got, want, timing = await stream_and_reference(
+        pd, sim_factory, {**r(output_mode="text"), "request_id": "off"})
     assert status == 200 and volatile(got) == volatile(want)
     assert "first_to_second" not in timing
 
 
 async def test_on_by_default(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
     pd = await pd_factory()
-    body = {**r(output_mode="text"), "request_id": "default"}
-    status, got, timing = await stream(pd, body)
-    _, want = await reference(sim_factory, body, True, {})
+    status, _, got, want, timing = await stream_and_reference(
+        pd, sim_factory, {**r(output_mode="text"), "request_id": "default"})
     assert status == 200 and volatile(got) == volatile(want)
     assert "first_to_second" in timing
 
