@@ -366,6 +366,12 @@ async def _on_shutdown(app: web.Application) -> None:
     app[SERVING].draining = True
 
 
+READ_BODY_PATHS = (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH)
+"""The calls whose bodies the proxy reads (under the body timeout); each on the lean front."""
+LARGE_BODY_PATHS = (GENERATE_PATH,)
+"""Of those, the one whose large bodies are read into one growing buffer (``proxy.large_body``)."""
+
+
 def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None = None) -> web.Application:
     """``tracer_provider``: the OpenTelemetry provider for ``settings.otel`` (default: the global
     one, or one built from the ``OTEL_*`` variables; see ``proxy.tracing``)."""
@@ -374,14 +380,12 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     tenants = Tenants(settings.client_keys())
     admin_keys = Tenants([(None, settings.pools.admin_key)] if settings.pools.admin_key else [])
     gate = _Auth(settings, tenants, admin_keys) if tenants.enabled or admin_keys.enabled else None
+    limit = BodyLimit(settings.max_body_bytes, settings.body_timeout)
     middlewares = [error_middleware, *([_auth_middleware(gate)] if gate is not None else []),
-                   body_middleware(settings.max_body_bytes, settings.body_timeout,
-                                   (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH),
-                                   large_paths=(GENERATE_PATH,))]
+                   body_middleware(limit, READ_BODY_PATHS, large_paths=LARGE_BODY_PATHS)]
     # The generate and abort calls take the lean front (``proxy.lean``): the same steps as the
     # middlewares above, in one frame and without the router.
-    app = LeanApplication(limit=BodyLimit(settings.max_body_bytes, settings.body_timeout),
-                          middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    app = LeanApplication(limit=limit, middlewares=middlewares, client_max_size=settings.max_body_bytes)
     if gate is not None:
         app.set_guard(gate.admit)
     metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=settings.lease_duration)
@@ -394,9 +398,8 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app[ON_ERROR] = _count_error
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
-    app.add_lean_post(GENERATE_PATH, generate, large=True)
-    app.add_lean_post(ABORT_PATH, abort_requests)
-    app.add_lean_post(LEGACY_ABORT_PATH, abort_requests)
+    for path, handler in zip(READ_BODY_PATHS, (generate, abort_requests, abort_requests), strict=True):
+        app.add_lean_post(path, handler, large=path in LARGE_BODY_PATHS)
     app.router.add_get("/health", health)
     app.router.add_get("/livez", livez)
     app.router.add_get("/readyz", readyz)

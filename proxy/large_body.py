@@ -333,12 +333,7 @@ def _raise_for_run(body: Buffer, lo: int, piece: Buffer, at: int, parts: Sequenc
     """The error of a long run with no comma and two values or more (``piece`` at ``at``): the
     first value's own, else the missing comma before the second."""
     first = piece.find(parts[0])
-    try:
-        json.loads(b"[" + parts[0] + b"]")
-    except json.JSONDecodeError as e:
-        raise _json_error(JSONBodyError(e.msg, e.pos), _char_at(body, lo, at + first + e.pos - 1)) from None
-    except ValueError as e:
-        raise _json_error(JSONBodyError(str(e).split(":", 1)[0]), 0) from None
+    _loads_slice(body, lo, parts[0], at + first)
     second = piece.find(parts[1], first + len(parts[0]))
     raise _json_error(JSONBodyError("Expecting ',' delimiter"), _char_at(body, lo, at + second))
 
@@ -346,21 +341,26 @@ def _raise_for_run(body: Buffer, lo: int, piece: Buffer, at: int, parts: Sequenc
 def _slice_values(body: Buffer, lo: int, piece: Buffer, at: int) -> tuple[list[Any], bool, array[int] | None]:
     """A slice's values, whether it is plain (digits, commas and blanks: ints >= 0), and the
     same packed when they are."""
-    text = b"[" + piece + b"]"
     plain = not piece.translate(None, _PLAIN)
     if plain:  # pydantic-core's parse, 40% faster than json's
         try:
-            values = pydantic_core.from_json(text)
+            values = pydantic_core.from_json(b"[" + piece + b"]")
             return values, True, array("q", values)
         except (ValueError, OverflowError):
             pass  # ``json.loads`` tells what is wrong, in vLLM's words
+    return _loads_slice(body, lo, piece, at), plain, None
+
+
+def _loads_slice(body: Buffer, lo: int, piece: Buffer, at: int) -> list[Any]:
+    """``piece`` (at ``at`` in the body) parsed as the values of a JSON array by ``json``, whose
+    errors are vLLM's words, placed in the body."""
     try:
-        values = json.loads(text)
+        values: list[Any] = json.loads(b"[" + piece + b"]")
     except json.JSONDecodeError as e:
         raise _json_error(JSONBodyError(e.msg, e.pos), _char_at(body, lo, at + e.pos - 1)) from None
     except ValueError as e:  # a number past Python's digit limit
         raise _json_error(JSONBodyError(str(e).split(":", 1)[0]), 0) from None
-    return values, plain, None
+    return values
 
 
 def _validated(body: Buffer, start: int, end: int, rest_data: dict[str, Any],

@@ -83,16 +83,15 @@ class BodyLimit:
             raise PayloadTooLarge(f"Request body too large: the limit is {max_bytes} bytes") from None
 
 
-def body_middleware(max_bytes: int, timeout: float, read_paths: Collection[str], *,
-                    large_paths: Collection[str] = (), large_bytes: int = LARGE_BODY_BYTES) -> Middleware:
-    """``read_paths``: the routes whose handlers read the body (it is read here, under the
-    timeout); on others only the announced length is checked (sub-applications such as the
-    admin API read their own bodies and test ``request.can_read_body``). On ``large_paths`` a
-    body over ``large_bytes`` (or of unknown length) is read without a final copy, and its
-    handler takes it with ``request_body``."""
+def body_middleware(limit: BodyLimit, read_paths: Collection[str], *,
+                    large_paths: Collection[str] = ()) -> Middleware:
+    """``limit`` applied to every route. ``read_paths``: the routes whose handlers read the body
+    (it is read here, under the timeout); on others only the announced length is checked
+    (sub-applications such as the admin API read their own bodies and test
+    ``request.can_read_body``). On ``large_paths`` a body over ``limit.large_bytes`` (or of
+    unknown length) is read without a final copy, and its handler takes it with ``request_body``."""
     paths = frozenset(read_paths)
     large = frozenset(large_paths)
-    limit = BodyLimit(max_bytes, timeout, large_bytes=large_bytes)
 
     @web.middleware
     async def limit_body(request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -107,8 +107,7 @@ class StreamDecode(Part):
                 else:
                     itl.observe(now - last_write)
                     if f.timing.second_write is None and f.timing.first_write is not None:
-                        f.timing.second_write = now
-                        self.metrics.child(self.metrics.stage, "first_to_second").observe(now - last_write)
+                        self._second_write(f, now)  # once per stream, only after P's token
                 last_write = now
             if finished:
                 return first_write, last_write
@@ -139,14 +138,18 @@ class StreamDecode(Part):
         if f.decode_task is not None and f.decode_task.done():
             self.core.set_done(f)
 
+    def _second_write(self, f: Flight, now: float) -> None:
+        """The write after P's token (when P's token went first): the ``first_to_second`` stage."""
+        first = f.timing.first_write
+        if first is not None:
+            f.timing.second_write = now
+            self.metrics.child(self.metrics.stage, "first_to_second").observe(now - first)
+
     def _observe_stream(self, f: Flight, first_write: float | None, last_write: float | None) -> None:
         """A stream relayed to its end: the decode stage after D's first token, and the time per
         output token the client saw (when usage gives the count)."""
-        if f.timing.first_write is not None and f.timing.second_write is None:
-            # P's token went first and nothing but the stream's end follows it
-            f.timing.second_write = self.clock()
-            self.metrics.child(self.metrics.stage, "first_to_second").observe(
-                f.timing.second_write - f.timing.first_write)
+        if f.timing.second_write is None:  # nothing but the stream's end followed P's token
+            self._second_write(f, self.clock())
         if f.timing.first_token is not None:
             self.metrics.child(self.metrics.stage, "decode_stream").observe(
                 self.clock() - f.timing.first_token)

@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.errors import error_middleware
-from proxy.limits import body_middleware, request_body
+from proxy.limits import BodyLimit, body_middleware, request_body
 
 MAX, LARGE = 1000, 100
 
@@ -28,7 +28,7 @@ def app(seen: list[str]) -> web.Application:
         return web.json_response({"bytes": len(await request.read())})
 
     a = web.Application(middlewares=[error_middleware, body_middleware(
-        MAX, 0.2, ["/read"], large_paths=["/read"], large_bytes=LARGE)], client_max_size=MAX)
+        BodyLimit(MAX, 0.2, large_bytes=LARGE), ["/read"], large_paths=["/read"])], client_max_size=MAX)
     a.router.add_post("/read", read)
     a.router.add_post("/other", other)
     return a
