@@ -63,6 +63,8 @@ def test_child_series_count_as_prometheus_client_would(monkeypatch: pytest.Monke
         fast.child(fast.requests, "ok").inc()
         fast.child(fast.aborts, "client_call", "unknown").inc(3)
         fast.child(fast.inflight, "decode").inc()
+        for histogram in (fast.ttft, fast.e2e, fast.tpot):  # no labels: observed as they are
+            histogram.observe(v)
     fast.child(fast.inflight, "decode").dec(2)
     assert checks == []  # checked once, when the series was made: not on every update
     with pytest.raises(ValueError, match="non-negative"):
@@ -73,6 +75,10 @@ def test_child_series_count_as_prometheus_client_would(monkeypatch: pytest.Monke
         plain.requests.labels("ok").inc()
         plain.aborts.labels("client_call", "unknown").inc(3)
         plain.inflight.labels("decode").inc()
+        for name in ("ttft", "e2e", "tpot"):
+            histogram = plain.registry._names_to_collectors[f"pd_proxy_{name}_seconds"]
+            assert isinstance(histogram, Histogram)
+            histogram.observe(v)  # the library's own observe
     plain.inflight.labels("decode").dec(2)
     assert _text(fast) == _text(plain)
 
