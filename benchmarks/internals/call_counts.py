@@ -51,6 +51,7 @@ import ctypes
 import json
 import os
 import pstats
+import re
 import subprocess
 import sys
 import sysconfig
@@ -67,6 +68,9 @@ _SIM = ("--zero-latency", "--max-running", "100000", "--max-num-seqs", "100000",
 _CONCURRENCY = 64
 _MAX_REQUESTS = 5000
 _ROUNDS = 3
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+"""A builtin's address in its name (``<built-in method __new__ of type object at 0x...>``): not
+the same from run to run."""
 """Measured rounds: calls and tasks, the loop's scheduling, object allocations."""
 
 _ALLOC_HOOK = r"""
@@ -223,7 +227,7 @@ def _key(path: str, name: str, tree: str) -> str:
         path = "stdlib/" + path.split("/lib/python3", 1)[1].split("/", 1)[-1]
     elif path.startswith(tree + "/"):
         path = path[len(tree) + 1:]
-    return f"{path}:{name}"
+    return f"{path}:{_ADDRESS.sub('', name)}"
 
 
 async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
