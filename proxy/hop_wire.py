@@ -166,6 +166,12 @@ class HopConnection(asyncio.Protocol):
         self._reading_paused = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._wait_until: float | None = None
+        """When the pending ``wait`` gives up (None: never)."""
+        self._timer: asyncio.TimerHandle | None = None
+        """The connection's one read timer, armed at ``_timer_at``: never later than the pending
+        wait's end, and left armed between waits (see ``wait``)."""
+        self._timer_at = 0.0
         self._drain: asyncio.Future[None] | None = None
         self._write_paused = False
         self.on_done: Callable[[], None] | None = None
@@ -183,6 +189,7 @@ class HopConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_timer()
         if self._state == _UNTIL_CLOSE:
             self._state = _DONE
         elif self._state != _DONE and self._exc is None:
@@ -404,17 +411,45 @@ class HopConnection(asyncio.Protocol):
                 self._drain = None
 
     async def wait(self, deadline: float | None) -> None:
-        """Until something arrives (or the connection ends), at most until ``deadline``."""
+        """Until something arrives (or the connection ends), at most until ``deadline``
+        (``TimeoutError``).
+
+        One timer serves every wait of the connection, not one per wait: it is left armed when
+        a wait ends and re-armed only when a wait must end before it fires. When it fires at a
+        wait's own end the wait fails, as a timer of its own would have made it; when it fires
+        earlier (armed for an earlier wait: a read limit that moved on, a former hop's deadline)
+        it is armed again at the pending wait's end; with no wait pending it stops."""
         if self._exc is not None:
             raise self._exc
         waiter = self._waiter = self.loop.create_future()
-        timer = (self.loop.call_at(deadline, expire, waiter) if deadline is not None else None)
+        self._wait_until = deadline
+        if deadline is not None and (self._timer is None or deadline < self._timer_at):
+            self._arm(deadline)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self.loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter, until = self._waiter, self._wait_until
+        if waiter is None or waiter.done() or until is None:
+            return  # no wait pending (the next one arms its own)
+        if until <= self._timer_at:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._arm(until)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def take(self) -> bytes:
         """The body bytes buffered so far (b"" when none)."""
@@ -439,6 +474,7 @@ class HopConnection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 

@@ -31,7 +31,7 @@ from proxy.pools import (
     hop_budget,
     is_transient,
 )
-from proxy.state import Phase
+from proxy.state import Phase, outlive
 
 log = logging.getLogger("pd_proxy")
 
@@ -66,7 +66,7 @@ class Prefill(Part):
             record.prefill_worker = worker
             f.prefill_task = self._send(f, worker)
             try:
-                reply: dict[str, Any] = await asyncio.shield(f.prefill_task)
+                reply: dict[str, Any] = await outlive(f.prefill_task)
             except UpstreamError as e:
                 last, retry_ok = e, is_transient(e)
             else:

@@ -25,10 +25,11 @@ from typing import Any, Generic, Protocol, TypeVar
 from kv_transfer.ledger import Lease
 from proxy.pools import Worker
 
-__all__ = ["Phase", "RequestRecord", "RequestTable", "TaskTracker", "Worker"]
+__all__ = ["Phase", "RequestRecord", "RequestTable", "TaskTracker", "Worker", "outlive"]
 """``Worker`` is re-exported: the pools (``proxy.pools``) own it."""
 
 E = TypeVar("E", bound="Entry")
+T = TypeVar("T")
 
 
 class Phase(enum.Enum):
@@ -130,6 +131,25 @@ class RequestTable(Generic[E]):
 
     def all(self) -> list[RequestRecord]:
         return [e.record for entries in self._by_id.values() for e in entries]
+
+
+async def outlive(task: asyncio.Task[T]) -> T:
+    """``task``'s result, waited for without cancelling it: cancelling the caller leaves the task
+    running (``asyncio.shield``'s promise). One done callback instead of shield's two (per
+    request on the prefill hop: one loop callback less)."""
+    if not task.done():
+        woken: asyncio.Future[None] = task.get_loop().create_future()
+
+        def wake(_: object) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        task.add_done_callback(wake)
+        try:
+            await woken
+        finally:
+            task.remove_done_callback(wake)  # cancelled: the task goes on, nobody waits
+    return task.result()
 
 
 class TaskTracker:

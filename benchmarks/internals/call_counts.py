@@ -1,5 +1,6 @@
-"""Python function calls per request in pd-proxy, counted (cProfile), not timed: a yardstick that
-CPU noise on a shared machine does not move, for comparing two trees of the proxy.
+"""Per request in pd-proxy, counted, not timed: Python function calls (cProfile), tasks, futures,
+timers, ``call_soon`` handles and object allocations. A yardstick that CPU noise on a shared
+machine does not move, for comparing two trees of the proxy.
 
     PYTHONPATH=TREE python benchmarks/internals/call_counts.py --out A.json [--stream] [--requests 200]
                                                                [--uvloop]
@@ -8,11 +9,37 @@ CPU noise on a shared machine does not move, for comparing two trees of the prox
 Run as a script path, so ``PYTHONPATH`` picks the tree measured (this file imports nothing of
 ``benchmarks``). Starts two ``pd-sim --zero-latency`` workers (prefill and decode, from TREE),
 serves the proxy of TREE in this process on loopback, and loads it from a client subprocess:
-64 warm-up requests, then ``--requests`` (at most 5,000) generate requests, 64 at a time, of 256
-prompt tokens and 32 output tokens, profiled. Writes per-request call counts per function
-(``module:name``, paths relative to the tree) and the tasks created per request; ``--diff``
-prints the largest differences. Stream counts move a little from run to run (how the events of
-a stream fall into reads); non-stream ones barely.
+64 warm-up requests, then three rounds of ``--requests`` (at most 5,000) generate requests, 64 at
+a time, of 256 prompt tokens and 32 output tokens, each round counting one thing, so that no
+counter sees another's work:
+
+1. calls (``calls_per_request``: per function, ``module:name``, paths relative to the tree) with
+   cProfile, and the tasks created (``tasks_per_request``: through the loop's task factory);
+2. the loop's scheduling, each call to the running loop's methods from Python code or from the
+   C ``Task``/``Future`` (the methods are replaced on the loop instance for the round; what
+   uvloop's Cython code does inside the loop, e.g. a transport's own futures and callbacks,
+   does not go through them and is not counted):
+   ``futures_per_request`` (``loop.create_future``; a task is not counted here, nor a future made
+   with ``asyncio.Future()`` directly), ``timers_per_request`` (``loop.call_at`` and
+   ``loop.call_later``, one per timer: asyncio's ``call_later`` calling ``call_at``, or uvloop's
+   ``call_at`` calling ``call_later``, counts once),
+   ``handles_per_request`` (``loop.call_soon``: every task step and future callback scheduled
+   from Python or from the C ``Task``/``Future``),
+   and where they come from (``sources_per_request``: per method, the Python function that
+   called it, ``<- proxy/...`` naming the nearest function of ``proxy/`` further up the stack
+   when the caller is not one, ``(loop)`` when the loop itself did (a task finished, a future
+   was set from C); for ``call_soon`` also ``-> what`` it schedules, a task step or a callback);
+3. object allocations (``objects_per_request``): the calls to CPython's object allocator
+   (``PyObject_Malloc``, ``PyObject_Calloc``, ``PyObject_Realloc`` of NULL), counted by a hook
+   compiled at run time with the C compiler (``cc``) and installed with ``PyMem_SetAllocator``.
+   That is every object not served from a free list (floats, tuples, lists, dicts and a few more
+   keep one), plus the small buffers CPython takes from the same allocator (dict tables, for
+   one): an allocation count, not an exact object count. Null when no compiler or headers.
+
+Everything in-process is counted: the proxy's work, the loop's and the measuring coroutine's own
+(a handful of calls per round). ``--diff`` prints the totals' and the largest per-function
+differences. Stream counts move a little from run to run (how the events of a stream fall into
+reads); non-stream ones barely.
 """
 
 from __future__ import annotations
@@ -20,12 +47,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import ctypes
 import json
 import os
 import pstats
+import re
 import subprocess
 import sys
-from collections.abc import Coroutine, Sequence
+import sysconfig
+import tempfile
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +67,36 @@ _SIM = ("--zero-latency", "--max-running", "100000", "--max-num-seqs", "100000",
         "--num-kv-blocks", "400000", "--max-model-len", "512")
 _CONCURRENCY = 64
 _MAX_REQUESTS = 5000
+_ROUNDS = 3
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+"""A builtin's address in its name (``<built-in method __new__ of type object at 0x...>``): not
+the same from run to run."""
+"""Measured rounds: calls and tasks, the loop's scheduling, object allocations."""
+
+_ALLOC_HOOK = r"""
+#include <Python.h>
+static PyMemAllocatorEx orig;
+static unsigned long long allocations;
+static int installed, counting;
+static void *hook_malloc(void *ctx, size_t n) { allocations += counting; return orig.malloc(orig.ctx, n); }
+static void *hook_calloc(void *ctx, size_t k, size_t n) {
+    allocations += counting; return orig.calloc(orig.ctx, k, n); }
+static void *hook_realloc(void *ctx, void *p, size_t n) {
+    allocations += counting && p == NULL; return orig.realloc(orig.ctx, p, n); }
+static void hook_free(void *ctx, void *p) { orig.free(orig.ctx, p); }
+void count_start(void) {
+    if (!installed) {  /* never uninstalled: blocks it saw allocated may be freed at any time */
+        PyMemAllocatorEx hook = {NULL, hook_malloc, hook_calloc, hook_realloc, hook_free};
+        PyMem_GetAllocator(PYMEM_DOMAIN_OBJ, &orig);
+        PyMem_SetAllocator(PYMEM_DOMAIN_OBJ, &hook);
+        installed = 1;
+    }
+    allocations = 0;
+    counting = 1;
+}
+unsigned long long count_stop(void) { counting = 0; return allocations; }
+"""
+"""Counts the calls to the object allocator (the GIL is held in all of them: no atomics)."""
 
 
 async def _client_batch(session: aiohttp.ClientSession, url: str, count: int, tag: str, stream: bool) -> None:
@@ -57,9 +119,97 @@ async def _client(url: str, count: int, stream: bool) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await _client_batch(session, url, 64, "warm", stream)
         print("ready", flush=True)
-        sys.stdin.readline()
-        await _client_batch(session, url, count, "meas", stream)
-        print("done", flush=True)
+        for n in range(_ROUNDS):
+            sys.stdin.readline()
+            await _client_batch(session, url, count, f"meas{n}", stream)
+            print("done", flush=True)
+
+
+def _alloc_counter() -> tuple[Callable[[], None], Callable[[], int]] | None:
+    """``(start, stop)`` of the object-allocation count (``_ALLOC_HOOK``), or None when it cannot
+    be built here."""
+    include = sysconfig.get_paths()["include"]
+    with tempfile.TemporaryDirectory() as tmp:
+        c, so = Path(tmp, "alloc_count.c"), Path(tmp, "alloc_count.so")
+        c.write_text(_ALLOC_HOOK)
+        try:
+            subprocess.run(["cc", "-O2", "-shared", "-fPIC", f"-I{include}", "-o", str(so), str(c)],
+                           check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        lib = ctypes.PyDLL(str(so))  # PyDLL: called with the GIL held
+    lib.count_stop.restype = ctypes.c_ulonglong
+    return lib.count_start, lambda: int(lib.count_stop())
+
+
+_LOOP_RUNNERS = frozenset(("run", "run_until_complete", "run_forever", "_run_once", "_run"))
+_LOOP_FILES = tuple(f"asyncio/{name}.py" for name in ("runners", "base_events", "events"))
+
+
+class _LoopCounts:
+    """Counts the calls to a loop's scheduling methods and who made them, while installed."""
+
+    METHODS = ("create_future", "call_soon", "call_at", "call_later")
+
+    def __init__(self, tree: str) -> None:
+        self.tree = tree
+        self.counts = {m: 0 for m in self.METHODS}
+        self.sources: dict[str, dict[str, int]] = {m: {} for m in self.METHODS}
+
+    def _source(self, method: str, args: tuple[Any, ...]) -> None:
+        frame: Any = sys._getframe(2)  # the caller of the replaced method
+        while frame is not None and frame.f_code.co_filename == __file__ and \
+                frame.f_code.co_name in ("wrapped", "_source"):
+            frame = frame.f_back
+        if frame is None or (frame.f_code.co_name in _LOOP_RUNNERS
+                             and frame.f_code.co_filename.endswith(_LOOP_FILES)):
+            site = "(loop)"  # called from the loop's own code: no Python function asked
+        else:
+            site = _key(frame.f_code.co_filename, frame.f_code.co_name, self.tree)
+            if not site.startswith("proxy/"):
+                up = frame.f_back
+                while up is not None and not _key(up.f_code.co_filename, "", self.tree).startswith("proxy/"):
+                    up = up.f_back
+                if up is not None:
+                    site += " <- " + _key(up.f_code.co_filename, up.f_code.co_name, self.tree)
+        if method == "call_soon" and args:  # what runs: a task's step, a future's callback
+            site += " -> " + getattr(args[0], "__qualname__", type(args[0]).__name__)
+        sources = self.sources[method]
+        sources[site] = sources.get(site, 0) + 1
+
+    @contextmanager
+    def installed(self, loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+        in_timer = False
+
+        def replace(method: str) -> None:
+            original = getattr(loop, method)
+            timer = method in ("call_at", "call_later")
+
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                nonlocal in_timer
+                if not timer:
+                    self.counts[method] += 1
+                    self._source(method, args)
+                    return original(*args, **kwargs)
+                if in_timer:  # asyncio's call_later calls call_at, uvloop's call_at call_later
+                    return original(*args, **kwargs)
+                self.counts[method] += 1
+                self._source(method, args)
+                in_timer = True
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    in_timer = False
+
+            setattr(loop, method, wrapped)
+
+        for method in self.METHODS:
+            replace(method)
+        try:
+            yield
+        finally:
+            for method in self.METHODS:
+                delattr(loop, method)
 
 
 def _start_sim(role: str, tree: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -77,7 +227,7 @@ def _key(path: str, name: str, tree: str) -> str:
         path = "stdlib/" + path.split("/lib/python3", 1)[1].split("/", 1)[-1]
     elif path.startswith(tree + "/"):
         path = path[len(tree) + 1:]
-    return f"{path}:{name}"
+    return f"{path}:{_ADDRESS.sub('', name)}"
 
 
 async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
@@ -105,6 +255,13 @@ async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         tasks = 0
 
+        async def measured_round() -> None:
+            client.stdin.write(b"go\n")  # type: ignore[union-attr]
+            await client.stdin.drain()  # type: ignore[union-attr]
+            if (await client.stdout.readline()).strip() != b"done":  # type: ignore[union-attr]
+                raise RuntimeError("the load client failed")
+            await asyncio.sleep(0.3)  # the last requests' cleanup
+
         def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
                     **kwargs: Any) -> asyncio.Task[Any]:
             nonlocal tasks
@@ -114,14 +271,26 @@ async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
         loop.set_task_factory(factory)  # type: ignore[arg-type]
         profile = cProfile.Profile()
         profile.enable()
-        client.stdin.write(b"go\n")
-        await client.stdin.drain()
-        done = (await client.stdout.readline()).strip() == b"done"
-        await asyncio.sleep(0.3)  # the last requests' cleanup
-        profile.disable()
-        loop.set_task_factory(None)
-        await client.wait()
-        if not done:
+        try:
+            await measured_round()
+        finally:
+            profile.disable()
+            loop.set_task_factory(None)
+        scheduling = _LoopCounts(tree)
+        with scheduling.installed(loop):
+            await measured_round()
+        counter = _alloc_counter()
+        allocations: int | None = None
+        if counter is None:
+            await measured_round()
+        else:
+            counter[0]()
+            try:
+                await measured_round()
+            finally:
+                allocations = counter[1]()
+        client.stdin.close()
+        if await client.wait() != 0:
             raise RuntimeError("the load client failed")
     finally:
         if runner is not None:
@@ -135,15 +304,47 @@ async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
     for (path, _line, name), (_cc, nc, _tt, _ct, _callers) in stats.items():
         key = _key(path, name, tree)
         calls[key] = calls.get(key, 0.0) + nc / count
+    sources = {method: dict(sorted(((site, n / count) for site, n in by_site.items()), key=lambda kv: -kv[1]))
+               for method, by_site in scheduling.sources.items()}
+    counts = scheduling.counts
     return {"tree": tree, "stream": stream, "requests": count, "tasks_per_request": tasks / count,
+            "futures_per_request": counts["create_future"] / count,
+            "timers_per_request": (counts["call_at"] + counts["call_later"]) / count,
+            "handles_per_request": counts["call_soon"] / count,
+            "objects_per_request": None if allocations is None else allocations / count,
+            "sources_per_request": sources,
             "calls_per_request": dict(sorted(calls.items(), key=lambda kv: -kv[1]))}
+
+
+_TOTALS = ("tasks", "futures", "timers", "handles", "objects")
+
+
+def _shown(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _summary(result: dict[str, Any]) -> str:
+    parts = [f"{sum(result['calls_per_request'].values()):.1f} calls"]
+    parts += [f"{name} {_shown(result.get(f'{name}_per_request'))}" for name in _TOTALS]
+    return ", ".join(parts)
 
 
 def print_diff(a_path: str, b_path: str, top: int) -> None:
     a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
     ca, cb = a["calls_per_request"], b["calls_per_request"]
-    print(f"calls per request: {sum(ca.values()):.1f} -> {sum(cb.values()):.1f}; "
-          f"tasks per request: {a['tasks_per_request']:.2f} -> {b['tasks_per_request']:.2f}")
+    print(f"calls per request: {sum(ca.values()):.1f} -> {sum(cb.values()):.1f}")
+    for name in _TOTALS:  # runs written before a count existed lack its key
+        va, vb = a.get(f"{name}_per_request"), b.get(f"{name}_per_request")
+        print(f"{name} per request: {_shown(va)} -> {_shown(vb)}")
+    sa, sb = a.get("sources_per_request", {}), b.get("sources_per_request", {})
+    for method in sorted(set(sa) | set(sb)):
+        ma, mb = sa.get(method, {}), sb.get(method, {})
+        moved = sorted(((mb.get(k, 0.0) - ma.get(k, 0.0), k) for k in set(ma) | set(mb)),
+                       key=lambda r: -abs(r[0]))
+        for delta, site in moved[:top]:
+            if abs(delta) >= 0.05:
+                print(f"  {method}: {delta:+6.2f}  {ma.get(site, 0.0):6.2f} -> {mb.get(site, 0.0):6.2f}"
+                      f"  {site}")
     rows = sorted(((cb.get(k, 0.0) - ca.get(k, 0.0), k) for k in set(ca) | set(cb)), key=lambda r: -abs(r[0]))
     for delta, key in rows[:top]:
         if abs(delta) >= 0.5:
@@ -181,8 +382,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         result = asyncio.run(measure(a.requests, a.stream, tree))
     a.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{result['tree']}: {sum(result['calls_per_request'].values()):.1f} calls per request, "
-          f"{result['tasks_per_request']:.2f} tasks per request (stream: {a.stream})")
+    print(f"{result['tree']} (stream: {a.stream}), per request: {_summary(result)}")
 
 
 if __name__ == "__main__":

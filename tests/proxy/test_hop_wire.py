@@ -282,3 +282,67 @@ def test_an_answer_cut_short_by_the_worker_is_a_disconnect(wire: bytes) -> None:
     for pieces in splits(wire):
         *_, finished, reusable, error = parse(pieces, close=True)
         assert isinstance(error, HopDisconnected) and not finished and not reusable, pieces
+
+
+def _waiting(loop: asyncio.AbstractEventLoop) -> HopConnection:
+    """A connection whose request went out: waits for its answer."""
+    conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"))
+    conn.connection_made(_Transport())  # type: ignore[arg-type]
+    conn.begin()
+    return conn
+
+
+async def test_the_waits_of_a_connection_share_one_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait whose end is not before the armed timer's arms none: one timer for the waits of a
+    hop (and of the hops after it on the connection), not one per wait."""
+    loop = asyncio.get_running_loop()
+    armed: list[float] = []
+    call_at = loop.call_at
+
+    def counting(when: float, *args: object, **kwargs: object) -> asyncio.TimerHandle:
+        armed.append(when)
+        return call_at(when, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "call_at", counting)
+    conn = _waiting(loop)
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n"
+    for i, piece in enumerate((head[:10], head[10:], b"{", b"}", b" ")):
+        wait = asyncio.ensure_future(conn.wait(loop.time() + 30 + i))
+        await asyncio.sleep(0)
+        conn.data_received(piece)
+        await wait
+    assert conn.finished and conn.take() == b"{} "
+    assert len(armed) == 1
+    conn.close()
+
+
+async def test_a_wait_ends_at_its_deadline_when_an_earlier_wait_armed_a_later_timer() -> None:
+    loop = asyncio.get_running_loop()
+    conn = _waiting(loop)
+    first = asyncio.ensure_future(conn.wait(loop.time() + 60))
+    await asyncio.sleep(0)
+    conn.data_received(b"HTTP/1.1 200")
+    await first
+    second = asyncio.ensure_future(conn.wait(loop.time() + 0.05))
+    done, _ = await asyncio.wait({second}, timeout=10)  # a bound, should it wait for the first's end
+    assert second in done, "the wait outlived its deadline"
+    assert isinstance(second.exception(), TimeoutError)
+    conn.close()
+
+
+async def test_a_wait_is_not_cut_short_by_the_timer_an_earlier_wait_armed() -> None:
+    """The timer armed for a first, shorter wait fires during a second one: the second goes on
+    until its own end (the timer is armed again), and its answer arrives."""
+    loop = asyncio.get_running_loop()
+    conn = _waiting(loop)
+    first = asyncio.ensure_future(conn.wait(loop.time() + 0.05))
+    await asyncio.sleep(0)
+    conn.data_received(b"HTTP/1.1 200")
+    await first
+    second = asyncio.ensure_future(conn.wait(loop.time() + 60))
+    await asyncio.sleep(0.2)  # past the first wait's end
+    assert not second.done()
+    conn.data_received(b" OK\r\nContent-Length: 0\r\n\r\n")
+    await second
+    assert conn.finished and conn.head is not None and conn.head[0] == 200
+    conn.close()

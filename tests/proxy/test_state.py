@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from proxy.pools import Worker
-from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker
+from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker, outlive
 
 P = Worker("http://127.0.0.1:9101", "prefill")
 D = Worker("http://127.0.0.1:9201", "decode")
@@ -99,3 +99,33 @@ async def test_cancel_all_ends_every_tracked_task() -> None:
     tracker.cancel_all()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert all(t.cancelled() for t in tasks) and len(tracker) == 0
+
+
+async def test_outlive_gives_the_result_and_a_cancelled_caller_leaves_the_task_running() -> None:
+    """What the walk relies on for the prefill hop (``asyncio.shield``'s promise): a client that
+    goes away cancels the handler, not the hop."""
+    go = asyncio.Event()
+
+    async def hop(fail: bool) -> str:
+        await go.wait()
+        if fail:
+            raise ValueError("refused")
+        return "reply"
+
+    ok, failing = asyncio.ensure_future(hop(False)), asyncio.ensure_future(hop(True))
+    caller = asyncio.ensure_future(outlive(ok))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert not ok.done()
+    go.set()
+    assert await outlive(ok) == "reply"
+    with pytest.raises(ValueError, match="refused"):
+        await outlive(failing)
+    cancelled = asyncio.ensure_future(asyncio.sleep(10))
+    waiting = asyncio.ensure_future(outlive(cancelled))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
