@@ -49,6 +49,16 @@ class Batch:
         """The events with a ``data`` field, in order (as ``SSEReader.feed`` returns them)."""
         return split_events(self.raw)
 
+    def split_first(self) -> tuple[Batch, Batch] | None:
+        """A plain batch of two or more events (``[DONE]`` aside) as two plain batches: its first
+        event, and the rest (with the ``[DONE]``, if any). None for any other batch."""
+        if not self.plain:
+            return None
+        end = self.body.find(b"\n\n") + 2
+        if end <= 1 or end == len(self.body):
+            return None
+        return Batch(self.body[:end], plain=True), Batch(self.raw[end:], plain=True, done=self.done)
+
 
 _EMPTY = Batch(b"", plain=True)
 

@@ -104,6 +104,16 @@ class DecodeReader(Part):
         cap = self.settings.slow_reader_max_bytes
         async for chunk in self.upstream.iter_chunks("decode", rd.worker.url, resp):
             batch = reader.feed_batch(chunk)
+            while rd.f.first_filter is not None and rd.f.first_filter.pending:
+                # Token 1 is taken out of D's first event (of each choice), read as one event;
+                # the rest of what this read completed can then go out as a block (``_fast``).
+                parts = batch.split_first()
+                if parts is None:
+                    break
+                self._slow(rd, parts[0])
+                if rd.stop:
+                    return
+                batch = parts[1]
             if not self._fast(rd, batch):
                 self._slow(rd, batch)
             if rd.stop:

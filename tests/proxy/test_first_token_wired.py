@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -380,4 +381,40 @@ async def test_a_stream_that_breaks_after_ps_token_migrates_from_where_the_clien
         assert status == 200 and "first_to_second;dur=" in timing
         assert volatile(got) == volatile(want)
     assert await metric(pd, "pd_proxy_migrations_total") >= 1
+    await pd.quiet()
+
+
+@pytest.mark.parametrize("name", ["greedy-tokens", "greedy-text", "n2-seeded", "continuous-usage"])
+async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
+        pd_factory: PDFactory, sim_factory: SimFactory, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """D's whole stream in one read (as at zero latency, or when D bursts): only its first event
+    is read event by event to take token 1 out; in tokens mode the rest of the read goes out as
+    one block (text mode reads on event by event), and the client's stream is still the
+    aggregated worker's."""
+    from proxy.stream_read import DecodeReader  # noqa: PLC0415
+    from proxy.upstream import Upstream  # noqa: PLC0415
+
+    chunks = Upstream.iter_chunks
+
+    async def one_read(self: Upstream, hop: str, worker: str, resp: Any) -> Any:
+        yield b"".join([c async for c in chunks(self, hop, worker, resp)])
+
+    one_by_one = Counter[str]()
+    put = DecodeReader._put
+
+    def counted(self: DecodeReader, *args: Any) -> bool:
+        one_by_one["events"] += 1
+        return put(self, *args)
+
+    monkeypatch.setattr(Upstream, "iter_chunks", one_read)
+    monkeypatch.setattr(DecodeReader, "_put", counted)
+    pd = await pd_factory(**ON)
+    body = {**CASES[name], "request_id": f"one-read-{name}"}
+    status, want_status, got, want, _ = await stream_and_reference(pd, sim_factory, body)
+    assert status == want_status == 200
+    assert volatile(got) == volatile(want)
+    assert len(got) > 4  # several events: P's, D's (token 1 dropped), [DONE]
+    if body.get("output_mode") != "text":
+        # D's first event of each choice; not one per event of D's stream
+        assert one_by_one["events"] == body["sampling_params"].get("n", 1)
     await pd.quiet()

@@ -141,3 +141,20 @@ def test_partial_event_stays_pending() -> None:
     assert b.plain and b.body == PLAIN and r.pending == PLAIN[:10]
     b = r.feed_batch(PLAIN[10:])
     assert b.body == PLAIN and r.pending == b""
+
+
+def test_split_first_gives_the_first_event_and_the_rest_as_plain_batches() -> None:
+    a, b, c = b'data: {"a":1}\n\n', b'data: {"b":2}\n\n', b'data: {"c":3}\n\n'
+    for done in (False, True):
+        raw = a + b + c + (DONE_EVENT if done else b"")
+        parts = Batch(raw, plain=True, done=done).split_first()
+        assert parts is not None
+        first, rest = parts
+        assert (first.raw, first.body, first.done, first.plain) == (a, a, False, True)
+        assert (rest.raw, rest.body, rest.done, rest.plain) == (b + c + (DONE_EVENT if done else b""),
+                                                                 b + c, done, True)
+        assert first.events() + rest.events() == SSEReader().feed(raw)
+    assert Batch(a, plain=True).split_first() is None  # one event: nothing to split
+    assert Batch(a + DONE_EVENT, plain=True, done=True).split_first() is None
+    assert Batch(b"", plain=True).split_first() is None
+    assert Batch(a + b"event: x\n" + b, plain=False).split_first() is None  # read event by event
