@@ -52,6 +52,7 @@ import json
 import os
 import pstats
 import re
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -230,7 +231,7 @@ def _key(path: str, name: str, tree: str) -> str:
     return f"{path}:{_ADDRESS.sub('', name)}"
 
 
-async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
+async def measure(count: int, stream: bool, tree: str, proxy_args: Sequence[str] = ()) -> dict[str, Any]:
     from aiohttp import web  # noqa: PLC0415
 
     from proxy.app import build_app  # noqa: PLC0415
@@ -240,7 +241,7 @@ async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
     runner: web.AppRunner | None = None
     try:
         settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", sims[0][1],
-                               "--decode", sims[1][1], "--log-level", "warning"])
+                               "--decode", sims[1][1], "--log-level", "warning", *proxy_args])
         runner = web.AppRunner(build_app(settings))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -307,7 +308,8 @@ async def measure(count: int, stream: bool, tree: str) -> dict[str, Any]:
     sources = {method: dict(sorted(((site, n / count) for site, n in by_site.items()), key=lambda kv: -kv[1]))
                for method, by_site in scheduling.sources.items()}
     counts = scheduling.counts
-    return {"tree": tree, "stream": stream, "requests": count, "tasks_per_request": tasks / count,
+    return {"tree": tree, "stream": stream, "proxy_args": list(proxy_args), "requests": count,
+            "tasks_per_request": tasks / count,
             "futures_per_request": counts["create_future"] / count,
             "timers_per_request": (counts["call_at"] + counts["call_later"]) / count,
             "handles_per_request": counts["call_soon"] / count,
@@ -359,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--uvloop", action="store_true", help="serve on uvloop, as pd-proxy does when installed")
     p.add_argument("--diff", nargs=2, metavar=("A", "B"), default=None)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--proxy-args", default="", help="more pd-proxy flags for the measured proxy, "
+                   "e.g. '--first-token-from-prefill off'")
     p.add_argument("--client", metavar="URL", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if not 1 <= a.requests <= _MAX_REQUESTS:
@@ -378,9 +382,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         import uvloop  # noqa: PLC0415
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            result = runner.run(measure(a.requests, a.stream, tree))
+            result = runner.run(measure(a.requests, a.stream, tree, shlex.split(a.proxy_args)))
     else:
-        result = asyncio.run(measure(a.requests, a.stream, tree))
+        result = asyncio.run(measure(a.requests, a.stream, tree, shlex.split(a.proxy_args)))
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['tree']} (stream: {a.stream}), per request: {_summary(result)}")
 
