@@ -316,14 +316,19 @@ async def test_the_waits_of_a_connection_share_one_timer(monkeypatch: pytest.Mon
     conn.close()
 
 
-async def test_a_wait_ends_at_its_deadline_when_an_earlier_wait_armed_a_later_timer() -> None:
+async def _second_wait(first_s: float, second_s: float) -> tuple[HopConnection, asyncio.Future[None]]:
+    """A connection whose first wait (``first_s`` long) ended with bytes, and its second wait."""
     loop = asyncio.get_running_loop()
     conn = _waiting(loop)
-    first = asyncio.ensure_future(conn.wait(loop.time() + 60))
+    first = asyncio.ensure_future(conn.wait(loop.time() + first_s))
     await asyncio.sleep(0)
     conn.data_received(b"HTTP/1.1 200")
     await first
-    second = asyncio.ensure_future(conn.wait(loop.time() + 0.05))
+    return conn, asyncio.ensure_future(conn.wait(loop.time() + second_s))
+
+
+async def test_a_wait_ends_at_its_deadline_when_an_earlier_wait_armed_a_later_timer() -> None:
+    conn, second = await _second_wait(60, 0.05)
     done, _ = await asyncio.wait({second}, timeout=10)  # a bound, should it wait for the first's end
     assert second in done, "the wait outlived its deadline"
     assert isinstance(second.exception(), TimeoutError)
@@ -333,13 +338,7 @@ async def test_a_wait_ends_at_its_deadline_when_an_earlier_wait_armed_a_later_ti
 async def test_a_wait_is_not_cut_short_by_the_timer_an_earlier_wait_armed() -> None:
     """The timer armed for a first, shorter wait fires during a second one: the second goes on
     until its own end (the timer is armed again), and its answer arrives."""
-    loop = asyncio.get_running_loop()
-    conn = _waiting(loop)
-    first = asyncio.ensure_future(conn.wait(loop.time() + 0.05))
-    await asyncio.sleep(0)
-    conn.data_received(b"HTTP/1.1 200")
-    await first
-    second = asyncio.ensure_future(conn.wait(loop.time() + 60))
+    conn, second = await _second_wait(0.05, 60)
     await asyncio.sleep(0.2)  # past the first wait's end
     assert not second.done()
     conn.data_received(b" OK\r\nContent-Length: 0\r\n\r\n")
