@@ -14,7 +14,7 @@ import pytest
 from proxy.app import SERVING
 from proxy.pools import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
-from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply
+from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, prefill_reply
 
 SLOW_PREFILL = {"zero_latency": False, "prefill_base_ms": 400.0, "prefill_per_token_ms": 0.0}
 SLOW_DECODE = {"zero_latency": False, "itl_ms": 20.0, "prefill_base_ms": 0.0, "prefill_per_token_ms": 0.0,
@@ -235,6 +235,84 @@ async def test_disconnect_between_hops_frees_prefill_kv(pd_factory: PDFactory, s
     await pd.quiet(limit=1.0)
     ledger = await leases(pd)
     assert ledger["open"] == [] and ledger["closed"][0]["reason"] == "aborted"
+
+
+def _prefill_answering_when(released: asyncio.Event) -> Any:
+    """A prefill worker that has prefilled (its KV held) but whose answer leaves only once the
+    test sets ``released`` (bounded: 10 s). An abort does not change its answer: vLLM ignores
+    an abort for a request it already finished."""
+    async def reply(body: dict[str, Any], request: Any) -> dict[str, Any]:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(released.wait(), 10.0)
+        return prefill_reply(body)
+    return reply
+
+
+async def leases_of(client: Any) -> dict[str, Any]:
+    data: dict[str, Any] = await (await client.get("/debug/kv-leases")).json()
+    return data
+
+
+def _release_answer(body: dict[str, Any], request: Any) -> dict[str, Any]:
+    out = prefill_reply(body, kv_transfer_params=None)
+    out["choices"][0]["token_ids"] = [7]
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_while_a_finished_prefill_answers_late_frees_its_kv(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool) -> None:
+    """The client goes away while the prefill hop waits for P's answer, and P had finished (its
+    KV held, the answer late). The handler's cancellation must not cut the hop (``outlive``):
+    its answer still reaches the proxy, whose clean-up releases the KV through a decode worker
+    (D pulls, P frees), and the lease closes as ``aborted``. A cut hop would leave the KV
+    pinned on P, with no params to release it by, until P's own lease ends. A stream takes the
+    same hop (P's first token for the client, on by default, changes only its body)."""
+    released = asyncio.Event()
+    p: Scripted = await scripted_factory(_prefill_answering_when(released))
+    d: Scripted = await scripted_factory(_release_answer)
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05)
+    serving = app[SERVING]
+
+    async def call() -> None:
+        r = await client.post("/inference/v1/generate",
+                              json={**req(request_id="late1"), "stream": stream})
+        try:
+            while await r.content.readany():
+                pass
+        finally:
+            r.close()
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    task = asyncio.create_task(call())
+    while not p.received:  # the prefill hop is with P
+        assert loop.time() < deadline, "the prefill hop never reached P"
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    disconnected = serving.metrics.aborts.labels(source="disconnect", state="prefilling")
+    while disconnected._value.get() != 1:  # the handler was cancelled: the client has gone
+        assert loop.time() < deadline, "the disconnect was never seen"
+        await asyncio.sleep(0.01)
+    released.set()  # only now does P's answer (with the KV it holds) leave P
+
+    deadline = loop.time() + 5.0
+    while d.received == [] or len(serving.table) or len(serving.tracker):
+        assert loop.time() < deadline, \
+            f"P's KV was never released: decode asked {d.received}, leases {await leases_of(client)}"
+        await asyncio.sleep(0.02)
+    [release] = d.received  # one decode request: the release (D pulls, P frees)
+    assert len(p.received) == 1 and release["request_id"] == p.received[0]["request_id"]
+    params = release["kv_transfer_params"]
+    assert params["remote_request_id"] == KV_PARAMS["remote_request_id"]
+    assert params["remote_block_ids"] == KV_PARAMS["remote_block_ids"]
+    assert release["sampling_params"]["max_tokens"] == 1 and release["stream"] is False
+    ledger = await leases_of(client)
+    assert ledger["open"] == [] and [c["reason"] for c in ledger["closed"]] == ["aborted"]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pd_proxy_kv_leases_closed_total{reason="aborted"} 1.0' in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])
