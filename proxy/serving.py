@@ -6,10 +6,9 @@ the hand-off (``kv_transfer.handoff``, ``kv_transfer.leases``) and the decode, n
 (``proxy.full``) or streamed (``proxy.stream``, each attempt read by ``proxy.stream_read``),
 both through one decode-attempt engine (``proxy.decode``). Each upstream hop runs in its own
 tracked task that the handler awaits without cancelling it (``state.outlive`` for the prefill
-hop, ``asyncio.shield`` elsewhere): when aiohttp cancels the
-handler (the client went away), the hop goes on and the clean-up (``proxy.cleanup``) takes it
-over, so whatever a worker holds for the request is freed whatever state the walk was in (see
-``proxy.state``). Aborts from any source go through ``proxy.aborts``.
+hop, ``asyncio.shield`` elsewhere): when aiohttp cancels the handler (the client went away), the
+hop goes on and the clean-up (``proxy.cleanup``) takes it over, so whatever a worker holds for
+the request is freed whatever state the walk was in (see ``proxy.state``). Aborts from any source go through ``proxy.aborts``.
 """
 
 from __future__ import annotations
