@@ -8,7 +8,8 @@ both through one decode-attempt engine (``proxy.decode``). Each upstream hop run
 tracked task that the handler awaits without cancelling it (``state.outlive`` for the prefill
 hop, ``asyncio.shield`` elsewhere): when aiohttp cancels the handler (the client went away), the
 hop goes on and the clean-up (``proxy.cleanup``) takes it over, so whatever a worker holds for
-the request is freed whatever state the walk was in (see ``proxy.state``). Aborts from any source go through ``proxy.aborts``.
+the request is freed whatever state the walk was in (see ``proxy.state``). Aborts from any
+source go through ``proxy.aborts``.
 """
 
 from __future__ import annotations
