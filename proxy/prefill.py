@@ -146,9 +146,7 @@ class Prefill(Part):
         body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,
                             keep_stop=not self.settings.prefill_tokens_only, first_token=f.first_token)
         outcome = Outcome.NEUTRAL
-        aborted: list[asyncio.Task[bool]] = []  # the abort sent at ``limit`` (P then answers at once)
-        late = asyncio.get_running_loop().call_later(
-            limit, lambda: aborted.append(self.tracker.spawn(self.send_abort(worker, f.record.engine_id))))
+        late, aborted = self._abort_at(limit, f, worker)
         try:
             reply: dict[str, Any] = await self.core.call(worker, self.upstream.post_generate(
                 "prefill", worker.url, body, request_id=f.record.base_id,
@@ -170,6 +168,16 @@ class Prefill(Part):
         finally:
             late.cancel()
             self.prefill_pool.release(worker, outcome)
+
+    def _abort_at(self, limit: float, f: Flight,
+                  worker: Worker) -> tuple[asyncio.TimerHandle, list[asyncio.Task[bool]]]:
+        """In ``limit`` seconds ``worker`` is sent an abort for the request (P then answers at
+        once: aborted, or finished with its KV); the timer, to cancel when P answered in time,
+        and the abort's task once sent (empty before)."""
+        aborted: list[asyncio.Task[bool]] = []
+        late = asyncio.get_running_loop().call_later(
+            limit, lambda: aborted.append(self.tracker.spawn(self.send_abort(worker, f.record.engine_id))))
+        return late, aborted
 
     def pairless(self) -> list[Worker]:
         """With the preflight on: prefill workers whose every pair with the decode pool failed it
@@ -224,19 +232,27 @@ class Prefill(Part):
         limit = self.settings.prefill_timeout if f.deadline is None else \
             min(self.settings.prefill_timeout, max(0.0, f.deadline.remaining()))
         outcome = Outcome.FAILURE
+        # As the request's own prefill hop (``hop``): at ``limit`` P is sent an abort, not cut
+        # off, so KV it finished with is taken rather than left on P until its lease ends.
+        late, aborted = self._abort_at(limit, f, p)
         try:
             reply = await self.core.call(p, self.upstream.post_generate(
                 "prefill", p.url, prefill_body(body, record.base_id, stream=f.request.is_stream,
                              keep_stop=not self.settings.prefill_tokens_only),
-                request_id=record.base_id, total=limit), f.trace.hop("prefill", p))
-            outcome = Outcome.SUCCESS
+                request_id=record.base_id, total=limit + self.settings.abort_grace),
+                f.trace.hop("prefill", p))
+            params = reply.get("kv_transfer_params")
+            usable = check_prefill_params(params) is None and isinstance(params, dict)
+            outcome = Outcome.SUCCESS if usable or not aborted else Outcome.FAILURE
         except UpstreamError as e:
             log.warning("request %s: continuation prefill failed: %s", record.engine_id, e.message)
             return body
         finally:
+            late.cancel()
             self.prefill_pool.release(p, outcome)
-        params = reply.get("kv_transfer_params")
-        if check_prefill_params(params) is not None or not isinstance(params, dict):
+        if not usable or not isinstance(params, dict):
+            if aborted:
+                log.warning("request %s: continuation prefill timed out on %s", record.engine_id, p.url)
             return body
         params = self.core.rewrite_remote_host(params, p.url)
         record.prefill_worker = p

@@ -347,3 +347,35 @@ async def test_a_continuation_the_decode_worker_computes_itself(case: str) -> No
     assert len(up.calls) == (1 if case in ("failed", "no_params") else 0)
     if case == "failed":
         assert p.breaker.state is CircuitState.OPEN
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["p-finished", "p-aborted"])
+async def test_a_continuation_prefill_past_its_timeout_is_aborted_not_cut(finished: bool) -> None:
+    """At its timeout the continuation's prefill hop sends P an abort and waits the abort grace:
+    P had finished (its answer late) -> its KV is taken under a lease, not left on P; P aborted
+    -> the decode worker computes the continuation, P's failure counted."""
+    core, up, _ = make_core(1, pools={"migrate_prefill_tokens": 16, "breaker_failures": 1},
+                            prefill_timeout=0.05)
+    f = make_flight(core)
+    body = {"token_ids": LONG, "sampling_params": {"max_tokens": 5}}
+    answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+
+    def on_abort(worker: str, request_ids: list[str]) -> None:  # P answers once it is sent an abort
+        reply = prefill_reply({"token_ids": LONG, "request_id": "r1"})
+        if not finished:
+            reply = {**reply, "kv_transfer_params": None}
+            reply["choices"][0]["finish_reason"] = "abort"
+        answered.set_result(reply)
+
+    up.on_abort = on_abort
+    up.script("prefill", answered)
+    out = await asyncio.wait_for(Prefill(core).continuation(f, body), 10)  # bounded: no abort, no answer
+    assert up.aborts == [(P_URLS[0], [f.record.engine_id])]
+    p = worker(core, P_URLS[0])
+    if finished:
+        assert out == {**body, "kv_transfer_params": KV_PARAMS}
+        assert f.record.prefill_worker is p and core.leases.open_count == 1
+    else:
+        assert out is body and core.leases.open_count == 0 and f.record.prefill_worker is None
+        assert p.breaker.state is CircuitState.OPEN  # a timeout is P's failure
+    assert p.inflight == 0
