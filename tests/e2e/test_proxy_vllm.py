@@ -66,6 +66,16 @@ async def xfers(url: str) -> float:
     return metric_value(text, XFER_COUNT) or 0.0
 
 
+async def decode_retries(proxy_url: str) -> float:
+    text = await asyncio.to_thread(scrape_metrics, proxy_url)
+    return metric_value(text, "pd_proxy_retries_total", {"hop": "decode"}) or 0.0
+
+
+MAX_RETRIED = 2
+"""Prompts of one run whose decode the proxy retried (the loaded 2-core CI host once stalled the
+decode worker past the stream idle timeout): their answers are still checked token for token."""
+
+
 @pytest.mark.parametrize("mode", ["tokens", "text"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_twenty_prompts_identical_to_aggregated(
@@ -75,6 +85,7 @@ async def test_twenty_prompts_identical_to_aggregated(
     aggregated = vllm_cluster.aggregated_urls[0]
     ledger = app[SERVING].leases.ledger
     timeout = aiohttp.ClientTimeout(total=120)
+    retried = 0
     async with aiohttp.ClientSession(timeout=timeout, connector=vllm_connector()) as s:
         for i, prompt in enumerate(prompts()):
             body = {"token_ids": prompt, "output_mode": mode, "stream": stream,
@@ -82,12 +93,18 @@ async def test_twenty_prompts_identical_to_aggregated(
             want = await call(s, aggregated, {**body, "request_id": f"agg-{mode}-{stream}-{i}"})
             before = await xfers(decode)
             closed_before = len(ledger.recent_closed())
+            retries_before = await decode_retries(url)
             got = await call(s, url, {**body, "request_id": f"px-{mode}-{stream}-{i}"})
             after = await xfers(decode)
             assert got == want, f"prompt {i} ({len(prompt)} tokens)"
+            if await decode_retries(url) > retries_before:
+                # The abandoned attempt may have taken P's KV before it was given up, and the
+                # retry then recomputes it: no NIXL count or lease reason to check, the answer is.
+                retried += 1
+                continue
             assert after - before >= 1, f"prompt {i}: no NIXL transfer ({before} -> {after})"
-            lease = ledger.recent_closed()[-1]
             assert len(ledger.recent_closed()) == closed_before + 1
+            lease = ledger.recent_closed()[-1]
             # The KV crossing is asserted by the NIXL count above. The ledger infers "pulled" from
             # decode's first event; when that event comes later than P's lease (seen intermittently on
             # the loaded 2-core CPU stack), the ledger closes the lease as "expired", at its expiry time.
@@ -95,4 +112,5 @@ async def test_twenty_prompts_identical_to_aggregated(
             if lease.reason == "expired":
                 assert lease.end == lease.expires
             assert lease.request_id == f"generate-tokens-px-{mode}-{stream}-{i}"
+    assert retried <= MAX_RETRIED, f"{retried} prompts needed a decode retry"
     assert ledger.open_count == 0
