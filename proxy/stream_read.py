@@ -280,6 +280,10 @@ class DecodeReader(Part):
                 f.timing.first_token - (f.timing.decode_start or f.timing.first_token))
         self.core.close_lease(f, "aborted" if f.record.is_aborted else "pulled")
         f.settled.set()
+        if f.record.is_aborted:
+            # The abort may have reached D before D registered the request, where vLLM drops it;
+            # D certainly has it now: sent again at once, not at the next repeat (if any).
+            self.tracker.spawn(self.send_abort(worker, f.record.engine_id))
         return self.check_first_event(f, worker, data)
 
     def check_first_event(self, f: Flight, worker: Worker, data: bytes) -> bytes | None:

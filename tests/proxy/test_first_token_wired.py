@@ -418,3 +418,50 @@ async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
         # D's first event of each choice; not one per event of D's stream
         assert one_by_one["events"] == body["sampling_params"].get("n", 1)
     await pd.quiet()
+
+
+async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_first_event(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    """The client aborts right after P's token, while the decode hop is on its way: D drops that
+    abort (vLLM drops an abort of an id it has not registered yet) and starts streaming. At D's
+    first event D certainly has the request: the abort goes again at once, so the stream ends as
+    an aborted one, not after D's whole answer (the repeat comes only after ``abort_grace``)."""
+    from aiohttp import web  # noqa: PLC0415
+
+    from tests.proxy.scripted_streams import DONE, chunk  # noqa: PLC0415
+
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted
+
+    async def decode(body: dict[str, Any], request: web.Request) -> web.StreamResponse:
+        for _ in range(1000):  # registered only after a first abort came (bounded: 10 s)
+            if d.aborts:
+                break
+            await asyncio.sleep(0.01)
+        dropped = len(d.aborts)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for i in range(100):  # 5 s of tokens unless an abort comes
+            if len(d.aborts) > dropped:
+                await resp.write(chunk(finish="abort"))
+                break
+            await resp.write(chunk(7 if i == 0 else 100 + i, finish="length" if i == 99 else None))
+            await asyncio.sleep(0.05)
+        await resp.write(DONE)
+        return resp
+
+    d = await scripted_factory(decode)
+    client, _ = await proxy_factory([p.url], [d.url], abort_grace=60.0, **ON)
+    resp = await client.post("/inference/v1/generate", json={**req(request_id="lost"), "stream": True})
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 30.0)
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == [7]  # P's token
+    for _ in range(1000):  # the decode hop reached D (bounded: 10 s)
+        if d.received:
+            break
+        await asyncio.sleep(0.01)
+    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-lost"]})
+    assert a.status == 200
+    rest = sse_datas(await asyncio.wait_for(resp.read(), 30.0))
+    finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["abort"] and rest[-1] == "[DONE]"
+    assert len(d.aborts) >= 2  # the one D dropped, and the one sent at its first event
