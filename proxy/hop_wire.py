@@ -143,6 +143,51 @@ def expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(TimeoutError())
 
 
+class _ReadTimer:
+    """One timer for every wait of a connection, not one per wait: left armed when a wait ends
+    and re-armed only when a wait must end before it fires. When it fires at the watched wait's
+    own end the wait fails (``TimeoutError``), as a timer of its own would have made it; when it
+    fires earlier (armed for an earlier wait: a read limit that moved on, a former hop's
+    deadline) it is armed again at the watched wait's end; with no wait pending it stops."""
+
+    __slots__ = ("_at", "_handle", "_loop", "_until", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._handle: asyncio.TimerHandle | None = None
+        self._at = 0.0
+        """When ``_handle`` fires: never later than the watched wait's end."""
+        self._waiter: asyncio.Future[None] | None = None
+        self._until: float | None = None
+        """When the watched wait gives up (None: never)."""
+
+    def watch(self, waiter: asyncio.Future[None], until: float | None) -> None:
+        self._waiter, self._until = waiter, until
+        if until is not None and (self._handle is None or until < self._at):
+            self._arm(until)
+
+    def _arm(self, when: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._at = when
+        self._handle = self._loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        waiter, until = self._waiter, self._until
+        if waiter is None or waiter.done() or until is None:
+            return  # no wait pending (the next one arms its own)
+        if until <= self._at:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._arm(until)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class HopConnection(asyncio.Protocol):
     """One connection: writes requests, parses one answer at a time into a body queue."""
 
@@ -166,12 +211,7 @@ class HopConnection(asyncio.Protocol):
         self._reading_paused = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._wait_until: float | None = None
-        """When the pending ``wait`` gives up (None: never)."""
-        self._timer: asyncio.TimerHandle | None = None
-        """The connection's one read timer, armed at ``_timer_at``: never later than the pending
-        wait's end, and left armed between waits (see ``wait``)."""
-        self._timer_at = 0.0
+        self._timer = _ReadTimer(loop)
         self._drain: asyncio.Future[None] | None = None
         self._write_paused = False
         self.on_done: Callable[[], None] | None = None
@@ -189,7 +229,7 @@ class HopConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._stop_timer()
+        self._timer.stop()
         if self._state == _UNTIL_CLOSE:
             self._state = _DONE
         elif self._state != _DONE and self._exc is None:
@@ -412,44 +452,15 @@ class HopConnection(asyncio.Protocol):
 
     async def wait(self, deadline: float | None) -> None:
         """Until something arrives (or the connection ends), at most until ``deadline``
-        (``TimeoutError``).
-
-        One timer serves every wait of the connection, not one per wait: it is left armed when
-        a wait ends and re-armed only when a wait must end before it fires. When it fires at a
-        wait's own end the wait fails, as a timer of its own would have made it; when it fires
-        earlier (armed for an earlier wait: a read limit that moved on, a former hop's deadline)
-        it is armed again at the pending wait's end; with no wait pending it stops."""
+        (``TimeoutError``; the connection's one ``_ReadTimer`` watches it)."""
         if self._exc is not None:
             raise self._exc
         waiter = self._waiter = self.loop.create_future()
-        self._wait_until = deadline
-        if deadline is not None and (self._timer is None or deadline < self._timer_at):
-            self._arm(deadline)
+        self._timer.watch(waiter, deadline)
         try:
             await waiter
         finally:
             self._waiter = None
-
-    def _arm(self, when: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = when
-        self._timer = self.loop.call_at(when, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        waiter, until = self._waiter, self._wait_until
-        if waiter is None or waiter.done() or until is None:
-            return  # no wait pending (the next one arms its own)
-        if until <= self._timer_at:
-            waiter.set_exception(TimeoutError())
-        else:
-            self._arm(until)
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     def take(self) -> bytes:
         """The body bytes buffered so far (b"" when none)."""
@@ -474,7 +485,7 @@ class HopConnection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
-        self._stop_timer()
+        self._timer.stop()
         if self.transport is not None:
             self.transport.close()
 

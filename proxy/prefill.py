@@ -242,15 +242,16 @@ class Prefill(Part):
                 request_id=record.base_id, total=limit + self.settings.abort_grace),
                 f.trace.hop("prefill", p))
             params = reply.get("kv_transfer_params")
-            usable = check_prefill_params(params) is None and isinstance(params, dict)
-            outcome = Outcome.SUCCESS if usable or not aborted else Outcome.FAILURE
+            if check_prefill_params(params) is not None or not isinstance(params, dict):
+                params = None
+            outcome = Outcome.SUCCESS if params is not None or not aborted else Outcome.FAILURE
         except UpstreamError as e:
             log.warning("request %s: continuation prefill failed: %s", record.engine_id, e.message)
             return body
         finally:
             late.cancel()
             self.prefill_pool.release(p, outcome)
-        if not usable or not isinstance(params, dict):
+        if params is None:
             if aborted:
                 log.warning("request %s: continuation prefill timed out on %s", record.engine_id, p.url)
             return body
