@@ -16,7 +16,9 @@ content type, no cookies, redirects, proxies, compression or multipart. What the
   idle, but it may have read the request; ``Upstream`` sends it again only after aborting it);
 * at most ``max_per_host`` connections open per worker (connecting, in use, idle); a hop beyond
   waits for one to come back or close, at most the connect timeout;
-* a connect timeout, a deadline for the whole exchange, a limit on each wait for bytes and one on
+* a connect timeout (``HopConnectTimeout``; a connect whose timeout the process itself overslept,
+  its event loop stalled well past it, is tried once more: the kernel may have connected it
+  meanwhile), a deadline for the whole exchange, a limit on each wait for bytes and one on
   each wait for the worker to take request bytes (``write_timeout``, no progress);
 * answers framed by ``Content-Length``, chunked encoding or the connection's end, the body read
   whole or as it arrives, with back-pressure (reading pauses while 1 MiB waits unread). Framing
@@ -54,6 +56,15 @@ class HopStale(HopDisconnected):
     was written to it. Most likely the worker had closed it idle and never read the request, but
     it may have read it: the client does not send it again by itself (``Upstream`` does, once the
     worker aborted any copy it read)."""
+
+
+class HopConnectTimeout(TimeoutError):
+    """No connection to the worker within the connect timeout."""
+
+
+_STALL = 0.25
+"""How far past a connect's timeout the loop must first notice it for the connect to be tried
+again: the process stood still (a loaded host, a throttled container), not the worker."""
 
 
 def _until(loop: asyncio.AbstractEventLoop, deadline: float | None, read_limit: float | None) -> float | None:
@@ -276,10 +287,24 @@ class HopClient:
         conn = HopConnection(self.loop, origin)
         conn.counted = True
         self._open[origin.key] = self._open.get(origin.key, 0) + 1
+        asked = limit
         try:
-            async with asyncio.timeout(limit):
-                await self.loop.create_connection(lambda: conn, origin.host, origin.port, ssl=sslctx,
-                                                  server_hostname=origin.host if sslctx else None)
+            for tries_left in (1, 0):
+                until = self.loop.time() + limit
+                try:
+                    await self._open_socket(conn, sslctx, until)
+                    break
+                except TimeoutError:
+                    # Noticed only long after the timeout: the loop stood still, and a connect the
+                    # kernel completed meanwhile lost to the timer (it takes a few loop turns to
+                    # finish). Once more, within what is left of the hop's deadline.
+                    limit = self._limit(deadline)
+                    if not tries_left or self.loop.time() - until < _STALL or limit <= 0:
+                        raise HopConnectTimeout(f"not connected within {asked:.3g} s") from None
+                    conn.close()  # a fresh protocol for the new socket; its place under the cap kept
+                    fresh = HopConnection(self.loop, origin)
+                    fresh.counted, conn.counted = True, False
+                    conn = fresh
         except BaseException:
             self._drop(conn)
             raise
@@ -288,6 +313,12 @@ class HopClient:
             raise HopDisconnected("the hop client is closed")
         self._in_use.add(conn)
         return conn
+
+    async def _open_socket(self, conn: HopConnection, sslctx: ssl.SSLContext | None, until: float) -> None:
+        origin = conn.origin
+        async with asyncio.timeout_at(until):
+            await self.loop.create_connection(lambda: conn, origin.host, origin.port, ssl=sslctx,
+                                              server_hostname=origin.host if sslctx else None)
 
     def _drop(self, conn: HopConnection) -> None:
         """Close a connection; its place under the cap goes to a waiting hop."""

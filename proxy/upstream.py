@@ -23,7 +23,15 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from proxy.hop import HopClient, HopDisconnected, HopProtocolError, HopResponse, HopStale, header_lines
+from proxy.hop import (
+    HopClient,
+    HopConnectTimeout,
+    HopDisconnected,
+    HopProtocolError,
+    HopResponse,
+    HopStale,
+    header_lines,
+)
 from proxy.large_body import PackedTokenIds
 from proxy.protocol import engine_request_id, hop_json, parse_worker_json, unique_key_end
 
@@ -147,6 +155,8 @@ class Upstream:
                     raise
                 resp = await hops.request(worker, GENERATE_PATH, headers, data, deadline=deadline,
                                           read_limit=sock_read)
+        except HopConnectTimeout as e:
+            raise UpstreamTimeout(hop, worker, str(e)) from None
         except TimeoutError:
             raise UpstreamTimeout(hop, worker, "timed out before answering") from None
         except (OSError, HopProtocolError) as e:

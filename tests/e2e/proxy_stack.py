@@ -13,6 +13,11 @@ from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from workers.launcher import Cluster
 
+E2E_CONNECT_TIMEOUT = 30.0
+"""The proxy's connect timeout in these tests: on the loaded 2-core host the test process (the
+proxy's loop) can stand still for seconds, and a connect to a worker on loopback then failed at
+the default 5 s (once, in CI: a migrated stream's decode hop)."""
+
 
 @contextlib.asynccontextmanager
 async def run_proxy(cluster: Cluster, **settings: Any) -> AsyncIterator[tuple[str, web.Application]]:
@@ -20,8 +25,10 @@ async def run_proxy(cluster: Cluster, **settings: Any) -> AsyncIterator[tuple[st
     unavailable. These tests assert that KV crosses from P to D behind every request, and on the
     loaded 2-core stack a vLLM CPU worker can miss three /health probes in a row (5 s each): with
     the bypass on, the proxy then rightly sends requests decode-only (a correct answer, no NIXL
-    transfer). Without it, a pool whose every worker failed its probes still routes to them."""
+    transfer). Without it, a pool whose every worker failed its probes still routes to them.
+    The connect timeout is generous (``E2E_CONNECT_TIMEOUT``)."""
     settings.setdefault("pools", PoolSettings(bypass_when_prefill_unavailable=False))
+    settings.setdefault("connect_timeout", E2E_CONNECT_TIMEOUT)
     app = build_app(ProxySettings(prefill_urls=tuple(cluster.prefill_urls),
                                   decode_urls=tuple(cluster.decode_urls), **settings))
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)

@@ -22,6 +22,7 @@ from aiohttp import web
 from proxy.app import SERVING, build_app
 from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
+from tests.e2e.proxy_stack import E2E_CONNECT_TIMEOUT
 from tests.fixtures_vllm import vllm_connector
 from workers.launcher import Cluster
 
@@ -127,7 +128,8 @@ async def migration_stack(vllm_cluster: Cluster) -> AsyncIterator[tuple[str, Cut
                                  decode_attempts=1)
             proxy_app = build_app(ProxySettings(
                 prefill_urls=tuple(vllm_cluster.prefill_urls),
-                decode_urls=(relay_url, vllm_cluster.decode_urls[0]), pools=pools))
+                decode_urls=(relay_url, vllm_cluster.decode_urls[0]), pools=pools,
+                connect_timeout=E2E_CONNECT_TIMEOUT))
             url = await serve(proxy_app)
             yield url, relay, proxy_app
         finally:

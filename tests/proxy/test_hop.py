@@ -9,10 +9,13 @@ import asyncio
 import contextlib
 import select
 import socket
+import time
+from typing import Any
 
 import pytest
 
-from proxy.hop import HopDisconnected, HopStale, header_lines, parse_origin
+from proxy import hop
+from proxy.hop import HopConnectTimeout, HopDisconnected, HopStale, header_lines, parse_origin
 from tests.proxy.hop_servers import BIG_BODY, chunked, head_only, ok, post, serving, until
 
 
@@ -277,6 +280,44 @@ async def test_a_hop_waiting_at_the_cap_gives_up_after_the_connect_timeout() -> 
             await held
         assert client.counts() == {"in_use": 0, "idle": 0}
         assert client._open == {} and client._waiters == {}
+
+
+async def test_a_connect_that_does_not_complete_is_a_connect_timeout_and_holds_no_place() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        w.write(ok(b"{}"))
+        await w.drain()
+
+    async with serving(handler, max_per_host=1, connect_timeout=0.2) as (server, url, client):
+        loop = asyncio.get_running_loop()
+
+        async def never(*args: Any, **kw: Any) -> None:
+            await asyncio.Event().wait()
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loop, "create_connection", never)
+            with pytest.raises(HopConnectTimeout, match=r"not connected within 0\.2 s"):
+                await post(client, url)
+        assert client._open == {} and client.counts() == {"in_use": 0, "idle": 0}
+        assert await post(client, url) == (200, b"{}")  # its place under the cap of 1 is free
+        assert server.connections == 1
+
+
+async def test_a_connect_whose_timeout_the_loop_overslept_is_tried_again() -> None:
+    """The loop stands still (a loaded host) past the connect timeout while the kernel connects:
+    the timer and the connection's completion are both due at once and the timer wins (the
+    connect takes a few loop turns to finish). Tried once more, the hop is answered."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await server.request(r)
+        w.write(ok(b"{}"))
+        await w.drain()
+
+    async with serving(handler, max_per_host=1, connect_timeout=0.1) as (server, url, client):
+        task = asyncio.create_task(post(client, url))
+        await asyncio.sleep(0)  # the connect is under way
+        time.sleep(0.1 + hop._STALL + 0.3)  # noqa: ASYNC251 (the loop stands still past the timeout)
+        assert await task == (200, b"{}")
+        assert client._open == {parse_origin(url).key: 1} and client.counts() == {"in_use": 0, "idle": 1}
 
 
 async def test_a_connection_closed_at_the_cap_lets_a_waiting_hop_open_one() -> None:

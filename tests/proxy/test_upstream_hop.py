@@ -98,3 +98,19 @@ async def test_a_worker_that_stops_reading_the_request_is_an_upstream_timeout() 
         assert task in done, "the hop is still writing to a worker that stopped reading"
         assert isinstance(task.exception(), UpstreamTimeout)
         assert up.hops.counts() == {"in_use": 0, "idle": 0}
+
+
+async def test_a_worker_never_connected_is_an_upstream_timeout_that_says_so() -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        raise AssertionError("never connected")
+
+    async def never(*args: Any, **kw: Any) -> None:
+        await asyncio.Event().wait()
+
+    async with upstream(handler, connect_timeout=0.2) as (_, url, up, _counted):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(asyncio.get_running_loop(), "create_connection", never)
+            with pytest.raises(UpstreamTimeout) as e:
+                await up.open("decode", url, {"a": 1}, request_id="r", total=None)
+        assert e.value.message == f"decode worker {url}: not connected within 0.2 s"
+        assert up.hops.counts() == {"in_use": 0, "idle": 0}
