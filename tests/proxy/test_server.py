@@ -54,3 +54,40 @@ def test_a_shared_socket_replaces_host_and_port_and_the_drain_is_the_shutdown_ti
         sock.close()
     assert seen["sock"] is sock and "host" not in seen and "port" not in seen
     assert seen["shutdown_timeout"] == 7.0 and seen["ssl_context"] is None and seen["access_log"] is None
+
+
+@pytest.mark.parametrize(("flag", "threshold"), [([], 20_000), (["--gc-threshold", "12345"], 12_345),
+                                                 (["--gc-threshold", "0"], None)])
+async def test_the_collector_is_settled_after_the_apps_own_start_up(
+        monkeypatch: pytest.MonkeyPatch, flag: list[str], threshold: int | None) -> None:
+    """Once everything the app starts exists (its last start-up hook): start-up objects frozen,
+    the young generation's threshold raised, the older ones' kept; 0 leaves the collector alone."""
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(web, "run_app", lambda app, **kw: seen.update(kw, app=app))
+    monkeypatch.setattr(asyncio, "set_event_loop", lambda loop: None)
+    serve(parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                      "--no-active-health", *flag]))
+    seen["loop"].close()
+    app: web.Application = seen["app"]
+    calls: list[tuple[str, Any]] = []
+    started: list[str] = []
+    app.on_startup.insert(len(app.on_startup) - 1, lambda _: _started(started))
+    def collect(*args: Any) -> int:
+        calls.append(("collect", started[:]))
+        return 0
+
+    monkeypatch.setattr("gc.collect", collect)
+    monkeypatch.setattr("gc.freeze", lambda: calls.append(("freeze", None)))
+    monkeypatch.setattr("gc.get_threshold", lambda: (700, 11, 12))
+    monkeypatch.setattr("gc.set_threshold", lambda *t: calls.append(("set_threshold", t)))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await runner.cleanup()
+    if threshold is None:
+        assert calls == []
+    else:
+        assert calls == [("collect", ["before"]), ("freeze", None), ("set_threshold", (threshold, 11, 12))]
+
+
+async def _started(started: list[str]) -> None:
+    started.append("before")
