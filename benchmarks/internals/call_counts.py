@@ -57,8 +57,8 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +231,12 @@ def _key(path: str, name: str, tree: str) -> str:
     return f"{path}:{_ADDRESS.sub('', name)}"
 
 
-async def measure(count: int, stream: bool, tree: str, proxy_args: Sequence[str] = ()) -> dict[str, Any]:
+@asynccontextmanager
+async def loaded_proxy(count: int, stream: bool, tree: str,
+                       proxy_args: Sequence[str] = ()) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """pd-proxy of ``tree`` served in this process on loopback in front of two zero-latency pd-sim
+    workers, and its load client warmed up (64 requests). Yields one round: ``count`` requests,
+    64 at a time, returning once they and their clean-up are done."""
     from aiohttp import web  # noqa: PLC0415
 
     from proxy.app import build_app  # noqa: PLC0415
@@ -239,6 +244,7 @@ async def measure(count: int, stream: bool, tree: str, proxy_args: Sequence[str]
 
     sims = [_start_sim(role, tree) for role in ("prefill", "decode")]
     runner: web.AppRunner | None = None
+    client: asyncio.subprocess.Process | None = None
     try:
         settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", sims[0][1],
                                "--decode", sims[1][1], "--log-level", "warning", *proxy_args])
@@ -250,18 +256,37 @@ async def measure(count: int, stream: bool, tree: str, proxy_args: Sequence[str]
         client = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--client", f"http://127.0.0.1:{port}", "--requests", str(count),
             *(["--stream"] if stream else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert client.stdin is not None and client.stdout is not None
-        if (await client.stdout.readline()).strip() != b"ready":
+        stdin, stdout = client.stdin, client.stdout
+        assert stdin is not None and stdout is not None
+        if (await stdout.readline()).strip() != b"ready":
             raise RuntimeError("the load client failed its warm-up")
-        loop = asyncio.get_running_loop()
-        tasks = 0
 
-        async def measured_round() -> None:
-            client.stdin.write(b"go\n")  # type: ignore[union-attr]
-            await client.stdin.drain()  # type: ignore[union-attr]
-            if (await client.stdout.readline()).strip() != b"done":  # type: ignore[union-attr]
+        async def one_round() -> None:
+            stdin.write(b"go\n")
+            await stdin.drain()
+            if (await stdout.readline()).strip() != b"done":
                 raise RuntimeError("the load client failed")
             await asyncio.sleep(0.3)  # the last requests' cleanup
+
+        yield one_round
+        stdin.close()
+        if await client.wait() != 0:
+            raise RuntimeError("the load client failed")
+    finally:
+        if client is not None and client.returncode is None:  # the measuring failed
+            client.kill()
+            await client.wait()
+        if runner is not None:
+            await runner.cleanup()
+        for proc, _ in sims:
+            proc.terminate()
+            proc.wait()
+
+
+async def measure(count: int, stream: bool, tree: str, proxy_args: Sequence[str] = ()) -> dict[str, Any]:
+    async with loaded_proxy(count, stream, tree, proxy_args) as measured_round:
+        loop = asyncio.get_running_loop()
+        tasks = 0
 
         def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
                     **kwargs: Any) -> asyncio.Task[Any]:
@@ -290,15 +315,6 @@ async def measure(count: int, stream: bool, tree: str, proxy_args: Sequence[str]
                 await measured_round()
             finally:
                 allocations = counter[1]()
-        client.stdin.close()
-        if await client.wait() != 0:
-            raise RuntimeError("the load client failed")
-    finally:
-        if runner is not None:
-            await runner.cleanup()
-        for proc, _ in sims:
-            proc.terminate()
-            proc.wait()
     calls: dict[str, float] = {}
     stats: dict[tuple[str, int, str], tuple[int, int, float, float, object]] = \
         pstats.Stats(profile).stats  # type: ignore[attr-defined]

@@ -6,11 +6,11 @@ MODE: ``default`` (Python's collector as it starts: thresholds 700/10/10), ``off
 (``gc.disable()``), or ``t[_f]_A_B_C`` (``gc.set_threshold(A, B, C)``, ``_f``: ``gc.freeze()``
 first, as ``--gc-threshold`` does once the app started). Serves pd-proxy (this tree) in this
 process on loopback in front of two ``pd-sim --zero-latency`` workers, loaded from
-``call_counts``' client subprocess (64 at a time, 256 prompt tokens, 32 output tokens): after the
-warm-up, three rounds of 3,000 requests, each printing the process's CPU per request, the time
-spent in collections per request (``gc.callbacks``), collections per request and full
-collections in the round. The proxy here is built with ``build_app`` (no ``--gc-threshold``:
-MODE is the collector's setting). Numbers in ``benchmarks/README.md``.
+``call_counts``' client subprocess (``call_counts.loaded_proxy``: 64 at a time, 256 prompt
+tokens, 32 output tokens): after the warm-up, three rounds of 3,000 requests, each printing the
+process's CPU per request, the time spent in collections per request (``gc.callbacks``),
+collections per request and full collections in the round. The proxy here is built with
+``build_app`` (no ``--gc-threshold``: MODE is the collector's setting). Numbers in ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,28 +51,7 @@ def settle(mode: str) -> None:
 
 
 async def main(mode: str, stream: bool) -> None:
-    from aiohttp import web  # noqa: PLC0415
-
-    from proxy.app import build_app  # noqa: PLC0415
-    from proxy.cli import parse_args  # noqa: PLC0415
-
-    cc = _call_counts()
-    sims = [cc._start_sim(role, _TREE) for role in ("prefill", "decode")]
-    runner = None
-    try:
-        settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", sims[0][1],
-                               "--decode", sims[1][1], "--log-level", "warning"])
-        runner = web.AppRunner(build_app(settings))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        client = await asyncio.create_subprocess_exec(
-            sys.executable, str(_CC), "--client", f"http://127.0.0.1:{port}", "--requests", str(N),
-            *(["--stream"] if stream else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert client.stdin is not None and client.stdout is not None
-        if (await client.stdout.readline()).strip() != b"ready":
-            raise RuntimeError("the load client failed its warm-up")
+    async with _call_counts().loaded_proxy(N, stream, _TREE) as one_round:
         settle(mode)
         spent = [0.0, 0, 0]
         began: list[float] = [0.0]
@@ -92,23 +70,12 @@ async def main(mode: str, stream: bool) -> None:
             for _ in range(3):
                 spent[:] = [0.0, 0, 0]
                 cpu = time.process_time()
-                client.stdin.write(b"go\n")
-                await client.stdin.drain()
-                if (await client.stdout.readline()).strip() != b"done":
-                    raise RuntimeError("the load client failed")
+                await one_round()
                 cpu = time.process_time() - cpu
                 print(f"  CPU {cpu / N * 1e6:.0f} us/request, collections {spent[0] / N * 1e6:.1f} "
                       f"us/request ({spent[1] / N:.3f} a request, {spent[2]} full)")
         finally:
             gc.callbacks.remove(timed)
-        client.stdin.close()
-        await client.wait()
-    finally:
-        if runner is not None:
-            await runner.cleanup()
-        for proc, _ in sims:
-            proc.terminate()
-            proc.wait()
 
 
 if __name__ == "__main__":
