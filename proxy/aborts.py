@@ -19,6 +19,7 @@ from proxy.flight import Flight
 from proxy.ids import abortable_id, upstream_id
 from proxy.pools import Overloaded, Worker
 from proxy.protocol import JSONBodyError, compact_json, engine_request_id, loads_bounded
+from proxy.relay import EventStream
 from proxy.replies import abort_full_response, abort_stream_chunk
 from proxy.sse import DONE_EVENT, comment_event, data_event
 from proxy.state import Phase
@@ -65,8 +66,7 @@ async def end_stream(request: web.Request, resp: web.StreamResponse, f: Flight, 
         tail.append(comment_event("server-timing " + f.timing.header(now)))
     tail.append(DONE_EVENT)
     with contextlib.suppress(ConnectionResetError):  # the client is gone: nothing to tell
-        await resp.write(b"".join(tail))
-        await resp.write_eof()
+        await resp.write_eof(b"".join(tail))  # the last events and the stream's end: one write
 
 
 class Aborts(Part):
@@ -184,7 +184,7 @@ class Aborts(Part):
             return web.Response(body=compact_json(body), content_type="application/json", headers=headers)
         headers = dict(f.headers)
         headers["Content-Type"] = "text/event-stream; charset=utf-8"
-        resp = web.StreamResponse(status=200, headers=headers)
+        resp = EventStream(status=200, headers=headers)  # the headers go out with the chunk
         await resp.prepare(request)
         out = [abort_events(f)]
         if req.include_usage:

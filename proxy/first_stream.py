@@ -31,6 +31,7 @@ from proxy.first_token import (
 from proxy.first_token_filter import FirstTokenFilter
 from proxy.flight import Flight, PrefillFirst
 from proxy.pools import migration_blocker
+from proxy.relay import EventStream
 
 log = logging.getLogger("pd_proxy")
 
@@ -96,7 +97,7 @@ class FirstStream(Part):
         headers = dict(f.headers)
         headers["Content-Type"] = "text/event-stream; charset=utf-8"
         headers["Cache-Control"] = "no-cache"
-        resp = web.StreamResponse(status=200, headers=headers)
+        resp = EventStream(status=200, headers=headers)  # the headers go out with P's chunk
         await resp.prepare(request)
         data = f.first.events
         if f.first.final:

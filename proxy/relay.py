@@ -16,8 +16,20 @@ import asyncio
 import re
 from typing import Any
 
+from aiohttp import web
+
 from proxy.protocol import compact_json, parse_worker_json
 from proxy.sse import data_event, split_events
+
+
+class EventStream(web.StreamResponse):
+    """A client's event stream whose headers go out with its first write: one write, not two
+    (``web.Response`` sends its headers with its body the same way). For a stream whose first
+    write follows ``prepare`` at once (P's token, the chunk of an aborted request); a stream that
+    waits for D after ``prepare`` keeps ``web.StreamResponse``, whose headers tell the client at
+    once that its request was taken."""
+
+    _send_headers_immediately = False  # aiohttp's own switch (``web.Response`` sets it so too)
 
 
 def _merged_logprobs(old: Any, value: Any) -> Any:

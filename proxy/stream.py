@@ -78,8 +78,10 @@ class StreamDecode(Part):
             buffer.discard()  # nothing more goes to this client: its bytes leave the budget
 
     async def _pump(self, request: web.Request, f: Flight, resp: web.StreamResponse, buffer: StreamBuffer,
-                    itl: HistogramBatch) -> tuple[float | None, float | None]:
-        """The buffer's events to the client until D's stream ends; the first and last write."""
+                    itl: HistogramBatch) -> tuple[float | None, float | None, bytes]:
+        """The buffer's events to the client until D's stream ends; the first and last write, and
+        the events taken with the end and not written: they go out with the stream's end (one
+        write for the last events, ``[DONE]`` and the chunked end), counted as written now."""
         last_write: float | None = f.timing.first_write  # P's token went first
         first_write: float | None = last_write
         transport = request.transport
@@ -91,15 +93,17 @@ class StreamDecode(Part):
             # The client lags when what we wrote before is still in the transport's buffer.
             queued = transport.get_write_buffer_size() if transport is not None else 0
             items, finished = await buffer.take(merge=queued > 0)
+            data = b""
             if items:
                 data = items[0] if len(items) == 1 else b"".join(items)
                 if f.rewrite is not None:
                     data = f.rewrite.apply(data)
-                if queued + len(data) <= high:  # the buffer only drained while we waited
-                    await resp.write(data)
-                else:
-                    await self.write_client(request, resp, data)
-                buffer.sent()
+                if not finished:
+                    if queued + len(data) <= high:  # the buffer only drained while we waited
+                        await resp.write(data)
+                    else:
+                        await self.write_client(request, resp, data)
+                    buffer.sent()
                 now = self.clock()
                 if last_write is None:
                     first_write = now
@@ -110,14 +114,14 @@ class StreamDecode(Part):
                         self._second_write(f, now)  # once per stream, only after P's token
                 last_write = now
             if finished:
-                return first_write, last_write
+                return first_write, last_write, data
 
     async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
         want_timing = request.headers.get("X-PD-Timing") == "1"
         itl = HistogramBatch(self.metrics.itl)  # one update per bucket when the relay ends
         try:
-            first_write, last_write = await self._pump(request, f, resp, buffer, itl)
+            first_write, last_write, last = await self._pump(request, f, resp, buffer, itl)
         finally:
             itl.flush()
         if buffer.overflowed:
@@ -127,14 +131,18 @@ class StreamDecode(Part):
                 "bytes queued)" if buffer.overflowed == "stream" else
                 "stream aborted: the client read too slowly (the proxy's buffers for slow clients "
                 f"are full: {self.settings.slow_reader_total_bytes} bytes)")
-            await self.write_client(request, resp, err.sse_event() + DONE_EVENT, eof=True)
+            await self.write_client(request, resp, last + err.sse_event() + DONE_EVENT, eof=True)
+            buffer.sent()
             return  # phase stays DECODING: the clean-up aborts D
         self._observe_stream(f, first_write, last_write)
-        tail = [buffer.error_event] if buffer.error_event is not None else []
+        tail = [last] if last else []
+        if buffer.error_event is not None:
+            tail.append(buffer.error_event)
         if want_timing:
             tail.append(comment_event("server-timing " + f.timing.header(self.clock())))
         tail.append(DONE_EVENT)
         await self.write_client(request, resp, b"".join(tail), eof=True)
+        buffer.sent()
         if f.decode_task is not None and f.decode_task.done():
             self.core.set_done(f)
 
@@ -165,9 +173,10 @@ class StreamDecode(Part):
         and the caller sees a disconnect (the clean-up then aborts the decode worker)."""
         try:
             async with asyncio.timeout(self.settings.slow_reader_timeout):
-                await resp.write(data)
                 if eof:
-                    await resp.write_eof()
+                    await resp.write_eof(data)  # the data and the stream's end: one write
+                else:
+                    await resp.write(data)
         except TimeoutError:
             if request.transport is not None:
                 request.transport.abort()

@@ -465,3 +465,52 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
     finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
     assert finishes == ["abort"] and rest[-1] == "[DONE]"
     assert len(d.aborts) >= 2  # the one D dropped, and the one sent at its first event
+
+
+@pytest.fixture
+def server_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, bytes]]:
+    """Every write an aiohttp server of this process hands its transport (one entry per ``write``
+    or ``writelines``: one syscall when the socket takes it), in order, with the server it came
+    from (pd-sim's too); the test client's own writes are left out."""
+    from aiohttp import http_writer  # noqa: PLC0415
+    from aiohttp.web_protocol import RequestHandler  # noqa: PLC0415
+
+    writes: list[tuple[object, bytes]] = []
+    write, writelines = http_writer.StreamWriter._write, http_writer.StreamWriter._writelines
+
+    def one(self: Any, chunk: Any) -> None:
+        if isinstance(self._protocol, RequestHandler):
+            writes.append((self._protocol._manager, bytes(chunk)))
+        write(self, chunk)
+
+    def several(self: Any, chunks: Any) -> None:
+        if isinstance(self._protocol, RequestHandler):
+            writes.append((self._protocol._manager, b"".join(bytes(c) for c in chunks)))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(http_writer.StreamWriter, "_write", one)
+    monkeypatch.setattr(http_writer.StreamWriter, "_writelines", several)
+    return writes
+
+
+@pytest.mark.parametrize(("body", "last_events"), [(r(), 2), (r(sp={"max_tokens": 1}), 1)],
+                         ids=["decoded", "ends-at-p"])
+async def test_the_headers_go_with_ps_token_and_the_last_events_with_the_streams_end(
+        pd_factory: PDFactory, server_writes: list[tuple[object, bytes]], body: dict[str, Any],
+        last_events: int) -> None:
+    """One write for the headers and P's chunk, one for the last events, ``[DONE]`` and the
+    chunked end: not a write each (each is a syscall). ``last_events``: data events in the last
+    write at least (D's last events and ``[DONE]``; ``[DONE]`` alone after P's chunk ended it,
+    with the Server-Timing comment)."""
+    pd = await pd_factory(**ON)
+    status, got, _ = await stream(pd, body)
+    assert status == 200 and got[-1] == "[DONE]"
+    assert pd.client.server is not None
+    proxy = pd.client.server.handler
+    writes = [data for server, data in server_writes if server is proxy]
+    head, *_, last = writes
+    assert head.startswith(b"HTTP/1.1 200 ") and b"\r\n\r\n" in head
+    assert b"\r\ndata: {" in head  # P's chunk went with the headers
+    assert b"data: [DONE]\n\n\r\n0\r\n\r\n" in last and last.count(b"data: ") >= last_events
+    assert b"0\r\n\r\n" not in writes  # no chunked end alone
+    await pd.quiet()
