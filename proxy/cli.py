@@ -44,7 +44,7 @@ def _add_workers_and_listener(p: argparse.ArgumentParser) -> None:
                         "proxy/multiproc.py")
     p.add_argument("--gc-threshold", type=int, default=20_000, metavar="N",
                    help="each serving process freezes its start-up objects and sets the cyclic garbage "
-                        "collector's first threshold to N (Python's is 700, which costs 6-10%% of the "
+                        "collector's first threshold to N (Python's is 700, which costs 6-9%% of the "
                         "CPU per request under load); 0: Python's own settings")
 
 

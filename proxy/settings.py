@@ -111,7 +111,7 @@ class ProxySettings:
     """Each serving process, once started: its start-up objects frozen (``gc.freeze``) and the
     cyclic collector's first threshold set to this (``gc.set_threshold``; Python's is 700). At 700
     the objects of the requests in flight set off a young collection every few requests, and what
-    outlives it is scanned again in the older generations: 6-10% of the CPU per request at 64 at a
+    outlives it is scanned again in the older generations: 6-9% of the CPU per request at 64 at a
     time (``proxy.server.settle_gc``). 0: Python's own collector settings."""
     max_prompt_tokens: int = 1 << 20
     """A longer ``token_ids`` is a 400 (param ``token_ids``) before any hop; 0: no limit. Bodies over
