@@ -58,15 +58,21 @@ def abort_events(f: Flight) -> bytes:
                     for i in range(req.sampling_params.n))
 
 
-async def end_stream(request: web.Request, resp: web.StreamResponse, f: Flight, now: float,
-                     events: bytes) -> None:
-    """End a client's stream after ``events``: Server-Timing when asked, ``[DONE]``, EOF."""
+def stream_tail(request: web.Request, f: Flight, now: float, events: bytes) -> bytes:
+    """The last bytes of a client's stream: ``events``, the Server-Timing comment when asked
+    (``X-PD-Timing: 1``), ``[DONE]``."""
     tail = [events] if events else []
     if request.headers.get("X-PD-Timing") == "1":
         tail.append(comment_event("server-timing " + f.timing.header(now)))
     tail.append(DONE_EVENT)
+    return b"".join(tail)
+
+
+async def end_stream(request: web.Request, resp: web.StreamResponse, f: Flight, now: float,
+                     events: bytes) -> None:
+    """End a client's stream after ``events`` (``stream_tail``), with its EOF in the same write."""
     with contextlib.suppress(ConnectionResetError):  # the client is gone: nothing to tell
-        await resp.write_eof(b"".join(tail))  # the last events and the stream's end: one write
+        await resp.write_eof(stream_tail(request, f, now, events))
 
 
 class Aborts(Part):

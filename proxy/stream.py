@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.aborts import Aborts
+from proxy.aborts import Aborts, stream_tail
 from proxy.cleanup import Cleanup
 from proxy.core import Core, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
@@ -21,7 +21,7 @@ from proxy.metrics import HistogramBatch
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
 from proxy.relay import StreamBuffer
-from proxy.sse import DONE_EVENT, comment_event
+from proxy.sse import DONE_EVENT
 from proxy.stream_read import DecodeReader, Status
 
 log = logging.getLogger("pd_proxy")
@@ -118,7 +118,6 @@ class StreamDecode(Part):
 
     async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
-        want_timing = request.headers.get("X-PD-Timing") == "1"
         itl = HistogramBatch(self.metrics.itl)  # one update per bucket when the relay ends
         try:
             first_write, last_write, last = await self._pump(request, f, resp, buffer, itl)
@@ -135,13 +134,8 @@ class StreamDecode(Part):
             buffer.sent()
             return  # phase stays DECODING: the clean-up aborts D
         self._observe_stream(f, first_write, last_write)
-        tail = [last] if last else []
-        if buffer.error_event is not None:
-            tail.append(buffer.error_event)
-        if want_timing:
-            tail.append(comment_event("server-timing " + f.timing.header(self.clock())))
-        tail.append(DONE_EVENT)
-        await self.write_client(request, resp, b"".join(tail), eof=True)
+        events = last + buffer.error_event if buffer.error_event is not None else last
+        await self.write_client(request, resp, stream_tail(request, f, self.clock(), events), eof=True)
         buffer.sent()
         if f.decode_task is not None and f.decode_task.done():
             self.core.set_done(f)
