@@ -19,7 +19,7 @@ from proxy.flight import Flight
 from proxy.ids import abortable_id, upstream_id
 from proxy.pools import Overloaded, Worker
 from proxy.protocol import JSONBodyError, compact_json, engine_request_id, loads_bounded
-from proxy.relay import EventStream
+from proxy.relay import event_stream
 from proxy.replies import abort_full_response, abort_stream_chunk
 from proxy.sse import DONE_EVENT, comment_event, data_event
 from proxy.state import Phase
@@ -188,9 +188,7 @@ class Aborts(Part):
             headers = dict(f.headers)
             headers["Server-Timing"] = f.timing.header(self.clock())
             return web.Response(body=compact_json(body), content_type="application/json", headers=headers)
-        headers = dict(f.headers)
-        headers["Content-Type"] = "text/event-stream; charset=utf-8"
-        resp = EventStream(status=200, headers=headers)  # the headers go out with the chunk
+        resp = event_stream(f.headers, headers_with_first_write=True)  # the headers go with the chunk
         await resp.prepare(request)
         out = [abort_events(f)]
         if req.include_usage:

@@ -31,7 +31,7 @@ from proxy.first_token import (
 from proxy.first_token_filter import FirstTokenFilter
 from proxy.flight import Flight, PrefillFirst
 from proxy.pools import migration_blocker
-from proxy.relay import EventStream
+from proxy.relay import event_stream
 
 log = logging.getLogger("pd_proxy")
 
@@ -94,10 +94,7 @@ class FirstStream(Part):
     async def start(self, request: web.Request, f: Flight) -> web.StreamResponse:
         """Open the client's event stream and write P's chunk: the client's first token."""
         assert f.first is not None
-        headers = dict(f.headers)
-        headers["Content-Type"] = "text/event-stream; charset=utf-8"
-        headers["Cache-Control"] = "no-cache"
-        resp = EventStream(status=200, headers=headers)  # the headers go out with P's chunk
+        resp = event_stream(f.headers, headers_with_first_write=True)  # the headers go with P's chunk
         await resp.prepare(request)
         data = f.first.events
         if f.first.final:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +31,19 @@ class EventStream(web.StreamResponse):
     once that its request was taken."""
 
     _send_headers_immediately = False  # aiohttp's own switch (``web.Response`` sets it so too)
+
+
+def event_stream(headers: Mapping[str, str], *, headers_with_first_write: bool) -> web.StreamResponse:
+    """A client's event stream (200, ``text/event-stream``, ``Cache-Control: no-cache``) with the
+    request's own response headers (``headers``). ``headers_with_first_write``: an
+    ``EventStream`` (its headers go out with the first write), else a ``web.StreamResponse``
+    (its headers go out at ``prepare``)."""
+    out = dict(headers)
+    out["Content-Type"] = "text/event-stream; charset=utf-8"
+    out["Cache-Control"] = "no-cache"
+    if headers_with_first_write:
+        return EventStream(status=200, headers=out)
+    return web.StreamResponse(status=200, headers=out)
 
 
 def _merged_logprobs(old: Any, value: Any) -> Any:

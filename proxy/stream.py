@@ -20,7 +20,7 @@ from proxy.flight import Flight
 from proxy.metrics import HistogramBatch
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
-from proxy.relay import StreamBuffer
+from proxy.relay import StreamBuffer, event_stream
 from proxy.sse import DONE_EVENT
 from proxy.stream_read import DecodeReader, Status
 
@@ -62,10 +62,8 @@ class StreamDecode(Part):
                 self.cleanup.after_decode_error(f, e)
                 self.core.set_done(f)
                 raise
-            headers = dict(f.headers)
-            headers["Content-Type"] = "text/event-stream; charset=utf-8"
-            headers["Cache-Control"] = "no-cache"
-            resp = web.StreamResponse(status=200, headers=headers)
+            # D answered: the headers go at once (the client learns its request was taken)
+            resp = event_stream(f.headers, headers_with_first_write=False)
             await resp.prepare(request)
             try:
                 await self.relay(request, f, resp, buffer)

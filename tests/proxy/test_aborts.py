@@ -434,3 +434,26 @@ async def test_requests_table_and_debug_views(pd_factory: PDFactory) -> None:
     await asyncio.wait_for(task, 5)
     await pd.quiet(limit=1.0)
     assert (await (await pd.client.get("/debug/requests")).json())["requests"] == []
+
+
+@pytest.mark.parametrize("how", ["first_token_from_p", "opened_at_d", "aborted_before_any_token"])
+async def test_every_client_stream_has_the_same_headers(pd_factory: PDFactory, how: str) -> None:
+    # One constructor for a client's event stream (proxy.relay.event_stream): the stream opened with
+    # P's token, the one opened when D answers, and the one of a request aborted before any token.
+    if how == "aborted_before_any_token":
+        pd = await pd_factory(prefill=SLOW_PREFILL)
+    else:
+        pd = await pd_factory(first_token_from_prefill=how == "first_token_from_p")
+    task = asyncio.create_task(pd.client.post("/inference/v1/generate",
+                                              json={**req(request_id="h1"), "stream": True}))
+    if how == "aborted_before_any_token":
+        await wait_for_state(pd, "prefilling")
+        assert await abort(pd, "generate-tokens-h1") == 200
+    r = await asyncio.wait_for(task, 5)
+    events = sse_datas(await r.read())
+    assert r.status == 200 and events[-1] == "[DONE]"
+    assert finish_reasons(events) == (["abort"] if how == "aborted_before_any_token" else ["length"])
+    assert r.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    assert r.headers["Cache-Control"] == "no-cache"
+    assert r.headers["Transfer-Encoding"] == "chunked"
+    await pd.quiet(limit=1.0)
