@@ -679,8 +679,10 @@ def _up(args: argparse.Namespace) -> int:
         extra_args=tuple(args.vllm_arg),
         startup_timeout=args.startup_timeout,
     )
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    signal.signal(signal.SIGHUP, _raise_keyboard_interrupt)
+    # Ctrl-C (SIGINT) too, explicitly: started from a script in the background, the process
+    # inherits SIGINT ignored and Python then installs no KeyboardInterrupt for it.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_keyboard_interrupt)
     print(
         f"pd-workers: starting {args.prefill} prefill, {args.decode} decode, {args.aggregated} aggregated; "
         f"logs in {args.log_dir}",

@@ -233,10 +233,20 @@ def test_cli_up_detach_status_and_down(fake_env: dict[str, Path]) -> None:
     assert launcher.main(["down", *common]) == 1  # nothing left to stop: a clear error
 
 
-def test_cli_up_in_foreground_stops_everything_on_ctrl_c(fake_env: dict[str, Path]) -> None:
+_WITH_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, getattr(signal, sys.argv[1])); "
+                "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+"""Runs the rest of its arguments (a Python command line) with SIGINT as ``argv[1]`` says
+(``SIG_IGN`` survives ``exec``)."""
+
+
+@pytest.mark.parametrize("inherited", ["SIG_DFL", "SIG_IGN"])
+def test_cli_up_in_foreground_stops_everything_on_ctrl_c(fake_env: dict[str, Path], inherited: str) -> None:
+    # SIG_IGN: as a launcher started in the background by a non-interactive shell inherits SIGINT
+    # (bash ignores SIGINT and SIGQUIT for `cmd &`); Ctrl-C, sent explicitly, must still stop it.
     state_file = fake_env["tmp"] / "state.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.launcher", "up", "--prefill", "1", "--decode", "1",
+        [sys.executable, "-c", _WITH_SIGINT, inherited, "-m", "workers.launcher", "up",
+         "--prefill", "1", "--decode", "1",
          "--model", str(fake_env["model"]), "--vllm-bin", str(fake_env["vllm"]),
          "--log-dir", str(fake_env["logs"]), "--state-file", str(state_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
