@@ -64,7 +64,7 @@ class _Upstream(asyncio.Protocol):
             head = bytes(self.buf[:end]).lower()
             del self.buf[: end + 4]
             self.head_done = True
-            self.length = _content_length(head)
+            self.length = content_length(head)
             self.chunked = self.length < 0
         if self.chunked:
             if self.sink is not None and self.buf:
@@ -79,7 +79,7 @@ class _Upstream(asyncio.Protocol):
             self.done.set_result(bytes(self.buf[: self.length]))
 
 
-def _content_length(head: bytes) -> int:
+def content_length(head: bytes) -> int:
     """The ``Content-Length`` of a lower-cased head, -1 when it has none."""
     at = head.find(b"content-length:")
     if at < 0:
@@ -139,7 +139,7 @@ class _Client(asyncio.Protocol):
         end = self.buf.find(_END)
         if end < 0:
             return
-        length = max(_content_length(bytes(self.buf[:end]).lower()), 0)
+        length = max(content_length(bytes(self.buf[:end]).lower()), 0)
         if len(self.buf) < end + 4 + length:
             return
         body = bytes(self.buf[end + 4: end + 4 + length])

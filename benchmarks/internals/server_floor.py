@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,9 @@ from typing import Any, cast
 _TREE = str(Path(__file__).resolve().parents[2])
 if _TREE not in sys.path:
     sys.path.insert(0, _TREE)
+
+from benchmarks.internals.bare_proxy import content_length  # noqa: E402
+from benchmarks.procstat import tree_cpu_seconds  # noqa: E402
 
 PATH = "/inference/v1/generate"
 MODES = ("full", "lean", "bare")
@@ -75,22 +77,13 @@ class Bare(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buf += data
         while (end := self.buf.find(_END)) >= 0:
-            length = content_length(self.buf[:end].lower())
+            length = max(content_length(self.buf[:end].lower()), 0)
             if len(self.buf) < end + 4 + length:
                 return
             self.buf = self.buf[end + 4 + length:]
             assert self.transport is not None
             self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                                  + str(len(REPLY)).encode() + _END + REPLY)
-
-
-def content_length(head: bytes) -> int:
-    """The ``Content-Length`` of a lower-cased head, 0 when it has none."""
-    at = head.find(b"content-length:")
-    if at < 0:
-        return 0
-    stop = head.find(b"\r\n", at)
-    return int(head[at + 15: stop if stop > 0 else None])
 
 
 async def serve(mode: str) -> None:
@@ -125,19 +118,13 @@ async def load(port: int, requests: int, concurrency: int) -> int:
                 left[0] -= 1
                 writer.write(request)
                 head = await reader.readuntil(_END)
-                body = await reader.readexactly(content_length(head.lower()))
+                body = await reader.readexactly(max(content_length(head.lower()), 0))
                 good[0] += head.startswith(b"HTTP/1.1 200 ") and body == REPLY
         finally:
             writer.close()
 
     await asyncio.gather(*(connection() for _ in range(concurrency)))
     return good[0]
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_loop(coro: Any) -> Any:
@@ -161,9 +148,9 @@ def measure(mode: str, requests: int, concurrency: int,
         warm = min(requests, 2000)
         if run_loop(load(port, warm, concurrency)) != warm:
             raise RuntimeError(f"{mode}: a warm-up answer was wrong")
-        before, began = cpu_seconds(server.pid), time.monotonic()
+        before, began = tree_cpu_seconds(server.pid), time.monotonic()
         good = run_loop(load(port, requests, concurrency))
-        after, took = cpu_seconds(server.pid), time.monotonic() - began
+        after, took = tree_cpu_seconds(server.pid), time.monotonic() - began
         if good != requests:
             raise RuntimeError(f"{mode}: {requests - good} answers were wrong")
         return (after - before) * 1e6 / requests, requests / took
