@@ -11,15 +11,19 @@ period on a random worker (5xx, hang before/after headers, no KV params, refused
 or error mid-stream, slow chunks), then off.
 
 Every ``--interval`` seconds it records, from the proxy's ``GET /debug/runtime`` and the client
-side: proxy RSS, pending asyncio tasks, upstream connections (in use / idle), requests in flight,
-outcomes and the p99 latency of the requests completed in that window. After the load stops it
-lets the world settle (in-flight requests end, idle keep-alive connections and KV leases expire)
-and takes a final sample.
+side: proxy RSS, the Python objects the proxy's collector tracks, pending asyncio tasks, upstream
+connections (in use / idle), requests in flight, outcomes and the p99 latency of the requests
+completed in that window. After the load stops it lets the world settle (in-flight requests end,
+idle keep-alive connections and KV leases expire) and takes a final sample.
 
 Verdict (exit status 1 when any fails): RSS growth from the first sample after warm-up to the
-final one within ``--max-rss-growth-mib``; pending tasks back to the pre-load baseline (+ a small
+final one within ``--max-rss-growth-mib``; the Python objects still reachable (counted after a
+full collection, ``/debug/runtime?collect=1``) at the end within ``--max-object-growth`` of their
+count before the load (the warm caches and the start-up work of the first requests are in it; a
+leak of an object per request is not); pending tasks back to the pre-load baseline (+ a small
 slack); no upstream connection in use and at most two idle per worker (the health probes keep
-some); nothing in flight; no KV held on any worker.
+some); nothing in flight; no KV held on any worker. ``--proxy-arg`` passes an option to pd-proxy
+(``--proxy-arg=--gc-threshold=0``: the collector as Python starts it).
 Writes the JSON record (``--out``) and prints a table.
 """
 
@@ -72,6 +76,7 @@ class SoakConfig:
     prefill_workers: int = 2
     decode_workers: int = 2
     max_rss_growth_mib: float = 64.0
+    max_object_growth: int = 50_000
     task_slack: int = 8
     settle_timeout: float = 30.0
     seed: int = 0
@@ -81,6 +86,8 @@ class SoakConfig:
     out: str | None = None
     proxy_log: str | None = None
     """Append the proxy's log (its warnings: retries, blame, migrations) to this file."""
+    proxy_args: tuple[str, ...] = ()
+    """More options for pd-proxy, after the soak's own."""
     quiet: bool = False
 
     @property
@@ -93,6 +100,8 @@ class Window:
     t: float
     rss_mib: float | None
     """None (and the proxy-side fields below too) when the proxy did not answer the sample."""
+    objects: int | None
+    """The Python objects the proxy's collector tracks (garbage not yet collected included)."""
     tasks: int | None
     conns_in_use: int | None
     conns_idle: int | None
@@ -166,7 +175,7 @@ class Stack:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy.cli", "--host", "127.0.0.1", "--port", str(port),
                 "--prefill", *self.prefill, "--decode", *self.decode, *PROXY_TIMEOUTS,
-                "--log-level", "WARNING" if log_file else "ERROR",
+                "--log-level", "WARNING" if log_file else "ERROR", *cfg.proxy_args,
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_file or asyncio.subprocess.DEVNULL)
         finally:
             if log_file is not None:
@@ -300,7 +309,7 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
                 connector=aiohttp.TCPConnector(limit=cfg.concurrency + 16))
             await stack.wait_ready(control)
             url = stack.proxy_url
-            baseline = await _json(control, "GET", url + "/debug/runtime")
+            baseline = await _json(control, "GET", url + "/debug/runtime?collect=1")
             t_start = time.monotonic()
             t_end = t_start + cfg.duration
 
@@ -315,6 +324,7 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
                 conns = rt["upstream_connections"] if rt else {}
                 rss = rt.get("rss_bytes") if rt else None
                 w = Window(t=round(t, 1), rss_mib=round(rss / 2**20, 2) if rss else None,
+                           objects=rt.get("python_objects") if rt else None,
                            tasks=rt["tasks"] if rt else None,
                            conns_in_use=conns.get("in_use"), conns_idle=conns.get("idle"),
                            in_flight=rt["requests_in_flight"] if rt else None,
@@ -379,6 +389,7 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
             settled, kv_held = await _settle(control, stack, cfg.settle_timeout,
                                              max_idle=2 * (cfg.prefill_workers + cfg.decode_workers))
             final = await sample(time.monotonic() - t_start)
+            reachable = await _json(control, "GET", url + "/debug/runtime?collect=1")
             final_sims = [await _json(control, "GET", u + "/sim/state")
                           for u in (*stack.prefill, *stack.decode)]
     finally:
@@ -391,12 +402,14 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
     steady = [w for w in windows[:-1] if w.t >= cfg.warmup_s and w.p99_ms is not None]
     rss_growth = (final.rss_mib - ref.rss_mib) if ref and ref.rss_mib and final.rss_mib else None
     leaked_tasks = None if final.tasks is None else final.tasks - int(baseline["tasks"])
+    object_growth = int(reachable["python_objects"]) - int(baseline["python_objects"])
     totals: dict[str, int] = {}
     for w in windows:
         for k, v in w.outcomes.items():
             totals[k] = totals.get(k, 0) + v
     checks = {
         "rss_growth_ok": rss_growth is not None and rss_growth <= cfg.max_rss_growth_mib,
+        "objects_ok": object_growth <= cfg.max_object_growth,
         "tasks_ok": leaked_tasks is not None and leaked_tasks <= cfg.task_slack,
         # in use: none; idle: the keep-alive pool, at most about one per worker once quiet
         "connections_ok": final.conns_in_use == 0 and final.conns_idle is not None
@@ -417,6 +430,10 @@ async def soak(cfg: SoakConfig) -> dict[str, Any]:
             "rss_reference_mib": ref.rss_mib if ref else None,
             "rss_final_mib": final.rss_mib,
             "rss_growth_mib": None if rss_growth is None else round(rss_growth, 2),
+            "objects_baseline": baseline["python_objects"],
+            "objects_final": reachable["python_objects"],
+            "object_growth": object_growth,
+            "gc_collections_final": reachable["gc"]["collections"],
             "tasks_baseline": baseline["tasks"],
             "tasks_final": final.tasks,
             "leaked_tasks": leaked_tasks,
@@ -473,8 +490,8 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1000.0, 1)
 
 
-_COLS = ("t_s", "rss_mib", "tasks", "conn_use", "conn_idle", "inflight", "bg", "leases", "done", "p50_ms",
-         "p99_ms", "errors", "fault")
+_COLS = ("t_s", "rss_mib", "objects", "tasks", "conn_use", "conn_idle", "inflight", "bg", "leases", "done",
+         "p50_ms", "p99_ms", "errors", "fault")
 
 
 def _header() -> str:
@@ -483,8 +500,8 @@ def _header() -> str:
 
 def _row(w: Window) -> str:
     errors = sum(v for k, v in w.outcomes.items() if k not in ("ok", "aborted", "disconnected"))
-    vals = (w.t, w.rss_mib, w.tasks, w.conns_in_use, w.conns_idle, w.in_flight, w.background, w.leases_open,
-            w.completed, w.p50_ms, w.p99_ms, errors)
+    vals = (w.t, w.rss_mib, w.objects, w.tasks, w.conns_in_use, w.conns_idle, w.in_flight, w.background,
+            w.leases_open, w.completed, w.p50_ms, w.p99_ms, errors)
     return " ".join(f"{'-' if v is None else v:>9}" for v in vals) + f"  {w.fault or '-'}"
 
 
@@ -492,9 +509,10 @@ def _summary(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = ["", "soak summary"]
     for key in ("requests", "unanswered_samples", "outcomes", "rss_reference_mib", "rss_final_mib",
-                "rss_growth_mib",
-                "tasks_baseline", "tasks_final", "leaked_tasks", "connections_in_use_final",
-                "connections_idle_final", "kv_held_final", "p99_first_ms", "p99_last_ms", "p99_max_ms"):
+                "rss_growth_mib", "objects_baseline", "objects_final", "object_growth",
+                "gc_collections_final", "tasks_baseline", "tasks_final", "leaked_tasks",
+                "connections_in_use_final", "connections_idle_final", "kv_held_final", "p99_first_ms",
+                "p99_last_ms", "p99_max_ms"):
         lines.append(f"  {key:<26} {s[key]}")
     lines.append(f"  {'checks':<26} {report['checks']}")
     lines.append(f"  {'verdict':<26} {'OK' if report['ok'] else 'FAIL'}")
@@ -511,6 +529,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
     p.add_argument("--prefill-workers", type=int, default=2)
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--max-rss-growth-mib", type=float, default=64.0)
+    p.add_argument("--max-object-growth", type=int, default=50_000,
+                   help="Python objects still reachable at the end over their count before the load")
     p.add_argument("--task-slack", type=int, default=8)
     p.add_argument("--settle-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
@@ -520,12 +540,15 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
     p.add_argument("--out", default=None, help="write the JSON record here")
     p.add_argument("--proxy-log", default=None, metavar="FILE",
                    help="append the proxy's log at WARNING (retries, blame, migrations) to FILE")
+    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                   help="an option for pd-proxy (repeatable; written with =: --proxy-arg=--gc-threshold=0)")
     a = p.parse_args(argv)
     cfg = SoakConfig(duration=a.duration, concurrency=a.concurrency, interval=a.interval,
                       fault_period=a.fault_period, warmup=a.warmup, prefill_workers=a.prefill_workers,
                       decode_workers=a.decode_workers, max_rss_growth_mib=a.max_rss_growth_mib,
                       task_slack=a.task_slack, settle_timeout=a.settle_timeout, seed=a.seed, out=a.out,
-                      faults=tuple(a.fault), proxy_log=a.proxy_log)
+                      faults=tuple(a.fault), proxy_log=a.proxy_log, proxy_args=tuple(a.proxy_arg),
+                      max_object_growth=a.max_object_growth)
     counts = {"prefill": cfg.prefill_workers, "decode": cfg.decode_workers}
     for spec in cfg.faults:
         try:

@@ -12,7 +12,8 @@ each key a tenant (``proxy.tenants``); ``/debug/*`` behind the admin key when se
 * ``GET  /metrics``                       Prometheus text (no key)
 * ``GET  /debug/kv-leases``               the KV-lease ledger (open + recent closed)
 * ``GET  /debug/requests``                the request table (state and holders of each request)
-* ``GET  /debug/runtime``                 pending tasks, upstream connections, RSS (``proxy.diagnostics``)
+* ``GET  /debug/runtime``                 pending tasks, upstream connections, RSS, Python objects
+                                          (``?collect=1``: after a full collection; ``proxy.diagnostics``)
 * ``/admin/workers``                      pool membership and draining, behind the admin key
                                           (``proxy.pools.admin``; only when that key is set); with
                                           ``--admin-port`` on its own listener instead (the main
@@ -39,6 +40,7 @@ from proxy.aborts import abort_request_ids
 from proxy.diagnostics import runtime_snapshot
 from proxy.errors import (
     ON_ERROR,
+    BadRequest,
     Forbidden,
     ProxyError,
     ShuttingDown,
@@ -239,11 +241,14 @@ async def requests_table(request: web.Request) -> web.Response:
 
 
 async def runtime(request: web.Request) -> web.Response:
+    collect = request.query.get("collect", "0")
+    if collect not in ("0", "1"):
+        raise BadRequest("'collect' must be 0 or 1", param="collect")
     serving = request.app[SERVING]
     return json_response(runtime_snapshot(
         connector=serving.upstream.session.connector, hops=serving.upstream.hops,
         requests=len(serving.table),
-        background=len(serving.tracker), leases_open=serving.leases.open_count))
+        background=len(serving.tracker), leases_open=serving.leases.open_count, collect=collect == "1"))
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

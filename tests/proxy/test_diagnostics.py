@@ -1,10 +1,11 @@
 """proxy.diagnostics: ``GET /debug/runtime`` counts what a long run watches for leaks (requests,
-background tasks, KV leases, upstream connections), back to nothing once the proxy is idle. (Behind
-the admin key: ``tests/reliability/test_security.py``.)"""
+background tasks, KV leases, upstream connections, Python objects), back to nothing once the proxy
+is idle. (Behind the admin key: ``tests/reliability/test_security.py``.)"""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from typing import Any
 
@@ -12,8 +13,8 @@ from proxy.diagnostics import connector_counts, rss_bytes
 from tests.proxy.conftest import PDFactory, req
 
 
-async def runtime(pd: Any) -> dict[str, Any]:
-    r = await pd.client.get("/debug/runtime")
+async def runtime(pd: Any, query: str = "") -> dict[str, Any]:
+    r = await pd.client.get("/debug/runtime" + query)
     assert r.status == 200
     data: dict[str, Any] = await r.json()
     return data
@@ -46,3 +47,30 @@ def test_counts_without_a_connector_and_the_processes_memory() -> None:
     assert connector_counts(None) == {"in_use": 0, "idle": 0}
     rss = rss_bytes()
     assert rss is not None and rss > 1 << 20  # Linux: read from /proc
+
+
+async def test_collect_counts_only_the_objects_still_reachable(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    enabled = gc.isenabled()
+    gc.disable()  # no automatic collection between the two readings
+    try:
+        cycles: list[list[Any]] = [[] for _ in range(20_000)]
+        for one in cycles:
+            one.append(one)  # each list its own cycle: garbage that only a collection frees
+        del cycles, one
+        pending = await runtime(pd)
+        collected = await runtime(pd, "?collect=1")
+    finally:
+        if enabled:
+            gc.enable()
+    assert pending["python_objects"] - collected["python_objects"] >= 20_000
+    assert collected["gc"]["collections"][2] > pending["gc"]["collections"][2]  # a full collection ran
+
+
+async def test_collect_takes_0_or_1(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    assert (await runtime(pd, "?collect=0"))["requests_in_flight"] == 0
+    r = await pd.client.get("/debug/runtime?collect=yes")
+    assert r.status == 400
+    error = (await r.json())["error"]
+    assert (error["param"], error["code"]) == ("collect", 400) and "0 or 1" in error["message"]
