@@ -38,8 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import pydantic_core
-
+from proxy.protocol import stream_json
 from proxy.sse import data_event
 
 GREEDY_TEMPERATURE: Final = 1e-5
@@ -266,7 +265,7 @@ def first_chunk(reply: Mapping[str, Any], *, request_id: str, output_mode: str,
                 chunk["mm_placeholders"] = reply["mm_placeholders"]
         chunk["output_mode"] = output_mode
         chunk["choices"] = [out]
-        events.append(data_event(pydantic_core.to_json(chunk)))
+        events.append(data_event(stream_json(chunk)))
         shown.append(first)
     return b"".join(events), shown
 
@@ -281,7 +280,7 @@ def usage_event(*, request_id: str, output_mode: str, prompt_tokens: int, comple
     if prompt_tokens_details is not None:
         usage["prompt_tokens_details"] = prompt_tokens_details
     chunk = {"request_id": request_id, "usage": usage, "output_mode": output_mode, "choices": []}
-    return data_event(pydantic_core.to_json(chunk))
+    return data_event(stream_json(chunk))
 
 
 # -- one seed for both hops -----------------------------------------------------------------------

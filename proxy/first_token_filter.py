@@ -16,6 +16,7 @@ from typing import Any, Final
 import pydantic_core
 
 from proxy.first_token import CHUNK_OPTIONAL, FirstToken, Mismatch, as_int
+from proxy.protocol import stream_json
 
 # -- D's first token out --------------------------------------------------------------------------
 #
@@ -257,7 +258,7 @@ def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken
     if not cuts and not drop_keys:
         return payload, seen
     spliced = _spliced(payload, cuts, drop_keys)
-    return (spliced if spliced is not None else pydantic_core.to_json(chunk)), seen
+    return (spliced if spliced is not None else stream_json(chunk)), seen
 
 
 def drop_first_token(payload: bytes, expected_token: int, expected_text: str | None = None, *,

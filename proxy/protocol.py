@@ -271,6 +271,16 @@ def compact_json(obj: Any) -> bytes:
     return _COMPACT_ENCODE(obj).encode()
 
 
+def stream_json(obj: Any) -> bytes:
+    """A stream chunk's JSON as vLLM writes it (``model_dump_json`` of its stream response:
+    pydantic-core): compact, UTF-8 unescaped, floats in pydantic-core's spelling (``1e-7``,
+    ``0.00001``; ``json.dumps``, which writes vLLM's non-stream replies, has ``1e-07`` and
+    ``1e-05``), NaN and infinities as ``null`` as ``model_dump_json`` writes them (vLLM floors
+    logprobs at -9999.0: they do not occur). For the chunks the proxy writes itself or rewrites
+    (P's first token, D's first chunk without it, a migrated stream's chunks)."""
+    return pydantic_core.to_json(obj, inf_nan_mode="null")
+
+
 def hop_json(obj: Any) -> bytes:
     """JSON for a worker (a hop's body): compact, UTF-8 unescaped, NaN and Infinity spelled as
     ``json.dumps`` spells them, written by pydantic-core's serializer, about five times faster

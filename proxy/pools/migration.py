@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.protocol import compact_json, parse_worker_json
+from proxy.protocol import parse_worker_json, stream_json
 
 MAX_REWIND = 64
 """At most this many trailing tokens are rewound (beyond it the seam risks the garbage delta; it
@@ -256,7 +256,7 @@ class StreamFollower:
         chunk["choices"] = choices
         if isinstance(usage, dict):
             chunk["usage"] = rewrite_usage(usage, self.cont)
-        return compact_json(chunk)
+        return stream_json(chunk)
 
     def finished(self) -> bool:
         """The client already has every token it asked for (nothing to continue)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pydantic_core
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -275,3 +276,22 @@ def test_follower_rewrites_usage_and_passes_unknown_payloads() -> None:
     assert out is not None
     assert json.loads(out)["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
     assert not follower.finished()
+
+
+def test_a_migrated_chunk_spells_floats_as_vllm_streams_do() -> None:
+    """vLLM writes stream chunks with pydantic-core (``model_dump_json``): ``-1.25e-7`` and
+    ``-0.00001`` where ``json.dumps`` has ``-1.25e-07`` and ``-1e-05``. A chunk the follower
+    rewrote after a migration is spelled as the chunk vLLM would have sent."""
+    follower = StreamFollower(request([1, 2, 3], 6, "tokens"), "tokens")
+    for payload in events([{"index": 0, "token_ids": [7], "finish_reason": None}]):
+        follower.event(payload)
+    assert follower.continue_elsewhere() is not None
+    lp = {"content": [{"token_id": 9, "logprob": -1.25e-07, "rank": 1,
+                       "top_logprobs": [{"token_id": 9, "logprob": -1.25e-07, "rank": 1},
+                                        {"token_id": 4, "logprob": -1e-05, "rank": 2}]}]}
+    chunk = {"request_id": "generate-tokens-r", "usage": None, "output_mode": "tokens",
+             "choices": [{"index": 0, "finish_reason": None, "token_ids": [9], "logprobs": lp}]}
+    out = follower.event(pydantic_core.to_json(chunk))  # as the continuation's worker wrote it
+    assert out is not None
+    assert out == pydantic_core.to_json(chunk)  # nothing to strip: the same bytes
+    assert b"-1.25e-7" in out and b"-0.00001" in out and b"e-07" not in out
