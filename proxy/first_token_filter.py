@@ -13,10 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-import pydantic_core
-
 from proxy.first_token import CHUNK_OPTIONAL, FirstToken, Mismatch, as_int
-from proxy.protocol import stream_json
+from proxy.protocol import parse_worker_json, stream_json
 
 # -- D's first token out --------------------------------------------------------------------------
 #
@@ -220,7 +218,7 @@ def _spliced(raw: bytes, cuts: list[_Cut], drop_keys: list[str]) -> bytes | None
 
 def _parse_chunk(payload: bytes) -> dict[str, Any] | None:
     try:
-        chunk = pydantic_core.from_json(payload, allow_inf_nan=True)
+        chunk = parse_worker_json(payload)
     except ValueError:
         return None
     if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):

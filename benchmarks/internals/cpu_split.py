@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import shutil
@@ -41,7 +42,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 _TREE = str(Path(__file__).resolve().parents[2])
@@ -95,7 +95,7 @@ def pin_cpus() -> tuple[set[int], set[int]]:
     return set(cpus[:-1]), {cpus[-1]}
 
 
-@contextmanager
+@contextlib.contextmanager
 def perf_attached(out: str) -> Iterator[str | None]:
     """``perf record`` on this process while the block runs; yields why not when it cannot."""
     if shutil.which("perf") is None:
@@ -139,6 +139,8 @@ async def main(args: argparse.Namespace) -> None:
     async with loaded_proxy(args.requests, args.stream, _TREE) as one_round:
         if pinned is not None:
             os.sched_setaffinity(0, pinned[1])
+        # as pd-proxy's start-up settles it (proxy.server.settle_gc, --gc-threshold's default), done
+        # here so that any tree measured gets the same setting
         gc.collect()
         gc.freeze()
         gc.set_threshold(20_000, *gc.get_threshold()[1:])
@@ -147,7 +149,7 @@ async def main(args: argparse.Namespace) -> None:
               f"64 at a time{', pinned' if pinned else ''}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             data = os.path.join(tmp, "perf.data")
-            with perf_attached(data) if args.perf else _nothing() as why_not:
+            with perf_attached(data) if args.perf else contextlib.nullcontext() as why_not:
                 for _ in range(args.rounds):
                     before, began = os.times(), time.perf_counter()
                     await one_round()
@@ -162,11 +164,6 @@ async def main(args: argparse.Namespace) -> None:
                 else:
                     print("  samples by what ran them: " + ", ".join(
                         f"{name} {share:.1f}%" for name, share in perf_split(data).items()))
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
