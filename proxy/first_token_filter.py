@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from proxy.first_token import CHUNK_OPTIONAL, FirstToken, Mismatch, as_int
-from proxy.protocol import parse_worker_json, stream_json
+from proxy.protocol import parse_stream_chunk, stream_json
 
 # -- D's first token out --------------------------------------------------------------------------
 #
@@ -216,16 +216,6 @@ def _spliced(raw: bytes, cuts: list[_Cut], drop_keys: list[str]) -> bytes | None
     return raw
 
 
-def _parse_chunk(payload: bytes) -> dict[str, Any] | None:
-    try:
-        chunk = parse_worker_json(payload)
-    except ValueError:
-        return None
-    if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
-        return None
-    return chunk
-
-
 def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken], *,
           first_event: bool) -> tuple[bytes | Mismatch | None, list[int]]:
     """``payload`` (parsed: ``chunk``) without token 1 of each choice in ``firsts``; which of
@@ -277,7 +267,7 @@ def drop_first_token(payload: bytes, expected_token: int, expected_text: str | N
     the model length) is kept with ``token_ids: []``, as vLLM itself sends an abort. A ``Mismatch``
     when D's token 1 is another token, or its text does not start with the shown text. A payload
     that is not a chunk, or has no choice ``index``, is returned as it is."""
-    chunk = _parse_chunk(payload)
+    chunk = parse_stream_chunk(payload)
     if chunk is None:
         return payload
     result, _ = _drop(payload, chunk, {index: FirstToken(index, expected_token, expected_text)},
@@ -302,7 +292,7 @@ class FirstTokenFilter:
         ``Mismatch`` (the caller stops this stream and continues from prompt + P's token)."""
         if not self.pending:
             return payload
-        chunk = _parse_chunk(payload)
+        chunk = parse_stream_chunk(payload)
         if chunk is None:
             return payload  # an error event, or not a chunk: the caller's checks apply
         result, seen = _drop(payload, chunk, self.pending, first_event=not self.started)

@@ -299,6 +299,18 @@ def parse_worker_json(raw: bytes) -> Any:
     return pydantic_core.from_json(raw, allow_inf_nan=True)
 
 
+def parse_stream_chunk(payload: bytes) -> dict[str, Any] | None:
+    """A stream event's data as a generate chunk (an object with a ``choices`` list), parsed as
+    ``parse_worker_json`` parses it; None when it is not one (not JSON, or another shape)."""
+    try:
+        chunk = parse_worker_json(payload)
+    except ValueError:
+        return None
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
+        return None
+    return chunk
+
+
 def unique_key_end(raw: bytes, quoted: bytes) -> int | None:
     """Where the one occurrence of ``quoted`` (a key with its quotes, ``b'"token_ids"'``) in the
     JSON text ``raw`` ends, or None unless it occurs exactly once and no other spelling of it

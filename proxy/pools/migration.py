@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.protocol import parse_worker_json, stream_json
+from proxy.protocol import parse_stream_chunk, stream_json
 
 MAX_REWIND = 64
 """At most this many trailing tokens are rewound (beyond it the seam risks the garbage delta; it
@@ -229,11 +229,8 @@ class StreamFollower:
         self.migrations = 0
 
     def event(self, payload: bytes) -> bytes | None:
-        try:
-            chunk = parse_worker_json(payload)
-        except ValueError:
-            return payload
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
+        chunk = parse_stream_chunk(payload)
+        if chunk is None:
             return payload
         if self.cont is None:
             for choice in chunk["choices"]:
