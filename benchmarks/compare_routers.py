@@ -701,7 +701,14 @@ def describe_pinning(meta: Mapping[str, Any]) -> str:
         return "unpinned: no taskset, every proxy, the workers and the client share all the cores"
     cpus = [f"{who} {meta.get(key) or 'all cores'}" for who, key in
             (("proxies", "proxy_cpus"), ("workers", "worker_cpus"), ("client", "client_cpus"))]
-    return "pinned (taskset): " + ", ".join(cpus)
+    line = "pinned (taskset): " + ", ".join(cpus)
+    proxies = meta.get("proxy_cpus")
+    if proxies and proxies in (meta.get("worker_cpus"), meta.get("client_cpus")):
+        # cpu_split on a machine with no core left once the proxies have theirs (2 cores, a
+        # pd-proxy target of 2 processes): nothing is kept apart from the proxies.
+        line += (" (the proxies share their cores with the workers or the client: with "
+                 "--pd-proxy-workers 1 one pd-proxy process and vllm-router get a core to themselves)")
+    return line
 
 
 def default_cpu_split() -> tuple[str | None, str | None]:

@@ -556,6 +556,18 @@ def test_every_proxy_target_reports_cpu_per_request_and_its_ratio() -> None:
         "unpinned: no taskset, every proxy, the workers and the client share all the cores")
 
 
+def test_a_pinning_that_keeps_nothing_apart_says_so() -> None:
+    """On 2 cores with pd-proxy-w2 among the targets every process is pinned to both cores: the
+    line says the proxies were not kept apart and how to have them so."""
+    shared = cr.describe_pinning({"pinning": cr.PINNED, "proxy_cpus": "0,1", "worker_cpus": "0,1",
+                                  "client_cpus": "0,1"})
+    assert shared.startswith("pinned (taskset): proxies 0,1, workers 0,1, client 0,1 (the proxies share")
+    assert "--pd-proxy-workers 1" in shared
+    apart = cr.describe_pinning({"pinning": cr.PINNED, "proxy_cpus": "1", "worker_cpus": "0",
+                                 "client_cpus": "0"})
+    assert apart == "pinned (taskset): proxies 1, workers 0, client 0"
+
+
 def test_both_modes_side_by_side() -> None:
     combined = cr.combine({cr.PINNED: _mode_result(cr.PINNED, 0.010, 0.004),
                            cr.UNPINNED: _mode_result(cr.UNPINNED, 0.006, 0.006)})
