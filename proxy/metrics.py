@@ -175,7 +175,7 @@ class _LocalCounterChild(_LocalChild):
 
 def fast(metric: Any, series: Any = None) -> Any:
     """``series`` (``metric.labels(...)``; ``metric`` itself when it has no labels) updated through
-    ``_Child`` when its kind allows."""
+    ``_Child`` when its kind allows (``_LocalChild`` when its values are held in this process)."""
     if series is None:
         series = metric
     local = type(getattr(series, "_value", None) or getattr(series, "_sum", None)) is MutexValue
