@@ -702,13 +702,18 @@ def describe_pinning(meta: Mapping[str, Any]) -> str:
     cpus = [f"{who} {meta.get(key) or 'all cores'}" for who, key in
             (("proxies", "proxy_cpus"), ("workers", "worker_cpus"), ("client", "client_cpus"))]
     line = "pinned (taskset): " + ", ".join(cpus)
-    proxies = meta.get("proxy_cpus")
-    if proxies and proxies in (meta.get("worker_cpus"), meta.get("client_cpus")):
-        # cpu_split on a machine with no core left once the proxies have theirs (2 cores, a
+    proxies = cpu_set(meta.get("proxy_cpus"))
+    if proxies & (cpu_set(meta.get("worker_cpus")) | cpu_set(meta.get("client_cpus"))):
+        # e.g. cpu_split on a machine with no core left once the proxies have theirs (2 cores, a
         # pd-proxy target of 2 processes): nothing is kept apart from the proxies.
         line += (" (the proxies share their cores with the workers or the client: with "
                  "--pd-proxy-workers 1 one pd-proxy process and vllm-router get a core to themselves)")
     return line
+
+
+def cpu_set(text: str | None) -> set[int]:
+    """The cores of a taskset list as this tool writes them (``"0,1"``); none for no list."""
+    return {int(c) for c in text.split(",") if c.strip()} if text else set()
 
 
 def default_cpu_split() -> tuple[str | None, str | None]:
@@ -1292,7 +1297,7 @@ def run_mode(cfg: Config, mode: str, skipped: Sequence[str], all_cpus: set[int])
     run_cfg = for_pinning(cfg, mode)
     run_cfg.out_dir.mkdir(parents=True, exist_ok=True)
     # This client too: on its CPU list pinned, back on every core unpinned.
-    client = {int(c) for c in run_cfg.client_cpus.split(",")} if run_cfg.client_cpus else all_cpus
+    client = cpu_set(run_cfg.client_cpus) or all_cpus
     os.sched_setaffinity(0, client)
     with processes() as procs:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
