@@ -116,11 +116,11 @@ async def _client_batch(session: aiohttp.ClientSession, url: str, count: int, ta
     await asyncio.gather(*(one(i) for i in range(count)))
 
 
-async def _client(url: str, count: int, stream: bool) -> None:
+async def _client(url: str, count: int, stream: bool, rounds: int = _ROUNDS) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await _client_batch(session, url, 64, "warm", stream)
         print("ready", flush=True)
-        for n in range(_ROUNDS):
+        for n in range(rounds):
             sys.stdin.readline()
             await _client_batch(session, url, count, f"meas{n}", stream)
             print("done", flush=True)
@@ -380,11 +380,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--proxy-args", default="", help="more pd-proxy flags for the measured proxy, "
                    "e.g. '--first-token-from-prefill off'")
     p.add_argument("--client", metavar="URL", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--client-rounds", type=int, default=_ROUNDS, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if not 1 <= a.requests <= _MAX_REQUESTS:
         p.error(f"--requests: 1 to {_MAX_REQUESTS}")
     if a.client:
-        asyncio.run(_client(a.client, a.requests, a.stream))
+        asyncio.run(_client(a.client, a.requests, a.stream, a.client_rounds))
         return
     if a.diff:
         print_diff(a.diff[0], a.diff[1], a.top)

@@ -1,0 +1,181 @@
+"""What pd-proxy's shells cost against its per-request components: pd-proxy, ``flat_proxy`` (its
+components in ``bare_proxy``'s shells, with either hop client) and ``bare_proxy``, served in one
+process and alternated round by round.
+
+    python benchmarks/internals/shells.py [--requests N] [--rounds R] [--calls] [--pin]
+                                          [--variants pd-proxy,flat,flat+hops,bare]
+
+Starts two ``pd-sim --zero-latency`` workers (prefill and decode) and serves, in this process on
+uvloop and on loopback, in front of both:
+
+- ``pd-proxy``: the app (``proxy.app.build_app``, pd-proxy's default settings, ``--log-level
+  warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it;
+- ``flat``: ``flat_proxy`` with ``bare_proxy``'s hop client;
+- ``flat+hops``: ``flat_proxy`` with pd-proxy's hop client (``proxy.upstream.Upstream``);
+- ``bare``: ``bare_proxy``, the two hops and nothing else.
+
+Each has its own load client subprocess (``call_counts``' client: 64 at a time, 256 prompt
+tokens, 32 output tokens, non-stream; 64 warm-up requests). Each round gives every variant
+``--requests`` requests in turn, the order rotated every round, and prints this process's user
+plus system CPU per request for each (``os.times``: the workers and the clients are other
+processes), so that the machine's drift falls on all of them alike; the medians come last. With
+``--calls``, one more round each under cProfile: Python calls per request (builtins included),
+a count that noise does not move. ``--pin``: this process alone on the last CPU, the workers and
+the clients on the others (``cpu_split.py --pin``'s split). Numbers in ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+_TREE = str(Path(__file__).resolve().parents[2])
+if _TREE not in sys.path:
+    sys.path.append(_TREE)
+
+from benchmarks.internals import bare_proxy, call_counts, cpu_split, flat_proxy  # noqa: E402
+
+VARIANTS = ("pd-proxy", "flat", "flat+hops", "bare")
+Round = Callable[[], Awaitable[None]]
+
+
+@asynccontextmanager
+async def _client(port: int, count: int, rounds: int) -> AsyncIterator[Round]:
+    """A load client subprocess for ``port``, warmed up; yields one round of ``count`` requests."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, call_counts.__file__, "--client", f"http://127.0.0.1:{port}",
+        "--requests", str(count), "--client-rounds", str(rounds),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    stdin, stdout = proc.stdin, proc.stdout
+    assert stdin is not None and stdout is not None
+    try:
+        if (await stdout.readline()).strip() != b"ready":
+            raise RuntimeError(f"the load client of port {port} failed its warm-up")
+
+        async def one_round() -> None:
+            stdin.write(b"go\n")
+            await stdin.drain()
+            if (await stdout.readline()).strip() != b"done":
+                raise RuntimeError(f"the load client of port {port} failed")
+            await asyncio.sleep(0.3)  # the last requests' clean-up
+
+        yield one_round
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str) -> int:
+    """Start ``variant`` on a free loopback port (stopped with ``stack``); its port."""
+    if variant == "pd-proxy":
+        from aiohttp import web  # noqa: PLC0415
+
+        from proxy.app import build_app  # noqa: PLC0415
+        from proxy.cli import parse_args  # noqa: PLC0415
+
+        settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", prefill,
+                               "--decode", decode, "--log-level", "warning"])
+        runner = web.AppRunner(build_app(settings))
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return int(runner.addresses[0][1])
+    if variant == "bare":
+        server = await bare_proxy.start(0, prefill, decode)
+    else:
+        server, _, session = await flat_proxy.start(0, prefill, decode,
+                                                    "pd-proxy" if variant == "flat+hops" else "bare")
+        stack.push_async_callback(session.close)
+    stack.push_async_callback(server.wait_closed)
+    stack.callback(server.close)
+    return int(server.sockets[0].getsockname()[1])
+
+
+async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...] = VARIANTS, *,
+                  pin: bool = False) -> dict[str, dict[str, object]]:
+    """Per variant: CPU per request of each round (us) and, with ``calls``, Python calls per request."""
+    pinned = cpu_split.pin_cpus() if pin else None
+    if pinned is not None:
+        os.sched_setaffinity(0, pinned[0])  # the workers and the clients inherit it
+    sims = [call_counts._start_sim(role, _TREE) for role in ("prefill", "decode")]
+    try:
+        async with AsyncExitStack() as stack:
+            loads: dict[str, Round] = {}
+            for variant in variants:
+                port = await _serve(stack, variant, sims[0][1], sims[1][1])
+                loads[variant] = await stack.enter_async_context(_client(port, count, rounds + int(calls)))
+            if pinned is not None:
+                os.sched_setaffinity(0, pinned[1])
+            gc.collect()  # as pd-proxy's start-up settles the collector (--gc-threshold's default)
+            gc.freeze()
+            gc.set_threshold(20_000, *gc.get_threshold()[1:])
+            cpu: dict[str, list[float]] = {v: [] for v in variants}
+            for r in range(rounds):
+                order = [*variants[r % len(variants):], *variants[:r % len(variants)]]
+                for variant in order:
+                    before = os.times()
+                    await loads[variant]()
+                    after = os.times()
+                    used = after.user - before.user + after.system - before.system
+                    cpu[variant].append(used / count * 1e6)
+                line = ", ".join(f"{v} {cpu[v][-1]:.0f} us" for v in variants)
+                print(f"  round {r + 1}: {line}", flush=True)
+            counted: dict[str, float] = {}
+            if calls:
+                for variant in variants:
+                    profile = cProfile.Profile()
+                    profile.enable()
+                    await loads[variant]()
+                    profile.disable()
+                    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+                    counted[variant] = sum(v[1] for v in stats.values()) / count
+            return {v: {"cpu_us": cpu[v], "median_us": statistics.median(cpu[v]),
+                        "calls": counted.get(v)} for v in variants}
+    finally:
+        for proc, _ in sims:
+            proc.terminate()
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=2000, help="per variant and round (at most 5,000)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", action="store_true", help="one more round each, Python calls counted")
+    p.add_argument("--pin", action="store_true", help="this process alone on the last CPU")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="a comma list out of those")
+    a = p.parse_args(argv)
+    if not 1 <= a.requests <= 5000 or not 1 <= a.rounds <= 20:
+        p.error("--requests 1..5000, --rounds 1..20")
+    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) < len(variants):
+        p.error(f"--variants: a comma list out of {', '.join(VARIANTS)}, each once")
+    print(f"{a.requests} non-stream requests a round, 64 at a time, {a.rounds} rounds, variants alternated"
+          f"{', pinned' if a.pin else ''}", flush=True)
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        result = asyncio.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin))
+    else:
+        result = uvloop.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin))
+    first = variants[0]
+    base = float(result[first]["median_us"])  # type: ignore[arg-type]
+    for variant, r in result.items():
+        median = float(r["median_us"])  # type: ignore[arg-type]
+        calls = f", {r['calls']:.0f} Python calls per request" if r["calls"] is not None else ""
+        print(f"{variant:10s} median {median:.0f} us CPU per request ({median / base:.2f}x {first}'s){calls}")
+
+
+if __name__ == "__main__":
+    main()
