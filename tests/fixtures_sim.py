@@ -8,6 +8,7 @@
         p.url                      # "http://127.0.0.1:<port>"
         await p.state()            # GET /sim/state as a dict
         await p.set_faults(fail_next=1, fail_status=503)   # POST /sim/faults
+        await d.pulled_bytes()     # KV bytes the worker pulled so far (its /metrics)
         p.settings, p.app          # the SimSettings and the aiohttp Application
 
   Keyword arguments are ``workers.sim.SimSettings`` fields (``faults=`` takes a ``Faults`` or a dict).
@@ -38,6 +39,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from workers.sim import Faults, SimSettings, build_app
 
@@ -67,6 +69,14 @@ class SimWorker:
             r.raise_for_status()
             data: dict[str, Any] = await r.json()
             return data
+
+    async def pulled_bytes(self) -> float:
+        """KV bytes this (decode) worker pulled so far: its ``vllm:nixl_bytes_transferred`` sum."""
+        async with self.session.get(f"{self.url}/metrics") as r:
+            r.raise_for_status()
+            text = await r.text()
+        return sum(s.value for f in text_string_to_metric_families(text)
+                   if f.name == "vllm:nixl_bytes_transferred" for s in f.samples if s.name.endswith("_sum"))
 
     async def close(self) -> None:
         await self.runner.cleanup()

@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.internals.bare_proxy import start
 from tests.fixtures_sim import SimFactory
@@ -17,13 +16,6 @@ from tests.fixtures_sim import SimFactory
 def _body(stream: bool) -> dict[str, Any]:
     return {"request_id": f"bare-{stream}", "token_ids": list(range(1, 40)), "stream": stream,
             "sampling_params": {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
-
-
-async def _pulled_bytes(session: aiohttp.ClientSession, url: str) -> float:
-    async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
-    return sum(s.value for f in text_string_to_metric_families(text)
-               if f.name == "vllm:nixl_bytes_transferred" for s in f.samples if s.name.endswith("_sum"))
 
 
 async def test_both_hops_are_made_and_the_answer_is_the_decode_workers(sim_factory: SimFactory) -> None:
@@ -35,7 +27,7 @@ async def test_both_hops_are_made_and_the_answer_is_the_decode_workers(sim_facto
     try:
         async with aiohttp.ClientSession() as session:
             for stream in (False, True):
-                before = await _pulled_bytes(session, decode.url)
+                before = await decode.pulled_bytes()
                 async with session.post(f"{url}/inference/v1/generate", json=_body(stream)) as r:
                     assert r.status == 200
                     raw = await r.read()
@@ -51,7 +43,7 @@ async def test_both_hops_are_made_and_the_answer_is_the_decode_workers(sim_facto
                     ids = json.loads(raw)["choices"][0]["token_ids"]
                     ref_ids = json.loads(reference)["choices"][0]["token_ids"]
                 assert ids == ref_ids and len(ids) == 5  # the same tokens as one aggregated worker
-                assert await _pulled_bytes(session, decode.url) > before  # D pulled P's KV
+                assert await decode.pulled_bytes() > before  # D pulled P's KV
     finally:
         server.close()
         await server.wait_closed()

@@ -11,7 +11,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.internals import flat_proxy, shells
 from tests.fixtures_sim import SimFactory
@@ -20,13 +19,6 @@ from tests.fixtures_sim import SimFactory
 def _body(n: int) -> dict[str, Any]:
     return {"request_id": f"flat-{n}", "token_ids": list(range(1, 40)), "stream": False,
             "sampling_params": {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
-
-
-async def _pulled_bytes(session: aiohttp.ClientSession, url: str) -> float:
-    async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
-    return sum(s.value for f in text_string_to_metric_families(text)
-               if f.name == "vllm:nixl_bytes_transferred" for s in f.samples if s.name.endswith("_sum"))
 
 
 @pytest.mark.parametrize("hop_client", flat_proxy.HOP_CLIENTS)
@@ -40,7 +32,7 @@ async def test_both_hops_are_made_and_nothing_is_held_after(sim_factory: SimFact
     try:
         async with aiohttp.ClientSession() as session:
             for n in range(3):
-                before = await _pulled_bytes(session, decode.url)
+                before = await decode.pulled_bytes()
                 async with session.post(f"{url}/inference/v1/generate", json=_body(n)) as r:
                     assert r.status == 200
                     assert r.headers["X-Request-Id"] == f"flat-{n}"
@@ -50,7 +42,7 @@ async def test_both_hops_are_made_and_nothing_is_held_after(sim_factory: SimFact
                     reference = await r.json()
                 ids = answer["choices"][0]["token_ids"]
                 assert ids == reference["choices"][0]["token_ids"] and len(ids) == 5
-                assert await _pulled_bytes(session, decode.url) > before  # D pulled P's KV
+                assert await decode.pulled_bytes() > before  # D pulled P's KV
         assert serving.leases.open_count == 0
         assert [lease.reason for lease in serving.leases.ledger.recent_closed()] == ["pulled"] * 3
         assert all(w.inflight == 0 for w in [*serving.prefill_pool, *serving.decode_pool])
