@@ -35,8 +35,8 @@ import pstats
 import statistics
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
 _TREE = str(Path(__file__).resolve().parents[2])
@@ -105,12 +105,14 @@ async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str)
 async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...] = VARIANTS, *,
                   pin: bool = False) -> dict[str, dict[str, object]]:
     """Per variant: CPU per request of each round (us) and, with ``calls``, Python calls per request."""
+    affinity = os.sched_getaffinity(0)
     pinned = cpu_split.pin_cpus() if pin else None
     if pinned is not None:
         os.sched_setaffinity(0, pinned[0])  # the workers and the clients inherit it
     sims = [call_counts._start_sim(role, _TREE) for role in ("prefill", "decode")]
     try:
         async with AsyncExitStack() as stack:
+            stack.enter_context(_settled_gc())
             loads: dict[str, Round] = {}
             for variant in variants:
                 port = await _serve(stack, variant, sims[0][1], sims[1][1])
@@ -146,6 +148,21 @@ async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...
         for proc, _ in sims:
             proc.terminate()
             proc.wait()
+        os.sched_setaffinity(0, affinity)
+
+
+@contextmanager
+def _settled_gc() -> Iterator[None]:
+    """The collector's thresholds as they were once the measuring is done (it sets them as
+    pd-proxy's start-up does), and what it froze unfrozen when nothing was frozen before (``gc``
+    cannot unfreeze a part): ``measure`` may run inside another program, a test's."""
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        yield
+    finally:
+        if not frozen:
+            gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 def main(argv: list[str] | None = None) -> None:

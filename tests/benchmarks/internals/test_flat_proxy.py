@@ -7,6 +7,7 @@ alternates it with pd-proxy and ``bare_proxy`` and reports each one's CPU and ca
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import aiohttp
@@ -54,7 +55,9 @@ async def test_both_hops_are_made_and_nothing_is_held_after(sim_factory: SimFact
 
 
 async def test_shells_alternates_every_variant_and_counts_their_calls() -> None:
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
     result = await shells.measure(64, 2, calls=True)
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (thresholds, frozen)  # as it found them
     assert list(result) == list(shells.VARIANTS)
     for r in result.values():
         cpu = r["cpu_us"]
