@@ -24,9 +24,10 @@ A stream request is relayed as ``bare_proxy`` relays it (the pick, the bodies an
 above, D's bytes as they come; no first token from P): enough for ``compare_routers``' readiness
 check, not a stream's costs.
 
-``benchmarks/internals/shells.py`` serves it beside pd-proxy and ``bare_proxy`` in one process
-and alternates them; ``compare_routers --pd-proxy-cmd`` runs it in pd-proxy's slot
-(benchmarks/README.md gives the commands and the numbers).
+``aiohttp_app`` puts the same walk behind aiohttp's server (a ``web.Application`` with the generate
+route alone, non-stream only). ``benchmarks/internals/shells.py`` serves it beside pd-proxy and
+``bare_proxy`` in one process and alternates them; ``compare_routers --pd-proxy-cmd`` runs it in
+pd-proxy's slot (benchmarks/README.md gives the commands and the numbers).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from benchmarks.internals.bare_proxy import _Client, _Pool, _post
 from kv_transfer.handoff import check_prefill_params, decode_body, prefill_body
@@ -55,6 +57,8 @@ from proxy.upstream import Upstream, encode_body
 HOP_CLIENTS = ("bare", "pd-proxy")
 Hop = Callable[[str, str, dict[str, Any], str], Awaitable[tuple[dict[str, Any], bytes]]]
 """``(role, worker URL, body, request id) -> (reply, its bytes)``."""
+Relay = Callable[[str, dict[str, Any]], Awaitable[None]]
+"""``(decode worker URL, decode body)``: a stream's bytes relayed to the client."""
 
 _HOP_LIMIT = 30.0
 _PICK_LIMIT = 1.0
@@ -74,10 +78,33 @@ class FlatProxy:
         return _FlatClient(self)
 
     async def serve(self, client: _FlatClient, raw: bytes) -> None:
+        """One request on the bare server: the walk, then the answer written in one go."""
+        answer = await self.walk(raw, lambda url, body: self._relay(client, url, body))
+        if answer is not None:
+            out, client_id, timing = answer
+            client.answer(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Request-Id: "
+                          + client_id.encode() + b"\r\nServer-Timing: " + timing.encode()
+                          + b"\r\nContent-Length: " + str(len(out)).encode() + b"\r\n\r\n" + out)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """One request on aiohttp's server (``aiohttp_app``); non-stream only."""
+        answer = await self.walk(await request.read(), None)
+        if answer is None:
+            raise web.HTTPBadRequest(text="the aiohttp shell serves non-stream requests only")
+        out, client_id, timing = answer
+        return web.Response(body=out, content_type="application/json",
+                            headers={"X-Request-Id": client_id, "Server-Timing": timing})
+
+    async def walk(self, raw: bytes, relay: Relay | None) -> tuple[bytes, str, str] | None:
+        """The components of one request: D's answer with P's cached tokens spliced in, the
+        client's id and ``Server-Timing``; None for a stream (relayed by ``relay``, or refused
+        before any pick without one)."""
         s = self.serving
         core, m, clock, pools = s.core, s.metrics, s.clock, s.pools
         t0 = clock()
         req, data = s.validate(raw, "application/json")
+        if req.is_stream and relay is None:
+            return None
         client_id = client_request_id(None, req.request_id) or uuid.uuid4().hex
         await pools.admission.acquire(None)
         try:
@@ -115,13 +142,13 @@ class FlatProxy:
             f.timing.decode_start = decode_start = clock()
             m.child(m.stage, "handoff").observe(decode_start - prefill_end)
             dbody = decode_body(f.data, base_id, kv_params)
-            if req.is_stream:
-                await self._relay(client, d.url, dbody)
+            if relay is not None and req.is_stream:
+                await relay(d.url, dbody)
                 s.decode_pool.release(d, Outcome.SUCCESS, f.ctx.tokens)
                 core.close_lease(f, "pulled")
                 core.set_done(f)
                 s.cleanup.forget(f)
-                return
+                return None
             m.child(m.inflight, d.pool).inc()
             m.child(m.upstream_requests, d.pool, d.url).inc()
             late = loop.call_later(_HOP_LIMIT, lambda: None)
@@ -150,9 +177,7 @@ class FlatProxy:
             s.cleanup.forget(f)
         finally:
             pools.admission.release()
-        client.answer(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Request-Id: "
-                      + client_id.encode() + b"\r\nServer-Timing: " + timing.encode()
-                      + b"\r\nContent-Length: " + str(len(out)).encode() + b"\r\n\r\n" + out)
+        return out, client_id, timing
 
     async def _relay(self, client: _FlatClient, url: str, body: dict[str, Any]) -> None:
         client.answer(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -211,6 +236,14 @@ def build(prefill: str, decode: str, hop_client: str = "bare") -> tuple[FlatProx
     p, d = _Pool(prefill), _Pool(decode)
     hop = pd_proxy_hops(upstream) if hop_client == "pd-proxy" else bare_hops(p, d)
     return FlatProxy(serving, hop, p, d), session
+
+
+def aiohttp_app(proxy: FlatProxy) -> web.Application:
+    """The flat walk behind aiohttp's server: a ``web.Application`` with the generate route alone
+    (no middleware), the shell pd-proxy's own server is built on."""
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", proxy.handle)
+    return app
 
 
 async def start(port: int, prefill: str, decode: str,

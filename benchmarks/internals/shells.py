@@ -1,17 +1,19 @@
 """What pd-proxy's shells cost against its per-request components: pd-proxy, ``flat_proxy`` (its
-components in ``bare_proxy``'s shells, with either hop client) and ``bare_proxy``, served in one
-process and alternated round by round.
+components in ``bare_proxy``'s shells, with either hop client, or behind aiohttp's server) and
+``bare_proxy``, served in one process and alternated round by round.
 
     python benchmarks/internals/shells.py [--requests N] [--rounds R] [--calls] [--pin]
-                                          [--variants pd-proxy,flat,flat+hops,bare]
+                                          [--variants pd-proxy,aiohttp+flat+hops,flat+hops,flat,bare]
 
 Starts two ``pd-sim --zero-latency`` workers (prefill and decode) and serves, in this process on
 uvloop and on loopback, in front of both:
 
 - ``pd-proxy``: the app (``proxy.app.build_app``, pd-proxy's default settings, ``--log-level
   warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it;
-- ``flat``: ``flat_proxy`` with ``bare_proxy``'s hop client;
+- ``aiohttp+flat+hops``: ``flat_proxy``'s walk with pd-proxy's hop client, behind aiohttp's server
+  (``flat_proxy.aiohttp_app``: a ``web.Application``, the generate route alone, no middleware);
 - ``flat+hops``: ``flat_proxy`` with pd-proxy's hop client (``proxy.upstream.Upstream``);
+- ``flat``: ``flat_proxy`` with ``bare_proxy``'s hop client;
 - ``bare``: ``bare_proxy``, the two hops and nothing else.
 
 Each has its own load client subprocess (``call_counts``' client: 64 at a time, 256 prompt
@@ -39,13 +41,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
+from aiohttp import web
+
 _TREE = str(Path(__file__).resolve().parents[2])
 if _TREE not in sys.path:
     sys.path.append(_TREE)
 
 from benchmarks.internals import bare_proxy, call_counts, cpu_split, flat_proxy  # noqa: E402
 
-VARIANTS = ("pd-proxy", "flat", "flat+hops", "bare")
+VARIANTS = ("pd-proxy", "aiohttp+flat+hops", "flat+hops", "flat", "bare")
 Round = Callable[[], Awaitable[None]]
 
 
@@ -79,8 +83,6 @@ async def _client(port: int, count: int, rounds: int) -> AsyncIterator[Round]:
 async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str) -> int:
     """Start ``variant`` on a free loopback port (stopped with ``stack``); its port."""
     if variant == "pd-proxy":
-        from aiohttp import web  # noqa: PLC0415
-
         from proxy.app import build_app  # noqa: PLC0415
         from proxy.cli import parse_args  # noqa: PLC0415
 
@@ -91,6 +93,14 @@ async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str)
         stack.push_async_callback(runner.cleanup)
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         return int(runner.addresses[0][1])
+    if variant == "aiohttp+flat+hops":
+        proxy, session = flat_proxy.build(prefill, decode, "pd-proxy")
+        stack.push_async_callback(session.close)
+        flat_runner = web.AppRunner(flat_proxy.aiohttp_app(proxy))
+        await flat_runner.setup()
+        stack.push_async_callback(flat_runner.cleanup)
+        await web.TCPSite(flat_runner, "127.0.0.1", 0).start()
+        return int(flat_runner.addresses[0][1])
     if variant == "bare":
         server = await bare_proxy.start(0, prefill, decode)
     else:

@@ -63,5 +63,6 @@ async def test_shells_alternates_every_variant_and_counts_their_calls() -> None:
         cpu = r["cpu_us"]
         assert isinstance(cpu, list) and len(cpu) == 2 and all(x >= 0 for x in cpu)
     calls = {v: float(r["calls"]) for v, r in result.items()}  # type: ignore[arg-type]
-    # each shell taken away takes its calls with it: the ordering holds by hundreds of calls
-    assert calls["pd-proxy"] > calls["flat+hops"] > calls["flat"] > calls["bare"] > 0
+    # each shell taken away takes its calls with it: the ordering holds by tens to hundreds of calls
+    assert [calls[v] for v in shells.VARIANTS] == sorted(calls.values(), reverse=True)
+    assert len(set(calls.values())) == len(calls) and calls["bare"] > 0
