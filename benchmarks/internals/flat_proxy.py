@@ -86,7 +86,7 @@ class FlatProxy:
                           + client_id.encode() + b"\r\nServer-Timing: " + timing.encode()
                           + b"\r\nContent-Length: " + str(len(out)).encode() + b"\r\n\r\n" + out)
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.BaseRequest) -> web.Response:
         """One request on aiohttp's server (``aiohttp_app``); non-stream only."""
         answer = await self.walk(await request.read(), None)
         if answer is None:

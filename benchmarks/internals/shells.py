@@ -3,7 +3,7 @@ components in ``bare_proxy``'s shells, with either hop client, or behind aiohttp
 ``bare_proxy``, served in one process and alternated round by round.
 
     python benchmarks/internals/shells.py [--requests N] [--rounds R] [--calls] [--pin]
-                                          [--variants pd-proxy,aiohttp+flat+hops,flat+hops,flat,bare]
+                                          [--variants pd-proxy,aiohttp+flat+hops,...]
 
 Starts two ``pd-sim --zero-latency`` workers (prefill and decode) and serves, in this process on
 uvloop and on loopback, in front of both:
@@ -12,6 +12,8 @@ uvloop and on loopback, in front of both:
   warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it;
 - ``aiohttp+flat+hops``: ``flat_proxy``'s walk with pd-proxy's hop client, behind aiohttp's server
   (``flat_proxy.aiohttp_app``: a ``web.Application``, the generate route alone, no middleware);
+- ``server+flat+hops``: the same behind aiohttp's low-level server (``web.Server``: no application,
+  no router, the handler called for every request);
 - ``flat+hops``: ``flat_proxy`` with pd-proxy's hop client (``proxy.upstream.Upstream``);
 - ``flat``: ``flat_proxy`` with ``bare_proxy``'s hop client;
 - ``bare``: ``bare_proxy``, the two hops and nothing else.
@@ -49,7 +51,7 @@ if _TREE not in sys.path:
 
 from benchmarks.internals import bare_proxy, call_counts, cpu_split, flat_proxy  # noqa: E402
 
-VARIANTS = ("pd-proxy", "aiohttp+flat+hops", "flat+hops", "flat", "bare")
+VARIANTS = ("pd-proxy", "aiohttp+flat+hops", "server+flat+hops", "flat+hops", "flat", "bare")
 Round = Callable[[], Awaitable[None]]
 
 
@@ -93,10 +95,12 @@ async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str)
         stack.push_async_callback(runner.cleanup)
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         return int(runner.addresses[0][1])
-    if variant == "aiohttp+flat+hops":
+    if variant in ("aiohttp+flat+hops", "server+flat+hops"):
         proxy, session = flat_proxy.build(prefill, decode, "pd-proxy")
         stack.push_async_callback(session.close)
-        flat_runner = web.AppRunner(flat_proxy.aiohttp_app(proxy))
+        flat_runner: web.BaseRunner = (web.AppRunner(flat_proxy.aiohttp_app(proxy))
+                                       if variant == "aiohttp+flat+hops"
+                                       else web.ServerRunner(web.Server(proxy.handle)))
         await flat_runner.setup()
         stack.push_async_callback(flat_runner.cleanup)
         await web.TCPSite(flat_runner, "127.0.0.1", 0).start()
