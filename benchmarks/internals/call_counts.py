@@ -232,32 +232,18 @@ def _key(path: str, name: str, tree: str) -> str:
 
 
 @asynccontextmanager
-async def loaded_proxy(count: int, stream: bool, tree: str,
-                       proxy_args: Sequence[str] = ()) -> AsyncIterator[Callable[[], Awaitable[None]]]:
-    """pd-proxy of ``tree`` served in this process on loopback in front of two zero-latency pd-sim
-    workers, and its load client warmed up (64 requests). Yields one round: ``count`` requests,
-    64 at a time, returning once they and their clean-up are done."""
-    from aiohttp import web  # noqa: PLC0415
-
-    from proxy.app import build_app  # noqa: PLC0415
-    from proxy.cli import parse_args  # noqa: PLC0415
-
-    sims = [_start_sim(role, tree) for role in ("prefill", "decode")]
-    runner: web.AppRunner | None = None
-    client: asyncio.subprocess.Process | None = None
+async def load_client(port: int, count: int, stream: bool = False,
+                      rounds: int = _ROUNDS) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """This file's load client in a subprocess for the server on loopback ``port``, warmed up (64
+    requests); yields one round: ``count`` requests, 64 at a time, returning once they and their
+    clean-up are done. At most ``rounds`` rounds."""
+    client = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--client", f"http://127.0.0.1:{port}", "--requests", str(count),
+        "--client-rounds", str(rounds), *(["--stream"] if stream else []),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    stdin, stdout = client.stdin, client.stdout
+    assert stdin is not None and stdout is not None
     try:
-        settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", sims[0][1],
-                               "--decode", sims[1][1], "--log-level", "warning", *proxy_args])
-        runner = web.AppRunner(build_app(settings))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        client = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--client", f"http://127.0.0.1:{port}", "--requests", str(count),
-            *(["--stream"] if stream else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        stdin, stdout = client.stdin, client.stdout
-        assert stdin is not None and stdout is not None
         if (await stdout.readline()).strip() != b"ready":
             raise RuntimeError("the load client failed its warm-up")
 
@@ -273,9 +259,35 @@ async def loaded_proxy(count: int, stream: bool, tree: str,
         if await client.wait() != 0:
             raise RuntimeError("the load client failed")
     finally:
-        if client is not None and client.returncode is None:  # the measuring failed
+        if client.returncode is None:  # the measuring failed
             client.kill()
             await client.wait()
+
+
+@asynccontextmanager
+async def loaded_proxy(count: int, stream: bool, tree: str,
+                       proxy_args: Sequence[str] = ()) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """pd-proxy of ``tree`` served in this process on loopback in front of two zero-latency pd-sim
+    workers, and its load client warmed up (64 requests). Yields one round: ``count`` requests,
+    64 at a time, returning once they and their clean-up are done."""
+    from aiohttp import web  # noqa: PLC0415
+
+    from proxy.app import build_app  # noqa: PLC0415
+    from proxy.cli import parse_args  # noqa: PLC0415
+
+    sims = [_start_sim(role, tree) for role in ("prefill", "decode")]
+    runner: web.AppRunner | None = None
+    try:
+        settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", sims[0][1],
+                               "--decode", sims[1][1], "--log-level", "warning", *proxy_args])
+        runner = web.AppRunner(build_app(settings))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        async with load_client(port, count, stream) as one_round:
+            yield one_round
+    finally:
         if runner is not None:
             await runner.cleanup()
         for proc, _ in sims:

@@ -37,10 +37,9 @@ import gc
 import os
 import pstats
 import statistics
-import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 
 from aiohttp import web
@@ -53,33 +52,6 @@ from benchmarks.internals import bare_proxy, call_counts, cpu_split, flat_proxy 
 
 VARIANTS = ("pd-proxy", "aiohttp+flat+hops", "server+flat+hops", "flat+hops", "flat", "bare")
 Round = Callable[[], Awaitable[None]]
-
-
-@asynccontextmanager
-async def _client(port: int, count: int, rounds: int) -> AsyncIterator[Round]:
-    """A load client subprocess for ``port``, warmed up; yields one round of ``count`` requests."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, call_counts.__file__, "--client", f"http://127.0.0.1:{port}",
-        "--requests", str(count), "--client-rounds", str(rounds),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    stdin, stdout = proc.stdin, proc.stdout
-    assert stdin is not None and stdout is not None
-    try:
-        if (await stdout.readline()).strip() != b"ready":
-            raise RuntimeError(f"the load client of port {port} failed its warm-up")
-
-        async def one_round() -> None:
-            stdin.write(b"go\n")
-            await stdin.drain()
-            if (await stdout.readline()).strip() != b"done":
-                raise RuntimeError(f"the load client of port {port} failed")
-            await asyncio.sleep(0.3)  # the last requests' clean-up
-
-        yield one_round
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str) -> int:
@@ -130,7 +102,8 @@ async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...
             loads: dict[str, Round] = {}
             for variant in variants:
                 port = await _serve(stack, variant, sims[0][1], sims[1][1])
-                loads[variant] = await stack.enter_async_context(_client(port, count, rounds + int(calls)))
+                loads[variant] = await stack.enter_async_context(
+                    call_counts.load_client(port, count, rounds=rounds + int(calls)))
             if pinned is not None:
                 os.sched_setaffinity(0, pinned[1])
             gc.collect()  # as pd-proxy's start-up settles the collector (--gc-threshold's default)
