@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from aiohttp import hdrs, web
 
 from proxy.errors import answer_error
+from proxy.front import FRONT_BODY_BYTES, FrontRoute, FrontServer
 from proxy.limits import BodyLimit
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -49,13 +50,28 @@ with warnings.catch_warnings():
         """A ``web.Application`` that serves the routes added with ``add_lean_post`` in one frame
         (see the module's docstring); the rest as any application."""
 
-        ATTRS = web.Application.ATTRS | frozenset({"_lean", "_lean_guard", "_lean_limit"})
+        ATTRS = web.Application.ATTRS | frozenset({"_lean", "_lean_guard", "_lean_limit", "_front"})
 
-        def __init__(self, *, limit: BodyLimit, **kwargs: object) -> None:
+        def __init__(self, *, limit: BodyLimit, front: bool = True, **kwargs: object) -> None:
+            """``front``: serve the lean routes on the project's own protocol (``proxy.front``),
+            other connections handed to aiohttp's; False: every request on aiohttp's server."""
             super().__init__(**kwargs)  # type: ignore[arg-type]
             self._lean: dict[str, LeanRoute] = {}
             self._lean_guard: Guard | None = None
             self._lean_limit = limit
+            self._front = front
+
+        def _make_handler(self, **kwargs: Any) -> web.Server:
+            server = super()._make_handler(**kwargs)
+            if not self._front:
+                return server
+            limit = self._lean_limit
+            return FrontServer(self._handle, app=self, guard=self._lean_guard,
+                               routes={path: FrontRoute(route.handler) for path, route in self._lean.items()},
+                               max_body=min(limit.max_bytes, limit.large_bytes, FRONT_BODY_BYTES),
+                               body_timeout=limit.timeout, request_factory=self._make_request,
+                               loop=self._loop, handler_cancellation=server.handler_cancellation,
+                               **server._kwargs)
 
         def set_guard(self, guard: Guard) -> None:
             """The key check of the lean routes (the auth middleware's own, on the full path)."""

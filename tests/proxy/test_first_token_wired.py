@@ -475,17 +475,25 @@ def server_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, bytes]]
     from aiohttp import http_writer  # noqa: PLC0415
     from aiohttp.web_protocol import RequestHandler  # noqa: PLC0415
 
+    from proxy.front import Front  # noqa: PLC0415
+
     writes: list[tuple[object, bytes]] = []
     write, writelines = http_writer.StreamWriter._write, http_writer.StreamWriter._writelines
 
+    def server_of(protocol: object) -> object | None:
+        """The server whose connection ``protocol`` is (aiohttp's handler, or the proxy's front)."""
+        if isinstance(protocol, RequestHandler):
+            return protocol._manager
+        return protocol.server if isinstance(protocol, Front) else None
+
     def one(self: Any, chunk: Any) -> None:
-        if isinstance(self._protocol, RequestHandler):
-            writes.append((self._protocol._manager, bytes(chunk)))
+        if (server := server_of(self._protocol)) is not None:
+            writes.append((server, bytes(chunk)))
         write(self, chunk)
 
     def several(self: Any, chunks: Any) -> None:
-        if isinstance(self._protocol, RequestHandler):
-            writes.append((self._protocol._manager, b"".join(bytes(c) for c in chunks)))
+        if (server := server_of(self._protocol)) is not None:
+            writes.append((server, b"".join(bytes(c) for c in chunks)))
         writelines(self, chunks)
 
     monkeypatch.setattr(http_writer.StreamWriter, "_write", one)

@@ -1,0 +1,421 @@
+"""The hot calls' own server: ``POST`` generate and abort served on a protocol of the project's own,
+every other connection handed to aiohttp's.
+
+aiohttp's request handler costs a proxy request as much as the walk's components do (measured:
+``benchmarks/internals/shells.py``): per request it waits on a new future for the message, builds
+a payload reader, a ``StreamWriter`` and a ``web.Request``, runs the handler in a task of its own,
+prepares the response through its header machinery and re-arms its timers. ``Front`` is the
+protocol of every connection the app accepts (``FrontServer``, the app's ``web.Server``). It
+reads a request's head and body from its own buffer and serves it itself when the request is one
+of the hot calls in their plain form:
+
+    POST <a lean path, exactly> HTTP/1.1
+    the header lines, each ``token: visible text``, at most 128 of them and 8190 bytes in all
+    Content-Length: N (one, digits), N at most ``FRONT_BODY_BYTES`` and the app's body limit
+    no Transfer-Encoding, Content-Encoding, Expect or Upgrade, no ``Connection: upgrade``
+
+Anything else (another method or path, HTTP/1.0, a chunked or compressed body, a larger one, a
+head that is not strictly well formed) hands the connection to aiohttp's ``RequestHandler`` with
+every byte read so far, before any of it is answered, and aiohttp serves it and the rest of the
+connection exactly as without the front: its parser decides what is malformed, its router answers
+404 and 405, its middlewares check keys and bodies. A connection is handed over only between
+requests, so a request is always answered whole by one of the two.
+
+What the front answers, it answers as the lean front (``proxy.lean``) does: the key check, the
+handler, every error through ``proxy.errors.answer_error``; a body that does not arrive within the
+body timeout is a 408, and the connection is closed after it. The handler runs in a task of its
+own, cancelled when the client goes away (``handler_cancellation``, as aiohttp); responses are
+written in one ``transport.write`` (a ``web.Response``) or through aiohttp's ``StreamResponse``
+(streams prepare themselves on the request, ``FrontRequest`` giving them a ``StreamWriter``).
+Graceful shutdown (``pre_shutdown``, ``shutdown``) finishes a request in flight within the
+runner's timeout, as aiohttp's handler does. Keep-alive: an idle connection (no request, or one
+whose head has not all arrived) is closed after the server's ``keepalive_timeout``; pipelined
+requests are served one after the other.
+
+``FrontRequest`` is the handler's request: the few things the walk, the key check and the error
+answers read of a ``web.Request`` (the suite runs through the front, so a new use that it lacks
+fails there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, NamedTuple, cast
+
+from aiohttp import hdrs, web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+from aiohttp.http_writer import StreamWriter, _serialize_headers
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.errors import BodyTimeout, answer_error
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Guard = Callable[[web.Request], None]
+
+FRONT_BODY_BYTES = 1 << 20
+"""The largest body the front reads; larger ones (``proxy.large_body``'s) go to aiohttp's path."""
+MAX_HEAD_BYTES = 8190
+"""A longer head (request line and headers) goes to aiohttp's parser, which has its own limits."""
+READ_AHEAD_BYTES = 1 << 16
+"""Bytes buffered past a request in flight (pipelined requests) before reading pauses."""
+
+_FIELD_NAME = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_HEAD = re.compile(rb"POST (/[!-~]*) HTTP/1\.1(\r\n(?:" + _FIELD_NAME.encode() +
+                   rb":[\t\x20-\x7e\x80-\xff]*\r\n){0,128})\r\n")
+_FIELD = re.compile("(" + _FIELD_NAME + "):[ \t]*([^\r\n]*?)[ \t]*\r\n")
+_HANDED = re.compile(rb"\r\n(?:transfer-encoding|content-encoding|expect|upgrade):", re.IGNORECASE)
+"""Headers whose requests aiohttp serves: a chunked or compressed body, ``100-continue``, an upgrade."""
+_DIGITS = re.compile("[0-9]{1,18}")
+
+
+class FrontRoute(NamedTuple):
+    handler: Handler
+
+
+class Head(NamedTuple):
+    route: FrontRoute
+    path: str
+    headers: CIMultiDictProxy[str]
+    body_start: int
+    length: int
+    keep_alive: bool
+
+
+_HAND_OFF = "hand off"
+
+
+def parse_head(buf: bytearray, routes: Mapping[str, FrontRoute], max_body: int) -> Head | str | None:
+    """The head at the start of ``buf``: a ``Head`` the front serves, ``_HAND_OFF`` for aiohttp,
+    None while it has not all arrived."""
+    end = buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
+    if end < 0:  # not all here; or a head aiohttp's parser may take (bare LFs), or too long
+        bare = buf.find(b"\n\n") >= 0 or buf.find(b"\n\r\n") >= 0
+        return _HAND_OFF if bare or len(buf) > MAX_HEAD_BYTES + 4 else None
+    m = _HEAD.fullmatch(buf, 0, end + 4)
+    path = m.group(1).decode("ascii") if m is not None else ""
+    route = routes.get(path)
+    if m is None or route is None or _HANDED.search(block := m.group(2)) is not None:
+        return _HAND_OFF
+    headers = CIMultiDict(_FIELD.findall(block.decode("utf-8", "surrogateescape")[2:]))
+    lengths = headers.getall(hdrs.CONTENT_LENGTH, ())
+    if len(lengths) != 1 or _DIGITS.fullmatch(lengths[0]) is None or int(lengths[0]) > max_body:
+        return _HAND_OFF
+    keep_alive = True
+    if hdrs.CONNECTION in headers:
+        tokens = {t.strip().lower() for v in headers.getall(hdrs.CONNECTION) for t in v.split(",")}
+        if "upgrade" in tokens:
+            return _HAND_OFF
+        keep_alive = "close" not in tokens
+    return Head(route, path, CIMultiDictProxy(headers), end + 4, int(lengths[0]), keep_alive)
+
+
+class FrontRequest:
+    """What the handlers read of a request the front serves (see the module's docstring)."""
+
+    method = hdrs.METH_POST
+    version = HttpVersion11
+    body_exists = True
+    can_read_body = False
+
+    def __init__(self, protocol: Front, app: web.Application, head: Head, body: bytes) -> None:
+        self._protocol, self.app, self.path, self.headers = protocol, app, head.path, head.headers
+        self.keep_alive, self._body = head.keep_alive, body
+        self._state: dict[Any, Any] = {}
+        self._writer: StreamWriter | None = None
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._protocol.transport
+
+    @property
+    def content_length(self) -> int:
+        return len(self._body)
+
+    @property
+    def _payload_writer(self) -> StreamWriter:
+        """For ``StreamResponse.prepare``: the response's writer on this connection."""
+        if self._writer is None:
+            self._writer = StreamWriter(self._protocol, self._protocol.loop)
+        return self._writer
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        return  # no ``on_response_prepare`` signals on the lean routes' app
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self._state.get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._state[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._state[key] = value
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._state
+
+
+class Front(BaseProtocol):
+    """One client connection (see the module's docstring)."""
+
+    def __init__(self, server: FrontServer) -> None:
+        super().__init__(server.loop)
+        self.server = server
+        self.loop = server.loop
+        self.buf = bytearray()
+        self.task: asyncio.Task[None] | None = None
+        self.head: Head | None = None
+        """A head the front serves whose body has not all arrived."""
+        self.keepalive: asyncio.TimerHandle | None = None
+        self.idle_until = 0.0
+        """When an idle connection is closed: the keep-alive timer fires at or before it and is
+        moved on when it fires early (not re-armed for every request)."""
+        self.body_timer: asyncio.TimerHandle | None = None
+        """The body timeout, while ``head`` waits for its body."""
+        self.closing = False
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.server.fronts.add(self)
+        self._idle()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        self.server.fronts.discard(self)
+        self._cancel_timers()
+        self.buf.clear()
+        if self.task is not None and self.server.handler_cancellation:
+            self.task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        self.buf += data
+        if self.task is None:
+            self._next()
+        elif len(self.buf) > READ_AHEAD_BYTES and not self._buffer_paused:
+            self._pause_reading_for_buffer()
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes; a request in flight is cancelled (connection_lost)
+
+    # -- requests
+
+    def _next(self) -> None:
+        """Start the request at the head of the buffer, or wait for the rest of it, or hand off."""
+        head = self.head
+        if head is None:
+            parsed = parse_head(self.buf, self.server.routes, self.server.max_body)
+            if parsed is None:
+                return
+            if type(parsed) is not Head:
+                self._hand_off()
+                return
+            head = parsed
+        end = head.body_start + head.length
+        buf = self.buf
+        if len(buf) < end:
+            if self.head is None:  # the body is late: the key first (as the lean front), then its timer
+                guard = self.server.guard
+                if guard is not None:
+                    try:
+                        guard(cast(web.Request, FrontRequest(self, self.server.app, head, b"")))
+                    except Exception as e:
+                        self._answer_and_close(head, e)
+                        return
+                self.head = head
+                self.body_timer = self.loop.call_later(self.server.body_timeout, self._body_late)
+            return
+        if self.head is not None:
+            self.head = None
+            if self.body_timer is not None:
+                self.body_timer.cancel()
+                self.body_timer = None
+        if end == len(buf):
+            body = bytes(buf[head.body_start:])
+            buf.clear()
+        else:
+            body = bytes(buf[head.body_start:end])
+            del buf[:end]
+        request = FrontRequest(self, self.server.app, head, body)
+        self.task = self.loop.create_task(self._serve(request, head.route.handler))
+
+    async def _serve(self, request: FrontRequest, handler: Handler) -> None:
+        as_request = cast(web.Request, request)
+        try:
+            try:
+                guard = self.server.guard
+                if guard is not None:
+                    guard(as_request)
+                resp = await handler(as_request)
+            except Exception as e:
+                resp = answer_error(as_request, e)
+            await self._finish(request, resp)
+        except ConnectionResetError:
+            if self.transport is not None:
+                self.transport.abort()
+        finally:
+            self.task = None
+            self._served(request.keep_alive)
+
+    async def _finish(self, request: FrontRequest, resp: web.StreamResponse) -> None:
+        if resp.prepared:  # a stream, written by the walk; ended unless the walk ended it
+            await resp.write_eof()
+            return
+        if type(resp) is not web.Response or type(body := resp.body) is not bytes:
+            await resp.prepare(cast(web.Request, request))
+            await resp.write_eof()
+            return
+        transport = self.transport
+        if transport is None:
+            return
+        headers = resp.headers
+        headers[hdrs.CONTENT_LENGTH] = str(len(body))
+        if body and hdrs.CONTENT_TYPE not in headers:
+            headers[hdrs.CONTENT_TYPE] = "application/octet-stream"
+        if hdrs.DATE not in headers:
+            headers[hdrs.DATE] = rfc822_formatted_time()
+        headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+        if not request.keep_alive or self.closing:
+            headers[hdrs.CONNECTION] = "close"
+        transport.write(_serialize_headers(f"HTTP/1.1 {resp.status} {resp.reason}", headers) + body)
+        if self._paused:
+            await self._drain_helper()
+
+    def _served(self, keep_alive: bool) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        if not keep_alive or self.closing:
+            transport.close()
+            return
+        self._idle()
+        if self._buffer_paused:
+            self._resume_reading_for_buffer()
+        if self.buf:
+            self._next()
+
+    def _body_late(self) -> None:
+        """The body timeout passed with the body not all arrived: a 408 in vLLM's shape."""
+        self.body_timer = None
+        head, self.head = self.head, None
+        if head is not None and self.task is None:
+            timeout = self.server.body_timeout
+            self._answer_and_close(head, BodyTimeout(f"the request body did not arrive within {timeout:g} s"))
+
+    def _answer_and_close(self, head: Head, error: Exception) -> None:
+        """Answer ``error`` for the request of ``head`` without its body, then close: nothing more
+        is read from this connection (what is left of the body is not a request)."""
+        self._cancel_timers()
+        self.buf.clear()
+        self.closing = True
+        request = FrontRequest(self, self.server.app, head._replace(keep_alive=False), b"")
+
+        async def fail(_: web.Request) -> web.StreamResponse:
+            raise error
+
+        self.task = self.loop.create_task(self._serve(request, fail))
+
+    # -- idle connections, the hand-off
+
+    def _idle(self) -> None:
+        """No request in flight from now: the connection closes if none starts within the
+        keep-alive timeout (aiohttp's ``keepalive_timeout``)."""
+        timeout = self.server.keepalive_timeout
+        if timeout > 0:
+            self.idle_until = self.loop.time() + timeout
+            if self.keepalive is None:
+                self.keepalive = self.loop.call_at(self.idle_until, self._keepalive_fired)
+
+    def _keepalive_fired(self) -> None:
+        self.keepalive = None
+        if self.task is not None or self.head is not None or self.transport is None:
+            return  # busy: ``_idle`` re-arms it after the request
+        if self.loop.time() < self.idle_until:
+            self.keepalive = self.loop.call_at(self.idle_until, self._keepalive_fired)
+        else:
+            self.transport.close()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self.keepalive, self.body_timer):
+            if timer is not None:
+                timer.cancel()
+        self.keepalive = self.body_timer = None
+
+    def _hand_off(self) -> None:
+        """The connection goes to aiohttp's request handler with what was read of it."""
+        transport = self.transport
+        if transport is None:
+            return
+        self._cancel_timers()
+        self.server.fronts.discard(self)
+        data, self.buf = bytes(self.buf), bytearray()
+        self.transport = None
+        self.closing = True
+        handler = self.server.aiohttp_protocol()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self._buffer_paused:
+            transport.resume_reading()
+        if data:
+            handler.data_received(data)
+
+    # -- the runner's shutdown (``web.Server.pre_shutdown``, ``shutdown``)
+
+    def close(self) -> None:
+        """Stop taking requests: an idle connection closes now, a busy one after its request."""
+        self.closing = True
+        if self.task is None and self.transport is not None:
+            self._cancel_timers()
+            self.transport.close()
+
+    async def shutdown(self, timeout: float | None) -> None:  # noqa: ASYNC109 (aiohttp's signature)
+        """Let the request in flight finish within ``timeout``, then cancel it; close."""
+        self.close()
+        task = self.task
+        if task is not None:
+            _, pending = await asyncio.wait({task}, timeout=timeout)
+            if pending:
+                task.cancel()
+                await asyncio.wait({task}, timeout=timeout)
+        if self.transport is not None:
+            self.transport.close()
+
+
+class FrontServer(web.Server):
+    """The app's ``web.Server``: each connection starts on a ``Front``; aiohttp's
+    ``RequestHandler`` takes those handed to it (``aiohttp_protocol``)."""
+
+    def __init__(self, handler: Any, *, app: web.Application, routes: Mapping[str, FrontRoute],
+                 guard: Guard | None, max_body: int, body_timeout: float, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.loop = self._loop
+        self.app, self.routes, self.guard = app, routes, guard
+        self.max_body, self.body_timeout = max_body, body_timeout
+        self.keepalive_timeout = float(kwargs.get("keepalive_timeout", 3630.0))
+        self.fronts: set[Front] = set()
+
+    def __call__(self) -> Front:  # type: ignore[override]
+        return Front(self)
+
+    def aiohttp_protocol(self) -> web.RequestHandler:
+        return super().__call__()
+
+    def pre_shutdown(self) -> None:
+        super().pre_shutdown()
+        for front in list(self.fronts):
+            front.close()
+
+    async def shutdown(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 (web.Server's)
+        await asyncio.gather(super().shutdown(timeout), *(f.shutdown(timeout) for f in list(self.fronts)))
+
+
+__all__ = ["FRONT_BODY_BYTES", "Front", "FrontRequest", "FrontRoute", "FrontServer", "parse_head"]

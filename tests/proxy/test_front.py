@@ -1,0 +1,291 @@
+"""proxy.front: the generate and abort calls in their plain form on the proxy's own protocol, every
+other request handed with its connection to aiohttp's server, and both answering alike. (The rest
+of the suite goes through the front too: every test that posts a generate call.)"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from proxy.app import build_app
+from proxy.cli import parse_args
+from proxy.front import FRONT_BODY_BYTES, FrontRoute, FrontServer, Head, parse_head
+from proxy.pools import PoolSettings
+from proxy.settings import ProxySettings
+from tests.proxy.conftest import PD, PDFactory, req
+
+GENERATE = "/inference/v1/generate"
+KEY = "sk-front-test"
+
+
+async def _no_handler(_: web.Request) -> web.StreamResponse:
+    raise AssertionError("not called")
+
+
+ROUTES = {GENERATE: FrontRoute(_no_handler)}
+PLAIN = b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def _parse(head: bytes, body: bytes = b"{}") -> Head | str | None:
+    return parse_head(bytearray(head + b"\r\n" + body), ROUTES, FRONT_BODY_BYTES)
+
+
+def test_a_plain_head_is_served_with_its_headers_and_length() -> None:
+    head = _parse(PLAIN + b"X-Request-Id:  abc \t\r\nx-request-id: d\xc3\xa9f\r\nContent-Length: 2\r\n")
+    assert isinstance(head, Head)
+    assert (head.path, head.length, head.keep_alive) == (GENERATE, 2, True)
+    assert head.headers.getall("X-REQUEST-ID") == ["abc", "déf"]
+    assert head.headers["content-type"] == "application/json"
+    assert head.body_start == len(PLAIN) + len(b"X-Request-Id:  abc \t\r\nx-request-id: d\xc3\xa9f\r\n"
+                                               b"Content-Length: 2\r\n\r\n")
+    closing = _parse(PLAIN + b"Connection: keep-alive, Close\r\nContent-Length: 2\r\n")
+    assert isinstance(closing, Head) and closing.keep_alive is False
+
+
+def test_an_unfinished_head_waits_and_an_endless_one_is_handed_off() -> None:
+    assert parse_head(bytearray(PLAIN), ROUTES, FRONT_BODY_BYTES) is None
+    assert parse_head(bytearray(PLAIN + b"X-A: " + b"a" * 9000), ROUTES, FRONT_BODY_BYTES) == "hand off"
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /inference/v1/generate HTTP/1.0\r\nContent-Length: 2\r\n",          # HTTP/1.0
+    b"GET /inference/v1/generate HTTP/1.1\r\nContent-Length: 2\r\n",           # another method
+    b"POST /inference/v1/generate?x=1 HTTP/1.1\r\nContent-Length: 2\r\n",      # a query string
+    b"POST /inference/v1%2Fgenerate HTTP/1.1\r\nContent-Length: 2\r\n",        # another path
+    b"POST /health HTTP/1.1\r\nContent-Length: 2\r\n",
+    PLAIN + b"Transfer-Encoding: chunked\r\n",
+    PLAIN + b"Content-Length: 2\r\nContent-Encoding: gzip\r\n",
+    PLAIN + b"Content-Length: 2\r\nExpect: 100-continue\r\n",
+    PLAIN + b"Content-Length: 2\r\nUpgrade: websocket\r\n",
+    PLAIN + b"Content-Length: 2\r\nConnection: Upgrade\r\n",
+    PLAIN,                                                                      # no length
+    PLAIN + b"Content-Length: 2\r\nContent-Length: 2\r\n",                      # two lengths
+    PLAIN + b"Content-Length: +2\r\n",
+    PLAIN + b"Content-Length: 2 2\r\n",
+    PLAIN + b"Content-Length: " + str(FRONT_BODY_BYTES + 1).encode() + b"\r\n",  # aiohttp's large path
+    PLAIN + b"Content-Length : 2\r\n",                                          # space before the colon
+    PLAIN + b"Content-Length: 2\r\n folded\r\n",                                # obs-fold
+    PLAIN + b"Content-Length: 2\r\nX-A: a\x01b\r\n",                            # a control byte
+    PLAIN + b"Content-Length: 2\r\nX-A: a\nb\r\n",                              # a bare LF
+    PLAIN + b"Content-Length: 2\r\nX A: b\r\n",                                 # not a field name
+    PLAIN.replace(b"\r\n", b"\n"),
+], ids=lambda h: h.decode(errors="replace")[:60])
+def test_anything_but_the_plain_form_is_handed_to_aiohttp(head: bytes) -> None:
+    assert _parse(head) == "hand off"
+
+
+Answer = tuple[int, dict[str, str], bytes]
+
+
+async def _exchange(port: int, data: bytes, answers: int, *, limit: float = 5.0) -> list[Answer]:
+    """``data`` written at once on one connection; ``answers`` responses read back (each framed by
+    its Content-Length, or chunked): status, headers (names lower-cased), body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    out: list[Answer] = []
+    try:
+        writer.write(data)
+        await writer.drain()
+        for _ in range(answers):
+            status_line = await asyncio.wait_for(reader.readline(), limit)
+            headers: dict[str, str] = {}
+            while (line := await asyncio.wait_for(reader.readline(), limit)) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if headers.get("transfer-encoding") == "chunked":
+                body = b""
+                while size := int(await asyncio.wait_for(reader.readline(), limit), 16):
+                    body += await asyncio.wait_for(reader.readexactly(size + 2), limit)
+                    body = body[:-2]
+                await reader.readline()
+            else:
+                body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), limit)
+            out.append((int(status_line.split()[1]), headers, body))
+        return out
+    finally:
+        writer.close()
+
+
+def _post(path: str, body: bytes, extra: str = "", version: str = "1.1") -> bytes:
+    return (f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _gen(request_id: str, extra: str = "", **kw: Any) -> bytes:
+    return _post(GENERATE, json.dumps(req(request_id=request_id, **kw)).encode(), extra)
+
+
+def _count_hand_offs(pd: PD, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    assert pd.client.server is not None and pd.client.server.runner is not None
+    server = pd.client.server.runner.server
+    assert isinstance(server, FrontServer)
+    handed = [0]
+    original = server.aiohttp_protocol
+
+    def counting() -> web.RequestHandler:
+        handed[0] += 1
+        return original()
+
+    monkeypatch.setattr(server, "aiohttp_protocol", counting)
+    return handed
+
+
+async def test_the_hot_calls_stay_on_the_front_and_others_go_to_aiohttp(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    pd = await pd_factory()
+    handed = _count_hand_offs(pd, monkeypatch)
+    port = pd.client.port
+    assert port is not None
+    # Two generate calls, an abort and a health check pipelined on one connection: the front
+    # answers the first three in order, then hands the connection over for the fourth.
+    abort = _post("/inference/v1/abort_requests", b'{"request_ids": ["generate-tokens-nobody"]}')
+    got = await _exchange(port, _gen("p-1") + _gen("p-2", sp={"max_tokens": 3}) + abort +
+                          b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n", 4)
+    assert [status for status, _, _ in got] == [200, 200, 200, 200]
+    first, second = json.loads(got[0][2]), json.loads(got[1][2])
+    assert first["request_id"] == "generate-tokens-p-1" and len(first["choices"][0]["token_ids"]) == 8
+    assert second["request_id"] == "generate-tokens-p-2" and len(second["choices"][0]["token_ids"]) == 3
+    assert got[0][1]["x-request-id"] == "p-1" and "server-timing" in got[0][1]
+    assert json.loads(got[3][2]) == {"status": "ok"}
+    assert handed == [1]
+    # The test client's pooled connections: generate calls never leave the front
+    status, body, _ = await pd.gen(req(request_id="c-1"))
+    assert status == 200 and body["request_id"] == "generate-tokens-c-1"
+    status, events, _ = await pd.stream(req(request_id="c-2"))
+    assert status == 200 and events[-1] == "[DONE]"
+    assert handed == [1]
+    await pd.quiet()
+
+
+async def test_a_request_not_in_the_plain_form_is_served_by_aiohttp_alike(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    pd = await pd_factory()
+    handed = _count_hand_offs(pd, monkeypatch)
+    port = pd.client.port
+    assert port is not None
+    body = json.dumps(req(request_id="h")).encode()
+    chunked = (b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}\r\n".encode() + body +
+               b"\r\n0\r\n\r\n")
+    compressed = gzip.compress(body)
+    for data in (_post(GENERATE, body, version="1.0"), chunked,
+                 _post(GENERATE, compressed, "Content-Encoding: gzip\r\n"),
+                 _post(GENERATE + "?x=1", body)):
+        (status, headers, raw), = await _exchange(port, data, 1)
+        assert status == 200 and json.loads(raw)["request_id"] == "generate-tokens-h", data[:60]
+        assert headers["x-request-id"] == "h"
+    assert handed == [4]
+    await pd.quiet()
+
+
+async def test_connection_close_is_answered_and_the_connection_closed(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    port = pd.client.port
+    assert port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(_gen("cc", "Connection: close\r\n"))
+        raw = await asyncio.wait_for(reader.read(), 5.0)  # to the end: the server closes
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nConnection: close" in head
+    assert json.loads(body)["request_id"] == "generate-tokens-cc"
+    await pd.quiet()
+
+
+async def test_an_idle_connection_is_closed_after_the_keepalive_timeout(
+        sim_factory: Any, aiohttp_client: Any) -> None:
+    ps = [await sim_factory(role=role, zero_latency=True) for role in ("prefill", "decode")]
+    app = build_app(ProxySettings(prefill_urls=(ps[0].url,), decode_urls=(ps[1].url,),
+                                  pools=PoolSettings.plain()))
+    server = TestServer(app)
+    await server.start_server(keepalive_timeout=0.3)  # as pd-proxy's --header-timeout sets it
+    pd = PD(await aiohttp_client(server), app, ps[:1], ps[1:])
+    port = pd.client.port
+    assert port is not None
+    for first in (b"", PLAIN):  # nothing sent; a head that never ends
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(first)
+            assert await asyncio.wait_for(reader.read(), 10.0) == b""
+        finally:
+            writer.close()
+    # and after an answer: the connection is kept for a next request, then closed when idle
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(_gen("idle"))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await asyncio.wait_for(reader.readexactly(length), 5.0)
+        assert await asyncio.wait_for(reader.read(), 10.0) == b""
+    finally:
+        writer.close()
+    await pd.quiet()
+
+
+async def test_a_client_gone_mid_request_cancels_it_and_frees_the_kv(pd_factory: PDFactory) -> None:
+    pd = await pd_factory(decode={"itl_ms": 50})
+    port = pd.client.port
+    assert port is not None
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_gen("gone", sp={"max_tokens": 200}))
+    await writer.drain()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while not len(pd.serving.table):  # the request is in flight on the front
+        assert loop.time() < deadline
+        await asyncio.sleep(0.01)
+    writer.close()
+    await pd.quiet(10.0)
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert 'pd_proxy_requests_total{outcome="aborted"} 1.0' in metrics
+
+
+def _comparable(answer: Answer) -> tuple[int, dict[str, str], Any]:
+    status, headers, body = answer
+    kept = {k: v for k, v in headers.items() if k not in ("date", "server-timing")}
+    data = json.loads(body) if body else None
+    if isinstance(data, dict) and "created" in data:
+        data["created"] = 0
+    return status, kept, data
+
+
+async def test_both_fronts_answer_alike(pd_factory: PDFactory) -> None:
+    """The same requests through ``--front own`` and ``--front aiohttp``: the same status, headers
+    (but the date and the hops' timings) and body."""
+    answers: dict[str, list[Any]] = {}
+    for front in ("own", "aiohttp"):
+        pd = await pd_factory(front=front, api_key=KEY, max_body_bytes=4000)
+        assert pd.client.server is not None and pd.client.server.runner is not None
+        assert isinstance(pd.client.server.runner.server, FrontServer) is (front == "own")
+        port = pd.client.port
+        assert port is not None
+        auth = f"Authorization: Bearer {KEY}\r\n"
+        requests = [
+            _gen("same", auth),
+            _gen("bad", auth, sp={"max_tokens": -1}),
+            _gen("nokey"),
+            _post(GENERATE, b"{" * 4001, auth),
+            _post(GENERATE, b"not json", auth),
+            _post("/inference/v1/abort_requests", b'{"request_ids": ["generate-tokens-x"]}', auth),
+            _post("/inference/v1/abort_requests", b'{}', auth),
+        ]
+        answers[front] = [_comparable((await _exchange(port, r, 1))[0]) for r in requests]
+        await pd.quiet()
+    for own, theirs in zip(answers["own"], answers["aiohttp"], strict=True):
+        assert own == theirs
+    assert [a[0] for a in answers["own"]] == [200, 400, 401, 413, 400, 200, 400]
+
+
+def test_the_front_is_a_setting() -> None:
+    urls = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert parse_args(urls).front == "own"
+    assert parse_args([*urls, "--front", "aiohttp"]).front == "aiohttp"
+    with pytest.raises(SystemExit):
+        parse_args([*urls, "--front", "uvicorn"])
