@@ -52,7 +52,7 @@ if _TREE not in sys.path:
 
 from benchmarks.internals import bare_proxy, call_counts, cpu_split, flat_proxy  # noqa: E402
 
-VARIANTS = ("pd-proxy", "pd-proxy/aiohttp", "aiohttp+flat+hops", "server+flat+hops", "flat+hops", "flat",
+VARIANTS = ("pd-proxy/aiohttp", "pd-proxy", "aiohttp+flat+hops", "server+flat+hops", "flat+hops", "flat",
             "bare")
 Round = Callable[[], Awaitable[None]]
 
