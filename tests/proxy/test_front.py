@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import ssl
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -18,7 +21,9 @@ from proxy.cli import parse_args
 from proxy.front import FRONT_BODY_BYTES, FrontRoute, FrontServer, Head, parse_head
 from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
+from proxy.tls import server_context
 from tests.proxy.conftest import PD, PDFactory, req
+from tests.reliability.harness import start_world
 
 GENERATE = "/inference/v1/generate"
 KEY = "sk-front-test"
@@ -289,3 +294,36 @@ def test_the_front_is_a_setting() -> None:
     assert parse_args([*urls, "--front", "aiohttp"]).front == "aiohttp"
     with pytest.raises(SystemExit):
         parse_args([*urls, "--front", "uvicorn"])
+
+
+async def test_over_tls_the_front_serves_and_hands_off(certs: dict[str, Path]) -> None:
+    """A TLS connection: generate calls on the front, then a health check handed to aiohttp on the
+    same connection (the TLS transport changes protocol), then a generate call served by aiohttp."""
+    w = await start_world(server_kwargs={"ssl_context": server_context(str(certs["server"]),
+                                                                      str(certs["server_key"]))})
+    try:
+        server = w.runner.server
+        assert isinstance(server, FrontServer)
+        handed: list[web.RequestHandler] = []
+        original = server.aiohttp_protocol
+
+        def counting() -> web.RequestHandler:
+            handed.append(original())
+            return handed[-1]
+
+        server.aiohttp_protocol = counting  # type: ignore[method-assign]
+        trust = ssl.create_default_context(cafile=str(certs["server"]))
+        connector = aiohttp.TCPConnector(limit=1, ssl=trust)  # one connection for all three
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async with session.post(w.url + GENERATE, json=req(request_id="t-1")) as r:
+                assert r.status == 200 and (await r.json())["request_id"] == "generate-tokens-t-1"
+            assert handed == []
+            async with session.get(w.url + "/livez") as r:
+                assert r.status == 200 and await r.json() == {"status": "ok"}
+            assert len(handed) == 1
+            async with session.post(w.url + GENERATE, json=req(request_id="t-2")) as r:
+                assert r.status == 200 and (await r.json())["request_id"] == "generate-tokens-t-2"
+            assert len(handed) == 1 and handed[0]._request_count == 2  # the same connection, aiohttp's
+        await w.wait_clean()
+    finally:
+        await w.close()
