@@ -125,27 +125,33 @@ def _gen(request_id: str, extra: str = "", **kw: Any) -> bytes:
     return _post(GENERATE, json.dumps(req(request_id=request_id, **kw)).encode(), extra)
 
 
-def _count_hand_offs(pd: PD, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    assert pd.client.server is not None and pd.client.server.runner is not None
-    server = pd.client.server.runner.server
+def _count_hand_offs(server: object, monkeypatch: pytest.MonkeyPatch) -> list[web.RequestHandler]:
+    """The aiohttp request handlers ``server`` (the app's ``FrontServer``) hands connections to."""
     assert isinstance(server, FrontServer)
-    handed = [0]
+    handed: list[web.RequestHandler] = []
     original = server.aiohttp_protocol
 
     def counting() -> web.RequestHandler:
-        handed[0] += 1
-        return original()
+        handed.append(original())
+        return handed[-1]
 
     monkeypatch.setattr(server, "aiohttp_protocol", counting)
     return handed
 
 
-async def test_the_hot_calls_stay_on_the_front_and_others_go_to_aiohttp(
-        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+async def _counted_pd(pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch) -> tuple[PD, list[Any], int]:
+    """A P/D pair behind the proxy; the hand-offs counted; the proxy's port."""
     pd = await pd_factory()
-    handed = _count_hand_offs(pd, monkeypatch)
+    assert pd.client.server is not None and pd.client.server.runner is not None
+    handed = _count_hand_offs(pd.client.server.runner.server, monkeypatch)
     port = pd.client.port
     assert port is not None
+    return pd, handed, port
+
+
+async def test_the_hot_calls_stay_on_the_front_and_others_go_to_aiohttp(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    pd, handed, port = await _counted_pd(pd_factory, monkeypatch)
     # Two generate calls, an abort and a health check pipelined on one connection: the front
     # answers the first three in order, then hands the connection over for the fourth.
     abort = _post("/inference/v1/abort_requests", b'{"request_ids": ["generate-tokens-nobody"]}')
@@ -157,22 +163,19 @@ async def test_the_hot_calls_stay_on_the_front_and_others_go_to_aiohttp(
     assert second["request_id"] == "generate-tokens-p-2" and len(second["choices"][0]["token_ids"]) == 3
     assert got[0][1]["x-request-id"] == "p-1" and "server-timing" in got[0][1]
     assert json.loads(got[3][2]) == {"status": "ok"}
-    assert handed == [1]
+    assert len(handed) == 1
     # The test client's pooled connections: generate calls never leave the front
     status, body, _ = await pd.gen(req(request_id="c-1"))
     assert status == 200 and body["request_id"] == "generate-tokens-c-1"
     status, events, _ = await pd.stream(req(request_id="c-2"))
     assert status == 200 and events[-1] == "[DONE]"
-    assert handed == [1]
+    assert len(handed) == 1
     await pd.quiet()
 
 
 async def test_a_request_not_in_the_plain_form_is_served_by_aiohttp_alike(
         pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    pd = await pd_factory()
-    handed = _count_hand_offs(pd, monkeypatch)
-    port = pd.client.port
-    assert port is not None
+    pd, handed, port = await _counted_pd(pd_factory, monkeypatch)
     body = json.dumps(req(request_id="h")).encode()
     chunked = (b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}\r\n".encode() + body +
@@ -184,7 +187,7 @@ async def test_a_request_not_in_the_plain_form_is_served_by_aiohttp_alike(
         (status, headers, raw), = await _exchange(port, data, 1)
         assert status == 200 and json.loads(raw)["request_id"] == "generate-tokens-h", data[:60]
         assert headers["x-request-id"] == "h"
-    assert handed == [4]
+    assert len(handed) == 4
     await pd.quiet()
 
 
@@ -296,22 +299,14 @@ def test_the_front_is_a_setting() -> None:
         parse_args([*urls, "--front", "uvicorn"])
 
 
-async def test_over_tls_the_front_serves_and_hands_off(certs: dict[str, Path]) -> None:
+async def test_over_tls_the_front_serves_and_hands_off(certs: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A TLS connection: generate calls on the front, then a health check handed to aiohttp on the
     same connection (the TLS transport changes protocol), then a generate call served by aiohttp."""
     w = await start_world(server_kwargs={"ssl_context": server_context(str(certs["server"]),
                                                                       str(certs["server_key"]))})
     try:
-        server = w.runner.server
-        assert isinstance(server, FrontServer)
-        handed: list[web.RequestHandler] = []
-        original = server.aiohttp_protocol
-
-        def counting() -> web.RequestHandler:
-            handed.append(original())
-            return handed[-1]
-
-        server.aiohttp_protocol = counting  # type: ignore[method-assign]
+        handed = _count_hand_offs(w.runner.server, monkeypatch)
         trust = ssl.create_default_context(cafile=str(certs["server"]))
         connector = aiohttp.TCPConnector(limit=1, ssl=trust)  # one connection for all three
         async with aiohttp.ClientSession(connector=connector) as session:
