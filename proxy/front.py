@@ -40,7 +40,9 @@ fails there).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple, cast
 
@@ -53,6 +55,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import BodyTimeout, answer_error
 
+log = logging.getLogger("pd_proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Guard = Callable[[web.Request], None]
 
@@ -88,12 +91,15 @@ class Head(NamedTuple):
 _HAND_OFF = "hand off"
 
 
-def parse_head(buf: bytearray, routes: Mapping[str, FrontRoute], max_body: int) -> Head | str | None:
+def parse_head(buf: bytearray, routes: Mapping[str, FrontRoute], max_body: int,
+               scanned: int = 0) -> Head | str | None:
     """The head at the start of ``buf``: a ``Head`` the front serves, ``_HAND_OFF`` for aiohttp,
-    None while it has not all arrived."""
-    end = buf.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4)
+    None while it has not all arrived. ``scanned``: where the search for its end starts (the
+    bytes before it were searched by an earlier call, so a head arriving byte by byte is not
+    searched again from its start each time)."""
+    end = buf.find(b"\r\n\r\n", scanned, MAX_HEAD_BYTES + 4)
     if end < 0:  # not all here; or a head aiohttp's parser may take (bare LFs), or too long
-        bare = buf.find(b"\n\n") >= 0 or buf.find(b"\n\r\n") >= 0
+        bare = buf.find(b"\n\n", scanned) >= 0 or buf.find(b"\n\r\n", scanned) >= 0
         return _HAND_OFF if bare or len(buf) > MAX_HEAD_BYTES + 4 else None
     m = _HEAD.fullmatch(buf, 0, end + 4)
     path = m.group(1).decode("ascii") if m is not None else ""
@@ -179,6 +185,8 @@ class Front(BaseProtocol):
         self.body_timer: asyncio.TimerHandle | None = None
         """The body timeout, while ``head`` waits for its body."""
         self.closing = False
+        self.scanned = 0
+        """How far the buffer was searched for the end of a head that has not all arrived."""
 
     # -- asyncio.Protocol
 
@@ -213,9 +221,11 @@ class Front(BaseProtocol):
         """Start the request at the head of the buffer, or wait for the rest of it, or hand off."""
         head = self.head
         if head is None:
-            parsed = parse_head(self.buf, self.server.routes, self.server.max_body)
+            parsed = parse_head(self.buf, self.server.routes, self.server.max_body, self.scanned)
             if parsed is None:
+                self.scanned = max(0, len(self.buf) - 3)  # a line end may straddle the next bytes
                 return
+            self.scanned = 0
             if type(parsed) is not Head:
                 self._hand_off()
                 return
@@ -259,7 +269,12 @@ class Front(BaseProtocol):
             except Exception as e:
                 resp = answer_error(as_request, e)
             await self._finish(request, resp)
-        except ConnectionResetError:
+        except Exception as e:  # the client went away mid-write, or a response that cannot be written
+            if not isinstance(e, ConnectionResetError):
+                log.error("unexpected %s while answering POST %s: the connection is closed\n%s",
+                          type(e).__name__, request.path,
+                          "".join(traceback.format_tb(e.__traceback__)).rstrip())
+            request.keep_alive = False
             if self.transport is not None:
                 self.transport.abort()
         finally:

@@ -322,3 +322,49 @@ async def test_over_tls_the_front_serves_and_hands_off(certs: dict[str, Path],
         await w.wait_clean()
     finally:
         await w.close()
+
+
+async def test_a_head_arriving_byte_by_byte_is_served(pd_factory: PDFactory) -> None:
+    pd = await pd_factory()
+    port = pd.client.port
+    assert port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        data = _gen("slow")
+        for i in range(len(data)):  # a line end split across writes, every way
+            writer.write(data[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        body = json.loads(await asyncio.wait_for(reader.readexactly(length), 5.0))
+        assert body["request_id"] == "generate-tokens-slow"
+    finally:
+        writer.close()
+    await pd.quiet()
+
+
+async def test_a_response_that_cannot_be_written_closes_its_connection_only(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    pd = await pd_factory()
+    port = pd.client.port
+    assert port is not None
+    generate = pd.serving.generate
+
+    async def injected(request: web.Request, *args: Any) -> web.StreamResponse:
+        if request.headers.get("X-Request-Id") == "bad":
+            return web.Response(body=b"{}", headers={"X-Injected": "a\r\nSet-Cookie: x=1"})
+        return await generate(request, *args)
+
+    monkeypatch.setattr(pd.serving, "generate", injected)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(_gen("b", "X-Request-Id: bad\r\n"))
+        assert await asyncio.wait_for(reader.read(), 5.0) == b""  # closed, nothing written
+    finally:
+        writer.close()
+    assert "unexpected ValueError while answering POST /inference/v1/generate" in caplog.text
+    (status, _, body), = await _exchange(port, _gen("after"), 1)  # the server goes on
+    assert status == 200 and json.loads(body)["request_id"] == "generate-tokens-after"
+    await pd.quiet()
