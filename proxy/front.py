@@ -3,8 +3,8 @@ every other connection handed to aiohttp's.
 
 aiohttp's request handler costs a proxy request as much as the walk's components do (measured:
 ``benchmarks/internals/shells.py``): per request it waits on a new future for the message, builds
-a payload reader, a ``StreamWriter`` and a ``web.Request``, runs the handler in a task of its own,
-prepares the response through its header machinery and re-arms its timers. ``Front`` is the
+a payload reader, a ``StreamWriter`` and a ``web.Request``, prepares the response through its
+header machinery and writes it through the writer. ``Front`` is the
 protocol of every connection the app accepts (``FrontServer``, the app's ``web.Server``). It
 reads a request's head and body from its own buffer and serves it itself when the request is one
 of the hot calls in their plain form:
