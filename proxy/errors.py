@@ -96,6 +96,11 @@ class BodyTimeout(ClientError):
     status = 408
     err_type = HTTPStatus(408).phrase
 
+    @classmethod
+    def after(cls, timeout: float) -> BodyTimeout:
+        """The body did not arrive within ``timeout`` seconds (the lean front's and the front's)."""
+        return cls(f"the request body did not arrive within {timeout:g} s")
+
 
 class HTTPBadRequest(ClientError):
     """A 400 as vLLM's ``HTTPException`` handler writes it (the status phrase as ``type``): the

@@ -323,8 +323,7 @@ class Front(BaseProtocol):
         self.body_timer = None
         head, self.head = self.head, None
         if head is not None and self.task is None:
-            timeout = self.server.body_timeout
-            self._answer_and_close(head, BodyTimeout(f"the request body did not arrive within {timeout:g} s"))
+            self._answer_and_close(head, BodyTimeout.after(self.server.body_timeout))
 
     def _answer_and_close(self, head: Head, error: Exception) -> None:
         """Answer ``error`` for the request of ``head`` without its body, then close: nothing more

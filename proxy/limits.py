@@ -78,7 +78,7 @@ class BodyLimit:
             else:
                 await asyncio.wait_for(request.read(), timeout)
         except TimeoutError:
-            raise BodyTimeout(f"the request body did not arrive within {timeout:g} s") from None
+            raise BodyTimeout.after(timeout) from None
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"Request body too large: the limit is {max_bytes} bytes") from None
 
