@@ -116,6 +116,13 @@ async def _exchange(port: int, data: bytes, answers: int, *, limit: float = 5.0)
         writer.close()
 
 
+def _port(pd: PD) -> int:
+    """The proxy's port on loopback."""
+    port = pd.client.port
+    assert port is not None
+    return port
+
+
 def _post(path: str, body: bytes, extra: str = "", version: str = "1.1") -> bytes:
     return (f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
@@ -143,10 +150,7 @@ async def _counted_pd(pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch) ->
     """A P/D pair behind the proxy; the hand-offs counted; the proxy's port."""
     pd = await pd_factory()
     assert pd.client.server is not None and pd.client.server.runner is not None
-    handed = _count_hand_offs(pd.client.server.runner.server, monkeypatch)
-    port = pd.client.port
-    assert port is not None
-    return pd, handed, port
+    return pd, _count_hand_offs(pd.client.server.runner.server, monkeypatch), _port(pd)
 
 
 async def test_the_hot_calls_stay_on_the_front_and_others_go_to_aiohttp(
@@ -193,8 +197,7 @@ async def test_a_request_not_in_the_plain_form_is_served_by_aiohttp_alike(
 
 async def test_connection_close_is_answered_and_the_connection_closed(pd_factory: PDFactory) -> None:
     pd = await pd_factory()
-    port = pd.client.port
-    assert port is not None
+    port = _port(pd)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(_gen("cc", "Connection: close\r\n"))
@@ -215,8 +218,7 @@ async def test_an_idle_connection_is_closed_after_the_keepalive_timeout(
     server = TestServer(app)
     await server.start_server(keepalive_timeout=0.3)  # as pd-proxy's --header-timeout sets it
     pd = PD(await aiohttp_client(server), app, ps[:1], ps[1:])
-    port = pd.client.port
-    assert port is not None
+    port = _port(pd)
     for first in (b"", PLAIN):  # nothing sent; a head that never ends
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
@@ -239,8 +241,7 @@ async def test_an_idle_connection_is_closed_after_the_keepalive_timeout(
 
 async def test_a_client_gone_mid_request_cancels_it_and_frees_the_kv(pd_factory: PDFactory) -> None:
     pd = await pd_factory(decode={"itl_ms": 50})
-    port = pd.client.port
-    assert port is not None
+    port = _port(pd)
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(_gen("gone", sp={"max_tokens": 200}))
     await writer.drain()
@@ -272,8 +273,7 @@ async def test_both_fronts_answer_alike(pd_factory: PDFactory) -> None:
         pd = await pd_factory(front=front, api_key=KEY, max_body_bytes=4000)
         assert pd.client.server is not None and pd.client.server.runner is not None
         assert isinstance(pd.client.server.runner.server, FrontServer) is (front == "own")
-        port = pd.client.port
-        assert port is not None
+        port = _port(pd)
         auth = f"Authorization: Bearer {KEY}\r\n"
         requests = [
             _gen("same", auth),
@@ -326,8 +326,7 @@ async def test_over_tls_the_front_serves_and_hands_off(certs: dict[str, Path],
 
 async def test_a_head_arriving_byte_by_byte_is_served(pd_factory: PDFactory) -> None:
     pd = await pd_factory()
-    port = pd.client.port
-    assert port is not None
+    port = _port(pd)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         data = _gen("slow")
@@ -348,8 +347,7 @@ async def test_a_head_arriving_byte_by_byte_is_served(pd_factory: PDFactory) -> 
 async def test_a_response_that_cannot_be_written_closes_its_connection_only(
         pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     pd = await pd_factory()
-    port = pd.client.port
-    assert port is not None
+    port = _port(pd)
     generate = pd.serving.generate
 
     async def injected(request: web.Request, *args: Any) -> web.StreamResponse:
