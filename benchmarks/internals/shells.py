@@ -2,7 +2,7 @@
 components in ``bare_proxy``'s shells, with either hop client, or behind aiohttp's server) and
 ``bare_proxy``, served in one process and alternated round by round.
 
-    python benchmarks/internals/shells.py [--requests N] [--rounds R] [--calls] [--pin]
+    python benchmarks/internals/shells.py [--requests N] [--rounds R] [--calls] [--pin] [--stream]
                                           [--variants pd-proxy,aiohttp+flat+hops,...]
 
 Starts two ``pd-sim --zero-latency`` workers (prefill and decode) and serves, in this process on
@@ -21,7 +21,8 @@ uvloop and on loopback, in front of both:
 - ``bare``: ``bare_proxy``, the two hops and nothing else.
 
 Each has its own load client subprocess (``call_counts``' client: 64 at a time, 256 prompt
-tokens, 32 output tokens, non-stream; 64 warm-up requests). Each round gives every variant
+tokens, 32 output tokens, non-stream, or streams with ``--stream`` (the variants that relay them:
+``STREAM_VARIANTS``); 64 warm-up requests). Each round gives every variant
 ``--requests`` requests in turn, the order rotated every round, and prints this process's user
 plus system CPU per request for each (``os.times``: the workers and the clients are other
 processes), so that the machine's drift falls on all of them alike; the medians come last. With
@@ -54,6 +55,8 @@ from benchmarks.internals import bare_proxy, call_counts, cpu_split, flat_proxy 
 
 VARIANTS = ("pd-proxy/aiohttp", "pd-proxy", "aiohttp+flat+hops", "server+flat+hops", "flat+hops", "flat",
             "bare")
+STREAM_VARIANTS = ("pd-proxy/aiohttp", "pd-proxy", "flat+hops", "flat", "bare")
+"""Those that relay a stream (the aiohttp shells serve non-stream requests only)."""
 Round = Callable[[], Awaitable[None]]
 
 
@@ -93,8 +96,11 @@ async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str)
 
 
 async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...] = VARIANTS, *,
-                  pin: bool = False) -> dict[str, dict[str, object]]:
-    """Per variant: CPU per request of each round (us) and, with ``calls``, Python calls per request."""
+                  pin: bool = False, stream: bool = False) -> dict[str, dict[str, object]]:
+    """Per variant: CPU per request of each round (us) and, with ``calls``, Python calls per request.
+    ``stream``: stream requests (``STREAM_VARIANTS`` only)."""
+    if stream and any(v not in STREAM_VARIANTS for v in variants):
+        raise ValueError(f"streams are relayed by {', '.join(STREAM_VARIANTS)} only")
     affinity = os.sched_getaffinity(0)
     pinned = cpu_split.pin_cpus() if pin else None
     if pinned is not None:
@@ -107,7 +113,7 @@ async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...
             for variant in variants:
                 port = await _serve(stack, variant, sims[0][1], sims[1][1])
                 loads[variant] = await stack.enter_async_context(
-                    call_counts.load_client(port, count, rounds=rounds + int(calls)))
+                    call_counts.load_client(port, count, stream, rounds=rounds + int(calls)))
             if pinned is not None:
                 os.sched_setaffinity(0, pinned[1])
             gc.collect()  # as pd-proxy's start-up settles the collector (--gc-threshold's default)
@@ -162,21 +168,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", action="store_true", help="one more round each, Python calls counted")
     p.add_argument("--pin", action="store_true", help="this process alone on the last CPU")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="a comma list out of those")
+    p.add_argument("--variants", default=None, help="a comma list out of those (default: all; with "
+                   "--stream, those that relay streams)")
+    p.add_argument("--stream", action="store_true", help=f"stream requests ({', '.join(STREAM_VARIANTS)})")
     a = p.parse_args(argv)
     if not 1 <= a.requests <= 5000 or not 1 <= a.rounds <= 20:
         p.error("--requests 1..5000, --rounds 1..20")
-    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
-    if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) < len(variants):
-        p.error(f"--variants: a comma list out of {', '.join(VARIANTS)}, each once")
-    print(f"{a.requests} non-stream requests a round, 64 at a time, {a.rounds} rounds, variants alternated"
-          f"{', pinned' if a.pin else ''}", flush=True)
+    allowed = STREAM_VARIANTS if a.stream else VARIANTS
+    variants = allowed if a.variants is None else tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    if not variants or any(v not in allowed for v in variants) or len(set(variants)) < len(variants):
+        p.error(f"--variants: a comma list out of {', '.join(allowed)}, each once")
+    print(f"{a.requests} {'stream' if a.stream else 'non-stream'} requests a round, 64 at a time, "
+          f"{a.rounds} rounds, variants alternated{', pinned' if a.pin else ''}", flush=True)
     try:
         import uvloop  # noqa: PLC0415
     except ImportError:
-        result = asyncio.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin))
+        result = asyncio.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin, stream=a.stream))
     else:
-        result = uvloop.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin))
+        result = uvloop.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin, stream=a.stream))
     first = variants[0]
     base = float(result[first]["median_us"])  # type: ignore[arg-type]
     for variant, r in result.items():
