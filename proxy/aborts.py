@@ -188,7 +188,8 @@ class Aborts(Part):
             headers = dict(f.headers)
             headers["Server-Timing"] = f.timing.header(self.clock())
             return web.Response(body=compact_json(body), content_type="application/json", headers=headers)
-        resp = event_stream(f.headers, headers_with_first_write=True)  # the headers go with the chunk
+        # the headers go with the chunk
+        resp = event_stream(request, f.headers, headers_with_first_write=True)
         await resp.prepare(request)
         out = [abort_events(f)]
         if req.include_usage:

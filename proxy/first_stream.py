@@ -94,7 +94,7 @@ class FirstStream(Part):
     async def start(self, request: web.Request, f: Flight) -> web.StreamResponse:
         """Open the client's event stream and write P's chunk: the client's first token."""
         assert f.first is not None
-        resp = event_stream(f.headers, headers_with_first_write=True)  # the headers go with P's chunk
+        resp = event_stream(request, f.headers, headers_with_first_write=True)  # headers go with P's chunk
         await resp.prepare(request)
         data = f.first.events
         if f.first.final:

@@ -167,6 +167,87 @@ class FrontRequest:
         return key in self._state
 
 
+class FrontStream(web.StreamResponse):
+    """A client's event stream on the front: its head and chunks written on the connection's
+    transport, framed here (one ``transport.write`` per ``write``, the head with the first one
+    when ``headers_with_first_write``), not through aiohttp's ``StreamWriter``. What goes out is
+    what aiohttp's ``StreamResponse`` sends for the same response: the status line, the headers
+    with ``Transfer-Encoding: chunked``, ``Date``, ``Server`` and, when the request does not keep
+    its connection, ``Connection: close``; each chunk's hex size and CRLFs; the last chunk with
+    the stream's end. A write waits for the client when the transport's buffer is past its
+    high-water mark, every 64 KiB written and at the end (as aiohttp's writer does); a write to a
+    closed connection raises ``ConnectionResetError``."""
+
+    def __init__(self, request: FrontRequest, headers: Mapping[str, str], *,
+                 headers_with_first_write: bool) -> None:
+        super().__init__(status=200, headers=headers)
+        self._front = request._protocol
+        self._keep = request.keep_alive
+        self._with_first = headers_with_first_write
+        self._started = False
+        self._head = b""
+        self._unflushed = 0
+
+    @property
+    def prepared(self) -> bool:
+        return self._started
+
+    async def prepare(self, request: Any) -> None:
+        if self._started:
+            return
+        self._started = True
+        headers = self._headers
+        headers[hdrs.TRANSFER_ENCODING] = "chunked"
+        if hdrs.DATE not in headers:
+            headers[hdrs.DATE] = rfc822_formatted_time()
+        headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+        if not self._keep and hdrs.CONNECTION not in headers:
+            headers[hdrs.CONNECTION] = "close"
+        head = _serialize_headers(f"HTTP/1.1 {self._status} {self._reason}", headers)
+        if self._with_first:
+            self._head = head
+        else:
+            self._send(head)
+
+    def _send(self, data: bytes) -> None:
+        transport = self._front.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        transport.write(data)
+        self._unflushed += len(data)
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._eof_sent:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if not self._started:
+            raise RuntimeError("Cannot call write() before prepare()")
+        if not data:
+            return
+        out = b"%x\r\n%b\r\n" % (len(data), data if type(data) is bytes else bytes(data))
+        if self._head:
+            out, self._head = self._head + out, b""
+        self._send(out)
+        if self._unflushed > 0x10000:
+            self._unflushed = 0
+            await self._drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self._eof_sent:
+            return
+        assert self._started, "Response has not been started"
+        out = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        if self._head:
+            out, self._head = self._head + out, b""
+        self._send(out)
+        await self._drain()
+        self._eof_sent = True
+
+    async def _drain(self) -> None:
+        front = self._front
+        if front.transport is not None and front._paused:
+            await front._drain_helper()
+
+
 class Front(BaseProtocol):
     """One client connection (see the module's docstring)."""
 
@@ -432,4 +513,5 @@ class FrontServer(web.Server):
         await asyncio.gather(super().shutdown(timeout), *(f.shutdown(timeout) for f in list(self.fronts)))
 
 
-__all__ = ["FRONT_BODY_BYTES", "Front", "FrontRequest", "FrontRoute", "FrontServer", "parse_head"]
+__all__ = ["FRONT_BODY_BYTES", "Front", "FrontRequest", "FrontRoute", "FrontServer", "FrontStream",
+           "parse_head"]

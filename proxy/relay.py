@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.front import FrontRequest, FrontStream
 from proxy.protocol import compact_json, parse_worker_json
 from proxy.sse import data_event, split_events
 
@@ -33,14 +34,18 @@ class EventStream(web.StreamResponse):
     _send_headers_immediately = False  # aiohttp's own switch (``web.Response`` sets it so too)
 
 
-def event_stream(headers: Mapping[str, str], *, headers_with_first_write: bool) -> web.StreamResponse:
+def event_stream(request: web.Request, headers: Mapping[str, str], *,
+                 headers_with_first_write: bool) -> web.StreamResponse:
     """A client's event stream (200, ``text/event-stream``, ``Cache-Control: no-cache``) with the
-    request's own response headers (``headers``). ``headers_with_first_write``: an
-    ``EventStream`` (its headers go out with the first write), else a ``web.StreamResponse``
-    (its headers go out at ``prepare``)."""
+    request's own response headers (``headers``). ``headers_with_first_write``: its headers go out
+    with the first write (an ``EventStream``), else at ``prepare`` (a ``web.StreamResponse``). A
+    request the front serves gets a ``FrontStream``, which writes the same bytes on the front's
+    connection itself."""
     out = dict(headers)
     out["Content-Type"] = "text/event-stream; charset=utf-8"
     out["Cache-Control"] = "no-cache"
+    if type(request) is FrontRequest:  # type: ignore[comparison-overlap]
+        return FrontStream(request, out, headers_with_first_write=headers_with_first_write)
     if headers_with_first_write:
         return EventStream(status=200, headers=out)
     return web.StreamResponse(status=200, headers=out)

@@ -63,7 +63,7 @@ class StreamDecode(Part):
                 self.core.set_done(f)
                 raise
             # D answered: the headers go at once (the client learns its request was taken)
-            resp = event_stream(f.headers, headers_with_first_write=False)
+            resp = event_stream(request, f.headers, headers_with_first_write=False)
             await resp.prepare(request)
             try:
                 await self.relay(request, f, resp, buffer)

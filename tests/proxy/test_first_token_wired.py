@@ -471,14 +471,16 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
 def server_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, bytes]]:
     """Every write an aiohttp server of this process hands its transport (one entry per ``write``
     or ``writelines``: one syscall when the socket takes it), in order, with the server it came
-    from (pd-sim's too); the test client's own writes are left out."""
+    from (pd-sim's too), and every write of a stream on the proxy's front (``FrontStream``); the
+    test client's own writes are left out."""
     from aiohttp import http_writer  # noqa: PLC0415
     from aiohttp.web_protocol import RequestHandler  # noqa: PLC0415
 
-    from proxy.front import Front  # noqa: PLC0415
+    from proxy.front import Front, FrontStream  # noqa: PLC0415
 
     writes: list[tuple[object, bytes]] = []
     write, writelines = http_writer.StreamWriter._write, http_writer.StreamWriter._writelines
+    send = FrontStream._send
 
     def server_of(protocol: object) -> object | None:
         """The server whose connection ``protocol`` is (aiohttp's handler, or the proxy's front)."""
@@ -496,8 +498,13 @@ def server_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, bytes]]
             writes.append((server, b"".join(bytes(c) for c in chunks)))
         writelines(self, chunks)
 
+    def streamed(self: FrontStream, data: bytes) -> None:
+        writes.append((self._front.server, data))
+        send(self, data)
+
     monkeypatch.setattr(http_writer.StreamWriter, "_write", one)
     monkeypatch.setattr(http_writer.StreamWriter, "_writelines", several)
+    monkeypatch.setattr(FrontStream, "_send", streamed)
     return writes
 
 

@@ -259,6 +259,10 @@ async def test_a_client_gone_mid_request_cancels_it_and_frees_the_kv(pd_factory:
 def _comparable(answer: Answer) -> tuple[int, dict[str, str], Any]:
     status, headers, body = answer
     kept = {k: v for k, v in headers.items() if k not in ("date", "server-timing")}
+    if headers.get("content-type", "").startswith("text/event-stream"):
+        # a stream: its events in order ([DONE] last); the hops' ids and times left as they are
+        assert body.endswith(b"\n\n")
+        return status, kept, [e.removeprefix(b"data: ").decode() for e in body[:-2].split(b"\n\n")]
     data = json.loads(body) if body else None
     if isinstance(data, dict) and "created" in data:
         data["created"] = 0
@@ -267,7 +271,8 @@ def _comparable(answer: Answer) -> tuple[int, dict[str, str], Any]:
 
 async def test_both_fronts_answer_alike(pd_factory: PDFactory) -> None:
     """The same requests through ``--front own`` and ``--front aiohttp``: the same status, headers
-    (but the date and the hops' timings) and body."""
+    (but the date and the hops' timings) and body; streams (P's token first, or D's stream alone;
+    a client that closes after it) with the same events."""
     answers: dict[str, list[Any]] = {}
     for front in ("own", "aiohttp"):
         pd = await pd_factory(front=front, api_key=KEY, max_body_bytes=4000)
@@ -283,12 +288,21 @@ async def test_both_fronts_answer_alike(pd_factory: PDFactory) -> None:
             _post(GENERATE, b"not json", auth),
             _post("/inference/v1/abort_requests", b'{"request_ids": ["generate-tokens-x"]}', auth),
             _post("/inference/v1/abort_requests", b'{}', auth),
+            _gen("stream", auth, stream=True, stream_options={"include_usage": True}),
+            _gen("text", auth, stream=True, output_mode="text"),
+            _gen("one", auth + "Connection: close\r\n", stream=True, sp={"max_tokens": 1}),
         ]
         answers[front] = [_comparable((await _exchange(port, r, 1))[0]) for r in requests]
         await pd.quiet()
     for own, theirs in zip(answers["own"], answers["aiohttp"], strict=True):
         assert own == theirs
-    assert [a[0] for a in answers["own"]] == [200, 400, 401, 413, 400, 200, 400]
+    assert [a[0] for a in answers["own"]] == [200, 400, 401, 413, 400, 200, 400, 200, 200, 200]
+    stream, text, one = answers["own"][-3:]
+    assert stream[1]["transfer-encoding"] == "chunked" and "connection" not in stream[1]
+    assert one[1]["connection"] == "close"
+    assert stream[2][-1] == text[2][-1] == one[2][-1] == "[DONE]"
+    assert json.loads(stream[2][-2])["usage"]["completion_tokens"] == 8  # the usage chunk
+    assert len(stream[2]) == 8 + 2 and len(one[2]) == 2
 
 
 def test_the_front_is_a_setting() -> None:
