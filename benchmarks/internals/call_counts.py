@@ -64,7 +64,7 @@ from typing import Any
 
 import aiohttp
 
-_SIM = ("--zero-latency", "--max-running", "100000", "--max-num-seqs", "100000",
+_SIM = ("--max-running", "100000", "--max-num-seqs", "100000",
         "--num-kv-blocks", "400000", "--max-model-len", "512")
 _CONCURRENCY = 64
 _MAX_REQUESTS = 5000
@@ -213,9 +213,14 @@ class _LoopCounts:
                 delattr(loop, method)
 
 
-def _start_sim(role: str, tree: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start_sim(role: str, tree: str, itl_ms: float = 0.0) -> tuple[subprocess.Popen[bytes], str]:
+    """A pd-sim worker with no simulated delays, or with ``itl_ms`` between its tokens (and
+    nothing else: prefill and transfers take no time)."""
+    timing = ("--zero-latency",) if not itl_ms else (
+        "--prefill-base-ms", "0", "--prefill-per-token-ms", "0", "--transfer-per-block-ms", "0",
+        "--itl-ms", str(itl_ms))
     argv = [sys.executable, "-m", "workers.sim.cli", "--host", "127.0.0.1", "--port", "0", "--role", role,
-            *_SIM]
+            *timing, *_SIM]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=tree)
     assert proc.stdout is not None
     return proc, str(json.loads(proc.stdout.readline())["url"])

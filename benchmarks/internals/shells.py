@@ -96,16 +96,18 @@ async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str)
 
 
 async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...] = VARIANTS, *,
-                  pin: bool = False, stream: bool = False) -> dict[str, dict[str, object]]:
+                  pin: bool = False, stream: bool = False,
+                  itl_ms: float = 0.0) -> dict[str, dict[str, object]]:
     """Per variant: CPU per request of each round (us) and, with ``calls``, Python calls per request.
-    ``stream``: stream requests (``STREAM_VARIANTS`` only)."""
+    ``stream``: stream requests (``STREAM_VARIANTS`` only). ``itl_ms``: the decode worker's time
+    between tokens (0: none; each token then comes in a read of its own)."""
     if stream and any(v not in STREAM_VARIANTS for v in variants):
         raise ValueError(f"streams are relayed by {', '.join(STREAM_VARIANTS)} only")
     affinity = os.sched_getaffinity(0)
     pinned = cpu_split.pin_cpus() if pin else None
     if pinned is not None:
         os.sched_setaffinity(0, pinned[0])  # the workers and the clients inherit it
-    sims = [call_counts._start_sim(role, _TREE) for role in ("prefill", "decode")]
+    sims = [call_counts._start_sim(role, _TREE, itl_ms) for role in ("prefill", "decode")]
     try:
         async with AsyncExitStack() as stack:
             stack.enter_context(_settled_gc())
@@ -171,21 +173,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", default=None, help="a comma list out of those (default: all; with "
                    "--stream, those that relay streams)")
     p.add_argument("--stream", action="store_true", help=f"stream requests ({', '.join(STREAM_VARIANTS)})")
+    p.add_argument("--itl-ms", type=float, default=0.0,
+                   help="the workers' time between tokens (default 0: no simulated delay at all)")
     a = p.parse_args(argv)
-    if not 1 <= a.requests <= 5000 or not 1 <= a.rounds <= 20:
-        p.error("--requests 1..5000, --rounds 1..20")
+    if not 1 <= a.requests <= 5000 or not 1 <= a.rounds <= 20 or not 0 <= a.itl_ms <= 100:
+        p.error("--requests 1..5000, --rounds 1..20, --itl-ms 0..100")
     allowed = STREAM_VARIANTS if a.stream else VARIANTS
     variants = allowed if a.variants is None else tuple(v.strip() for v in a.variants.split(",") if v.strip())
     if not variants or any(v not in allowed for v in variants) or len(set(variants)) < len(variants):
         p.error(f"--variants: a comma list out of {', '.join(allowed)}, each once")
     print(f"{a.requests} {'stream' if a.stream else 'non-stream'} requests a round, 64 at a time, "
-          f"{a.rounds} rounds, variants alternated{', pinned' if a.pin else ''}", flush=True)
+          f"{a.rounds} rounds, variants alternated{', pinned' if a.pin else ''}"
+          f"{f', {a.itl_ms:g} ms between tokens' if a.itl_ms else ''}", flush=True)
     try:
         import uvloop  # noqa: PLC0415
     except ImportError:
-        result = asyncio.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin, stream=a.stream))
+        result = asyncio.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin, stream=a.stream,
+                                     itl_ms=a.itl_ms))
     else:
-        result = uvloop.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin, stream=a.stream))
+        result = uvloop.run(measure(a.requests, a.rounds, a.calls, variants, pin=a.pin, stream=a.stream,
+                                    itl_ms=a.itl_ms))
     first = variants[0]
     base = float(result[first]["median_us"])  # type: ignore[arg-type]
     for variant, r in result.items():
