@@ -66,3 +66,12 @@ async def test_shells_alternates_every_variant_and_counts_their_calls() -> None:
     # each shell taken away takes its calls with it: the ordering holds by tens to hundreds of calls
     assert [calls[v] for v in shells.VARIANTS] == sorted(calls.values(), reverse=True)
     assert len(set(calls.values())) == len(calls) and calls["bare"] > 0
+
+
+async def test_shells_relays_paced_streams_through_the_variants_that_relay_them() -> None:
+    with pytest.raises(ValueError, match="streams are relayed by"):
+        await shells.measure(8, 1, calls=False, variants=("aiohttp+flat+hops",), stream=True)
+    result = await shells.measure(32, 1, calls=True, variants=("pd-proxy", "bare"), stream=True, itl_ms=1.0)
+    assert list(result) == ["pd-proxy", "bare"]
+    calls = {v: float(r["calls"]) for v, r in result.items()}  # type: ignore[arg-type]
+    assert calls["pd-proxy"] > calls["bare"] > 0
