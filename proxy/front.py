@@ -231,6 +231,24 @@ class FrontStream(web.StreamResponse):
             self._unflushed = 0
             await self._drain()
 
+    def write_now(self, data: bytes) -> bool:
+        """Write ``data`` (whole events) if that cannot make anyone wait: nothing is waiting in the
+        transport's buffer and the framed bytes fit under its high-water mark (so writing cannot
+        pause it). True when written; False leaves it to ``write``."""
+        transport = self._front.transport
+        if not self._started or self._eof_sent or transport is None or transport.is_closing() \
+                or transport.get_write_buffer_size():
+            return False
+        out = b"%x\r\n%b\r\n" % (len(data), data)
+        if self._head:
+            out = self._head + out
+        if len(out) > transport.get_write_buffer_limits()[1]:
+            return False
+        self._head = b""
+        transport.write(out)
+        self._unflushed += len(out)
+        return True
+
     async def write_eof(self, data: bytes = b"") -> None:
         if self._eof_sent:
             return

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -225,10 +225,16 @@ class StreamBuffer:
     and, with a ``ByteBudget``, across the process. Items are raw SSE bytes: one event, or a
     block of whole events (a plain ``sse.Batch``); they are split into events only when they
     must be merged. The writer calls ``sent`` after each write and ``discard`` when it is done.
+
+    ``direct``: set by a writer that can write without waiting (``FrontStream.write_now``): then
+    what the producer puts with ``deferred=True`` while the writer waits in ``take`` with nothing
+    queued is not handed to it (no wake-up, no task switch) but written by ``flush``, which the
+    producer calls once per read; ``direct`` returns False when it cannot write at once (the
+    client lags), and the writer is woken as without it.
     """
 
     __slots__ = ("_budget", "_closed", "_discarded", "_done", "_error", "_raw", "_size", "_waiter",
-                 "_writing", "max_bytes", "overflowed")
+                 "_writing", "direct", "max_bytes", "overflowed")
 
     def __init__(self, max_bytes: int, budget: ByteBudget | None = None) -> None:
         self.max_bytes = max_bytes
@@ -245,6 +251,7 @@ class StreamBuffer:
         self._budget = budget
         if budget is not None:
             budget.join(self)
+        self.direct: Callable[[bytes], bool] | None = None
 
     def held(self) -> int:
         """Bytes held for the client: queued, and taken for a write that has not returned."""
@@ -257,8 +264,9 @@ class StreamBuffer:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def put(self, raw: bytes, data: bytes | None = None) -> None:
-        """Queue whole SSE events (``data``, the payload of a single event, is not needed)."""
+    def put(self, raw: bytes, data: bytes | None = None, *, deferred: bool = False) -> None:
+        """Queue whole SSE events (``data``, the payload of a single event, is not needed).
+        ``deferred``: ``flush`` follows (see the class's docstring)."""
         if self._closed or self._discarded:
             return
         self._raw.append(raw)
@@ -269,7 +277,22 @@ class StreamBuffer:
             self._closed = True
         if self._budget is not None:
             self._budget.charge(n)  # may end this stream (or another) for the process's budget
-        self._wake()
+        if not deferred or self.direct is None or self._closed:
+            self._wake()
+
+    def flush(self) -> None:
+        """What deferred puts queued while the writer waits: written now through ``direct``, or
+        the writer woken to write it."""
+        if self._waiter is None or not self._raw:
+            return  # the writer is awake: it takes what is queued
+        raws = self._raw
+        direct = self.direct
+        if direct is not None and direct(raws[0] if len(raws) == 1 else b"".join(raws)):
+            if self._budget is not None:
+                self._budget.release(self._size)
+            self._raw, self._size = [], 0
+        else:
+            self._wake()
 
     def end_for_budget(self) -> None:
         """The process's budget is spent and this stream holds the most: drop what is queued
@@ -301,6 +324,7 @@ class StreamBuffer:
             budget.release(self._writing, doomed=self.overflowed == "total")
             budget.leave(self)
         self._raw, self._size, self._writing = [], 0, 0
+        self.direct = None
 
     def finish(self, *, done: bool, error: bytes | None = None) -> None:
         """The producer is finished: ``done`` when ``[DONE]`` was seen; ``error`` an in-band

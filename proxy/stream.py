@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +18,7 @@ from proxy.core import Core, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
 from proxy.errors import StreamOverflow, UpstreamError, UpstreamProtocolError, UpstreamStatusError
 from proxy.flight import Flight
+from proxy.front import FrontStream
 from proxy.metrics import HistogramBatch
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
@@ -25,6 +27,17 @@ from proxy.sse import DONE_EVENT
 from proxy.stream_read import DecodeReader, Status
 
 log = logging.getLogger("pd_proxy")
+
+
+class _Writes:
+    """A stream's writes to its client so far: the first and the last (P's token, when it went
+    first, is both at the start), and the gaps between them (batched into the ITL histogram)."""
+
+    __slots__ = ("first", "itl", "last")
+
+    def __init__(self, first: float | None, itl: HistogramBatch) -> None:
+        self.first = self.last = first
+        self.itl = itl
 
 
 class StreamDecode(Part):
@@ -75,13 +88,34 @@ class StreamDecode(Part):
         finally:
             buffer.discard()  # nothing more goes to this client: its bytes leave the budget
 
+    def _wrote(self, f: Flight, w: _Writes, now: float) -> None:
+        """A write to the client at ``now``: the first one's TTFT, the gaps between the others."""
+        if w.last is None:
+            w.first = now
+            self.metrics.ttft.observe(now - f.timing.received)
+        else:
+            w.itl.observe(now - w.last)
+            if f.timing.second_write is None and f.timing.first_write is not None:
+                self._second_write(f, now)  # once per stream, only after P's token
+        w.last = now
+
+    def _direct(self, f: Flight, resp: FrontStream, w: _Writes) -> Callable[[bytes], bool]:
+        """The buffer's ``direct`` for a stream the front writes: what a read of D's stream
+        completed goes to the client from the producer, while the relay waits (no task switch)."""
+        def direct(data: bytes) -> bool:
+            if f.rewrite is not None:
+                data = f.rewrite.apply(data)
+            if not resp.write_now(data):
+                return False
+            self._wrote(f, w, self.clock())
+            return True
+        return direct
+
     async def _pump(self, request: web.Request, f: Flight, resp: web.StreamResponse, buffer: StreamBuffer,
-                    itl: HistogramBatch) -> tuple[float | None, float | None, bytes]:
-        """The buffer's events to the client until D's stream ends; the first and last write, and
-        the events taken with the end and not written: they go out with the stream's end (one
-        write for the last events, ``[DONE]`` and the chunked end), counted as written now."""
-        last_write: float | None = f.timing.first_write  # P's token went first
-        first_write: float | None = last_write
+                    w: _Writes) -> bytes:
+        """The buffer's events to the client until D's stream ends; the events taken with the end
+        and not written: they go out with the stream's end (one write for the last events,
+        ``[DONE]`` and the chunked end), counted as written now."""
         transport = request.transport
         # A write that leaves the transport's buffer at or below its high-water mark cannot pause
         # writing, so it cannot block: it needs no timer (profiled: the per-write timeout was the
@@ -102,25 +136,20 @@ class StreamDecode(Part):
                     else:
                         await self.write_client(request, resp, data)
                     buffer.sent()
-                now = self.clock()
-                if last_write is None:
-                    first_write = now
-                    self.metrics.ttft.observe(now - f.timing.received)
-                else:
-                    itl.observe(now - last_write)
-                    if f.timing.second_write is None and f.timing.first_write is not None:
-                        self._second_write(f, now)  # once per stream, only after P's token
-                last_write = now
+                self._wrote(f, w, self.clock())
             if finished:
-                return first_write, last_write, data
+                return data
 
     async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
-        itl = HistogramBatch(self.metrics.itl)  # one update per bucket when the relay ends
+        w = _Writes(f.timing.first_write, HistogramBatch(self.metrics.itl))  # P's token went first
+        if type(resp) is FrontStream:
+            buffer.direct = self._direct(f, resp, w)
         try:
-            first_write, last_write, last = await self._pump(request, f, resp, buffer, itl)
+            last = await self._pump(request, f, resp, buffer, w)
         finally:
-            itl.flush()
+            buffer.direct = None
+            w.itl.flush()  # one update per bucket when the relay ends
         if buffer.overflowed:
             self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()
             err = StreamOverflow(
@@ -131,7 +160,7 @@ class StreamDecode(Part):
             await self.write_client(request, resp, last + err.sse_event() + DONE_EVENT, eof=True)
             buffer.sent()
             return  # phase stays DECODING: the clean-up aborts D
-        self._observe_stream(f, first_write, last_write)
+        self._observe_stream(f, w.first, w.last)
         events = last + buffer.error_event if buffer.error_event is not None else last
         await self.write_client(request, resp, stream_tail(request, f, self.clock(), events), eof=True)
         buffer.sent()

@@ -99,29 +99,36 @@ class DecodeReader(Part):
             self.metrics.child(self.metrics.inflight, worker.pool).dec()
 
     async def _read(self, rd: _Read, resp: HopResponse) -> None:
-        """D's events into the buffer until [DONE], an error, a closed buffer or the end."""
+        """D's events into the buffer until [DONE], an error, a closed buffer or the end; what
+        each read completed flushed to the client's writer (``StreamBuffer.flush``), but D's last
+        events, which go with the stream's end."""
         reader = SSEReader()
         cap = self.settings.slow_reader_max_bytes
-        async for chunk in self.upstream.iter_chunks("decode", rd.worker.url, resp):
-            batch = reader.feed_batch(chunk)
-            while rd.f.first_filter is not None and rd.f.first_filter.pending:
-                # Token 1 is taken out of D's first event (of each choice), read as one event;
-                # the rest of what this read completed can then go out as a block (``_fast``).
-                parts = batch.split_first()
-                if parts is None:
-                    break
-                self._slow(rd, parts[0])
+        try:
+            async for chunk in self.upstream.iter_chunks("decode", rd.worker.url, resp):
+                batch = reader.feed_batch(chunk)
+                while rd.f.first_filter is not None and rd.f.first_filter.pending:
+                    # Token 1 is taken out of D's first event (of each choice), read as one event;
+                    # the rest of what this read completed can then go out as a block (``_fast``).
+                    parts = batch.split_first()
+                    if parts is None:
+                        break
+                    self._slow(rd, parts[0])
+                    if rd.stop:
+                        return
+                    batch = parts[1]
+                if not self._fast(rd, batch):
+                    self._slow(rd, batch)
                 if rd.stop:
                     return
-                batch = parts[1]
-            if not self._fast(rd, batch):
-                self._slow(rd, batch)
-            if rd.stop:
-                return
-            if len(reader.pending) > cap:
-                rd.error = self.protocol_error(rd.worker, "sent an SSE event larger than the byte cap")
-                rd.protocol = True
-                return
+                if len(reader.pending) > cap:
+                    rd.error = self.protocol_error(rd.worker, "sent an SSE event larger than the byte cap")
+                    rd.protocol = True
+                    return
+                rd.buffer.flush()
+        finally:
+            if not rd.done:
+                rd.buffer.flush()
 
     def _fast(self, rd: _Read, batch: Batch) -> bool:
         """The hot path: what a read completed goes out as one block, unparsed, when it is plain
@@ -145,7 +152,7 @@ class DecodeReader(Part):
                 if ids is None:
                     return False  # parse event by event (text mode, migrated, odd)
                 follower.progress.generated.extend(ids)
-            rd.buffer.put(batch.body)
+            rd.buffer.put(batch.body, deferred=True)
             if f.request.include_usage:
                 rd.last = last_data(batch.body)
         if batch.done:
@@ -198,9 +205,9 @@ class DecodeReader(Part):
             if payload is None:
                 return True  # only tokens the client already has
             if payload is not data:
-                rd.buffer.put(data_event(payload), payload)
+                rd.buffer.put(data_event(payload), payload, deferred=True)
                 return True
-        rd.buffer.put(raw, data)
+        rd.buffer.put(raw, data, deferred=True)
         return True
 
     def _without_first(self, rd: _Read, data: bytes, raw: bytes) -> tuple[bytes, bytes]:

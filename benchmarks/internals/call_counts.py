@@ -270,8 +270,8 @@ async def load_client(port: int, count: int, stream: bool = False,
 
 
 @asynccontextmanager
-async def loaded_proxy(count: int, stream: bool, tree: str,
-                       proxy_args: Sequence[str] = ()) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+async def loaded_proxy(count: int, stream: bool, tree: str, proxy_args: Sequence[str] = (),
+                       itl_ms: float = 0.0) -> AsyncIterator[Callable[[], Awaitable[None]]]:
     """pd-proxy of ``tree`` served in this process on loopback in front of two zero-latency pd-sim
     workers, and its load client warmed up (64 requests). Yields one round: ``count`` requests,
     64 at a time, returning once they and their clean-up are done."""
@@ -280,7 +280,7 @@ async def loaded_proxy(count: int, stream: bool, tree: str,
     from proxy.app import build_app  # noqa: PLC0415
     from proxy.cli import parse_args  # noqa: PLC0415
 
-    sims = [_start_sim(role, tree) for role in ("prefill", "decode")]
+    sims = [_start_sim(role, tree, itl_ms) for role in ("prefill", "decode")]
     runner: web.AppRunner | None = None
     try:
         settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", sims[0][1],
@@ -300,8 +300,9 @@ async def loaded_proxy(count: int, stream: bool, tree: str,
             proc.wait()
 
 
-async def measure(count: int, stream: bool, tree: str, proxy_args: Sequence[str] = ()) -> dict[str, Any]:
-    async with loaded_proxy(count, stream, tree, proxy_args) as measured_round:
+async def measure(count: int, stream: bool, tree: str, proxy_args: Sequence[str] = (),
+                  itl_ms: float = 0.0) -> dict[str, Any]:
+    async with loaded_proxy(count, stream, tree, proxy_args, itl_ms) as measured_round:
         loop = asyncio.get_running_loop()
         tasks = 0
 
@@ -390,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--out", type=Path, default=None, help="where to write the counts (JSON)")
     p.add_argument("--stream", action="store_true")
+    p.add_argument("--itl-ms", type=float, default=0.0, help="the workers' time between tokens (0: none)")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--uvloop", action="store_true", help="serve on uvloop, as pd-proxy does when installed")
     p.add_argument("--diff", nargs=2, metavar=("A", "B"), default=None)
@@ -416,9 +418,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         import uvloop  # noqa: PLC0415
 
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            result = runner.run(measure(a.requests, a.stream, tree, shlex.split(a.proxy_args)))
+            result = runner.run(measure(a.requests, a.stream, tree, shlex.split(a.proxy_args), a.itl_ms))
     else:
-        result = asyncio.run(measure(a.requests, a.stream, tree, shlex.split(a.proxy_args)))
+        result = asyncio.run(measure(a.requests, a.stream, tree, shlex.split(a.proxy_args), a.itl_ms))
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['tree']} (stream: {a.stream}), per request: {_summary(result)}")
 

@@ -20,6 +20,7 @@ from proxy.app import build_app
 from proxy.cli import parse_args
 from proxy.front import FRONT_BODY_BYTES, FrontRoute, FrontServer, Head, parse_head
 from proxy.pools import PoolSettings
+from proxy.relay import StreamBuffer
 from proxy.settings import ProxySettings
 from proxy.tls import server_context
 from tests.proxy.conftest import PD, PDFactory, req
@@ -380,3 +381,49 @@ async def test_a_response_that_cannot_be_written_closes_its_connection_only(
     (status, _, body), = await _exchange(port, _gen("after"), 1)  # the server goes on
     assert status == 200 and json.loads(body)["request_id"] == "generate-tokens-after"
     await pd.quiet()
+
+
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_a_paced_streams_events_are_written_by_the_task_reading_them(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, front: str) -> None:
+    """With the front, each of D's events (one a read, 5 ms apart) is written to the client by
+    the task that read it: the handler's relay waits once, for the stream's end, not once per
+    event (``StreamBuffer.direct``); on aiohttp's server it is woken for each. The client gets
+    the same stream."""
+    takes: list[bool] = []
+    take = StreamBuffer.take
+
+    async def counted(self: StreamBuffer, *, merge: bool) -> tuple[list[bytes], bool]:
+        takes.append(merge)
+        return await take(self, merge=merge)
+
+    monkeypatch.setattr(StreamBuffer, "take", counted)
+    pd = await pd_factory(front=front, decode={"zero_latency": False, "itl_ms": 5, "prefill_base_ms": 0,
+                                               "prefill_per_token_ms": 0, "transfer_per_block_ms": 0})
+    status, events, _ = await pd.stream(req(request_id="paced", stream=True, sp={"max_tokens": 12}))
+    assert status == 200 and events[-1] == "[DONE]"
+    tokens = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+    assert len(tokens) == 12 and len(events) == 13  # P's token, D's eleven, one a chunk
+    assert len(takes) == 1 if front == "own" else len(takes) >= 8
+    await pd.quiet()
+
+
+async def test_a_client_gone_mid_paced_stream_is_aborted_and_nothing_held(pd_factory: PDFactory) -> None:
+    """The client leaves while D's events are written to it by the task reading D: the request
+    is aborted on D and nothing stays held (the same end as a stream the relay writes)."""
+    pd = await pd_factory(decode={"zero_latency": False, "itl_ms": 20, "prefill_base_ms": 0,
+                                  "prefill_per_token_ms": 0, "transfer_per_block_ms": 0})
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(pd))
+    try:
+        writer.write(_gen("left", stream=True, sp={"max_tokens": 200}))
+        got = b""
+        while got.count(b"data: ") < 4:  # P's token and a few of D's
+            data = await asyncio.wait_for(reader.read(4096), 5.0)
+            assert data, "the stream ended early"
+            got += data
+    finally:
+        writer.close()
+    await pd.quiet(10.0)
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert 'pd_proxy_requests_total{outcome="aborted"} 1.0' in metrics
+    assert len(pd.serving.table) == 0

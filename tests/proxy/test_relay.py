@@ -256,3 +256,69 @@ def test_no_budget_when_total_is_zero() -> None:
     buf.put(ev(5000))
     assert buf.overflowed is None and budget.used == 5000
     buf.discard()
+
+
+# ---------------------------------------------------------------- writes from the producer (``direct``)
+
+
+async def _parked(buf: StreamBuffer) -> asyncio.Task[tuple[list[bytes], bool]]:
+    """The writer waiting in ``take`` with nothing queued."""
+    task = asyncio.create_task(buf.take(merge=False))
+    await asyncio.sleep(0)
+    assert not task.done()
+    return task
+
+
+async def test_a_read_is_written_by_the_producer_while_the_writer_waits() -> None:
+    budget = ByteBudget(10_000)
+    buf = StreamBuffer(10_000, budget)
+    written: list[bytes] = []
+    buf.direct = lambda data: written.append(data) is None
+    waiting = await _parked(buf)
+    buf.put(b"data: 1\n\n", deferred=True)
+    buf.put(b"data: 2\n\n", deferred=True)
+    assert budget.used == 18 and written == []  # held until the read's flush
+    buf.flush()
+    await asyncio.sleep(0)
+    assert written == [b"data: 1\n\ndata: 2\n\n"]  # the read's events in one write
+    assert not waiting.done() and buf.held() == 0 and budget.used == 0  # the writer slept on
+    buf.finish(done=True)
+    assert await asyncio.wait_for(waiting, 1) == ([], True)
+    buf.discard()
+    assert buf.direct is None
+
+
+async def test_a_read_the_producer_cannot_write_wakes_the_writer() -> None:
+    buf = StreamBuffer(10_000)
+    buf.direct = lambda data: False  # the client lags
+    waiting = await _parked(buf)
+    buf.put(b"data: 1\n\n", deferred=True)
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    buf.flush()
+    assert await asyncio.wait_for(waiting, 1) == ([b"data: 1\n\n"], False)
+
+
+async def test_puts_wake_the_writer_unless_deferred_to_a_direct_flush() -> None:
+    buf = StreamBuffer(10_000)
+    waiting = await _parked(buf)
+    buf.put(b"data: 1\n\n", deferred=True)  # no ``direct``: nothing defers
+    assert await asyncio.wait_for(waiting, 1) == ([b"data: 1\n\n"], False)
+    buf.sent()
+    buf.direct = lambda data: True
+    waiting = await _parked(buf)
+    buf.put(b"data: 2\n\n")  # not deferred: the writer takes it
+    assert await asyncio.wait_for(waiting, 1) == ([b"data: 2\n\n"], False)
+    buf.put(b"data: 3\n\n", deferred=True)  # the writer is awake (not in ``take``): it is queued
+    buf.flush()
+    assert await buf.take(merge=False) == ([b"data: 3\n\n"], False)
+
+
+async def test_a_deferred_put_past_the_cap_ends_the_stream_at_once() -> None:
+    buf = StreamBuffer(10)
+    buf.direct = lambda data: True
+    waiting = await _parked(buf)
+    buf.put(b"data: 12345678\n\n", deferred=True)
+    assert buf.overflowed == "stream"
+    _, finished = await asyncio.wait_for(waiting, 1)
+    assert finished
