@@ -273,7 +273,12 @@ async def test_a_read_is_written_by_the_producer_while_the_writer_waits() -> Non
     budget = ByteBudget(10_000)
     buf = StreamBuffer(10_000, budget)
     written: list[bytes] = []
-    buf.direct = lambda data: written.append(data) is None
+
+    def direct(data: bytes) -> bool:
+        written.append(data)
+        return True
+
+    buf.direct = direct
     waiting = await _parked(buf)
     buf.put(b"data: 1\n\n", deferred=True)
     buf.put(b"data: 2\n\n", deferred=True)
