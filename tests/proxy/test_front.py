@@ -241,7 +241,7 @@ async def test_an_idle_connection_is_closed_after_the_keepalive_timeout(
 
 
 async def test_a_client_gone_mid_request_cancels_it_and_frees_the_kv(pd_factory: PDFactory) -> None:
-    pd = await pd_factory(decode={"itl_ms": 50})
+    pd = await pd_factory(decode={"zero_latency": False, "itl_ms": 50})  # 200 tokens: 10 s
     port = _port(pd)
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(_gen("gone", sp={"max_tokens": 200}))
