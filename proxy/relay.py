@@ -1,13 +1,15 @@
 """The stream relay between a decode worker and a (possibly slow) client.
 
 A producer reads the decode worker's SSE stream and puts events into a ``StreamBuffer``; the
-handler takes whatever has queued and writes it. While the client keeps up there is one event
-per write and its bytes go out untouched. When the client lags, everything queued meanwhile
-goes out as one merged chunk per choice (``merge_chunks``): token ids, text and logprobs are
-concatenated and the last ``finish_reason`` is kept, so the concatenation of what the client
-receives always equals what the decode worker sent. Memory is bounded per stream by a byte cap
-and across the process by a ``ByteBudget``; past either the stream is ended with a clear in-band
-error (and its decode worker aborted).
+handler takes whatever has queued and writes it (for a stream the front writes, the producer
+writes what each read completed itself while the client keeps up: ``StreamBuffer.direct``).
+While the client keeps up there is one read's events per write and their bytes go out
+untouched. When the client lags, everything queued meanwhile goes out as one merged chunk per
+choice (``merge_chunks``): token ids, text and logprobs are concatenated and the last
+``finish_reason`` is kept, so the concatenation of what the client receives always equals what
+the decode worker sent. Memory is bounded per stream by a byte cap and across the process by a
+``ByteBudget``; past either the stream is ended with a clear in-band error (and its decode worker
+aborted).
 """
 
 from __future__ import annotations

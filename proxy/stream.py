@@ -1,6 +1,9 @@
 """The streamed decode: D's stream read into a buffer by a producer task (retried before its first
 byte, migrated to another decode worker when it breaks later), and relayed to the client by the
-handler, bounded for slow readers. One attempt's reading is ``proxy.stream_read``'s.
+handler, bounded for slow readers; on the front, while the client keeps up, what each read
+completed is written by the producer itself (``StreamBuffer.direct``) and the handler's relay
+wakes only for the stream's end or a lagging client. One attempt's reading is
+``proxy.stream_read``'s.
 """
 
 from __future__ import annotations

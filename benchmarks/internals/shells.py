@@ -3,10 +3,11 @@ components in ``bare_proxy``'s shells, with either hop client, or behind aiohttp
 ``bare_proxy``, served in one process and alternated round by round.
 
     python benchmarks/internals/shells.py [--requests N] [--rounds R] [--calls] [--pin] [--stream]
+                                          [--itl-ms MS]
                                           [--variants pd-proxy,aiohttp+flat+hops,...]
 
-Starts two ``pd-sim --zero-latency`` workers (prefill and decode) and serves, in this process on
-uvloop and on loopback, in front of both:
+Starts two pd-sim workers (prefill and decode; no simulated delay but ``--itl-ms``) and serves,
+in this process on uvloop and on loopback, in front of both:
 
 - ``pd-proxy``: the app (``proxy.app.build_app``, pd-proxy's default settings, ``--log-level
   warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it: the generate calls on its own
@@ -22,10 +23,12 @@ uvloop and on loopback, in front of both:
 
 Each has its own load client subprocess (``call_counts``' client: 64 at a time, 256 prompt
 tokens, 32 output tokens, non-stream, or streams with ``--stream`` (the variants that relay them:
-``STREAM_VARIANTS``); 64 warm-up requests). Each round gives every variant
-``--requests`` requests in turn, the order rotated every round, and prints this process's user
-plus system CPU per request for each (``os.times``: the workers and the clients are other
-processes), so that the machine's drift falls on all of them alike; the medians come last. With
+``STREAM_VARIANTS``); 64 warm-up requests). ``--itl-ms``: the workers wait that long between
+tokens (each token then comes in a read of its own, as from a real decode worker). Each round
+gives every variant ``--requests`` requests in turn, the order rotated every round, and prints
+this process's user plus system CPU per request for each (``os.times``: the workers and the
+clients are other processes), so that the machine's drift falls on all of them alike; the
+medians come last. With
 ``--calls``, one more round each under cProfile: Python calls per request (builtins included),
 a count that noise does not move. ``--pin``: this process alone on the last CPU, the workers and
 the clients on the others (``cpu_split.py --pin``'s split). Numbers in ``benchmarks/README.md``.
