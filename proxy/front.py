@@ -245,8 +245,7 @@ class FrontStream(web.StreamResponse):
         if len(out) > transport.get_write_buffer_limits()[1]:
             return False
         self._head = b""
-        transport.write(out)
-        self._unflushed += len(out)
+        self._send(out)
         return True
 
     async def write_eof(self, data: bytes = b"") -> None:
