@@ -234,6 +234,13 @@ ON_ERROR: web.AppKey[ErrorHook] = web.AppKey("on_error")
 counts failed generate calls there)."""
 
 
+def log_unexpected(e: BaseException, doing: str) -> None:
+    """An error nobody expected, logged with its type and frames (code locations) but not its
+    message: messages can quote request values."""
+    log.error("unexpected %s while %s\n%s", type(e).__name__, doing,
+              "".join(traceback.format_tb(e.__traceback__)).rstrip())
+
+
 def answer_error(request: web.Request, e: Exception) -> web.StreamResponse:
     """What a handler's exception becomes: every error in vLLM's shape (``ProxyError``s counted
     through the app's ``ON_ERROR`` hook), an unexpected exception a logged (method, path and type
@@ -251,9 +258,7 @@ def answer_error(request: web.Request, e: Exception) -> web.StreamResponse:
         return http_exception_response(e)
     if isinstance(e, ConnectionResetError):
         raise e
-    # The frames (code locations) but not the message: messages can quote request values.
-    log.error("unexpected %s while serving %s %s\n%s", type(e).__name__, request.method,
-              request.path, "".join(traceback.format_tb(e.__traceback__)).rstrip())
+    log_unexpected(e, f"serving {request.method} {request.path}")
     return json_response(error_body("Internal server error", "InternalServerError", 500), 500)
 
 

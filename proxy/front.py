@@ -40,9 +40,7 @@ fails there).
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
-import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple, cast
 
@@ -53,9 +51,8 @@ from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 from aiohttp.http_writer import StreamWriter, _serialize_headers
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.errors import BodyTimeout, answer_error
+from proxy.errors import BodyTimeout, answer_error, log_unexpected
 
-log = logging.getLogger("pd_proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Guard = Callable[[web.Request], None]
 
@@ -369,9 +366,7 @@ class Front(BaseProtocol):
             await self._finish(request, resp)
         except Exception as e:  # the client went away mid-write, or a response that cannot be written
             if not isinstance(e, ConnectionResetError):
-                log.error("unexpected %s while answering POST %s: the connection is closed\n%s",
-                          type(e).__name__, request.path,
-                          "".join(traceback.format_tb(e.__traceback__)).rstrip())
+                log_unexpected(e, f"answering POST {request.path}: the connection is closed")
             request.keep_alive = False
             if self.transport is not None:
                 self.transport.abort()
