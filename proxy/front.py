@@ -164,6 +164,19 @@ class FrontRequest:
         return key in self._state
 
 
+def _response_head(resp: web.StreamResponse, *, close: bool) -> bytes:
+    """``resp``'s status line and headers on HTTP/1.1, with what aiohttp's ``prepare`` adds:
+    ``Date`` and ``Server`` unless set, ``Connection: close`` when ``close`` (through aiohttp's C
+    serializer, which refuses CR and LF in a header)."""
+    headers = resp.headers
+    if hdrs.DATE not in headers:
+        headers[hdrs.DATE] = rfc822_formatted_time()
+    headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+    if close:
+        headers[hdrs.CONNECTION] = "close"
+    return _serialize_headers(f"HTTP/1.1 {resp.status} {resp.reason}", headers)
+
+
 class FrontStream(web.StreamResponse):
     """A client's event stream on the front: its head and chunks written on the connection's
     transport, framed here (one ``transport.write`` per ``write``, the head with the first one
@@ -193,18 +206,25 @@ class FrontStream(web.StreamResponse):
         if self._started:
             return
         self._started = True
-        headers = self._headers
-        headers[hdrs.TRANSFER_ENCODING] = "chunked"
-        if hdrs.DATE not in headers:
-            headers[hdrs.DATE] = rfc822_formatted_time()
-        headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
-        if not self._keep and hdrs.CONNECTION not in headers:
-            headers[hdrs.CONNECTION] = "close"
-        head = _serialize_headers(f"HTTP/1.1 {self._status} {self._reason}", headers)
+        self._headers[hdrs.TRANSFER_ENCODING] = "chunked"
+        head = _response_head(self, close=not self._keep)
         if self._with_first:
             self._head = head
         else:
             self._send(head)
+
+    def _framed(self, data: bytes, *, last: bool = False, keep_head: bool = False) -> bytes:
+        """``data`` as a chunk (none when empty), the last chunk after it when ``last``, the head
+        before it while the head waits (taken unless ``keep_head``)."""
+        out = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+        if last:
+            out += b"0\r\n\r\n"
+        if not self._head:
+            return out
+        out = self._head + out
+        if not keep_head:
+            self._head = b""
+        return out
 
     def _send(self, data: bytes) -> None:
         transport = self._front.transport
@@ -220,10 +240,7 @@ class FrontStream(web.StreamResponse):
             raise RuntimeError("Cannot call write() before prepare()")
         if not data:
             return
-        out = b"%x\r\n%b\r\n" % (len(data), data if type(data) is bytes else bytes(data))
-        if self._head:
-            out, self._head = self._head + out, b""
-        self._send(out)
+        self._send(self._framed(data if type(data) is bytes else bytes(data)))
         if self._unflushed > 0x10000:
             self._unflushed = 0
             await self._drain()
@@ -236,11 +253,9 @@ class FrontStream(web.StreamResponse):
         if not self._started or self._eof_sent or transport is None or transport.is_closing() \
                 or transport.get_write_buffer_size():
             return False
-        out = b"%x\r\n%b\r\n" % (len(data), data)
-        if self._head:
-            out = self._head + out
+        out = self._framed(data, keep_head=True)
         if len(out) > transport.get_write_buffer_limits()[1]:
-            return False
+            return False  # the head (if any) still waits
         self._head = b""
         self._send(out)
         return True
@@ -249,10 +264,7 @@ class FrontStream(web.StreamResponse):
         if self._eof_sent:
             return
         assert self._started, "Response has not been started"
-        out = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
-        if self._head:
-            out, self._head = self._head + out, b""
-        self._send(out)
+        self._send(self._framed(data, last=True))
         await self._drain()
         self._eof_sent = True
 
@@ -389,12 +401,7 @@ class Front(BaseProtocol):
         headers[hdrs.CONTENT_LENGTH] = str(len(body))
         if body and hdrs.CONTENT_TYPE not in headers:
             headers[hdrs.CONTENT_TYPE] = "application/octet-stream"
-        if hdrs.DATE not in headers:
-            headers[hdrs.DATE] = rfc822_formatted_time()
-        headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
-        if not request.keep_alive or self.closing:
-            headers[hdrs.CONNECTION] = "close"
-        transport.write(_serialize_headers(f"HTTP/1.1 {resp.status} {resp.reason}", headers) + body)
+        transport.write(_response_head(resp, close=not request.keep_alive or self.closing) + body)
         if self._paused:
             await self._drain_helper()
 
