@@ -117,6 +117,12 @@ async def _exchange(port: int, data: bytes, answers: int, *, limit: float = 5.0)
         writer.close()
 
 
+def _paced(itl_ms: float) -> dict[str, Any]:
+    """A decode worker that sends a token every ``itl_ms`` and spends no other time."""
+    return {"zero_latency": False, "itl_ms": itl_ms, "prefill_base_ms": 0, "prefill_per_token_ms": 0,
+            "transfer_per_block_ms": 0}
+
+
 def _port(pd: PD) -> int:
     """The proxy's port on loopback."""
     port = pd.client.port
@@ -241,7 +247,7 @@ async def test_an_idle_connection_is_closed_after_the_keepalive_timeout(
 
 
 async def test_a_client_gone_mid_request_cancels_it_and_frees_the_kv(pd_factory: PDFactory) -> None:
-    pd = await pd_factory(decode={"zero_latency": False, "itl_ms": 50})  # 200 tokens: 10 s
+    pd = await pd_factory(decode=_paced(50))  # 200 tokens: 10 s
     port = _port(pd)
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(_gen("gone", sp={"max_tokens": 200}))
@@ -398,8 +404,7 @@ async def test_a_paced_streams_events_are_written_by_the_task_reading_them(
         return await take(self, merge=merge)
 
     monkeypatch.setattr(StreamBuffer, "take", counted)
-    pd = await pd_factory(front=front, decode={"zero_latency": False, "itl_ms": 5, "prefill_base_ms": 0,
-                                               "prefill_per_token_ms": 0, "transfer_per_block_ms": 0})
+    pd = await pd_factory(front=front, decode=_paced(5))
     status, events, _ = await pd.stream(req(request_id="paced", stream=True, sp={"max_tokens": 12}))
     assert status == 200 and events[-1] == "[DONE]"
     tokens = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
@@ -411,8 +416,7 @@ async def test_a_paced_streams_events_are_written_by_the_task_reading_them(
 async def test_a_client_gone_mid_paced_stream_is_aborted_and_nothing_held(pd_factory: PDFactory) -> None:
     """The client leaves while D's events are written to it by the task reading D: the request
     is aborted on D and nothing stays held (the same end as a stream the relay writes)."""
-    pd = await pd_factory(decode={"zero_latency": False, "itl_ms": 20, "prefill_base_ms": 0,
-                                  "prefill_per_token_ms": 0, "transfer_per_block_ms": 0})
+    pd = await pd_factory(decode=_paced(20))
     reader, writer = await asyncio.open_connection("127.0.0.1", _port(pd))
     try:
         writer.write(_gen("left", stream=True, sp={"max_tokens": 200}))
