@@ -42,8 +42,17 @@ import contextlib
 import functools
 import ssl
 from collections import deque
+from collections.abc import Callable
 
-from proxy.hop_wire import HopConnection, HopDisconnected, HopProtocolError, Origin, expire, parse_origin
+from proxy.hop_wire import (
+    HopConnection,
+    HopDisconnected,
+    HopProtocolError,
+    Origin,
+    SinkError,
+    expire,
+    parse_origin,
+)
 
 LINGER = 1.0
 """How long a released answer's connection waits for the end of its framing."""
@@ -107,6 +116,18 @@ class HopResponse:
                 self.close()
                 return b""
             await conn.wait(_until(conn.loop, self._deadline, self._read_limit))
+
+    async def pipe(self, sink: Callable[[bytes], bool]) -> None:
+        """The rest of the body to ``sink``, read by read, as it arrives (``HopConnection.pipe``:
+        called from the connection's ``data_received``, no task woken per read), until it ends or
+        the sink returns False. What the sink raises is raised here, as are the connection's
+        failures and ``TimeoutError``."""
+        conn = self._conn
+        if conn is None:
+            return
+        await conn.pipe(sink, self._deadline, self._read_limit)
+        if conn.finished:
+            self.close()
 
     async def read(self) -> bytes:
         """The rest of the body."""
@@ -400,4 +421,4 @@ def header_lines(headers: dict[str, str]) -> bytes:
 
 
 __all__ = ["HopClient", "HopDisconnected", "HopProtocolError", "HopResponse", "HopStale", "Origin",
-           "header_lines", "parse_origin"]
+           "SinkError", "header_lines", "parse_origin"]

@@ -44,6 +44,15 @@ class HopDisconnected(HopProtocolError, ConnectionError):
     """The connection ended before the answer did."""
 
 
+class SinkError(Exception):
+    """What a ``HopConnection.pipe`` sink raised (``error``), told apart from the hop's own
+    failures, which callers translate."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
 @dataclass(frozen=True, slots=True)
 class Origin:
     key: str
@@ -182,6 +191,11 @@ class _ReadTimer:
         else:
             self._arm(until)
 
+    def extend(self, until: float | None) -> None:
+        """The watched wait now gives up at ``until``, no earlier than before (the timer, armed
+        for the old end, arms itself again when it fires): a read re-arms nothing."""
+        self._until = until
+
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
@@ -216,6 +230,15 @@ class HopConnection(asyncio.Protocol):
         self._write_paused = False
         self.on_done: Callable[[], None] | None = None
         """Set while lingering (``HopResponse.release``): called when the answer ends."""
+        self.sink: Callable[[bytes], bool] | None = None
+        """Set while a caller waits in ``pipe``: given the body bytes of each read as they arrive
+        (in ``data_received``, no task woken); False ends the piping. Unset by the connection
+        when it ends (the sink said stop or raised), and by ``pipe`` when it returns."""
+        self.sink_error: Exception | None = None
+        """What the sink raised (``pipe`` raises it as a ``SinkError``)."""
+        self._sink_limit: float | None = None
+        self._sink_deadline: float | None = None
+        self._sink_stopped = False
         self._poll: select.poll | None = None
 
     # -- asyncio.Protocol
@@ -272,7 +295,32 @@ class HopConnection(asyncio.Protocol):
                 done, self.on_done = self.on_done, None
                 done()
             return
+        if self.sink is not None and self._to_sink():
+            return
         self._wake()
+
+    def _to_sink(self) -> bool:
+        """This read's body to the sink; True when the piping goes on (nobody to wake): the body
+        has not ended, nothing failed, the sink wants more. The wait for the next read is then
+        extended by the read limit."""
+        sink = self.sink
+        assert sink is not None
+        more = True
+        if self._body:
+            try:
+                more = sink(self.take())
+            except Exception as e:  # handed to the caller, which raises it
+                self.sink_error, more = e, False
+            if not more:
+                self._sink_stopped = True
+        if more and self._exc is None and self._state != _DONE:
+            if self._sink_limit is not None:
+                until = self.loop.time() + self._sink_limit
+                deadline = self._sink_deadline
+                self._timer.extend(until if deadline is None or until < deadline else deadline)
+            return True
+        self.sink = None
+        return False
 
     # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
     # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
@@ -462,6 +510,43 @@ class HopConnection(asyncio.Protocol):
         finally:
             self._waiter = None
 
+    async def pipe(self, sink: Callable[[bytes], bool], deadline: float | None,
+                   read_limit: float | None) -> None:
+        """Hand the body to ``sink`` read by read until it ends, the sink returns False or raises
+        (``SinkError``), the connection fails (raised) or a wait for bytes outlasts ``read_limit``
+        or passes ``deadline`` (``TimeoutError``). Each read goes to the sink as it arrives, from
+        ``data_received``: no future, timer or task woken per read."""
+        data = self.take()
+        if data and not self._sink_call(sink, data):
+            return
+        self._sink_limit, self._sink_deadline, self._sink_stopped = read_limit, deadline, False
+        try:
+            while self._state != _DONE:
+                self.sink = sink
+                until = deadline
+                if read_limit is not None:
+                    until = self.loop.time() + read_limit
+                    if deadline is not None and deadline < until:
+                        until = deadline
+                await self.wait(until)  # the connection's failure or TimeoutError raised here
+                if self.sink_error is not None:
+                    e, self.sink_error = self.sink_error, None
+                    raise SinkError(e) from e
+                if self._sink_stopped:
+                    return
+                data = self.take()
+                if data and not self._sink_call(sink, data):
+                    return
+        finally:
+            self.sink = None
+
+    @staticmethod
+    def _sink_call(sink: Callable[[bytes], bool], data: bytes) -> bool:
+        try:
+            return sink(data)
+        except Exception as e:
+            raise SinkError(e) from e
+
     def take(self) -> bytes:
         """The body bytes buffered so far (b"" when none)."""
         body = self._body
@@ -490,4 +575,5 @@ class HopConnection(asyncio.Protocol):
             self.transport.close()
 
 
-__all__ = ["HopConnection", "HopDisconnected", "HopProtocolError", "Origin", "expire", "parse_origin"]
+__all__ = ["HopConnection", "HopDisconnected", "HopProtocolError", "Origin", "SinkError", "expire",
+           "parse_origin"]

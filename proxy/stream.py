@@ -1,9 +1,10 @@
 """The streamed decode: D's stream read into a buffer by a producer task (retried before its first
 byte, migrated to another decode worker when it breaks later), and relayed to the client by the
-handler, bounded for slow readers; on the front, while the client keeps up, what each read
-completed is written by the producer itself (``StreamBuffer.direct``) and the handler's relay
-wakes only for the stream's end or a lagging client. One attempt's reading is
-``proxy.stream_read``'s.
+handler, bounded for slow readers. Each read of D is handled as it arrives, in the hop
+connection's callback (the producer waits once an attempt, ``proxy.stream_read``); on the front,
+while the client keeps up, what each read completed is written there too
+(``StreamBuffer.direct``) and the handler's relay wakes only for the stream's end or a lagging
+client.
 """
 
 from __future__ import annotations

@@ -101,31 +101,37 @@ class DecodeReader(Part):
     async def _read(self, rd: _Read, resp: HopResponse) -> None:
         """D's events into the buffer until [DONE], an error, a closed buffer or the end; what
         each read completed flushed to the client's writer (``StreamBuffer.flush``), but D's last
-        events, which go with the stream's end."""
+        events, which go with the stream's end. Each read is handled as it arrives, in the hop
+        connection's callback (``Upstream.pipe``): the producer task waits only for the end."""
         reader = SSEReader()
         cap = self.settings.slow_reader_max_bytes
-        try:
-            async for chunk in self.upstream.iter_chunks("decode", rd.worker.url, resp):
-                batch = reader.feed_batch(chunk)
-                while rd.f.first_filter is not None and rd.f.first_filter.pending:
-                    # Token 1 is taken out of D's first event (of each choice), read as one event;
-                    # the rest of what this read completed can then go out as a block (``_fast``).
-                    parts = batch.split_first()
-                    if parts is None:
-                        break
-                    self._slow(rd, parts[0])
-                    if rd.stop:
-                        return
-                    batch = parts[1]
-                if not self._fast(rd, batch):
-                    self._slow(rd, batch)
+        first_filter = rd.f.first_filter
+
+        def on_read(chunk: bytes) -> bool:
+            batch = reader.feed_batch(chunk)
+            while first_filter is not None and first_filter.pending:
+                # Token 1 is taken out of D's first event (of each choice), read as one event;
+                # the rest of what this read completed can then go out as a block (``_fast``).
+                parts = batch.split_first()
+                if parts is None:
+                    break
+                self._slow(rd, parts[0])
                 if rd.stop:
-                    return
-                if len(reader.pending) > cap:
-                    rd.error = self.protocol_error(rd.worker, "sent an SSE event larger than the byte cap")
-                    rd.protocol = True
-                    return
-                rd.buffer.flush()
+                    return False
+                batch = parts[1]
+            if not self._fast(rd, batch):
+                self._slow(rd, batch)
+            if rd.stop:
+                return False
+            if len(reader.pending) > cap:
+                rd.error = self.protocol_error(rd.worker, "sent an SSE event larger than the byte cap")
+                rd.protocol = True
+                return False
+            rd.buffer.flush()
+            return True
+
+        try:
+            await self.upstream.pipe("decode", rd.worker.url, resp, on_read)
         finally:
             if not rd.done:
                 rd.buffer.flush()

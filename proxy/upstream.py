@@ -30,6 +30,7 @@ from proxy.hop import (
     HopProtocolError,
     HopResponse,
     HopStale,
+    SinkError,
     header_lines,
 )
 from proxy.large_body import PackedTokenIds
@@ -217,6 +218,19 @@ class Upstream:
         """The body of a streaming response as it arrives (whatever each read gave), errors
         translated. One awaitable per read: no async generator between the socket and the relay."""
         return _Chunks(hop, worker, resp)
+
+    async def pipe(self, hop: str, worker: str, resp: HopResponse, sink: Callable[[bytes], bool]) -> None:
+        """The body of a streaming response to ``sink`` as it arrives, read by read, until it ends
+        or the sink returns False (``HopResponse.pipe``: no task woken per read); the hop's
+        failures translated as ``iter_chunks`` translates them, the sink's own raised as they are."""
+        try:
+            await resp.pipe(sink)
+        except SinkError as e:
+            raise e.error from None
+        except TimeoutError:
+            raise UpstreamTimeout(hop, worker, "stream stalled") from None
+        except (OSError, HopProtocolError) as e:
+            raise UpstreamUnavailable(hop, worker, f"stream broken ({_broken(e)})") from None
 
     async def abort(self, worker: str, request_ids: list[str], *, limit: float) -> bool:
         """Tell a worker to abort ids; True when it answered 200."""

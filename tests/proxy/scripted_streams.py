@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -117,15 +117,15 @@ class ScriptedUpstream:
             raise answer
         return answer
 
-    def iter_chunks(self, hop: str, worker: str, resp: Answer) -> AsyncIterator[bytes]:
-        async def reads() -> AsyncIterator[bytes]:
-            for piece in resp.reads:
-                resp.taken += 1
-                yield piece
-            if resp.broken is not None:
-                raise resp.broken
-
-        return reads()
+    async def pipe(self, hop: str, worker: str, resp: Answer, sink: Callable[[bytes], bool]) -> None:
+        """The answer's reads to ``sink`` one by one (as ``Upstream.pipe``), until it says stop;
+        then the scripted failure, if any."""
+        for piece in resp.reads:
+            resp.taken += 1
+            if not sink(piece):
+                return
+        if resp.broken is not None:
+            raise resp.broken
 
 
 def make_core(upstream: ScriptedUpstream, *, n_decode: int = 1, pools: PoolSettings | None = None,

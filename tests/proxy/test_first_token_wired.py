@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -394,10 +395,13 @@ async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
     from proxy.stream_read import DecodeReader  # noqa: PLC0415
     from proxy.upstream import Upstream  # noqa: PLC0415
 
-    chunks = Upstream.iter_chunks
+    pipe = Upstream.pipe
 
-    async def one_read(self: Upstream, hop: str, worker: str, resp: Any) -> Any:
-        yield b"".join([c async for c in chunks(self, hop, worker, resp)])
+    async def one_read(self: Upstream, hop: str, worker: str, resp: Any,
+                       sink: Callable[[bytes], bool]) -> None:
+        reads: list[bytes] = []
+        await pipe(self, hop, worker, resp, lambda chunk: reads.append(chunk) is None)
+        sink(b"".join(reads))
 
     one_by_one = Counter[str]()
     put = DecodeReader._put
@@ -406,7 +410,7 @@ async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
         one_by_one["events"] += 1
         return put(self, *args)
 
-    monkeypatch.setattr(Upstream, "iter_chunks", one_read)
+    monkeypatch.setattr(Upstream, "pipe", one_read)
     monkeypatch.setattr(DecodeReader, "_put", counted)
     pd = await pd_factory(**ON)
     body = {**CASES[name], "request_id": f"one-read-{name}"}

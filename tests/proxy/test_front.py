@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 from proxy.app import build_app
 from proxy.cli import parse_args
 from proxy.front import FRONT_BODY_BYTES, FrontRoute, FrontServer, Head, parse_head
+from proxy.hop_wire import HopConnection
 from proxy.pools import PoolSettings
 from proxy.relay import StreamBuffer
 from proxy.settings import ProxySettings
@@ -390,26 +391,36 @@ async def test_a_response_that_cannot_be_written_closes_its_connection_only(
 
 
 @pytest.mark.parametrize("front", ["own", "aiohttp"])
-async def test_a_paced_streams_events_are_written_by_the_task_reading_them(
+async def test_a_paced_streams_events_are_written_as_they_are_read(
         pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, front: str) -> None:
-    """With the front, each of D's events (one a read, 5 ms apart) is written to the client by
-    the task that read it: the handler's relay waits once, for the stream's end, not once per
-    event (``StreamBuffer.direct``); on aiohttp's server it is woken for each. The client gets
-    the same stream."""
+    """Each of D's events (one a read, 5 ms apart) is handed to the decode reader from the hop
+    connection's callback (``Upstream.pipe``): the reader waits once for all of D's reads, not
+    once a read. With the front it is written to the client there too: the handler's relay
+    waits once, for the stream's end, not once per event (``StreamBuffer.direct``); on aiohttp's
+    server the relay is woken for each. The client gets the same stream."""
     takes: list[bool] = []
     take = StreamBuffer.take
+    waits: list[str] = []
+    wait = HopConnection.wait
 
     async def counted(self: StreamBuffer, *, merge: bool) -> tuple[list[bytes], bool]:
         takes.append(merge)
         return await take(self, merge=merge)
 
+    async def counted_wait(self: HopConnection, deadline: float | None) -> None:
+        waits.append(self.origin.key)
+        await wait(self, deadline)
+
     monkeypatch.setattr(StreamBuffer, "take", counted)
+    monkeypatch.setattr(HopConnection, "wait", counted_wait)
     pd = await pd_factory(front=front, decode=_paced(5))
     status, events, _ = await pd.stream(req(request_id="paced", stream=True, sp={"max_tokens": 12}))
     assert status == 200 and events[-1] == "[DONE]"
     tokens = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
     assert len(tokens) == 12 and len(events) == 13  # P's token, D's eleven, one a chunk
     assert len(takes) == 1 if front == "own" else len(takes) >= 8
+    decode_waits = [k for k in waits if k.endswith(f":{pd.d.port}")]
+    assert 1 <= len(decode_waits) <= 3  # its head (once or twice) and the body's one; a wait a read: 11+
     await pd.quiet()
 
 
