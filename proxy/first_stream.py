@@ -11,7 +11,6 @@ ends in-band: the client's headers are sent.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -31,7 +30,7 @@ from proxy.first_token import (
 from proxy.first_token_filter import FirstTokenFilter
 from proxy.flight import Flight, PrefillFirst
 from proxy.pools import migration_blocker
-from proxy.relay import event_stream
+from proxy.relay import event_stream, write_bounded
 
 log = logging.getLogger("pd_proxy")
 
@@ -99,13 +98,8 @@ class FirstStream(Part):
         data = f.first.events
         if f.first.final:
             data += f.first.usage
-        try:
-            async with asyncio.timeout(self.settings.slow_reader_timeout):
-                await resp.write(f.rewrite.apply(data) if f.rewrite is not None else data)
-        except TimeoutError:  # as ``StreamDecode.write_client``: a client that stopped reading
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("the client stopped reading its stream") from None
+        await write_bounded(request, resp, f.rewrite.apply(data) if f.rewrite is not None else data,
+                            self.settings.slow_reader_timeout)
         now = f.first.written_at = f.timing.first_write = self.clock()
         self.metrics.ttft.observe(now - f.timing.received)
         return resp

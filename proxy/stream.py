@@ -26,7 +26,7 @@ from proxy.front import FrontStream
 from proxy.metrics import HistogramBatch
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
-from proxy.relay import StreamBuffer, event_stream
+from proxy.relay import StreamBuffer, event_stream, write_bounded
 from proxy.sse import DONE_EVENT
 from proxy.stream_read import DecodeReader, Status
 
@@ -193,19 +193,8 @@ class StreamDecode(Part):
 
     async def write_client(self, request: web.Request, resp: web.StreamResponse, data: bytes, *,
                             eof: bool = False) -> None:
-        """Write to a streaming client, bounded by ``slow_reader_timeout``: a client that stopped
-        reading (its window is shut) cannot be told anything more, so its connection is closed
-        and the caller sees a disconnect (the clean-up then aborts the decode worker)."""
-        try:
-            async with asyncio.timeout(self.settings.slow_reader_timeout):
-                if eof:
-                    await resp.write_eof(data)  # the data and the stream's end: one write
-                else:
-                    await resp.write(data)
-        except TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("the client stopped reading its stream") from None
+        """Write to a streaming client, bounded by ``slow_reader_timeout`` (``write_bounded``)."""
+        await write_bounded(request, resp, data, self.settings.slow_reader_timeout, eof=eof)
 
     async def produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
         """Read D's stream into ``buffer`` (never blocks on the client).

@@ -212,15 +212,55 @@ async def test_write_client_closes_a_client_that_stopped_reading() -> None:
     core = make_core(ScriptedUpstream([]), slow_reader_timeout=0.01)
     stream = make_stream(core)
     aborted: list[bool] = []
-    request = SimpleNamespace(transport=SimpleNamespace(abort=lambda: aborted.append(True)))
+    # the client's window is shut: what was written before still waits in the transport's buffer
+    request = SimpleNamespace(transport=SimpleNamespace(
+        abort=lambda: aborted.append(True), get_write_buffer_size=lambda: 70_000,
+        get_write_buffer_limits=lambda: (16384, 65536)))
 
     async def write(data: bytes) -> None:
-        await asyncio.Event().wait()  # the client's window is shut: the write never returns
+        await asyncio.Event().wait()  # and the write never returns
 
     resp = SimpleNamespace(write=write)
     with pytest.raises(ConnectionResetError):
         await stream.write_client(cast(web.Request, request), cast(web.StreamResponse, resp), b"data: x\n\n")
     assert aborted == [True]
+
+
+@pytest.mark.parametrize(("buffered", "size", "timed"), [
+    (0, 100, False), (0, 65536 - 16384, False), (0, 65536 - 16384 + 1, True), (1, 100, True)])
+async def test_only_a_write_that_could_wait_for_the_client_is_timed(
+        monkeypatch: pytest.MonkeyPatch, buffered: int, size: int, timed: bool) -> None:
+    """A write into an empty transport buffer that stays under its high-water mark (with room for
+    framing and the head) cannot pause writing, so it cannot wait: no timer. Any other is bounded
+    by ``slow_reader_timeout``."""
+    core = make_core(ScriptedUpstream([]), slow_reader_timeout=5.0)
+    stream = make_stream(core)
+    timers: list[float | None] = []
+    timeout = asyncio.timeout
+
+    def counted(delay: float | None) -> asyncio.Timeout:
+        timers.append(delay)
+        return timeout(delay)
+
+    monkeypatch.setattr(asyncio, "timeout", counted)
+    request = SimpleNamespace(transport=SimpleNamespace(
+        abort=lambda: None, get_write_buffer_size=lambda: buffered,
+        get_write_buffer_limits=lambda: (16384, 65536)))
+    written: list[tuple[bytes, bool]] = []
+
+    async def write(data: bytes) -> None:
+        written.append((data, False))
+
+    async def write_eof(data: bytes) -> None:
+        written.append((data, True))
+
+    resp = SimpleNamespace(write=write, write_eof=write_eof)
+    data = b"x" * size
+    await stream.write_client(cast(web.Request, request), cast(web.StreamResponse, resp), data)
+    await stream.write_client(cast(web.Request, request), cast(web.StreamResponse, resp), b"end", eof=True)
+    assert written == [(data, False), (b"end", True)]
+    # the first write is timed as the case says; the stream's end (3 bytes) only when the buffer holds bytes
+    assert timers == [5.0] * (int(timed) + int(buffered > 0))
 
 
 @pytest.mark.parametrize(("tokens", "samples"), [(5, 1), (1, 0), (None, 0)])
