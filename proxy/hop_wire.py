@@ -13,6 +13,7 @@ Content-Length is read as chunked and its connection not reused after it (RFC 91
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import re
 import select
 from collections import deque
@@ -239,6 +240,8 @@ class HopConnection(asyncio.Protocol):
         self._sink_limit: float | None = None
         self._sink_deadline: float | None = None
         self._sink_stopped = False
+        self._sink_context: contextvars.Context | None = None
+        """The context of ``pipe``'s caller: the sink runs in it, as if the caller had called it."""
         self._poll: select.poll | None = None
 
     # -- asyncio.Protocol
@@ -307,8 +310,9 @@ class HopConnection(asyncio.Protocol):
         assert sink is not None
         more = True
         if self._body:
+            assert self._sink_context is not None
             try:
-                more = sink(self.take())
+                more = self._sink_context.run(sink, self.take())
             except Exception as e:  # handed to the caller, which raises it
                 self.sink_error, more = e, False
             if not more:
@@ -515,11 +519,13 @@ class HopConnection(asyncio.Protocol):
         """Hand the body to ``sink`` read by read until it ends, the sink returns False or raises
         (``SinkError``), the connection fails (raised) or a wait for bytes outlasts ``read_limit``
         or passes ``deadline`` (``TimeoutError``). Each read goes to the sink as it arrives, from
-        ``data_received``: no future, timer or task woken per read."""
+        ``data_received`` (in the caller's context: its context variables, a task it creates):
+        no future, timer or task woken per read."""
         data = self.take()
         if data and not self._sink_call(sink, data):
             return
         self._sink_limit, self._sink_deadline, self._sink_stopped = read_limit, deadline, False
+        self._sink_context = contextvars.copy_context()
         try:
             while self._state != _DONE:
                 self.sink = sink
@@ -538,7 +544,7 @@ class HopConnection(asyncio.Protocol):
                 if data and not self._sink_call(sink, data):
                     return
         finally:
-            self.sink = None
+            self.sink = self._sink_context = None
 
     @staticmethod
     def _sink_call(sink: Callable[[bytes], bool], data: bytes) -> bool:

@@ -6,6 +6,7 @@ for bytes, a failed or cancelled pipe leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import cast
 
 import aiohttp
@@ -191,3 +192,37 @@ async def test_a_cancelled_pipe_hands_nothing_more_to_its_sink() -> None:
         assert len(got) == 2
         resp.close()
         assert conn.closed and client.counts() == {"in_use": 0, "idle": 0}
+
+
+async def test_the_sink_runs_in_the_context_of_the_pipes_caller() -> None:
+    """A pooled connection was opened by some other request: the sink still sees the context
+    variables of the task that pipes (a trace's span, say), and so do the tasks it starts."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="none")
+    paced = Paced(3)
+    async with serving(paced.handler) as (_, url, client):
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        await resp.pipe(lambda data: paced.taken.set() is None)
+        resp.close()  # read whole: the connection back in the pool, opened in this context
+        assert client.counts() == {"in_use": 0, "idle": 1}
+        seen: list[str] = []
+        spawned: list[asyncio.Task[str]] = []
+
+        async def read_var() -> str:
+            return var.get()
+
+        def sink(data: bytes) -> bool:
+            seen.append(var.get())
+            spawned.append(asyncio.get_running_loop().create_task(read_var()))
+            paced.taken.set()
+            return True
+
+        async def other_request() -> None:
+            var.set("other")
+            resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+            await resp.pipe(sink)
+            resp.close()
+
+        await asyncio.get_running_loop().create_task(other_request())
+        assert client.counts() == {"in_use": 0, "idle": 1}  # the same connection, reused
+        assert seen == ["other"] * 3
+        assert await asyncio.gather(*spawned) == ["other"] * 3
