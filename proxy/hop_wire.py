@@ -232,14 +232,16 @@ class HopConnection(asyncio.Protocol):
         self.on_done: Callable[[], None] | None = None
         """Set while lingering (``HopResponse.release``): called when the answer ends."""
         self.sink: Callable[[bytes], bool] | None = None
-        """Set while a caller waits in ``pipe``: given the body bytes of each read as they arrive
-        (in ``data_received``, no task woken); False ends the piping. Unset by the connection
-        when it ends (the sink said stop or raised), and by ``pipe`` when it returns."""
+        """Set while a caller waits in ``pipe``: given the body bytes as they arrive (``_to_sink``,
+        once per loop turn that had reads; no task woken); False ends the piping. Unset by the
+        connection when it ends (the sink said stop or raised), and by ``pipe`` when it returns."""
         self.sink_error: Exception | None = None
         """What the sink raised (``pipe`` raises it as a ``SinkError``)."""
         self._sink_limit: float | None = None
         self._sink_deadline: float | None = None
         self._sink_stopped = False
+        self._sink_soon = False
+        """A ``_to_sink`` call is scheduled."""
         self._sink_context: contextvars.Context | None = None
         """The context of ``pipe``'s caller: the sink runs in it, as if the caller had called it."""
         self._poll: select.poll | None = None
@@ -298,16 +300,22 @@ class HopConnection(asyncio.Protocol):
                 done, self.on_done = self.on_done, None
                 done()
             return
-        if self.sink is not None and self._to_sink():
+        if self.sink is not None:
+            if not self._sink_soon:
+                self._sink_soon = True
+                self.loop.call_soon(self._to_sink)
             return
         self._wake()
 
-    def _to_sink(self) -> bool:
-        """This read's body to the sink; True when the piping goes on (nobody to wake): the body
-        has not ended, nothing failed, the sink wants more. The wait for the next read is then
-        extended by the read limit."""
+    def _to_sink(self) -> None:
+        """What the reads since the last call brought, to the sink (run once per loop turn that had
+        reads, ``call_soon`` from ``data_received``: the reads of one turn go as one). The pipe's
+        caller is woken only when the piping ends: the body ended, something failed, the sink
+        said stop or raised; otherwise the wait for the next read is extended by the read limit."""
+        self._sink_soon = False
         sink = self.sink
-        assert sink is not None
+        if sink is None:
+            return  # the pipe ended meanwhile (woken by the connection's end, or cancelled)
         more = True
         if self._body:
             assert self._sink_context is not None
@@ -322,9 +330,9 @@ class HopConnection(asyncio.Protocol):
                 until = self.loop.time() + self._sink_limit
                 deadline = self._sink_deadline
                 self._timer.extend(until if deadline is None or until < deadline else deadline)
-            return True
+            return
         self.sink = None
-        return False
+        self._wake()
 
     # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
     # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
@@ -518,9 +526,9 @@ class HopConnection(asyncio.Protocol):
                    read_limit: float | None) -> None:
         """Hand the body to ``sink`` read by read until it ends, the sink returns False or raises
         (``SinkError``), the connection fails (raised) or a wait for bytes outlasts ``read_limit``
-        or passes ``deadline`` (``TimeoutError``). Each read goes to the sink as it arrives, from
-        ``data_received`` (in the caller's context: its context variables, a task it creates):
-        no future, timer or task woken per read."""
+        or passes ``deadline`` (``TimeoutError``). What arrives goes to the sink in the loop turn
+        it arrived in (one callback, what that turn's reads brought; in the caller's context: its
+        context variables, a task it creates): no future, timer or task woken per read."""
         data = self.take()
         if data and not self._sink_call(sink, data):
             return
