@@ -118,10 +118,10 @@ class HopResponse:
             await conn.wait(_until(conn.loop, self._deadline, self._read_limit))
 
     async def pipe(self, sink: Callable[[bytes], bool]) -> None:
-        """The rest of the body to ``sink``, read by read, as it arrives (``HopConnection.pipe``:
-        called from the connection's ``data_received``, no task woken per read), until it ends or
-        the sink returns False. What the sink raises is raised here, as are the connection's
-        failures and ``TimeoutError``."""
+        """The rest of the body to ``sink`` as it arrives (``HopConnection.pipe``: called in the
+        loop turn the bytes came in, no task woken per read), until it ends or the sink returns
+        False. What the sink raises is raised here as a ``SinkError``; the connection's failures
+        and ``TimeoutError`` as they are."""
         conn = self._conn
         if conn is None:
             return

@@ -1,7 +1,7 @@
 """The streamed decode: D's stream read into a buffer by a producer task (retried before its first
 byte, migrated to another decode worker when it breaks later), and relayed to the client by the
-handler, bounded for slow readers. Each read of D is handled as it arrives, in the hop
-connection's callback (the producer waits once an attempt, ``proxy.stream_read``); on the front,
+handler, bounded for slow readers. What D sends is handled in the loop turn it arrives in, from
+the hop connection (the producer waits once an attempt, ``proxy.stream_read``); on the front,
 while the client keeps up, what each read completed is written there too
 (``StreamBuffer.direct``) and the handler's relay wakes only for the stream's end or a lagging
 client.

@@ -101,8 +101,8 @@ class DecodeReader(Part):
     async def _read(self, rd: _Read, resp: HopResponse) -> None:
         """D's events into the buffer until [DONE], an error, a closed buffer or the end; what
         each read completed flushed to the client's writer (``StreamBuffer.flush``), but D's last
-        events, which go with the stream's end. Each read is handled as it arrives, in the hop
-        connection's callback (``Upstream.pipe``): the producer task waits only for the end."""
+        events, which go with the stream's end. What D sends is handled in the loop turn it arrives
+        in, from the hop connection (``Upstream.pipe``): the producer task waits only for the end."""
         reader = SSEReader()
         cap = self.settings.slow_reader_max_bytes
         first_filter = rd.f.first_filter

@@ -220,8 +220,8 @@ class Upstream:
         return _Chunks(hop, worker, resp)
 
     async def pipe(self, hop: str, worker: str, resp: HopResponse, sink: Callable[[bytes], bool]) -> None:
-        """The body of a streaming response to ``sink`` as it arrives, read by read, until it ends
-        or the sink returns False (``HopResponse.pipe``: no task woken per read); the hop's
+        """The body of a streaming response to ``sink`` as it arrives, until it ends or the sink
+        returns False (``HopResponse.pipe``: no task woken per read); the hop's
         failures translated as ``iter_chunks`` translates them, the sink's own raised as they are."""
         try:
             await resp.pipe(sink)
