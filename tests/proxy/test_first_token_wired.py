@@ -400,7 +400,12 @@ async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
     async def one_read(self: Upstream, hop: str, worker: str, resp: Any,
                        sink: Callable[[bytes], bool]) -> None:
         reads: list[bytes] = []
-        await pipe(self, hop, worker, resp, lambda chunk: reads.append(chunk) is None)
+
+        def kept(chunk: bytes) -> bool:
+            reads.append(chunk)
+            return True
+
+        await pipe(self, hop, worker, resp, kept)
         sink(b"".join(reads))
 
     one_by_one = Counter[str]()

@@ -14,7 +14,7 @@ import pytest
 
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.hop import HopDisconnected, SinkError
-from proxy.hop_wire import HopConnection
+from proxy.hop_wire import HopConnection, parse_origin
 from proxy.upstream import Upstream
 from tests.proxy.hop_servers import serving, until
 
@@ -201,7 +201,7 @@ async def test_the_sink_runs_in_the_context_of_the_pipes_caller() -> None:
     paced = Paced(3)
     async with serving(paced.handler) as (_, url, client):
         resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
-        await resp.pipe(lambda data: paced.taken.set() is None)
+        await resp.pipe(Sink(paced))
         resp.close()  # read whole: the connection back in the pool, opened in this context
         assert client.counts() == {"in_use": 0, "idle": 1}
         seen: list[str] = []
@@ -226,3 +226,31 @@ async def test_the_sink_runs_in_the_context_of_the_pipes_caller() -> None:
         assert client.counts() == {"in_use": 0, "idle": 1}  # the same connection, reused
         assert seen == ["other"] * 3
         assert await asyncio.gather(*spawned) == ["other"] * 3
+
+
+async def test_what_one_loop_turn_brings_goes_to_the_sink_as_one() -> None:
+    """Two reads in the same turn of the loop (D sent faster than the proxy runs) reach the sink
+    as one call, so the client gets them in one write; the next turn's read in another."""
+    from tests.proxy.test_hop_wire import _Transport  # noqa: PLC0415
+
+    loop = asyncio.get_running_loop()
+    conn = HopConnection(loop, parse_origin("http://127.0.0.1:9"))
+    conn.connection_made(_Transport())  # type: ignore[arg-type]
+    conn.begin()
+    conn.data_received(HEAD)
+    got: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        return True
+
+    task = loop.create_task(conn.pipe(sink, None, 10.0))
+    await asyncio.sleep(0)  # the pipe waits
+    conn.data_received(chunk(event(0)))
+    conn.data_received(chunk(event(1)))
+    await asyncio.sleep(0)
+    assert got == [event(0) + event(1)]
+    conn.data_received(chunk(event(2)) + b"0\r\n\r\n")
+    await asyncio.wait_for(task, 10)
+    assert got == [event(0) + event(1), event(2)]
+    assert conn.sink is None and conn.finished
