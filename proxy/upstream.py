@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -214,15 +214,11 @@ class Upstream:
         resp = await self.open(hop, worker, body, request_id=request_id, total=total)
         return await self.read_json_raw(hop, worker, resp)
 
-    def iter_chunks(self, hop: str, worker: str, resp: HopResponse) -> AsyncIterator[bytes]:
-        """The body of a streaming response as it arrives (whatever each read gave), errors
-        translated. One awaitable per read: no async generator between the socket and the relay."""
-        return _Chunks(hop, worker, resp)
-
     async def pipe(self, hop: str, worker: str, resp: HopResponse, sink: Callable[[bytes], bool]) -> None:
         """The body of a streaming response to ``sink`` as it arrives, until it ends or the sink
-        returns False (``HopResponse.pipe``: no task woken per read); the hop's
-        failures translated as ``iter_chunks`` translates them, the sink's own raised as they are."""
+        returns False (``HopResponse.pipe``: no task woken per read); the hop's failures
+        translated (a stall: ``UpstreamTimeout``; a reset or broken framing:
+        ``UpstreamUnavailable``), the sink's own raised as they are."""
         try:
             await resp.pipe(sink)
         except SinkError as e:
@@ -252,29 +248,6 @@ class Upstream:
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
-
-
-class _Chunks:
-    __slots__ = ("_hop", "_resp", "_worker")
-
-    def __init__(self, hop: str, worker: str, resp: HopResponse) -> None:
-        self._hop = hop
-        self._worker = worker
-        self._resp = resp
-
-    def __aiter__(self) -> _Chunks:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            chunk = await self._resp.read_any()
-        except TimeoutError:
-            raise UpstreamTimeout(self._hop, self._worker, "stream stalled") from None
-        except (OSError, HopProtocolError) as e:
-            raise UpstreamUnavailable(self._hop, self._worker, f"stream broken ({_broken(e)})") from None
-        if not chunk:
-            raise StopAsyncIteration
-        return chunk
 
 
 __all__ = ["ABORT_PATH", "GENERATE_PATH", "TokenIds", "Upstream", "UpstreamError", "encode_body"]

@@ -16,8 +16,9 @@ round, on one kept-alive connection each:
   Content-Length or chunked body) that serialises the same body and parses the same reply.
 
 With ``--stream`` the calls are streaming ones (one chunk per token from pd-sim) and each client
-reads the body as it arrives without parsing it: ``Upstream.iter_chunks`` (what the proxy's
-relay reads), aiohttp's ``content.iter_any``, and the bare client's chunk-by-chunk reads.
+reads the body as it arrives without parsing it: ``Upstream.pipe`` (what the proxy's decode
+reader reads through: each read handed to a callback), aiohttp's ``content.iter_any``, and the
+bare client's chunk-by-chunk reads.
 
 Reports this process's CPU time per call (``time.process_time``: the worker's CPU is not in it)
 as one JSON line. uvloop when installed, as ``pd-proxy`` runs. Bounded: ``--calls`` at most 100,000.
@@ -112,9 +113,14 @@ async def _upstream_cost(worker: str, body: dict[str, Any], calls: int) -> float
                     return
                 resp = await up.open("decode", worker, body, request_id=request_id, total=30.0)
                 tail = b""
+
+                def sink(chunk: bytes) -> bool:
+                    nonlocal tail
+                    tail = (tail + chunk)[-32:]
+                    return True
+
                 try:
-                    async for chunk in up.iter_chunks("decode", worker, resp):
-                        tail = (tail + chunk)[-32:]
+                    await up.pipe("decode", worker, resp, sink)
                 finally:
                     resp.close()
                 _check_stream_end(tail)
