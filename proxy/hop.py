@@ -52,6 +52,7 @@ from proxy.hop_wire import (
     SinkError,
     expire,
     parse_origin,
+    read_until,
 )
 
 LINGER = 1.0
@@ -74,14 +75,6 @@ class HopConnectTimeout(TimeoutError):
 _STALL = 0.25
 """How far past a connect's timeout the loop must first notice it for the connect to be tried
 again: the process stood still (a loaded host, a throttled container), not the worker."""
-
-
-def _until(loop: asyncio.AbstractEventLoop, deadline: float | None, read_limit: float | None) -> float | None:
-    """When a wait for bytes gives up: the exchange's deadline or ``read_limit`` from now."""
-    if read_limit is None:
-        return deadline
-    until = loop.time() + read_limit
-    return until if deadline is None else min(until, deadline)
 
 
 class HopResponse:
@@ -115,7 +108,7 @@ class HopResponse:
             if conn.finished:
                 self.close()
                 return b""
-            await conn.wait(_until(conn.loop, self._deadline, self._read_limit))
+            await conn.wait(read_until(conn.loop, self._deadline, self._read_limit))
 
     async def pipe(self, sink: Callable[[bytes], bool]) -> None:
         """The rest of the body to ``sink`` as it arrives (``HopConnection.pipe``: called in the
@@ -215,7 +208,7 @@ class HopClient:
                 await conn.send(head, deadline, self.write_timeout)
                 await conn.send(body, deadline, self.write_timeout)
             while conn.head is None:
-                await conn.wait(_until(self.loop, deadline, read_limit))
+                await conn.wait(read_until(self.loop, deadline, read_limit))
         except BaseException as e:
             self._in_use.discard(conn)
             self._drop(conn)

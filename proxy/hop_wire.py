@@ -147,6 +147,15 @@ def _chunk_size(line: bytes) -> int:
     return int(digits, 16)
 
 
+def read_until(loop: asyncio.AbstractEventLoop, deadline: float | None,
+               read_limit: float | None) -> float | None:
+    """When a wait for bytes gives up: the exchange's deadline or ``read_limit`` from now."""
+    if read_limit is None:
+        return deadline
+    until = loop.time() + read_limit
+    return until if deadline is None else min(until, deadline)
+
+
 def expire(waiter: asyncio.Future[None]) -> None:
     """A timer's end: a wait still pending fails with ``TimeoutError``."""
     if not waiter.done():
@@ -327,9 +336,7 @@ class HopConnection(asyncio.Protocol):
                 self._sink_stopped = True
         if more and self._exc is None and self._state != _DONE:
             if self._sink_limit is not None:
-                until = self.loop.time() + self._sink_limit
-                deadline = self._sink_deadline
-                self._timer.extend(until if deadline is None or until < deadline else deadline)
+                self._timer.extend(read_until(self.loop, self._sink_deadline, self._sink_limit))
             return
         self.sink = None
         self._wake()
@@ -524,42 +531,27 @@ class HopConnection(asyncio.Protocol):
 
     async def pipe(self, sink: Callable[[bytes], bool], deadline: float | None,
                    read_limit: float | None) -> None:
-        """Hand the body to ``sink`` read by read until it ends, the sink returns False or raises
+        """Hand the body to ``sink`` until it ends, the sink returns False or raises
         (``SinkError``), the connection fails (raised) or a wait for bytes outlasts ``read_limit``
         or passes ``deadline`` (``TimeoutError``). What arrives goes to the sink in the loop turn
-        it arrived in (one callback, what that turn's reads brought; in the caller's context: its
-        context variables, a task it creates): no future, timer or task woken per read."""
-        data = self.take()
-        if data and not self._sink_call(sink, data):
-            return
-        self._sink_limit, self._sink_deadline, self._sink_stopped = read_limit, deadline, False
+        it arrived in (``_to_sink``: one call for what that turn's reads brought, in the caller's
+        context: its context variables, a task it creates): no future, timer or task per read."""
+        self._sink_limit, self._sink_deadline = read_limit, deadline
+        self._sink_stopped, self.sink_error = False, None
         self._sink_context = contextvars.copy_context()
+        self.sink = sink
         try:
-            while self._state != _DONE:
-                self.sink = sink
-                until = deadline
-                if read_limit is not None:
-                    until = self.loop.time() + read_limit
-                    if deadline is not None and deadline < until:
-                        until = deadline
-                await self.wait(until)  # the connection's failure or TimeoutError raised here
-                if self.sink_error is not None:
-                    e, self.sink_error = self.sink_error, None
-                    raise SinkError(e) from e
-                if self._sink_stopped:
-                    return
-                data = self.take()
-                if data and not self._sink_call(sink, data):
-                    return
+            self._to_sink()  # what is buffered already (what came with the head)
+            while self.sink is not None:
+                await self.wait(read_until(self.loop, deadline, read_limit))
+                self._to_sink()  # what is left when the connection's end woke us, not the sink
         finally:
             self.sink = self._sink_context = None
-
-    @staticmethod
-    def _sink_call(sink: Callable[[bytes], bool], data: bytes) -> bool:
-        try:
-            return sink(data)
-        except Exception as e:
+        if self.sink_error is not None:
+            e, self.sink_error = self.sink_error, None
             raise SinkError(e) from e
+        if not self._sink_stopped and self._exc is not None and self._state != _DONE:
+            raise self._exc
 
     def take(self) -> bytes:
         """The body bytes buffered so far (b"" when none)."""
@@ -590,4 +582,4 @@ class HopConnection(asyncio.Protocol):
 
 
 __all__ = ["HopConnection", "HopDisconnected", "HopProtocolError", "Origin", "SinkError", "expire",
-           "parse_origin"]
+           "parse_origin", "read_until"]
