@@ -134,17 +134,18 @@ async def test_what_the_sink_raises_is_its_own_error_not_the_hops() -> None:
 
 
 async def test_the_read_limit_bounds_each_wait_for_bytes_not_the_body() -> None:
-    """Reads 0.1 s apart for 1.5 s under a 1 s read limit go through; the worker then stops
-    sending: the wait for the next read times out (``UpstreamTimeout`` through ``Upstream``)."""
-    paced = Paced(15, end="stall", gap=0.1)
+    """Reads 0.05 s apart for 2 s under a 1.5 s read limit go through (each wait 30 times shorter
+    than the limit: a loaded machine does not stretch it that far); the worker then stops sending:
+    the wait for the next read times out (``UpstreamTimeout`` through ``Upstream``)."""
+    paced = Paced(40, end="stall", gap=0.05)
     async with serving(paced.handler) as (_, url, client):
         up = Upstream(cast(aiohttp.ClientSession, None), api_key=None, connect_timeout=5, hops=client)
         loop = asyncio.get_running_loop()
-        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.0)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.5)
         sink = Sink(paced)
         with pytest.raises(UpstreamTimeout, match="stream stalled"):
             await up.pipe("decode", url, resp, sink)
-        assert sink.reads == [event(i) for i in range(15)]
+        assert sink.reads == [event(i) for i in range(40)]
         resp.close()
         assert client.counts() == {"in_use": 0, "idle": 0}
 
