@@ -29,8 +29,10 @@ gives every variant ``--requests`` requests in turn, the order rotated every rou
 this process's user plus system CPU per request for each (``os.times``: the workers and the
 clients are other processes), so that the machine's drift falls on all of them alike; the
 medians come last. With
-``--calls``, one more round each under cProfile: Python calls per request (builtins included),
-a count that noise does not move. ``--pin``: this process alone on the last CPU, the workers and
+``--calls``, two more rounds each, the second under cProfile: Python calls per request (builtins
+included), a count that the machine's load moves by up to about a hundred (the round before it
+keeps the pooled connections to the workers open; on asyncio's loop the timers' heap is compared
+in Python, more so when the machine is slow). ``--pin``: this process alone on the last CPU, the workers and
 the clients on the others (``cpu_split.py --pin``'s split). Numbers in ``benchmarks/README.md``.
 """
 
@@ -118,7 +120,7 @@ async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...
             for variant in variants:
                 port = await _serve(stack, variant, sims[0][1], sims[1][1])
                 loads[variant] = await stack.enter_async_context(
-                    call_counts.load_client(port, count, stream, rounds=rounds + int(calls)))
+                    call_counts.load_client(port, count, stream, rounds=rounds + 2 * int(calls)))
             if pinned is not None:
                 os.sched_setaffinity(0, pinned[1])
             gc.collect()  # as pd-proxy's start-up settles the collector (--gc-threshold's default)
@@ -138,6 +140,10 @@ async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...
             counted: dict[str, float] = {}
             if calls:
                 for variant in variants:
+                    # a round first, so that the variant's pooled connections to the workers are
+                    # fresh: on a loaded machine the other variants' rounds outlast the pools'
+                    # keep-alive (4 s), and 64 requests re-opening them count 40% more calls
+                    await loads[variant]()
                     profile = cProfile.Profile()
                     profile.enable()
                     await loads[variant]()
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--requests", type=int, default=2000, help="per variant and round (at most 5,000)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--calls", action="store_true", help="one more round each, Python calls counted")
+    p.add_argument("--calls", action="store_true", help="two more rounds each, calls counted in the second")
     p.add_argument("--pin", action="store_true", help="this process alone on the last CPU")
     p.add_argument("--variants", default=None, help="a comma list out of those (default: all; with "
                    "--stream, those that relay streams)")
