@@ -17,7 +17,7 @@ from proxy.core import Core, Part
 from proxy.errors import HTTPBadRequest
 from proxy.flight import Flight
 from proxy.ids import abortable_id, upstream_id
-from proxy.pools import Overloaded, Worker
+from proxy.pools import Overloaded
 from proxy.protocol import JSONBodyError, compact_json, engine_request_id, loads_bounded
 from proxy.relay import event_stream
 from proxy.replies import abort_full_response, abort_stream_chunk
@@ -199,19 +199,6 @@ class Aborts(Part):
             out.append(data_event(compact_json(usage)))
         await end_stream(request, resp, f, self.clock(), b"".join(out))
         return resp
-
-    async def abort_until(self, worker: Worker | None, engine_id: str, task: asyncio.Future[Any],
-                           limit: float) -> None:
-        """Send abort to ``worker`` and repeat it every ``abort_grace`` until ``task`` is done
-        (an abort that reaches vLLM before it registered the request is lost)."""
-        deadline = self.clock() + limit
-        while not task.done():
-            if worker is not None:
-                await self.send_abort(worker, engine_id)
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                break
-            await asyncio.wait({task}, timeout=min(self.settings.abort_grace, remaining))
 
     def deadline_passed(self, f: Flight) -> None:
         if f.record.phase is not Phase.DONE:

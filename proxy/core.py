@@ -9,6 +9,7 @@ request table, background tasks, the upstream client); each part of the walk (``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -132,6 +133,12 @@ class Core:
         self.metrics.child(self.metrics.aborts, source, record.phase.value).inc()
         return True
 
+    def note_gone(self, record: RequestRecord) -> None:
+        """The client went away (or the shutdown ended its request): its abort, counted once
+        (the request counted as aborted)."""
+        if self.note_abort(record, "shutdown" if self.draining else "disconnect"):
+            self.metrics.child(self.metrics.requests, "aborted").inc()
+
     def expire_leases(self) -> int:
         return self.leases.expire()
 
@@ -184,3 +191,16 @@ class Part:
         ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
         self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
         return ok
+
+    async def abort_until(self, worker: Worker | None, engine_id: str, task: asyncio.Future[Any],
+                          limit: float) -> None:
+        """Send abort to ``worker`` and repeat it every ``abort_grace`` until ``task`` is done
+        (an abort that reaches vLLM before it registered the request is lost)."""
+        deadline = self.clock() + limit
+        while not task.done():
+            if worker is not None:
+                await self.send_abort(worker, engine_id)
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                break
+            await asyncio.wait({task}, timeout=min(self.settings.abort_grace, remaining))
