@@ -123,7 +123,7 @@ class Cleanup(Part):
             self.core.set_done(f)
             self.forget(f)
 
-    async def _end_prefill(self, f: Flight, task: asyncio.Task[dict[str, Any]]) -> None:
+    async def _end_prefill(self, f: Flight, task: asyncio.Future[dict[str, Any]]) -> None:
         """PREFILLING: abort P until its hop ends; a reply that still came with KV is accepted
         (``KV_HELD``), so that the caller releases it."""
         record = f.record

@@ -9,6 +9,7 @@ from typing import Any
 
 from proxy.first_token import FirstToken
 from proxy.first_token_filter import FirstTokenFilter
+from proxy.front import FrontRequest
 from proxy.ids import Rewrite
 from proxy.pools import Deadline, PickContext
 from proxy.protocol import GenerateRequest
@@ -86,7 +87,9 @@ class Flight:
     request: GenerateRequest
     data: dict[str, Any]
     timing: Timing
-    prefill_task: asyncio.Task[dict[str, Any]] | None = None
+    prefill_task: asyncio.Future[dict[str, Any]] | None = None
+    """The prefill hop: its task, or (the hop made in the handler's task, ``front`` set) a future
+    given its answer or its error once it ended."""
     decode_task: asyncio.Task[Any] | None = None
     release_task: asyncio.Task[None] | None = None
     buffer: StreamBuffer | None = None
@@ -116,6 +119,10 @@ class Flight:
     """P's first chunk, once built from its reply (None: D's stream is relayed as it is)."""
     first_filter: FirstTokenFilter | None = None
     """Takes token 1 out of D's stream once P's chunk was written."""
+    front: FrontRequest | None = None
+    """The request as the front (``proxy.front``) serves it, None under aiohttp's server: the
+    front calls its ``on_gone`` instead of cancelling the handler, so the prefill hop can run in
+    the handler's own task (``proxy.prefill``)."""
 
 
 __all__ = ["Flight", "PrefillFirst", "Timing"]

@@ -24,7 +24,9 @@ requests, so a request is always answered whole by one of the two.
 What the front answers, it answers as the lean front (``proxy.lean``) does: the key check, the
 handler, every error through ``proxy.errors.answer_error``; a body that does not arrive within the
 body timeout is a 408, and the connection is closed after it. The handler runs in a task of its
-own, cancelled when the client goes away (``handler_cancellation``, as aiohttp); responses are
+own, cancelled when the client goes away (``handler_cancellation``, as aiohttp) unless it is in a
+step it must finish first (the prefill hop): then the front calls the request's ``on_gone``
+instead, and the handler ends itself once the step is done; responses are
 written in one ``transport.write`` (a ``web.Response``) or through aiohttp's ``StreamResponse``
 (streams prepare themselves on the request, ``FrontRequest`` giving them a ``StreamWriter``).
 Graceful shutdown (``pre_shutdown``, ``shutdown``) finishes a request in flight within the
@@ -129,6 +131,11 @@ class FrontRequest:
         self.keep_alive, self._body = head.keep_alive, body
         self._state: dict[Any, Any] = {}
         self._writer: StreamWriter | None = None
+        self.on_gone: Callable[[], None] | None = None
+        """Set by the handler while it is in a step it must not leave half done (the prefill hop,
+        ``proxy.prefill``): when the client goes away, or the shutdown ends the request, the front
+        calls it (once) instead of cancelling the handler, which then ends itself
+        (``CancelledError``) as soon as the step is done."""
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -283,6 +290,8 @@ class Front(BaseProtocol):
         self.loop = server.loop
         self.buf = bytearray()
         self.task: asyncio.Task[None] | None = None
+        self.request: FrontRequest | None = None
+        """The request ``task`` serves."""
         self.head: Head | None = None
         """A head the front serves whose body has not all arrived."""
         self.keepalive: asyncio.TimerHandle | None = None
@@ -308,7 +317,7 @@ class Front(BaseProtocol):
         self._cancel_timers()
         self.buf.clear()
         if self.task is not None and self.server.handler_cancellation:
-            self.task.cancel()
+            self._end_handler()
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -362,8 +371,18 @@ class Front(BaseProtocol):
         else:
             body = bytes(buf[head.body_start:end])
             del buf[:end]
-        request = FrontRequest(self, self.server.app, head, body)
+        request = self.request = FrontRequest(self, self.server.app, head, body)
         self.task = self.loop.create_task(self._serve(request, head.route.handler))
+
+    def _end_handler(self) -> None:
+        """End the request in flight: its handler cancelled, or told through ``on_gone`` when it
+        is in a step it must finish first."""
+        request, task = self.request, self.task
+        if request is not None and request.on_gone is not None:
+            gone, request.on_gone = request.on_gone, None
+            gone()
+        elif task is not None:
+            task.cancel()
 
     async def _serve(self, request: FrontRequest, handler: Handler) -> None:
         as_request = cast(web.Request, request)
@@ -383,7 +402,7 @@ class Front(BaseProtocol):
             if self.transport is not None:
                 self.transport.abort()
         finally:
-            self.task = None
+            self.task = self.request = None
             self._served(request.keep_alive)
 
     async def _finish(self, request: FrontRequest, resp: web.StreamResponse) -> None:
@@ -436,6 +455,7 @@ class Front(BaseProtocol):
         async def fail(_: web.Request) -> web.StreamResponse:
             raise error
 
+        self.request = request
         self.task = self.loop.create_task(self._serve(request, fail))
 
     # -- idle connections, the hand-off
@@ -498,7 +518,7 @@ class Front(BaseProtocol):
         if task is not None:
             _, pending = await asyncio.wait({task}, timeout=timeout)
             if pending:
-                task.cancel()
+                self._end_handler()
                 await asyncio.wait({task}, timeout=timeout)
         if self.transport is not None:
             self.transport.close()

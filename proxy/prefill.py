@@ -64,9 +64,12 @@ class Prefill(Part):
                     break  # none left: the last error stands
                 raise
             record.prefill_worker = worker
-            f.prefill_task = self._send(f, worker)
             try:
-                reply: dict[str, Any] = await outlive(f.prefill_task)
+                if f.front is not None:
+                    reply: dict[str, Any] = await self._in_handler(f, worker)
+                else:
+                    f.prefill_task = self._send(f, worker)
+                    reply = await outlive(f.prefill_task)
             except UpstreamError as e:
                 last, retry_ok = e, is_transient(e)
             else:
@@ -127,16 +130,63 @@ class Prefill(Part):
                 raise
             return await self.prefill_pool.acquire(ctx, exclude=left_out, limit=self.core.queue_limit(f))
 
-    def _send(self, f: Flight, worker: Worker) -> asyncio.Task[dict[str, Any]]:
-        """The prefill hop to ``worker`` in a tracked task, within the request's deadline share."""
+    def _limit(self, f: Flight, worker: Worker) -> float:
+        """The prefill hop's time limit: its share of the request's deadline (``worker`` given
+        back when none is left)."""
         try:
-            limit = hop_budget(f.deadline, "prefill", self.settings.prefill_timeout,
-                               self.pools.settings.deadline_prefill_share)
+            return hop_budget(f.deadline, "prefill", self.settings.prefill_timeout,
+                              self.pools.settings.deadline_prefill_share)
         except DeadlineExceeded:
             self.prefill_pool.release(worker, Outcome.NEUTRAL)
             raise
+
+    def _send(self, f: Flight, worker: Worker) -> asyncio.Task[dict[str, Any]]:
+        """The prefill hop to ``worker`` in a tracked task (served by aiohttp's server, which
+        cancels the handler when the client goes away: the task outlives it)."""
+        limit = self._limit(f, worker)
         task: asyncio.Task[dict[str, Any]] = self.tracker.spawn(self.hop(f, worker, limit))
         return task
+
+    async def _in_handler(self, f: Flight, worker: Worker) -> dict[str, Any]:
+        """The prefill hop to ``worker`` in the handler's own task (the front serves the request:
+        no task, no wake-ups through one). A client that goes away meanwhile must not cut the
+        hop (P's answer may name KV it holds): the front then calls ``on_gone`` instead of
+        cancelling the handler, which notes the abort, aborts P until the hop ends, and has the
+        handler end (``CancelledError``) once it did. The clean-up then finds what it finds when
+        the hop has a task of its own and ends after the handler: ``prefill_task`` done, with
+        P's answer or the hop's error."""
+        limit = self._limit(f, worker)
+        ended: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        f.prefill_task = ended
+        front = f.front
+        assert front is not None
+        gone = False
+
+        def on_gone() -> None:
+            nonlocal gone
+            gone = True
+            self.core.note_gone(f.record)
+            self.tracker.spawn(self.abort_until(worker, f.record.engine_id, ended,
+                                                self.settings.prefill_timeout))
+
+        front.on_gone = on_gone
+        try:
+            reply = await self.hop(f, worker, limit)
+        except UpstreamError as e:
+            ended.set_exception(e)
+            ended.exception()  # raised here (or the clean-up's): not "never retrieved"
+            if gone:
+                raise asyncio.CancelledError from None
+            raise
+        except BaseException:
+            ended.cancel()  # cancelled all the same (the hook was not called: nothing to wait for)
+            raise
+        finally:
+            front.on_gone = None
+        ended.set_result(reply)
+        if gone:
+            raise asyncio.CancelledError
+        return reply
 
     async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
         """At ``limit`` P is sent an abort, not cut off: P then answers within ``abort_grace``,

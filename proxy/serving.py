@@ -4,12 +4,14 @@
 (``validate``), the request admitted, then ``_walk`` runs the prefill hop (``proxy.prefill``),
 the hand-off (``kv_transfer.handoff``, ``kv_transfer.leases``) and the decode, non-stream
 (``proxy.full``) or streamed (``proxy.stream``, each attempt read by ``proxy.stream_read``),
-both through one decode-attempt engine (``proxy.decode``). Each upstream hop runs in its own
-tracked task that the handler awaits without cancelling it (``state.outlive`` for the prefill
-hop, ``asyncio.shield`` elsewhere): when aiohttp cancels the handler (the client went away), the
-hop goes on and the clean-up (``proxy.cleanup``) takes it over, so whatever a worker holds for
-the request is freed whatever state the walk was in (see ``proxy.state``). Aborts from any
-source go through ``proxy.aborts``.
+both through one decode-attempt engine (``proxy.decode``). No upstream hop is cut when the
+client goes away: the decode hops run in tracked tasks that the handler awaits without cancelling
+them (``asyncio.shield``), so when the handler is cancelled the hop goes on and the clean-up
+(``proxy.cleanup``) takes it over; the prefill hop runs in the handler's own task when the front
+serves the request (the front then tells the handler through ``on_gone`` instead of cancelling
+it, ``proxy.prefill``), in a task of its own under aiohttp's server (``state.outlive``). So
+whatever a worker holds for the request is freed whatever state the walk was in (see
+``proxy.state``). Aborts from any source go through ``proxy.aborts``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from proxy.errors import (
 )
 from proxy.first_stream import FirstStream
 from proxy.flight import Flight, Timing
+from proxy.front import FrontRequest
 from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, upstream_id
 from proxy.large_body import LARGE_BODY_BYTES, PackedTokenIds, parse_large_generate_body, prompt_too_long
@@ -207,6 +210,9 @@ class Serving:
         flight = Flight(record, req, data, Timing(t0), deadline=deadline, client_id=client_id,
                         rewrite=Rewrite.for_ids(base_id, client_id), tenant=tenant)
         flight.headers["X-Request-Id"] = client_id
+        served: object = request  # the front's own request type, or aiohttp's
+        if type(served) is FrontRequest:
+            flight.front = served
         flight.trace = self.tracing.start(request.headers, client_id, t0)
         self.table.add(flight)
         outcome, status = "aborted", 499  # 499: the client went away (no response sent)
@@ -225,9 +231,9 @@ class Serving:
             e.headers = flight.headers
             raise
         except (asyncio.CancelledError, ConnectionResetError):
-            # aiohttp cancels the handler (or a write fails) when the client went away.
-            if self.core.note_abort(record, "shutdown" if self.draining else "disconnect"):
-                self.metrics.child(self.metrics.requests, "aborted").inc()
+            # The handler is cancelled (or a write fails) when the client went away; noted already
+            # when the front called ``on_gone`` during the prefill hop (``proxy.prefill``).
+            self.core.note_gone(record)
             raise
         else:
             self.metrics.e2e.observe(self.clock() - t0)

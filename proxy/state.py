@@ -135,8 +135,8 @@ class RequestTable(Generic[E]):
 
 async def outlive(task: asyncio.Task[T]) -> T:
     """``task``'s result, waited for without cancelling it: cancelling the caller leaves the task
-    running (``asyncio.shield``'s promise). One done callback instead of shield's two (per
-    request on the prefill hop: one loop callback less)."""
+    running (``asyncio.shield``'s promise). One done callback instead of shield's two (the
+    prefill hop's task under aiohttp's server: one loop callback less)."""
     if not task.done():
         woken: asyncio.Future[None] = task.get_loop().create_future()
 

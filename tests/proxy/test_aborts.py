@@ -228,6 +228,23 @@ async def test_disconnect_while_prefilling(pd_factory: PDFactory, stream: bool) 
     assert 'pd_proxy_aborts_total{source="disconnect",state="prefilling"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_during_a_long_prefill_aborts_the_prefill_worker(pd_factory: PDFactory, stream: bool,
+                                                                          front: str) -> None:
+    """The client goes away while P prefills (60 s): P is aborted (again every ``abort_grace``
+    until its hop ends: an abort that comes before P registered the request is lost) and answers,
+    so nothing is held or running anywhere long before the prefill would have ended. Through the
+    front the hop runs in the handler's task and the front tells the handler (``on_gone``);
+    under aiohttp's server the handler is cancelled and the clean-up aborts P."""
+    pd = await pd_factory(prefill={"zero_latency": False, "prefill_base_ms": 60_000.0,
+                                   "prefill_per_token_ms": 0.0}, abort_grace=0.2, front=front)
+    await _disconnect_when(pd, "prefilling", {**req(request_id="dl"), "stream": stream})
+    await pd.quiet(limit=20.0)
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert 'pd_proxy_aborts_total{source="disconnect",state="prefilling"} 1.0' in metrics
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_disconnect_between_hops_frees_prefill_kv(pd_factory: PDFactory, stream: bool) -> None:
     pd = await pd_factory(hold_between_hops=10.0)
@@ -259,19 +276,23 @@ def _release_answer(body: dict[str, Any], request: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_disconnect_while_a_finished_prefill_answers_late_frees_its_kv(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool) -> None:
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool, front: str) -> None:
     """The client goes away while the prefill hop waits for P's answer, and P had finished (its
-    KV held, the answer late). The handler's cancellation must not cut the hop (``outlive``):
-    its answer still reaches the proxy, whose clean-up releases the KV through a decode worker
-    (D pulls, P frees), and the lease closes as ``aborted``. A cut hop would leave the KV
-    pinned on P, with no params to release it by, until P's own lease ends. A stream takes the
-    same hop (P's first token for the client, on by default, changes only its body)."""
+    KV held, the answer late). The client's going must not cut the hop: its answer still reaches
+    the proxy, whose clean-up releases the KV through a decode worker (D pulls, P frees), and the
+    lease closes as ``aborted``. A cut hop would leave the KV pinned on P, with no params to
+    release it by, until P's own lease ends. A stream takes the same hop (P's first token for
+    the client, on by default, changes only its body). The front runs the hop in the handler's
+    own task and, the client gone, tells the handler (``on_gone``) instead of cancelling it;
+    under aiohttp's server (``--front aiohttp``), which cancels the handler, the hop has a task
+    of its own that outlives it (``outlive``)."""
     released = asyncio.Event()
     p: Scripted = await scripted_factory(_prefill_answering_when(released))
     d: Scripted = await scripted_factory(_release_answer)
-    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05)
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, front=front)
     serving = app[SERVING]
 
     async def call() -> None:
@@ -289,11 +310,13 @@ async def test_disconnect_while_a_finished_prefill_answers_late_frees_its_kv(
     while not p.received:  # the prefill hop is with P
         assert loop.time() < deadline, "the prefill hop never reached P"
         await asyncio.sleep(0.01)
+    # the hop's own task under aiohttp's server; none through the front (nothing else runs yet)
+    assert len(serving.tracker) == (0 if front == "own" else 1)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
     disconnected = serving.metrics.aborts.labels(source="disconnect", state="prefilling")
-    while disconnected._value.get() != 1:  # the handler was cancelled: the client has gone
+    while disconnected._value.get() != 1:  # the handler was told (or cancelled): the client has gone
         assert loop.time() < deadline, "the disconnect was never seen"
         await asyncio.sleep(0.01)
     released.set()  # only now does P's answer (with the KV it holds) leave P

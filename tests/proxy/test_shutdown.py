@@ -7,9 +7,11 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from proxy.app import METRICS, SERVING, build_app
+from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import req, sse_datas
@@ -76,3 +78,35 @@ async def test_shutdown_counts_its_aborts(sim_factory: SimFactory) -> None:
         r.close()
     text = metrics.render().decode()
     assert 'pd_proxy_aborts_total{source="shutdown",state="decoding"} 1.0' in text
+
+
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_a_request_still_prefilling_when_the_drain_ends_is_aborted_on_the_prefill_worker(
+        sim_factory: SimFactory, front: str) -> None:
+    """The drain ends while the prefill hop waits for P (a 60-s prefill): the request is ended
+    (the front tells the handler, which runs the hop in its own task; aiohttp's server cancels
+    it, the hop's task outliving it) and counted as a shutdown abort while prefilling, and
+    nothing stays held or running on P or in the proxy (P aborted, or its hop's connection
+    closed with the upstream session as the app stops)."""
+    p = await sim_factory(role="prefill", zero_latency=False, prefill_base_ms=60_000.0,
+                          prefill_per_token_ms=0.0)
+    d = await sim_factory(role="decode", **SLOW_DECODE)
+    app = build_app(ProxySettings(prefill_urls=(p.url,), decode_urls=(d.url,), drain_timeout=0.2,
+                                  pools=PoolSettings.plain(), front=front))  # type: ignore[arg-type]
+    serving, metrics = app[SERVING], app[METRICS]
+    runner, url = await start(app, 0.2)
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s:
+        call = asyncio.create_task(s.post(url + "/inference/v1/generate", json=req()))
+        deadline = loop.time() + 10.0
+        while not (await p.state())["inflight"]:  # the prefill hop is with P
+            assert loop.time() < deadline, "the prefill hop never reached P"
+            await asyncio.sleep(0.02)
+        await asyncio.wait_for(runner.cleanup(), 30)
+        await asyncio.gather(call, return_exceptions=True)
+    while (await p.state())["inflight"] or len(serving.table) or len(serving.tracker):
+        assert loop.time() < deadline + 20.0, "P's request was never aborted"
+        await asyncio.sleep(0.05)
+    assert not (await p.state())["kv_held"]
+    text = metrics.render().decode()
+    assert 'pd_proxy_aborts_total{source="shutdown",state="prefilling"} 1.0' in text
