@@ -165,7 +165,7 @@ class FlatProxy:
                 m.tpot.observe((first - decode_start) / f.completion_tokens)
             done: asyncio.Future[dict[str, Any]] = loop.create_future()
             done.set_result(reply)
-            f.prefill_task = done  # type: ignore[assignment]  # read as a finished task is
+            f.prefill_task = done  # a finished hop, as merge_prefill_info reads it
             out = s.full.merge_prefill_info(f, answer, raw_answer)
             if f.rewrite is not None:
                 out = f.rewrite.apply(out)
