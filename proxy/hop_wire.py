@@ -212,27 +212,157 @@ class _ReadTimer:
             self._handle = None
 
 
-class HopConnection(asyncio.Protocol):
-    """One connection: writes requests, parses one answer at a time into a body queue."""
+class _Answer(asyncio.Protocol):
+    """The parsing half of a ``HopConnection``: one answer at a time, its status line and headers
+    (``head``) and its body queued (``_body``) as slices of the reads, reading paused while too
+    much of it is queued."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._pending = b""
+        self._state = _DONE
+        self._remaining = 0
+        self._keep_alive = True
+        self.head: tuple[int, dict[str, str]] | None = None
+        self._body: deque[bytes] = deque()
+        self._buffered = 0
+        self._reading_paused = False
+
+    # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
+    # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
+    # for the next read (``_pending``) or met bytes past the answer. Body bytes are queued as
+    # slices of the read (the whole read when it is all body), never copied byte by byte.
+
+    def _feed(self, data: bytes) -> None:
+        if self._pending:
+            data, self._pending = self._pending + data, b""
+        pos, end = 0, len(data)
+        steps = self._STEPS
+        while pos < end:
+            pos = steps[self._state](self, data, pos, end)
+
+    def _on_head(self, data: bytes, pos: int, end: int) -> int:
+        """The status line and headers, once all of them are here."""
+        mark = data.find(b"\r\n\r\n", pos)
+        if mark < 0:
+            if end - pos > _MAX_HEAD:
+                raise HopProtocolError("headers larger than 64 KiB")
+            self._pending = data[pos:]
+            return end
+        self._parse_head(data[pos:mark])
+        return mark + 4
+
+    def _on_counted(self, data: bytes, pos: int, end: int) -> int:
+        """Body bytes of a known count: a Content-Length body, or the data of a chunk that did not
+        arrive whole with its CRLF."""
+        take = min(self._remaining, end - pos)
+        self._push(data if pos == 0 and take == end else data[pos:pos + take])
+        self._remaining -= take
+        if self._remaining == 0:
+            self._state = _DONE if self._state == _LENGTH else _CHUNK_END
+        return pos + take
+
+    def _on_until_close(self, data: bytes, pos: int, end: int) -> int:
+        """A body that ends with the connection: all of it."""
+        self._push(data if pos == 0 else data[pos:])
+        return end
+
+    def _line_end(self, data: bytes, pos: int, end: int) -> int:
+        """Where the chunk line (size, data's end or trailer) at ``pos`` ends (its CRLF); -1 when
+        it has not all arrived (kept for the next read)."""
+        nl = data.find(b"\r\n", pos)
+        if nl < 0:
+            if end - pos > 4096:
+                raise HopProtocolError("a chunk header longer than 4 KiB")
+            self._pending = data[pos:]
+        return nl
+
+    def _on_chunk_size(self, data: bytes, pos: int, end: int) -> int:
+        """A chunk's size line. A chunk that follows whole with its CRLF (an SSE event usually
+        does) is taken in the same step, and so is every such chunk after it: one call per read
+        on the streaming path, not one per event."""
+        while pos < end:
+            nl = data.find(b"\r\n", pos)  # _line_end inlined: this runs once per streamed event
+            if nl < 0:
+                self._line_end(data, pos, end)
+                return end
+            line = data[pos:nl]
+            # A bare size (no extensions) is the usual line: one match and int, no partition.
+            size = int(line, 16) if _HEX_SIZE.fullmatch(line) is not None else _chunk_size(line)
+            pos = nl + 2
+            if size == 0:
+                self._state = _TRAILER
+                return pos
+            if data[pos + size:pos + size + 2] != b"\r\n":
+                self._state, self._remaining = _CHUNK_DATA, size
+                return pos
+            self._push(data[pos:pos + size])
+            pos += size + 2
+        return pos
+
+    def _on_chunk_end(self, data: bytes, pos: int, end: int) -> int:
+        """The CRLF after a chunk's data, and nothing before it."""
+        nl = self._line_end(data, pos, end)
+        if nl < 0:
+            return end
+        if nl != pos:
+            raise HopProtocolError("chunk data longer than its declared size")
+        self._state = _CHUNK_SIZE
+        return nl + 2
+
+    def _on_trailer(self, data: bytes, pos: int, end: int) -> int:
+        """The trailer after the last chunk (its fields ignored), up to its empty line."""
+        nl = self._line_end(data, pos, end)
+        if nl < 0:
+            return end
+        if nl == pos:
+            self._state = _DONE
+        return nl + 2
+
+    def _on_done(self, data: bytes, pos: int, end: int) -> int:
+        """Bytes past the answer: never reuse this connection."""
+        self._keep_alive = False
+        return end
+
+    _STEPS: ClassVar[tuple[Callable[[_Answer, bytes, int, int], int], ...]] = (
+        _on_head, _on_counted, _on_chunk_size, _on_counted, _on_chunk_end, _on_trailer, _on_until_close,
+        _on_done)
+    """The step of each state, in the states' order (``_HEAD`` ... ``_DONE``)."""
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        status, version = _status_line(lines[0])
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue): the real one follows
+        headers = _header_lines(lines[1:])
+        if version == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
+            self._keep_alive = False
+        self._state, self._remaining, reusable = _body_framing(status, headers)
+        if not reusable:
+            self._keep_alive = False
+        self.head = (status, headers)
+
+    def _push(self, chunk: bytes) -> None:
+        self._body.append(chunk)
+        self._buffered += len(chunk)
+        if self._buffered > _READ_PAUSE and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+
+class HopConnection(_Answer):
+    """One connection: writes requests, parses one answer at a time into a body queue (``_Answer``)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, origin: Origin) -> None:
+        super().__init__()
         self.loop = loop
         self.origin = origin
-        self.transport: asyncio.Transport | None = None
         self.closed = False
         self.uses = 0
         self.counted = False
         """Counted against the client's per-worker cap (until ``HopClient._drop``)."""
         self.idle_since = 0.0
-        self._pending = b""
-        self._state = _DONE
-        self._remaining = 0
-        self._keep_alive = True
         self.got_bytes = False
-        self.head: tuple[int, dict[str, str]] | None = None
-        self._body: deque[bytes] = deque()
-        self._buffered = 0
-        self._reading_paused = False
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer = _ReadTimer(loop)
@@ -340,127 +470,6 @@ class HopConnection(asyncio.Protocol):
             return
         self.sink = None
         self._wake()
-
-    # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
-    # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
-    # for the next read (``_pending``) or met bytes past the answer. Body bytes are queued as
-    # slices of the read (the whole read when it is all body), never copied byte by byte.
-
-    def _feed(self, data: bytes) -> None:
-        if self._pending:
-            data, self._pending = self._pending + data, b""
-        pos, end = 0, len(data)
-        steps = self._STEPS
-        while pos < end:
-            pos = steps[self._state](self, data, pos, end)
-
-    def _on_head(self, data: bytes, pos: int, end: int) -> int:
-        """The status line and headers, once all of them are here."""
-        mark = data.find(b"\r\n\r\n", pos)
-        if mark < 0:
-            if end - pos > _MAX_HEAD:
-                raise HopProtocolError("headers larger than 64 KiB")
-            self._pending = data[pos:]
-            return end
-        self._parse_head(data[pos:mark])
-        return mark + 4
-
-    def _on_counted(self, data: bytes, pos: int, end: int) -> int:
-        """Body bytes of a known count: a Content-Length body, or the data of a chunk that did not
-        arrive whole with its CRLF."""
-        take = min(self._remaining, end - pos)
-        self._push(data if pos == 0 and take == end else data[pos:pos + take])
-        self._remaining -= take
-        if self._remaining == 0:
-            self._state = _DONE if self._state == _LENGTH else _CHUNK_END
-        return pos + take
-
-    def _on_until_close(self, data: bytes, pos: int, end: int) -> int:
-        """A body that ends with the connection: all of it."""
-        self._push(data if pos == 0 else data[pos:])
-        return end
-
-    def _line_end(self, data: bytes, pos: int, end: int) -> int:
-        """Where the chunk line (size, data's end or trailer) at ``pos`` ends (its CRLF); -1 when
-        it has not all arrived (kept for the next read)."""
-        nl = data.find(b"\r\n", pos)
-        if nl < 0:
-            if end - pos > 4096:
-                raise HopProtocolError("a chunk header longer than 4 KiB")
-            self._pending = data[pos:]
-        return nl
-
-    def _on_chunk_size(self, data: bytes, pos: int, end: int) -> int:
-        """A chunk's size line. A chunk that follows whole with its CRLF (an SSE event usually
-        does) is taken in the same step, and so is every such chunk after it: one call per read
-        on the streaming path, not one per event."""
-        while pos < end:
-            nl = data.find(b"\r\n", pos)  # _line_end inlined: this runs once per streamed event
-            if nl < 0:
-                self._line_end(data, pos, end)
-                return end
-            line = data[pos:nl]
-            # A bare size (no extensions) is the usual line: one match and int, no partition.
-            size = int(line, 16) if _HEX_SIZE.fullmatch(line) is not None else _chunk_size(line)
-            pos = nl + 2
-            if size == 0:
-                self._state = _TRAILER
-                return pos
-            if data[pos + size:pos + size + 2] != b"\r\n":
-                self._state, self._remaining = _CHUNK_DATA, size
-                return pos
-            self._push(data[pos:pos + size])
-            pos += size + 2
-        return pos
-
-    def _on_chunk_end(self, data: bytes, pos: int, end: int) -> int:
-        """The CRLF after a chunk's data, and nothing before it."""
-        nl = self._line_end(data, pos, end)
-        if nl < 0:
-            return end
-        if nl != pos:
-            raise HopProtocolError("chunk data longer than its declared size")
-        self._state = _CHUNK_SIZE
-        return nl + 2
-
-    def _on_trailer(self, data: bytes, pos: int, end: int) -> int:
-        """The trailer after the last chunk (its fields ignored), up to its empty line."""
-        nl = self._line_end(data, pos, end)
-        if nl < 0:
-            return end
-        if nl == pos:
-            self._state = _DONE
-        return nl + 2
-
-    def _on_done(self, data: bytes, pos: int, end: int) -> int:
-        """Bytes past the answer: never reuse this connection."""
-        self._keep_alive = False
-        return end
-
-    _STEPS: ClassVar[tuple[Callable[[HopConnection, bytes, int, int], int], ...]] = (
-        _on_head, _on_counted, _on_chunk_size, _on_counted, _on_chunk_end, _on_trailer, _on_until_close,
-        _on_done)
-    """The step of each state, in the states' order (``_HEAD`` ... ``_DONE``)."""
-
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        status, version = _status_line(lines[0])
-        if 100 <= status < 200:
-            return  # an interim answer (100 Continue): the real one follows
-        headers = _header_lines(lines[1:])
-        if version == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
-            self._keep_alive = False
-        self._state, self._remaining, reusable = _body_framing(status, headers)
-        if not reusable:
-            self._keep_alive = False
-        self.head = (status, headers)
-
-    def _push(self, chunk: bytes) -> None:
-        self._body.append(chunk)
-        self._buffered += len(chunk)
-        if self._buffered > _READ_PAUSE and not self._reading_paused and self.transport is not None:
-            self._reading_paused = True
-            self.transport.pause_reading()
 
     def _fail(self, exc: BaseException) -> None:
         if self._exc is None:
