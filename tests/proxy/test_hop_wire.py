@@ -345,3 +345,35 @@ async def test_a_wait_is_not_cut_short_by_the_timer_an_earlier_wait_armed() -> N
     await second
     assert conn.finished and conn.head is not None and conn.head[0] == 200
     conn.close()
+
+
+@pytest.mark.parametrize("line", [
+    b"No colon here",
+    b" Leading-Space: 1",
+    b"Trailing-Space : 1",
+    b"\tTab: 1",
+    b": no name",
+    b"Content-Length : 2",  # whitespace before the colon (RFC 9112 5.1: must be rejected)
+    b"X-A: 1\r\n folded",  # obs-fold: a line that starts with whitespace
+])
+def test_a_malformed_header_line_is_a_protocol_error(line: bytes) -> None:
+    wire = b"HTTP/1.1 200 OK\r\n" + line + b"\r\nContent-Length: 2\r\n\r\n{}"
+    *_, reusable, error = parse([wire])
+    assert isinstance(error, HopProtocolError) and "header" in str(error)
+    assert not reusable
+
+
+@pytest.mark.parametrize(("fields", "reusable"), [
+    (b"CONTENT-LENGTH: 2", True),
+    (b"content-length:2", True),
+    (b"Content-Length: \t2 ", True),
+    (b"Content-Length: 2\r\nContent-Length: 2", True),  # the same value twice: one length
+    (b"Connection: keep-alive\r\nContent-Length: 2\r\nConnection: close", False),  # the last one
+    (b"Content-Length: 2\r\nConnection: Keep-Alive, Close", False),
+    (b"X-Content-Length: 9\r\nContent-Length: 2\r\nX-Transfer-Encoding: gzip", True),
+    (b"X-Value: a: b\r\nContent-Length: 2\r\nX-Odd: \xe9 \x00", True),
+])
+def test_framing_headers_are_found_whatever_their_case_spacing_and_neighbours(fields: bytes,
+                                                                             reusable: bool) -> None:
+    wire = b"HTTP/1.1 200 OK\r\n" + fields + b"\r\n\r\n{}"
+    assert parse([wire]) == (200, b"{}", True, reusable, None)
