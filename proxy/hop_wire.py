@@ -465,8 +465,11 @@ class HopConnection(_Answer):
             if not more:
                 self._sink_stopped = True
         if more and self._exc is None and self._state != _DONE:
-            if self._sink_limit is not None:
-                self._timer.extend(read_until(self.loop, self._sink_deadline, self._sink_limit))
+            limit = self._sink_limit
+            if limit is not None:  # ``read_until``, inlined: this runs once per read
+                until = self.loop.time() + limit
+                deadline = self._sink_deadline
+                self._timer.extend(until if deadline is None or until < deadline else deadline)
             return
         self.sink = None
         self._wake()

@@ -311,6 +311,18 @@ class StreamBuffer:
         if not deferred or self.direct is None or self._closed:
             self._wake()
 
+    def send(self, raw: bytes, *, now: bool = True) -> None:
+        """``put(raw, deferred=True)`` and ``flush`` in one step for what one read of D's stream
+        completed: written at once through ``direct`` when the writer waits with nothing queued
+        (held by nobody, so neither queued nor charged to the budget), else queued as ``put``
+        queues it (the ``flush`` that follows each read hands it on). ``now`` False: queued only
+        (D's last events, which go out with the stream's end)."""
+        direct = self.direct
+        if now and direct is not None and self._waiter is not None and not self._raw and not self._closed \
+                and not self._discarded and direct(raw):
+            return
+        self.put(raw, deferred=True)
+
     def flush(self) -> None:
         """What deferred puts queued while the writer waits: written now through ``direct``, or
         the writer woken to write it."""

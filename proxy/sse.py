@@ -66,22 +66,18 @@ _EMPTY = Batch(b"", plain=True)
 class SSEReader:
     """Feed bytes as they arrive; get back the events they complete."""
 
-    __slots__ = ("_buf",)
+    __slots__ = ("pending",)
 
     def __init__(self) -> None:
-        self._buf = b""
-
-    @property
-    def pending(self) -> bytes:
+        self.pending = b""
         """Bytes of an event not yet terminated (non-empty at the end = a truncated stream)."""
-        return self._buf
 
     def feed(self, chunk: bytes) -> list[Event]:
         return self.feed_batch(chunk).events()
 
     def feed_batch(self, chunk: bytes) -> Batch:
         """Every whole event these bytes complete, as one ``Batch`` (possibly empty)."""
-        buf = self._buf + chunk if self._buf else chunk
+        buf = self.pending + chunk if self.pending else chunk
         if b"\r" in buf:
             # Normalize CRLF / CR line ends; a trailing CR may be the first half of a CRLF.
             tail = b""
@@ -90,14 +86,14 @@ class SSEReader:
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + tail
         end = buf.rfind(b"\n\n")
         if end < 0:
-            self._buf = buf
+            self.pending = buf
             return _EMPTY
         raw = buf[: end + 2]
         n = raw.count(b"\n\n")
         if raw.startswith(_DATA) and raw.count(b"\n") == 2 * n and raw.count(_NEXT_DATA) == n - 1 \
                 and _ERROR_EVENT not in raw:
             # n single-line data events (every line break is an event end, every event a data line).
-            self._buf = buf[end + 2 :]
+            self.pending = buf[end + 2 :]
             at = raw.find(DONE_EVENT)
             if at < 0:
                 return Batch(raw, plain=True)
@@ -106,7 +102,7 @@ class SSEReader:
         # Anything else: the event boundaries are those of a scan from the start (a run of three
         # or more line breaks leaves the rest for the next event).
         cut = _scan_end(buf)
-        self._buf = buf[cut:]
+        self.pending = buf[cut:]
         return Batch(buf[:cut], plain=False)
 
 

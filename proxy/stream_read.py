@@ -47,11 +47,13 @@ class _Read:
     """Where one decode stream's reading stands."""
 
     __slots__ = ("body", "buffer", "done", "error", "exc", "f", "first", "follower", "kv_failed", "last",
-                 "mismatch", "protocol", "stop", "worker")
+                 "mismatch", "protocol", "stop", "usage", "worker")
 
     def __init__(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
                  follower: StreamFollower | None) -> None:
         self.f, self.worker, self.body, self.buffer, self.follower = f, worker, body, buffer, follower
+        self.usage = f.request.include_usage
+        """The client asked for the usage chunk: D's last chunk is kept (``last``)."""
         self.first = True
         self.done = self.protocol = self.stop = self.mismatch = False
         self.error: bytes | None = None
@@ -158,12 +160,12 @@ class DecodeReader(Part):
                 if ids is None:
                     return False  # parse event by event (text mode, migrated, odd)
                 follower.progress.generated.extend(ids)
-            rd.buffer.put(batch.body, deferred=True)
-            if f.request.include_usage:
+            rd.buffer.send(batch.body, now=not batch.done)  # D's last events go with the stream's end
+            if rd.usage:
                 rd.last = last_data(batch.body)
         if batch.done:
             rd.done = rd.stop = True
-            if f.request.include_usage:
+            if rd.usage:
                 self.note_stream_usage(f, rd.last)
         elif rd.buffer.closed:
             rd.stop = True
