@@ -319,6 +319,42 @@ async def test_puts_wake_the_writer_unless_deferred_to_a_direct_flush() -> None:
     assert await buf.take(merge=False) == ([b"data: 3\n\n"], False)
 
 
+async def test_a_send_while_the_writer_waits_is_written_at_once_and_never_held() -> None:
+    budget = ByteBudget(30)
+    buf = StreamBuffer(10_000, budget)
+    other = StreamBuffer(10_000, budget)
+    other.put(b"data: 12345\n\n")  # 13 of the budget's 30 held by another stream
+    written: list[bytes] = []
+    buf.direct = lambda data: written.append(data) is None
+    waiting = await _parked(buf)
+    buf.send(b"data: 1234567890\n\n")  # 18 bytes: past the budget, were they charged
+    assert written == [b"data: 1234567890\n\n"] and buf.held() == 0 and budget.used == 13
+    assert other.overflowed is None and not waiting.done()  # nobody ended, the writer slept on
+    buf.send(b"data: [DONE]\n\n", now=False)  # D's last events: queued for the stream's end
+    assert written == [b"data: 1234567890\n\n"] and buf.held() == 14
+    buf.finish(done=True)
+    assert await asyncio.wait_for(waiting, 1) == ([b"data: [DONE]\n\n"], True)
+    buf.discard()
+    other.discard()
+
+
+async def test_a_send_the_writer_cannot_take_now_is_queued_in_order() -> None:
+    buf = StreamBuffer(10_000)
+    lagging = [True]
+    written: list[bytes] = []
+    buf.direct = lambda data: not lagging[0] and written.append(data) is None
+    waiting = await _parked(buf)
+    buf.send(b"data: 1\n\n")  # the client lags: queued, and the read's flush wakes the writer
+    assert buf.held() == 9 and not waiting.done()
+    lagging[0] = False
+    buf.send(b"data: 2\n\n")  # something is queued: behind it, not around it
+    assert written == []
+    buf.flush()
+    assert written == [b"data: 1\n\ndata: 2\n\n"] and buf.held() == 0
+    buf.finish(done=True)
+    assert await asyncio.wait_for(waiting, 1) == ([], True)
+
+
 async def test_a_deferred_put_past_the_cap_ends_the_stream_at_once() -> None:
     buf = StreamBuffer(10)
     buf.direct = lambda data: True
