@@ -280,25 +280,34 @@ class _Answer(asyncio.Protocol):
     def _on_chunk_size(self, data: bytes, pos: int, end: int) -> int:
         """A chunk's size line. A chunk that follows whole with its CRLF (an SSE event usually
         does) is taken in the same step, and so is every such chunk after it: one call per read
-        on the streaming path, not one per event."""
-        while pos < end:
-            nl = data.find(b"\r\n", pos)  # _line_end inlined: this runs once per streamed event
-            if nl < 0:
-                self._line_end(data, pos, end)
-                return end
-            line = data[pos:nl]
-            # A bare size (no extensions) is the usual line: one match and int, no partition.
-            size = int(line, 16) if _HEX_SIZE.fullmatch(line) is not None else _chunk_size(line)
-            pos = nl + 2
-            if size == 0:
-                self._state = _TRAILER
-                return pos
-            if data[pos + size:pos + size + 2] != b"\r\n":
-                self._state, self._remaining = _CHUNK_DATA, size
-                return pos
-            self._push(data[pos:pos + size])
-            pos += size + 2
-        return pos
+        on the streaming path, not one per event (the chunks queued as ``_push`` queues them, the
+        bytes counted once for the read)."""
+        append = self._body.append
+        taken = 0
+        try:
+            while pos < end:
+                nl = data.find(b"\r\n", pos)  # _line_end inlined: this runs once per streamed event
+                if nl < 0:
+                    self._line_end(data, pos, end)
+                    return end
+                line = data[pos:nl]
+                # A bare size (no extensions) is the usual line: one match and int, no partition.
+                size = int(line, 16) if _HEX_SIZE.fullmatch(line) is not None else _chunk_size(line)
+                pos = nl + 2
+                if size == 0:
+                    self._state = _TRAILER
+                    return pos
+                stop = pos + size
+                if data[stop:stop + 2] != b"\r\n":
+                    self._state, self._remaining = _CHUNK_DATA, size
+                    return pos
+                append(data[pos:stop])
+                taken += size
+                pos = stop + 2
+            return pos
+        finally:
+            if taken:
+                self._queued(taken)
 
     def _on_chunk_end(self, data: bytes, pos: int, end: int) -> int:
         """The CRLF after a chunk's data, and nothing before it."""
@@ -344,7 +353,11 @@ class _Answer(asyncio.Protocol):
 
     def _push(self, chunk: bytes) -> None:
         self._body.append(chunk)
-        self._buffered += len(chunk)
+        self._queued(len(chunk))
+
+    def _queued(self, n: int) -> None:
+        """``n`` more body bytes queued: past ``_READ_PAUSE`` unread, the socket is not read."""
+        self._buffered += n
         if self._buffered > _READ_PAUSE and not self._reading_paused and self.transport is not None:
             self._reading_paused = True
             self.transport.pause_reading()

@@ -377,13 +377,18 @@ async def test_closing_an_answer_before_its_end_closes_the_connection_release_ke
         assert server.connections == 2
 
 
-async def test_an_unread_body_pauses_reading_until_it_is_read() -> None:
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_an_unread_body_pauses_reading_until_it_is_read(framing: str) -> None:
     size = 4 << 20
 
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         await server.request(r)
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
-        w.write(b"x" * size)
+        if framing == "length":
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+            w.write(b"x" * size)
+        else:  # small chunks, many to a read (a stream's events)
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            w.write((b"400\r\n" + b"x" * 1024 + b"\r\n") * (size // 1024) + b"0\r\n\r\n")
         await w.drain()
 
     async with serving(handler) as (server, url, client):
