@@ -124,6 +124,11 @@ class HopResponse:
 
     async def read(self) -> bytes:
         """The rest of the body."""
+        conn = self._conn
+        if conn is not None and conn.finished:  # all of it came with the head (a JSON answer, usually)
+            data = conn.take()
+            self.close()
+            return data
         parts = []
         while chunk := await self.read_any():
             parts.append(chunk)

@@ -36,6 +36,30 @@ async def test_a_kept_alive_connection_carries_the_next_request() -> None:
     assert b"Content-Length: 7" in head and server.requests[0].endswith(b'{"a":1}')
 
 
+@pytest.mark.parametrize("split", [False, True])
+async def test_reading_a_whole_answer_gives_its_connection_back(split: bool) -> None:
+    """``read`` to the end puts the connection back in the pool by itself, whether the body came
+    with the head (read at once) or after it."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        while await server.request(r):
+            answer = ok(b'{"n":%d}' % len(server.requests))
+            if split:
+                w.write(answer[:-3])
+                await w.drain()
+                await asyncio.sleep(0.05)
+                answer = answer[-3:]
+            w.write(answer)
+            await w.drain()
+
+    async with serving(handler) as (server, url, client):
+        loop = asyncio.get_running_loop()
+        for n in (1, 2):
+            resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 10, read_limit=5)
+            assert await resp.read() == b'{"n":%d}' % n
+            assert client.counts() == {"in_use": 0, "idle": 1}  # no close() needed
+        assert server.connections == 1
+
+
 async def test_a_chunked_answer_arrives_as_it_is_sent_and_the_connection_is_reused() -> None:
     go = asyncio.Event()
 
