@@ -325,7 +325,12 @@ async def test_a_send_while_the_writer_waits_is_written_at_once_and_never_held()
     other = StreamBuffer(10_000, budget)
     other.put(b"data: 12345\n\n")  # 13 of the budget's 30 held by another stream
     written: list[bytes] = []
-    buf.direct = lambda data: written.append(data) is None
+
+    def direct(data: bytes) -> bool:
+        written.append(data)
+        return True
+
+    buf.direct = direct
     waiting = await _parked(buf)
     buf.send(b"data: 1234567890\n\n")  # 18 bytes: past the budget, were they charged
     assert written == [b"data: 1234567890\n\n"] and buf.held() == 0 and budget.used == 13
@@ -342,7 +347,14 @@ async def test_a_send_the_writer_cannot_take_now_is_queued_in_order() -> None:
     buf = StreamBuffer(10_000)
     lagging = [True]
     written: list[bytes] = []
-    buf.direct = lambda data: not lagging[0] and written.append(data) is None
+
+    def direct(data: bytes) -> bool:
+        if lagging[0]:
+            return False
+        written.append(data)
+        return True
+
+    buf.direct = direct
     waiting = await _parked(buf)
     buf.send(b"data: 1\n\n")  # the client lags: queued, and the read's flush wakes the writer
     assert buf.held() == 9 and not waiting.done()
