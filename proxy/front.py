@@ -260,14 +260,11 @@ class FrontStream(web.StreamResponse):
         if not self._started or self._eof_sent or transport is None or transport.is_closing() \
                 or transport.get_write_buffer_size():
             return False
-        out = b"%x\r\n%b\r\n" % (len(data), data) if data else b""  # ``_framed``, inlined (once per read)
-        if self._head:
-            out = self._head + out
+        out = self._framed(data, keep_head=True)
         if len(out) > transport.get_write_buffer_limits()[1]:
             return False  # the head (if any) still waits
         self._head = b""
-        transport.write(out)  # ``_send``: the transport was checked above
-        self._unflushed += len(out)
+        self._send(out)
         return True
 
     async def write_eof(self, data: bytes = b"") -> None:

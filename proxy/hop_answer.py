@@ -1,0 +1,259 @@
+"""The answers of the generate hops: one HTTP/1.1 answer parsed at a time, with strict framing.
+
+``_Answer`` is the parsing half of ``proxy.hop_wire.HopConnection``: a small state machine over
+the answer's bytes (status line, headers, then a body framed by ``Content-Length``, chunked
+encoding or the connection's end) that queues the body's bytes for the caller, pausing the
+socket while 1 MiB waits unread. Framing is strict: a status is 3 digits in 100-599 after
+``HTTP/1.x``, a Content-Length 1 to 18 ASCII digits (one value), a chunk size 1 to 16 hex digits
+(extensions ignored), nothing else; anything malformed is a ``HopProtocolError`` and closes the
+connection. An answer with both Transfer-Encoding and Content-Length is read as chunked and its
+connection not reused after it (RFC 9112 6.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import deque
+from collections.abc import Callable
+from typing import ClassVar
+
+_MAX_HEAD = 64 * 1024
+"""Largest status line + headers accepted from a worker."""
+_READ_PAUSE = 1 << 20
+"""Body bytes buffered unread before the socket stops being read."""
+
+_MAX_LENGTH_DIGITS = 18
+"""Longest Content-Length accepted (just under 1 EB; plain ASCII digits, nothing else)."""
+_MAX_CHUNK_DIGITS = 16
+"""Longest chunk size accepted (hex digits, nothing else)."""
+_HEX_SIZE = re.compile(rb"[0-9A-Fa-f]{1,%d}" % _MAX_CHUNK_DIGITS)
+_FRAMING = ("content-length", "transfer-encoding")
+
+_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
+
+
+class HopProtocolError(Exception):
+    """The worker broke HTTP/1.1 framing (or closed mid-answer: ``HopDisconnected``)."""
+
+
+class HopDisconnected(HopProtocolError, ConnectionError):
+    """The connection ended before the answer did."""
+
+
+def _status_line(line: bytes) -> tuple[int, bytes]:
+    """The status and the HTTP version of an answer's first line (strict: ``HTTP/1.x`` and a
+    3-digit status in 100-599)."""
+    parts = line.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+        raise HopProtocolError("an answer that is not HTTP/1.x")
+    code = parts[1]
+    if len(code) != 3 or not code.isdigit():  # bytes.isdigit: ASCII digits only
+        raise HopProtocolError("a malformed status line")
+    status = int(code)
+    if not 100 <= status <= 599:
+        raise HopProtocolError("a malformed status line")
+    return status, parts[0]
+
+
+def _header_lines(lines: list[bytes]) -> dict[str, str]:
+    """An answer's headers, names lower-cased; a framing header twice (but the same
+    Content-Length) is an error: where the answer ends would not be known (RFC 9112 6.3)."""
+    headers: dict[str, str] = {}
+    for raw in lines:
+        name, sep, value = raw.partition(b":")
+        if not sep or not name or name != name.strip():
+            raise HopProtocolError("a malformed header line")
+        key = name.decode("latin-1").lower()
+        text = value.strip().decode("latin-1")
+        if key in headers and key in _FRAMING and (key != "content-length" or headers[key] != text):
+            raise HopProtocolError(f"a repeated {key} header")
+        headers[key] = text
+    return headers
+
+
+def _body_framing(status: int, headers: dict[str, str]) -> tuple[int, int, bool]:
+    """How the body after an answer's head is framed: the parser's next state, the length of a
+    Content-Length body, and whether the framing lets the connection be reused after it."""
+    encoding = headers.get("transfer-encoding")
+    length = headers.get("content-length")
+    if status in (204, 304):
+        return _DONE, 0, True
+    if encoding is not None:
+        if encoding.lower() != "chunked":
+            raise HopProtocolError(f"an unsupported transfer encoding ({encoding})")
+        # Both: chunked wins (RFC 9112 6.3), and the connection is not reused after it (the two
+        # framings may have been read differently on the way).
+        return _CHUNK_SIZE, 0, length is None
+    if length is not None:
+        if not (len(length) <= _MAX_LENGTH_DIGITS and length.isascii() and length.isdigit()):
+            raise HopProtocolError("a malformed Content-Length")
+        remaining = int(length)
+        return (_LENGTH if remaining else _DONE), remaining, True
+    return _UNTIL_CLOSE, 0, False
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk-size line's size: 1 to 16 hex digits, optionally followed by chunk extensions
+    (``;name[=value]``, whitespace allowed before each ``;``, RFC 9112 7.1.1) that are ignored.
+    No sign, no ``0x``, no ``_``, no whitespace elsewhere: anything else is a protocol error."""
+    digits, semi, _ = line.partition(b";")
+    if semi:
+        digits = digits.rstrip(b" \t")
+    if _HEX_SIZE.fullmatch(digits) is None:  # int(, 16) alone takes signs, "0x", "_" and spaces
+        raise HopProtocolError("a malformed chunk size")
+    return int(digits, 16)
+
+
+class _Answer(asyncio.Protocol):
+    """The parsing half of a ``HopConnection``: one answer at a time, its status line and headers
+    (``head``) and its body queued (``_body``) as slices of the reads, reading paused while too
+    much of it is queued."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._pending = b""
+        self._state = _DONE
+        self._remaining = 0
+        self._keep_alive = True
+        self.head: tuple[int, dict[str, str]] | None = None
+        self._body: deque[bytes] = deque()
+        self._buffered = 0
+        self._reading_paused = False
+
+    # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
+    # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
+    # for the next read (``_pending``) or met bytes past the answer. Body bytes are queued as
+    # slices of the read (the whole read when it is all body), never copied byte by byte.
+
+    def _feed(self, data: bytes) -> None:
+        if self._pending:
+            data, self._pending = self._pending + data, b""
+        pos, end = 0, len(data)
+        steps = self._STEPS
+        while pos < end:
+            pos = steps[self._state](self, data, pos, end)
+
+    def _on_head(self, data: bytes, pos: int, end: int) -> int:
+        """The status line and headers, once all of them are here."""
+        mark = data.find(b"\r\n\r\n", pos)
+        if mark < 0:
+            if end - pos > _MAX_HEAD:
+                raise HopProtocolError("headers larger than 64 KiB")
+            self._pending = data[pos:]
+            return end
+        self._parse_head(data[pos:mark])
+        return mark + 4
+
+    def _on_counted(self, data: bytes, pos: int, end: int) -> int:
+        """Body bytes of a known count: a Content-Length body, or the data of a chunk that did not
+        arrive whole with its CRLF."""
+        take = min(self._remaining, end - pos)
+        self._push(data if pos == 0 and take == end else data[pos:pos + take])
+        self._remaining -= take
+        if self._remaining == 0:
+            self._state = _DONE if self._state == _LENGTH else _CHUNK_END
+        return pos + take
+
+    def _on_until_close(self, data: bytes, pos: int, end: int) -> int:
+        """A body that ends with the connection: all of it."""
+        self._push(data if pos == 0 else data[pos:])
+        return end
+
+    def _line_end(self, data: bytes, pos: int, end: int) -> int:
+        """Where the chunk line (size, data's end or trailer) at ``pos`` ends (its CRLF); -1 when
+        it has not all arrived (kept for the next read)."""
+        nl = data.find(b"\r\n", pos)
+        if nl < 0:
+            if end - pos > 4096:
+                raise HopProtocolError("a chunk header longer than 4 KiB")
+            self._pending = data[pos:]
+        return nl
+
+    def _on_chunk_size(self, data: bytes, pos: int, end: int) -> int:
+        """A chunk's size line. A chunk that follows whole with its CRLF (an SSE event usually
+        does) is taken in the same step, and so is every such chunk after it: one call per read
+        on the streaming path, not one per event (the chunks queued as ``_push`` queues them, the
+        bytes counted once for the read)."""
+        body = self._body
+        taken = 0
+        try:
+            while pos < end:
+                nl = data.find(b"\r\n", pos)  # _line_end inlined: this runs once per streamed event
+                if nl < 0:
+                    self._line_end(data, pos, end)
+                    return end
+                line = data[pos:nl]
+                # A bare size (no extensions) is the usual line: one match and int, no partition.
+                size = int(line, 16) if _HEX_SIZE.fullmatch(line) is not None else _chunk_size(line)
+                pos = nl + 2
+                if size == 0:
+                    self._state = _TRAILER
+                    return pos
+                stop = pos + size
+                if data[stop:stop + 2] != b"\r\n":
+                    self._state, self._remaining = _CHUNK_DATA, size
+                    return pos
+                body.append(data[pos:stop])
+                taken += size
+                pos = stop + 2
+            return pos
+        finally:
+            if taken:
+                self._queued(taken)
+
+    def _on_chunk_end(self, data: bytes, pos: int, end: int) -> int:
+        """The CRLF after a chunk's data, and nothing before it."""
+        nl = self._line_end(data, pos, end)
+        if nl < 0:
+            return end
+        if nl != pos:
+            raise HopProtocolError("chunk data longer than its declared size")
+        self._state = _CHUNK_SIZE
+        return nl + 2
+
+    def _on_trailer(self, data: bytes, pos: int, end: int) -> int:
+        """The trailer after the last chunk (its fields ignored), up to its empty line."""
+        nl = self._line_end(data, pos, end)
+        if nl < 0:
+            return end
+        if nl == pos:
+            self._state = _DONE
+        return nl + 2
+
+    def _on_done(self, data: bytes, pos: int, end: int) -> int:
+        """Bytes past the answer: never reuse this connection."""
+        self._keep_alive = False
+        return end
+
+    _STEPS: ClassVar[tuple[Callable[[_Answer, bytes, int, int], int], ...]] = (
+        _on_head, _on_counted, _on_chunk_size, _on_counted, _on_chunk_end, _on_trailer, _on_until_close,
+        _on_done)
+    """The step of each state, in the states' order (``_HEAD`` ... ``_DONE``)."""
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        status, version = _status_line(lines[0])
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue): the real one follows
+        headers = _header_lines(lines[1:])
+        if version == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
+            self._keep_alive = False
+        self._state, self._remaining, reusable = _body_framing(status, headers)
+        if not reusable:
+            self._keep_alive = False
+        self.head = (status, headers)
+
+    def _push(self, chunk: bytes) -> None:
+        self._body.append(chunk)
+        self._queued(len(chunk))
+
+    def _queued(self, n: int) -> None:
+        """``n`` more body bytes queued: past ``_READ_PAUSE`` unread, the socket is not read."""
+        self._buffered += n
+        if self._buffered > _READ_PAUSE and not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+
+__all__ = ["HopDisconnected", "HopProtocolError"]
