@@ -269,16 +269,25 @@ async def _parked(buf: StreamBuffer) -> asyncio.Task[tuple[list[bytes], bool]]:
     return task
 
 
+class _Client:
+    """A writer's ``direct``: what it wrote (``written``); False, taking nothing, while ``lagging``."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.lagging = False
+
+    def __call__(self, data: bytes) -> bool:
+        if self.lagging:
+            return False
+        self.written.append(data)
+        return True
+
+
 async def test_a_read_is_written_by_the_producer_while_the_writer_waits() -> None:
     budget = ByteBudget(10_000)
     buf = StreamBuffer(10_000, budget)
-    written: list[bytes] = []
-
-    def direct(data: bytes) -> bool:
-        written.append(data)
-        return True
-
-    buf.direct = direct
+    buf.direct = client = _Client()
+    written = client.written
     waiting = await _parked(buf)
     buf.put(b"data: 1\n\n", deferred=True)
     buf.put(b"data: 2\n\n", deferred=True)
@@ -324,13 +333,8 @@ async def test_a_send_while_the_writer_waits_is_written_at_once_and_never_held()
     buf = StreamBuffer(10_000, budget)
     other = StreamBuffer(10_000, budget)
     other.put(b"data: 12345\n\n")  # 13 of the budget's 30 held by another stream
-    written: list[bytes] = []
-
-    def direct(data: bytes) -> bool:
-        written.append(data)
-        return True
-
-    buf.direct = direct
+    buf.direct = client = _Client()
+    written = client.written
     waiting = await _parked(buf)
     buf.send(b"data: 1234567890\n\n")  # 18 bytes: past the budget, were they charged
     assert written == [b"data: 1234567890\n\n"] and buf.held() == 0 and budget.used == 13
@@ -345,20 +349,13 @@ async def test_a_send_while_the_writer_waits_is_written_at_once_and_never_held()
 
 async def test_a_send_the_writer_cannot_take_now_is_queued_in_order() -> None:
     buf = StreamBuffer(10_000)
-    lagging = [True]
-    written: list[bytes] = []
-
-    def direct(data: bytes) -> bool:
-        if lagging[0]:
-            return False
-        written.append(data)
-        return True
-
-    buf.direct = direct
+    buf.direct = client = _Client()
+    written = client.written
+    client.lagging = True
     waiting = await _parked(buf)
-    buf.send(b"data: 1\n\n")  # the client lags: queued, and the read's flush wakes the writer
+    buf.send(b"data: 1\n\n")  # the client lags: queued (the read's flush would wake the writer)
     assert buf.held() == 9 and not waiting.done()
-    lagging[0] = False
+    client.lagging = False
     buf.send(b"data: 2\n\n")  # something is queued: behind it, not around it
     assert written == []
     buf.flush()
