@@ -267,6 +267,17 @@ class FrontStream(web.StreamResponse):
         self._send(out)
         return True
 
+    def write_framed_now(self, framed: bytes) -> bool:
+        """``write_now`` for bytes already framed as chunks (a worker's chunked body, relayed as it
+        came), once the head has gone out."""
+        transport = self._front.transport
+        if self._head or not self._started or self._eof_sent or transport is None or transport.is_closing() \
+                or transport.get_write_buffer_size() or len(framed) > transport.get_write_buffer_limits()[1]:
+            return False
+        transport.write(framed)
+        self._unflushed += len(framed)
+        return True
+
     async def write_eof(self, data: bytes = b"") -> None:
         if self._eof_sent:
             return

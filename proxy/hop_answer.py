@@ -105,6 +105,27 @@ def _chunk_size(line: bytes) -> int:
     return int(digits, 16)
 
 
+def whole_chunks(data: bytes) -> int:
+    """How many chunks ``data`` is when it is exactly whole chunks of a chunked body, each a bare
+    hex size line, its data and CRLF, none the last (size 0); 0 when it is anything else (a
+    chunk cut by the read, an extension, the body's end): the parser reads it then."""
+    pos, end, n = 0, len(data), 0
+    while pos < end:
+        nl = data.find(b"\r\n", pos)
+        if nl < 0:
+            return 0
+        line = data[pos:nl]
+        if _HEX_SIZE.fullmatch(line) is None:
+            return 0
+        size = int(line, 16)
+        stop = nl + 2 + size
+        if size == 0 or stop + 2 > end or not data.startswith(b"\r\n", stop):
+            return 0
+        pos = stop + 2
+        n += 1
+    return n
+
+
 class _Answer(asyncio.Protocol):
     """The parsing half of a ``HopConnection``: one answer at a time, its status line and headers
     (``head``) and its body queued (``_body``) as slices of the reads, reading paused while too

@@ -265,7 +265,7 @@ class StreamBuffer:
     """
 
     __slots__ = ("_budget", "_closed", "_discarded", "_done", "_error", "_raw", "_size", "_waiter",
-                 "_writing", "direct", "max_bytes", "overflowed")
+                 "_writing", "direct", "direct_framed", "max_bytes", "overflowed")
 
     def __init__(self, max_bytes: int, budget: ByteBudget | None = None) -> None:
         self.max_bytes = max_bytes
@@ -283,6 +283,8 @@ class StreamBuffer:
         if budget is not None:
             budget.join(self)
         self.direct: Callable[[bytes], bool] | None = None
+        self.direct_framed: Callable[[bytes], bool] | None = None
+        """As ``direct``, for bytes already framed as the client's chunks (``send_framed``)."""
 
     def held(self) -> int:
         """Bytes held for the client: queued, and taken for a write that has not returned."""
@@ -322,6 +324,14 @@ class StreamBuffer:
                 and not self._discarded and direct(raw):
             return
         self.put(raw, deferred=True)
+
+    def send_framed(self, framed: bytes) -> bool:
+        """Whole events already framed as chunks of the client's response, written at once through
+        ``direct_framed`` when ``send`` would have written them at once; False when not (nothing
+        done: the caller sends them unframed)."""
+        direct = self.direct_framed
+        return direct is not None and self._waiter is not None and not self._raw and not self._closed \
+            and direct(framed)  # (``discard`` unsets ``direct_framed``)
 
     def flush(self) -> None:
         """What deferred puts queued while the writer waits: written now through ``direct``, or
@@ -367,7 +377,7 @@ class StreamBuffer:
             budget.release(self._writing, doomed=self.overflowed == "total")
             budget.leave(self)
         self._raw, self._size, self._writing = [], 0, 0
-        self.direct = None
+        self.direct = self.direct_framed = None
 
     def finish(self, *, done: bool, error: bytes | None = None) -> None:
         """The producer is finished: ``done`` when ``[DONE]`` was seen; ``error`` an in-band

@@ -115,6 +115,15 @@ class StreamDecode(Part):
             return True
         return direct
 
+    def _direct_framed(self, f: Flight, resp: FrontStream, w: _Writes) -> Callable[[bytes], bool]:
+        """The buffer's ``direct_framed``: D's chunks written to the client as they came."""
+        def direct_framed(framed: bytes) -> bool:
+            if not resp.write_framed_now(framed):
+                return False
+            self._wrote(f, w, self.clock())
+            return True
+        return direct_framed
+
     async def _pump(self, request: web.Request, f: Flight, resp: web.StreamResponse, buffer: StreamBuffer,
                     w: _Writes) -> bytes:
         """The buffer's events to the client until D's stream ends; the events taken with the end
@@ -149,10 +158,12 @@ class StreamDecode(Part):
         w = _Writes(f.timing.first_write, HistogramBatch(self.metrics.itl))  # P's token went first
         if type(resp) is FrontStream:
             buffer.direct = self._direct(f, resp, w)
+            if f.rewrite is None:
+                buffer.direct_framed = self._direct_framed(f, resp, w)
         try:
             last = await self._pump(request, f, resp, buffer, w)
         finally:
-            buffer.direct = None
+            buffer.direct = buffer.direct_framed = None
             w.itl.flush()  # one update per bucket when the relay ends
         if buffer.overflowed:
             self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from proxy.core import Part, error_class
@@ -16,10 +17,11 @@ from proxy.errors import UpstreamError, UpstreamProtocolError, UpstreamStatusErr
 from proxy.first_token import Mismatch
 from proxy.flight import Flight
 from proxy.hop import HopResponse
+from proxy.hop_answer import whole_chunks
 from proxy.pools import StreamFollower, Worker
 from proxy.protocol import parse_worker_json
 from proxy.relay import StreamBuffer, block_token_ids
-from proxy.sse import DONE_DATA, Batch, SSEReader, data_event, last_data
+from proxy.sse import DONE_DATA, DONE_EVENT, Batch, SSEReader, data_event, last_data, plain_chunks
 
 log = logging.getLogger("pd_proxy")
 
@@ -133,10 +135,44 @@ class DecodeReader(Part):
             return True
 
         try:
-            await self.upstream.pipe("decode", rd.worker.url, resp, on_read)
+            await self.upstream.pipe("decode", rd.worker.url, resp, on_read, self._splicer(rd, reader))
         finally:
             if not rd.done:
                 rd.buffer.flush()
+
+    def _splicer(self, rd: _Read, reader: SSEReader) -> Callable[[bytes], bool]:
+        """The hop connection's ``splice`` for this stream: a read of D's stream that is whole
+        chunks (``hop_answer.whole_chunks``) of plain events (``sse.plain_chunks``), once the
+        first event is read and token 1 taken out, written to the client as D framed it when the
+        client keeps up (``StreamBuffer.send_framed``): not split into events, not framed again,
+        not handed on in the next loop turn. False leaves the read to ``on_read``, as any other
+        (the cheap checks first: a read that will not do is not walked)."""
+        first_filter = rd.f.first_filter
+        buffer = rd.buffer
+
+        def splice(framed: bytes) -> bool:
+            if rd.first or reader.pending or DONE_EVENT in framed or \
+                    (first_filter is not None and first_filter.pending):
+                return False  # D's last read (its [DONE]) goes with the stream's end: not walked
+            chunks = whole_chunks(framed)
+            if not chunks or not plain_chunks(framed, chunks):
+                return False
+            follower = rd.follower
+            ids = None
+            if follower is not None:
+                ids = block_token_ids(framed) if follower.cont is None and \
+                    follower.progress.output_mode == "tokens" else None
+                if ids is None:
+                    return False  # read event by event (text mode, migrated)
+            if not buffer.send_framed(framed):
+                return False
+            if ids:
+                assert follower is not None
+                follower.progress.generated.extend(ids)
+            if rd.usage:  # the last event's data (D's usage chunk, when it came alone)
+                rd.last = framed[framed.rfind(b"\r\ndata: ") + 8 : -4]
+            return True
+        return splice
 
     def _fast(self, rd: _Read, batch: Batch) -> bool:
         """The hot path: what a read completed goes out as one block, unparsed, when it is plain

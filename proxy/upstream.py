@@ -214,13 +214,14 @@ class Upstream:
         resp = await self.open(hop, worker, body, request_id=request_id, total=total)
         return await self.read_json_raw(hop, worker, resp)
 
-    async def pipe(self, hop: str, worker: str, resp: HopResponse, sink: Callable[[bytes], bool]) -> None:
+    async def pipe(self, hop: str, worker: str, resp: HopResponse, sink: Callable[[bytes], bool],
+                   splice: Callable[[bytes], bool] | None = None) -> None:
         """The body of a streaming response to ``sink`` as it arrives, until it ends or the sink
         returns False (``HopResponse.pipe``: no task woken per read); the hop's failures
         translated (a stall: ``UpstreamTimeout``; a reset or broken framing:
         ``UpstreamUnavailable``), the sink's own raised as they are."""
         try:
-            await resp.pipe(sink)
+            await resp.pipe(sink, splice)
         except SinkError as e:
             raise e.error from None
         except TimeoutError:

@@ -80,6 +80,22 @@ def after_comment(events: list[bytes]) -> list[bytes]:
 SPLITS = {"one_read": one_read, "byte_reads": byte_reads, "after_comment": after_comment}
 
 
+def framed_reads(events: list[bytes]) -> list[bytes]:
+    """One event a read, each framed as its HTTP chunk (a paced decode worker's reads)."""
+    return [b"%x\r\n%b\r\n" % (len(e), e) for e in events]
+
+
+def unframed(framed: bytes) -> bytes:
+    """The data of whole chunks."""
+    out, pos = [], 0
+    while pos < len(framed):
+        nl = framed.index(b"\r\n", pos)
+        size = int(framed[pos:nl], 16)
+        out.append(framed[nl + 2 : nl + 2 + size])
+        pos = nl + 4 + size
+    return b"".join(out)
+
+
 @dataclass
 class Answer:
     """One decode stream: its reads, then ``broken`` raised (a reset) if given."""
@@ -91,6 +107,9 @@ class Answer:
     closed: bool = False
     released: bool = False
     """Given back for keep-alive (read to its end) rather than closed."""
+    framed: bool = False
+    """The reads are chunked bytes (``framed_reads``), as the hop connection offers them to a
+    splice."""
 
     def close(self) -> None:
         self.closed = True
@@ -117,12 +136,16 @@ class ScriptedUpstream:
             raise answer
         return answer
 
-    async def pipe(self, hop: str, worker: str, resp: Answer, sink: Callable[[bytes], bool]) -> None:
+    async def pipe(self, hop: str, worker: str, resp: Answer, sink: Callable[[bytes], bool],
+                   splice: Callable[[bytes], bool] | None = None) -> None:
         """The answer's reads to ``sink`` one by one (as ``Upstream.pipe``), until it says stop;
-        then the scripted failure, if any."""
+        then the scripted failure, if any. A ``framed`` answer's reads are chunked bytes: each is
+        offered to ``splice`` first, and what it declines goes to the sink unframed."""
         for piece in resp.reads:
             resp.taken += 1
-            if not sink(piece):
+            if resp.framed and splice is not None and splice(piece):
+                continue
+            if not sink(unframed(piece) if resp.framed else piece):
                 return
         if resp.broken is not None:
             raise resp.broken

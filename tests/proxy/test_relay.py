@@ -364,6 +364,33 @@ async def test_a_send_the_writer_cannot_take_now_is_queued_in_order() -> None:
     assert await asyncio.wait_for(waiting, 1) == ([], True)
 
 
+async def test_framed_bytes_go_out_only_when_a_send_would_go_out_at_once() -> None:
+    """``send_framed`` writes through ``direct_framed`` (never held, never charged) while the
+    writer waits with nothing queued; otherwise it does nothing and says so (the caller then
+    sends the events unframed): behind queued bytes, while the client lags, once the stream is
+    closed, with no framed writer."""
+    budget = ByteBudget(10)
+    buf = StreamBuffer(10_000, budget)
+    framed = b"9\r\ndata: 1\n\n\r\n"
+    assert not buf.send_framed(framed)  # no framed writer
+    buf.direct, buf.direct_framed = _Client(), (client := _Client())
+    assert not buf.send_framed(framed)  # the writer is not waiting: it would not see it in order
+    waiting = await _parked(buf)
+    assert buf.send_framed(framed) and client.written == [framed]
+    assert buf.held() == 0 and budget.used == 0 and not waiting.done()
+    client.lagging = True
+    assert not buf.send_framed(framed) and client.written == [framed]
+    client.lagging = False
+    buf.put(b"data: 2\n\n", deferred=True)  # queued, its flush to come
+    assert not buf.send_framed(framed) and client.written == [framed]  # not around what is queued
+    buf.flush()
+    buf.finish(done=True)
+    assert not buf.send_framed(framed)
+    await asyncio.wait_for(waiting, 1)
+    buf.discard()
+    assert buf.direct_framed is None
+
+
 async def test_a_deferred_put_past_the_cap_ends_the_stream_at_once() -> None:
     buf = StreamBuffer(10)
     buf.direct = lambda data: True

@@ -1,0 +1,315 @@
+"""D's reads relayed as D framed them (the splice): a read of a decode stream that is whole chunks
+of plain events, once the stream's first event is read, goes from the hop connection's callback to
+the client's transport as it came (``hop_answer.whole_chunks``, ``sse.plain_chunks``,
+``HopConnection.splice``, ``StreamBuffer.send_framed``); any other read is parsed and handed to
+the stream's reader as before. The client's stream is the same either way."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, cast
+
+import aiohttp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.errors import UpstreamTimeout
+from proxy.hop import SinkError
+from proxy.hop_answer import whole_chunks
+from proxy.hop_wire import HopConnection, parse_origin
+from proxy.pools import PoolSettings
+from proxy.relay import StreamBuffer
+from proxy.sse import DONE_EVENT, SSEReader, plain_chunks
+from proxy.upstream import Upstream
+from tests.fixtures_sim import SimFactory
+from tests.proxy.conftest import PDFactory, req, sse_datas
+from tests.proxy.hop_servers import serving
+from tests.proxy.test_hop_pipe import HEAD, Paced, Sink, chunk, event
+from tests.proxy.test_sim_fields import reference, volatile
+from tests.proxy.test_slow_reader import BIG, SMALL, slow_stream
+
+# -- which reads are whole chunks
+
+
+@pytest.mark.parametrize(("data", "chunks"), [
+    (chunk(b"data: 1\n\n"), 1),
+    (chunk(b"data: 1\n\n") + chunk(b"data: 2\n\n"), 2),
+    (b"A\r\n" + b"x" * 10 + b"\r\n", 1),  # hex, either case
+    (b"a\r\n" + b"x" * 10 + b"\r\n", 1),
+    (b"", 0),
+    (chunk(b"data: 1\n\n")[:-1], 0),  # the CRLF after the data not all here
+    (chunk(b"data: 1\n\n")[:-2], 0),
+    (chunk(b"data: 1\n\n")[:4], 0),  # cut in the data
+    (b"9\r", 0),  # cut in the size line
+    (chunk(b"data: 1\n\n") + b"0\r\n\r\n", 0),  # the body's end: the parser's
+    (b"0\r\n\r\n", 0),
+    (b"9;ext=1\r\ndata: 1\n\n\r\n", 0),  # an extension: the parser's
+    (b" 9\r\ndata: 1\n\n\r\n", 0),
+    (b"+9\r\ndata: 1\n\n\r\n", 0),
+    (b"9\r\ndata: 1\n\nX\r\n", 0),  # longer than its size
+    (b"9\r\ndata: 1\n\n\r\nzz", 0),  # then something that is not a chunk
+])
+def test_a_read_is_spliceable_only_when_it_is_whole_chunks(data: bytes, chunks: int) -> None:
+    assert whole_chunks(data) == chunks
+
+
+# -- which chunks are plain events
+
+_PIECES = [b"data: ", b"data:", b"{\"token_ids\":[1]}", b"x", b"\n", b"\r", b"\n\n", b"[DONE]",
+           b"data: [DONE]\n\n", b'{"error"', b"event: e\n", b": c\n"]
+
+
+def _one_plain_event(data: bytes) -> bool:
+    """The oracle, read plainly: the chunk's data is one ``data`` line and its end, no CR, and
+    neither [DONE] nor an error event is in it (anywhere: a ``data: data: [DONE]`` line is
+    declined too, read as events, the careful side)."""
+    return (data.startswith(b"data: ") and data.endswith(b"\n\n") and data.count(b"\n") == 2
+            and b"\r" not in data and DONE_EVENT not in data and b'data: {"error"' not in data)
+
+
+@settings(max_examples=400)
+@given(st.lists(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6).map(b"".join),
+                min_size=1, max_size=5))
+def test_chunks_are_plain_exactly_when_each_is_one_plain_event(datas: list[bytes]) -> None:
+    framed = b"".join(chunk(d) for d in datas)
+    assert whole_chunks(framed) == len(datas)
+    plain = plain_chunks(framed, len(datas))
+    assert plain == all(_one_plain_event(d) for d in datas)
+    if plain:  # the reader would have found the same events, plain, the stream not ended
+        batch = SSEReader().feed_batch(b"".join(datas))
+        assert batch.plain and not batch.done and batch.body == b"".join(datas)
+
+
+def test_plain_events_of_vllms_kind_are_plain() -> None:
+    events = [b'data: {"request_id":"generate-tokens-a","choices":[{"index":0,"token_ids":[264]}]}\n\n',
+              b'data: {"request_id":"generate-tokens-a","choices":[{"index":0,"token_ids":[331]}]}\n\n']
+    assert plain_chunks(b"".join(chunk(e) for e in events), 2)
+    assert not plain_chunks(chunk(events[0] + events[1]), 1)  # two events in one chunk
+    assert not plain_chunks(chunk(events[0]) + chunk(DONE_EVENT), 2)
+
+
+@pytest.mark.parametrize("data", [
+    b"data: a\nb\n",  # two lines, not ended
+    b"data: a\n\nb",  # ended mid-chunk: the rest is the next event's start
+    b"data: x\r\n\n",  # a CR (the reader normalizes line ends)
+    b"data: x\r\r\n\n",
+    b"event: e\ndata: x\n\n",  # another field
+    b"data:x\n\n",  # no space after the field name
+    b"data: [DONE]\n\n",
+    b'data: {"error":{"message":"m"}}\n\n',
+])
+def test_a_chunk_of_anything_but_one_plain_event_is_not_plain(data: bytes) -> None:
+    ok = chunk(b"data: 1\n\n")
+    assert not _one_plain_event(data)
+    assert not plain_chunks(chunk(data), 1)
+    assert not plain_chunks(ok + chunk(data) + ok, 3)
+
+
+# -- the connection: whole chunks to the splice, the rest to the sink
+
+
+class Splice:
+    """Takes every read that is whole chunks (``take``) or none; records what it was offered."""
+
+    def __init__(self, paced: Paced, *, take: bool = True, fail: bool = False) -> None:
+        self.paced, self.take, self.fail = paced, take, fail
+        self.reads: list[tuple[bytes, int]] = []
+
+    def __call__(self, framed: bytes) -> bool:
+        chunks = whole_chunks(framed)  # as the stream's splice: nothing else is taken
+        if not chunks:
+            return False
+        self.reads.append((framed, chunks))
+        if self.fail:
+            raise RuntimeError("the splice broke")
+        if self.take:
+            self.paced.taken.set()
+        return self.take
+
+
+async def test_reads_of_whole_chunks_go_to_the_splice_as_they_came_and_the_answer_still_ends() -> None:
+    """Events one a read: each read the splice takes is D's chunk itself, the sink gets none of
+    them (but what came with the head), and the last chunk still ends the answer: the connection
+    is kept."""
+    paced = Paced(12)
+    async with serving(paced.handler) as (_, url, client):
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        sink, splice = Sink(paced), Splice(paced)
+        await resp.pipe(sink, splice)
+        assert all(n == 1 for _, n in splice.reads)
+        spliced = [framed for framed, _ in splice.reads]
+        assert sink.reads in ([], [event(0)])  # the first event came with the head, or not
+        assert sink.reads + spliced == sink.reads + [chunk(event(i)) for i in range(len(sink.reads), 12)]
+        assert len(spliced) >= 11
+        resp.close()
+        assert client.counts() == {"in_use": 0, "idle": 1}
+
+
+async def test_reads_the_splice_declines_go_to_the_sink() -> None:
+    paced = Paced(12)
+    async with serving(paced.handler) as (_, url, client):
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        sink, splice = Sink(paced), Splice(paced, take=False)
+        await resp.pipe(sink, splice)
+        assert sink.reads == [event(i) for i in range(12)]
+        assert len(splice.reads) >= 11  # asked, and declined
+        resp.close()
+        assert client.counts() == {"in_use": 0, "idle": 1}
+
+
+async def test_a_read_cut_mid_chunk_goes_to_the_sink_and_the_next_whole_ones_to_the_splice() -> None:
+    """Reads fed one by one: a whole chunk is spliced; a chunk in two reads is parsed, its data
+    to the sink once whole; a whole chunk then, while that is still queued for the sink, is
+    parsed too (nothing overtakes what is queued); once the sink has it, whole chunks are
+    spliced again; the last chunk ends the answer."""
+    from tests.proxy.test_hop_wire import _Transport  # noqa: PLC0415
+
+    loop = asyncio.get_running_loop()
+    conn = HopConnection(loop, parse_origin("http://127.0.0.1:9"))
+    conn.connection_made(_Transport())  # type: ignore[arg-type]
+    conn.begin()
+    conn.data_received(HEAD)
+    got: list[tuple[str, bytes]] = []
+
+    def sink(data: bytes) -> bool:
+        got.append(("sink", data))
+        return True
+
+    def splice(framed: bytes) -> bool:
+        if not whole_chunks(framed):
+            return False
+        got.append(("splice", framed))
+        return True
+
+    task = loop.create_task(conn.pipe(sink, None, 10.0, splice))
+    await asyncio.sleep(0)  # the pipe waits
+    conn.data_received(chunk(event(0)))
+    assert got == [("splice", chunk(event(0)))]
+    conn.data_received(chunk(event(1))[:5])
+    conn.data_received(chunk(event(1))[5:])
+    conn.data_received(chunk(event(2)))  # event 1 is still queued for the sink
+    await asyncio.sleep(0)
+    conn.data_received(chunk(event(3)) + chunk(event(4)))
+    assert got == [("splice", chunk(event(0))), ("sink", event(1) + event(2)),
+                   ("splice", chunk(event(3)) + chunk(event(4)))]
+    conn.data_received(b"0\r\n\r\n")
+    await asyncio.wait_for(task, 10)
+    assert conn.sink is None and conn.splice is None and conn.finished
+
+
+async def test_what_the_splice_raises_is_its_own_error() -> None:
+    paced = Paced(10)
+    async with serving(paced.handler) as (_, url, client):
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        sink, splice = Sink(paced), Splice(paced, fail=True)
+        with pytest.raises(SinkError) as raised:
+            await resp.pipe(sink, splice)
+        assert isinstance(raised.value.error, RuntimeError) and len(splice.reads) == 1
+        resp.close()
+        assert client.counts() == {"in_use": 0, "idle": 0}
+
+
+async def test_spliced_reads_move_the_read_limit_on() -> None:
+    """Spliced reads 0.05 s apart for 2 s under a 1.5 s read limit go through (each read moves
+    the wait's end, as a read the sink gets does); then the worker stops: the wait times out."""
+    paced = Paced(40, end="stall", gap=0.05)
+    async with serving(paced.handler) as (_, url, client):
+        up = Upstream(cast(aiohttp.ClientSession, None), api_key=None, connect_timeout=5, hops=client)
+        loop = asyncio.get_running_loop()
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.5)
+        sink, splice = Sink(paced), Splice(paced)
+        with pytest.raises(UpstreamTimeout, match="stream stalled"):
+            await up.pipe("decode", url, resp, sink, splice)
+        assert len(sink.reads) + len(splice.reads) == 40 and len(splice.reads) >= 39
+        resp.close()
+
+
+# -- through the proxy
+
+
+def _paced(itl_ms: float, **faults: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"zero_latency": False, "itl_ms": itl_ms, "prefill_base_ms": 0,
+                           "prefill_per_token_ms": 0, "transfer_per_block_ms": 0}
+    if faults:
+        out["faults"] = faults
+    return out
+
+
+def _count_spliced(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Reads written through ``send_framed`` (their chunk counts)."""
+    spliced: list[int] = []
+    send_framed: Callable[[StreamBuffer, bytes], bool] = StreamBuffer.send_framed
+
+    def counted(self: StreamBuffer, framed: bytes) -> bool:
+        sent = send_framed(self, framed)
+        if sent:
+            spliced.append(framed.count(b"\r\n") // 2)
+        return sent
+
+    monkeypatch.setattr(StreamBuffer, "send_framed", counted)
+    return spliced
+
+
+@pytest.mark.parametrize("first_from_prefill", [True, False], ids=["p-first", "d-first"])
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+async def test_a_paced_streams_reads_are_spliced_and_the_stream_is_the_aggregated_workers(
+        pd_factory: PDFactory, sim_factory: SimFactory, monkeypatch: pytest.MonkeyPatch,
+        mode: str, first_from_prefill: bool) -> None:
+    """D's events one a read: after the first (read as events: checked, token 1 taken out when
+    P's went first), the reads go to the client as D framed them, and the client's stream is the
+    aggregated worker's, in tokens mode as in text mode."""
+    spliced = _count_spliced(monkeypatch)
+    pd = await pd_factory(decode=_paced(5), first_token_from_prefill=first_from_prefill)
+    body = {**req(token_ids=[65, 66, 67, 68, 69], output_mode=mode, sp={"max_tokens": 12}),
+            "request_id": f"spliced-{mode}"}
+    resp = await pd.client.post("/inference/v1/generate", json={**body, "stream": True})
+    got = sse_datas(await resp.read())
+    _, want = await reference(sim_factory, body, True, {})
+    assert resp.status == 200 and volatile(got) == volatile(want)
+    assert len(spliced) >= 6  # of D's 11 or 12 reads: not the first, perhaps not the last
+    await pd.quiet()
+
+
+async def test_a_stream_that_breaks_after_spliced_reads_migrates_from_where_the_client_is(
+        pd_factory: PDFactory, sim_factory: SimFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """D resets after reads that went out spliced: the continuation's prompt holds the tokens of
+    those reads too (the migration's follower took their ids), so the stream goes on as the
+    aggregated worker's, nothing repeated or lost."""
+    spliced = _count_spliced(monkeypatch)
+    pd = await pd_factory(pools=PoolSettings.plain(migrate=True), n_decode=2,
+                          decode=_paced(5, reset_after_tokens=8))
+    for d in pd.decode[1:]:
+        await d.set_faults(reset_after_tokens=None)
+    body = {**req(token_ids=[65, 66, 67, 68, 69], sp={"max_tokens": 16}), "request_id": "spliced-mig"}
+    for _ in range(2):  # whichever decode worker is picked first, one stream breaks
+        resp = await pd.client.post("/inference/v1/generate", json={**body, "stream": True})
+        got = sse_datas(await resp.read())
+        _, want = await reference(sim_factory, body, True, {})
+        assert resp.status == 200 and volatile(got) == volatile(want)
+    assert len(spliced) >= 4
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert "pd_proxy_migrations_total 1.0" in metrics or "pd_proxy_migrations_total 2.0" in metrics
+    await pd.quiet()
+
+
+async def test_a_client_that_lags_gets_the_rest_queued_and_merged_in_order(
+        pd_factory: PDFactory, sim_factory: SimFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that stops reading for a second: the first of D's reads go out spliced; once the
+    transport holds bytes they cannot, and are queued as events (merged for the lagging client,
+    as without the splice); the client gets every token once, in order."""
+    spliced = _count_spliced(monkeypatch)
+    pd = await pd_factory(prefill=BIG, decode={**BIG, **_paced(1)}, server_kwargs=SMALL)
+    body = req(request_id="lag", sp={"max_tokens": 1500, "ignore_eos": True})
+    assert pd.client.port is not None
+    events = sse_datas(await slow_stream(pd.client.host, pd.client.port, body, pause=1.0))
+    agg = await sim_factory(role="aggregated", zero_latency=True, **BIG)
+    r = await agg.session.post(agg.url + "/inference/v1/generate", json={**body, "stream": True})
+    want = sse_datas(await r.read())
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == \
+        [t for e in want[:-1] for t in e["choices"][0]["token_ids"]]
+    assert events[-1] == "[DONE]"
+    assert spliced, "the reads before the client lagged should have gone out spliced"
+    assert len(events) < len(want), "a lagging client should have received merged chunks"
+    await pd.quiet(limit=2.0)
