@@ -20,7 +20,7 @@ from proxy.hop import HopResponse
 from proxy.hop_answer import whole_chunks
 from proxy.pools import StreamFollower, Worker
 from proxy.protocol import parse_worker_json
-from proxy.relay import StreamBuffer, block_token_ids
+from proxy.relay import StreamBuffer, token_id_runs
 from proxy.sse import DONE_DATA, DONE_EVENT, Batch, SSEReader, data_event, last_data, plain_chunks
 
 log = logging.getLogger("pd_proxy")
@@ -158,17 +158,17 @@ class DecodeReader(Part):
             if not chunks or not plain_chunks(framed, chunks):
                 return False
             follower = rd.follower
-            ids = None
+            runs = None
             if follower is not None:
-                ids = block_token_ids(framed) if follower.cont is None and \
+                runs = token_id_runs(framed, chunks) if follower.cont is None and \
                     follower.progress.output_mode == "tokens" else None
-                if ids is None:
+                if runs is None:
                     return False  # read event by event (text mode, migrated)
             if not buffer.send_framed(framed):
                 return False
-            if ids:
+            if runs:
                 assert follower is not None
-                follower.progress.generated.extend(ids)
+                follower.progress.add_runs(runs)
             if rd.usage:  # the last event's data (D's usage chunk, when it came alone)
                 rd.last = framed[framed.rfind(b"\r\ndata: ") + 8 : -4]
             return True
@@ -191,11 +191,11 @@ class DecodeReader(Part):
                     rd.protocol = rd.stop = True
                     return True
             if follower is not None:
-                ids = block_token_ids(batch.body) if follower.cont is None and \
-                    follower.progress.output_mode == "tokens" else None
-                if ids is None:
+                runs = token_id_runs(batch.body, batch.body.count(b"\n\n")) if follower.cont is None \
+                    and follower.progress.output_mode == "tokens" else None
+                if runs is None:
                     return False  # parse event by event (text mode, migrated, odd)
-                follower.progress.generated.extend(ids)
+                follower.progress.add_runs(runs)
             rd.buffer.send(batch.body, now=not batch.done)  # D's last events go with the stream's end
             if rd.usage:
                 rd.last = last_data(batch.body)

@@ -83,11 +83,27 @@ class StreamProgress:
     """What the client has received of choice 0 so far."""
 
     output_mode: str = "tokens"
-    generated: list[int] = field(default_factory=list)
+    _ids: list[int] = field(default_factory=list)
+    _runs: list[bytes] = field(default_factory=list)
+    """Ids taken unparsed from plain blocks (``relay.token_id_runs``), after those in ``_ids``."""
     tail_tokens: int = 0
     """Text mode: tokens after the last point known to end on a whole character."""
     tail_text: str = ""
     """Text mode: the text the client received for those tokens."""
+
+    @property
+    def generated(self) -> list[int]:
+        """Every id the client has of choice 0, in order (the unparsed runs parsed now)."""
+        if self._runs:
+            joined = b",".join(filter(None, self._runs))
+            if joined:
+                self._ids.extend(map(int, joined.split(b",")))
+            self._runs.clear()
+        return self._ids
+
+    def add_runs(self, runs: list[bytes]) -> None:
+        """Ids of a plain block, as ``relay.token_id_runs`` found them."""
+        self._runs.extend(runs)
 
     def feed(self, choice: Mapping[str, Any], sent: Mapping[str, Any] | None = None) -> None:
         """``choice`` as the worker sent it; ``sent`` what the client got of it, when that was

@@ -9,7 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.relay import ByteBudget, StreamBuffer, block_token_ids, merge_chunks
+from proxy.pools.migration import StreamProgress
+from proxy.relay import ByteBudget, StreamBuffer, merge_chunks, token_id_runs
 from proxy.sse import data_event
 
 
@@ -128,6 +129,16 @@ single_choice_st = st.builds(
     st.one_of(st.none(), st.text(max_size=6)), st.sampled_from([None, "stop", "length"]), st.booleans())
 
 
+def block_token_ids(body: bytes) -> list[int] | None:
+    """The ids ``token_id_runs`` finds in ``body``, parsed as a migration parses them."""
+    runs = token_id_runs(body, body.count(b"\n\n"))
+    if runs is None:
+        return None
+    progress = StreamProgress()
+    progress.add_runs(runs)
+    return progress.generated
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(single_choice_st, min_size=1, max_size=12), st.booleans())
 def test_block_token_ids_equal_the_parsed_ones(chunks: list[dict[str, Any]], usage: bool) -> None:
@@ -144,11 +155,22 @@ def test_block_token_ids_gives_up_on_anything_unexpected() -> None:
     assert block_token_ids(sse_block([ok, no_ids])) is None  # an event without token_ids
     two = {"choices": [{"index": 0, "token_ids": [1]}, {"index": 1, "token_ids": [2]}]}
     assert block_token_ids(sse_block([two])) is None  # two arrays in one event
-    assert block_token_ids(b'data: {"token_ids":[1.5]}\n\n') is None
-    assert block_token_ids(b'data: {"token_ids":[[1]]}\n\n') is None
+    for odd in (b"[1.5]", b"[[1]]", b"[-1]", b"[1,,2]", b"[1,]", b"[,1]", b"[1e3]", b"[ 1]", b'["1"]'):
+        assert block_token_ids(b'data: {"token_ids":%b}\n\n' % odd) is None, odd  # parsed, never fails
+    assert block_token_ids(b'data: {"token_ids":[1, 2]}\n\n') == [1, 2]
+    assert block_token_ids(b'data: {"token_ids":[]}\n\n') == []
     # generated text that spells the key is escaped in JSON: not taken for the key
     text = chunk(0, [5], 'x"token_ids":[9]')
     assert block_token_ids(sse_block([text])) == [5]
+
+
+def test_a_streams_ids_are_parsed_in_order_whichever_way_they_came() -> None:
+    progress = StreamProgress()
+    progress.add_runs([b"1,2", b""])
+    progress.feed({"token_ids": [3]})  # an event read as an event, after the block
+    progress.add_runs([b"4"])
+    assert progress.generated == [1, 2, 3, 4]
+    assert progress.generated == [1, 2, 3, 4]  # parsed once
 
 
 async def test_buffer_merges_events_inside_one_block_when_lagging() -> None:
