@@ -256,26 +256,23 @@ class FrontStream(web.StreamResponse):
         """Write ``data`` (whole events) if that cannot make anyone wait: nothing is waiting in the
         transport's buffer and the framed bytes fit under its high-water mark (so writing cannot
         pause it). True when written; False leaves it to ``write``."""
-        transport = self._front.transport
-        if not self._started or self._eof_sent or transport is None or transport.is_closing() \
-                or transport.get_write_buffer_size():
-            return False
-        out = self._framed(data, keep_head=True)
-        if len(out) > transport.get_write_buffer_limits()[1]:
+        if not self._write_now(self._framed(data, keep_head=True)):
             return False  # the head (if any) still waits
         self._head = b""
-        self._send(out)
         return True
 
     def write_framed_now(self, framed: bytes) -> bool:
         """``write_now`` for bytes already framed as chunks (a worker's chunked body, relayed as it
         came), once the head has gone out."""
+        return not self._head and self._write_now(framed)
+
+    def _write_now(self, out: bytes) -> bool:
         transport = self._front.transport
-        if self._head or not self._started or self._eof_sent or transport is None or transport.is_closing() \
-                or transport.get_write_buffer_size() or len(framed) > transport.get_write_buffer_limits()[1]:
+        if not self._started or self._eof_sent or transport is None or transport.is_closing() \
+                or transport.get_write_buffer_size() or len(out) > transport.get_write_buffer_limits()[1]:
             return False
-        transport.write(framed)
-        self._unflushed += len(framed)
+        transport.write(out)
+        self._unflushed += len(out)
         return True
 
     async def write_eof(self, data: bytes = b"") -> None:

@@ -15,7 +15,6 @@ aborted).
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -172,27 +171,6 @@ def merge_chunks(datas: list[bytes]) -> list[bytes]:
         out.append(compact_json(usage_only))
     out.extend(tail)
     return out
-
-
-_TOKEN_IDS = re.compile(rb'"token_ids":\[((?:[0-9]+(?:, ?[0-9]+)*)?)\]')
-_NO_CHOICES = b'"choices":[]'
-
-
-def token_id_runs(body: bytes, events: int) -> list[bytes] | None:
-    """The generated token ids in a plain block of ``events`` single-choice stream chunks (a
-    plain ``sse.Batch`` body, or chunks of them, of a request with ``n == 1``), in order, as the
-    runs D wrote (``b"264,331"``; ``b""`` for an empty list), without parsing the JSON; the ids
-    themselves are parsed only when a migration needs them (``StreamProgress.generated``).
-
-    None unless every event holds exactly one ``"token_ids":[...]`` of decimal integers or is a
-    chunk without choices (the usage chunk): the caller then parses event by event. In JSON text
-    a quote inside a string is escaped, so the key cannot be faked by generated text. One regex
-    pass for the whole block.
-    """
-    found: list[bytes] = _TOKEN_IDS.findall(body)
-    if len(found) + body.count(_NO_CHOICES) != events:
-        return None
-    return found
 
 
 class ByteBudget:

@@ -106,19 +106,23 @@ class SSEReader:
         return Batch(buf[:cut], plain=False)
 
 
-def plain_chunks(framed: bytes, chunks: int) -> bool:
-    """Whether ``framed``, ``chunks`` whole chunks of a chunked HTTP body (bare hex sizes, none the
-    last: ``hop_answer.whole_chunks``), holds in each chunk exactly one plain event: a single
-    ``data`` line, its end and nothing else (what vLLM writes), none ``[DONE]`` or an error. Then
-    the chunks' data is whole events that ``SSEReader.feed_batch`` would find ``plain``, event
-    boundaries at chunk boundaries, and the bytes can go to a client as they are.
+def plain_chunks(framed: bytes) -> int:
+    """How many chunks ``framed`` holds when, read as whole chunks of a chunked HTTP body (bare
+    hex sizes, none the last: the caller checks that ``hop_answer.whole_chunks`` finds as many),
+    each chunk holds exactly one plain event: a single ``data`` line, its end and nothing else
+    (what vLLM writes), none ``[DONE]`` or an error; 0 otherwise. Then the chunks' data is whole
+    events that ``SSEReader.feed_batch`` would find ``plain``, event boundaries at chunk
+    boundaries, and the bytes can go to a client as they are.
 
-    Counted on the framed bytes, no slicing: the framing has two CRs and two LFs a chunk, so no CR
-    in any chunk's data and exactly two LFs each, both at its end (``\\n\\n`` before each chunk's
-    closing CRLF), and ``data: `` after each size line."""
-    return framed.count(b"\r") == 2 * chunks and framed.count(b"\n") == 4 * chunks \
-        and framed.count(b"\n\n\r\n") == chunks and framed.count(b"\r\ndata: ") == chunks \
-        and DONE_EVENT not in framed and _ERROR_EVENT not in framed
+    Counted on the framed bytes, no slicing (byte scans, before any walk of the chunks): ``data: ``
+    after each size line gives the count; the framing has two CRs and two LFs a chunk, so no CR in
+    any chunk's data and exactly two LFs each, both at its end (``\\n\\n`` before each chunk's
+    closing CRLF)."""
+    n = framed.count(b"\r\ndata: ")
+    if n and framed.count(b"\r") == 2 * n and framed.count(b"\n") == 4 * n \
+            and framed.count(b"\n\n\r\n") == n and DONE_EVENT not in framed and _ERROR_EVENT not in framed:
+        return n
+    return 0
 
 
 def _scan_end(buf: bytes) -> int:

@@ -103,26 +103,19 @@ class StreamDecode(Part):
                 self._second_write(f, now)  # once per stream, only after P's token
         w.last = now
 
-    def _direct(self, f: Flight, resp: FrontStream, w: _Writes) -> Callable[[bytes], bool]:
-        """The buffer's ``direct`` for a stream the front writes: what a read of D's stream
-        completed goes to the client from the producer, while the relay waits (no task switch)."""
+    def _direct(self, f: Flight, w: _Writes, write: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
+        """A buffer's ``direct`` (``write``: ``FrontStream.write_now``) or ``direct_framed``
+        (``write_framed_now``, only without a rewrite) for a stream the front writes: what a
+        read of D's stream completed goes to the client from the producer, while the relay waits
+        (no task switch)."""
         def direct(data: bytes) -> bool:
             if f.rewrite is not None:
                 data = f.rewrite.apply(data)
-            if not resp.write_now(data):
+            if not write(data):
                 return False
             self._wrote(f, w, self.clock())
             return True
         return direct
-
-    def _direct_framed(self, f: Flight, resp: FrontStream, w: _Writes) -> Callable[[bytes], bool]:
-        """The buffer's ``direct_framed``: D's chunks written to the client as they came."""
-        def direct_framed(framed: bytes) -> bool:
-            if not resp.write_framed_now(framed):
-                return False
-            self._wrote(f, w, self.clock())
-            return True
-        return direct_framed
 
     async def _pump(self, request: web.Request, f: Flight, resp: web.StreamResponse, buffer: StreamBuffer,
                     w: _Writes) -> bytes:
@@ -157,9 +150,9 @@ class StreamDecode(Part):
                      buffer: StreamBuffer) -> None:
         w = _Writes(f.timing.first_write, HistogramBatch(self.metrics.itl))  # P's token went first
         if type(resp) is FrontStream:
-            buffer.direct = self._direct(f, resp, w)
-            if f.rewrite is None:
-                buffer.direct_framed = self._direct_framed(f, resp, w)
+            buffer.direct = self._direct(f, w, resp.write_now)
+            if f.rewrite is None:  # a rewrite changes the chunks' lengths: framed bytes are D's own
+                buffer.direct_framed = self._direct(f, w, resp.write_framed_now)
         try:
             last = await self._pump(request, f, resp, buffer, w)
         finally:

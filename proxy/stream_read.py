@@ -20,8 +20,8 @@ from proxy.hop import HopResponse
 from proxy.hop_answer import whole_chunks
 from proxy.pools import StreamFollower, Worker
 from proxy.protocol import parse_worker_json
-from proxy.relay import StreamBuffer, token_id_runs
-from proxy.sse import DONE_DATA, DONE_EVENT, Batch, SSEReader, data_event, last_data, plain_chunks
+from proxy.relay import StreamBuffer
+from proxy.sse import DONE_DATA, Batch, SSEReader, data_event, last_data, plain_chunks
 
 log = logging.getLogger("pd_proxy")
 
@@ -146,22 +146,20 @@ class DecodeReader(Part):
         first event is read and token 1 taken out, written to the client as D framed it when the
         client keeps up (``StreamBuffer.send_framed``): not split into events, not framed again,
         not handed on in the next loop turn. False leaves the read to ``on_read``, as any other
-        (the cheap checks first: a read that will not do is not walked)."""
+        (the byte scans first: a read that will not do is not walked chunk by chunk)."""
         first_filter = rd.f.first_filter
         buffer = rd.buffer
 
         def splice(framed: bytes) -> bool:
-            if rd.first or reader.pending or DONE_EVENT in framed or \
-                    (first_filter is not None and first_filter.pending):
-                return False  # D's last read (its [DONE]) goes with the stream's end: not walked
-            chunks = whole_chunks(framed)
-            if not chunks or not plain_chunks(framed, chunks):
+            if rd.first or reader.pending or (first_filter is not None and first_filter.pending):
+                return False
+            chunks = plain_chunks(framed)  # its scans first: D's last read ([DONE]) is not walked
+            if not chunks or whole_chunks(framed) != chunks:
                 return False
             follower = rd.follower
             runs = None
             if follower is not None:
-                runs = token_id_runs(framed, chunks) if follower.cont is None and \
-                    follower.progress.output_mode == "tokens" else None
+                runs = follower.block_runs(framed, chunks)
                 if runs is None:
                     return False  # read event by event (text mode, migrated)
             if not buffer.send_framed(framed):
@@ -191,8 +189,7 @@ class DecodeReader(Part):
                     rd.protocol = rd.stop = True
                     return True
             if follower is not None:
-                runs = token_id_runs(batch.body, batch.body.count(b"\n\n")) if follower.cont is None \
-                    and follower.progress.output_mode == "tokens" else None
+                runs = follower.block_runs(batch.body, batch.body.count(b"\n\n"))
                 if runs is None:
                     return False  # parse event by event (text mode, migrated, odd)
                 follower.progress.add_runs(runs)

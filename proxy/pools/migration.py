@@ -34,6 +34,7 @@ multimodal inputs. Those fail as before; everything else migrates.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,27 @@ def _option_blocker(sp: Mapping[str, Any], data: Mapping[str, Any]) -> str | Non
     return None
 
 
+_TOKEN_IDS = re.compile(rb'"token_ids":\[((?:[0-9]+(?:, ?[0-9]+)*)?)\]')
+_NO_CHOICES = b'"choices":[]'
+
+
+def token_id_runs(body: bytes, events: int) -> list[bytes] | None:
+    """The generated token ids in a plain block of ``events`` single-choice stream chunks (a
+    plain ``sse.Batch`` body, or chunks of them, of a request with ``n == 1``), in order, as the
+    runs D wrote (``b"264,331"``; ``b""`` for an empty list), without parsing the JSON; the ids
+    themselves are parsed only when a migration needs them (``StreamProgress.generated``).
+
+    None unless every event holds exactly one ``"token_ids":[...]`` of decimal integers or is a
+    chunk without choices (the usage chunk): the caller then parses event by event. In JSON text
+    a quote inside a string is escaped, so the key cannot be faked by generated text. One regex
+    pass for the whole block.
+    """
+    found: list[bytes] = _TOKEN_IDS.findall(body)
+    if len(found) + body.count(_NO_CHOICES) != events:
+        return None
+    return found
+
+
 @dataclass(slots=True)
 class StreamProgress:
     """What the client has received of choice 0 so far."""
@@ -85,7 +107,7 @@ class StreamProgress:
     output_mode: str = "tokens"
     _ids: list[int] = field(default_factory=list)
     _runs: list[bytes] = field(default_factory=list)
-    """Ids taken unparsed from plain blocks (``relay.token_id_runs``), after those in ``_ids``."""
+    """Ids taken unparsed from plain blocks (``token_id_runs``), after those in ``_ids``."""
     tail_tokens: int = 0
     """Text mode: tokens after the last point known to end on a whole character."""
     tail_text: str = ""
@@ -102,7 +124,7 @@ class StreamProgress:
         return self._ids
 
     def add_runs(self, runs: list[bytes]) -> None:
-        """Ids of a plain block, as ``relay.token_id_runs`` found them."""
+        """Ids of a plain block, as ``token_id_runs`` found them."""
         self._runs.extend(runs)
 
     def feed(self, choice: Mapping[str, Any], sent: Mapping[str, Any] | None = None) -> None:
@@ -243,6 +265,15 @@ class StreamFollower:
         self.cont: Continuation | None = None
         self.replay = Replay()
         self.migrations = 0
+
+    def block_runs(self, body: bytes, events: int) -> list[bytes] | None:
+        """The ids of a plain block of ``events`` events, unparsed (``token_id_runs``), when they
+        may be taken so: tokens mode, not continued elsewhere (a continuation's events are
+        rewritten one by one). None: the block is read event by event. The caller adds them
+        (``progress.add_runs``) once the block is on its way to the client."""
+        if self.cont is not None or self.progress.output_mode != "tokens":
+            return None
+        return token_id_runs(body, events)
 
     def event(self, payload: bytes) -> bytes | None:
         chunk = parse_stream_chunk(payload)

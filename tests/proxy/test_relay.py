@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.pools.migration import StreamProgress
-from proxy.relay import ByteBudget, StreamBuffer, merge_chunks, token_id_runs
+from proxy.pools.migration import StreamProgress, token_id_runs
+from proxy.relay import ByteBudget, StreamBuffer, merge_chunks
 from proxy.sse import data_event
 
 

@@ -75,7 +75,7 @@ def _one_plain_event(data: bytes) -> bool:
 def test_chunks_are_plain_exactly_when_each_is_one_plain_event(datas: list[bytes]) -> None:
     framed = b"".join(chunk(d) for d in datas)
     assert whole_chunks(framed) == len(datas)
-    plain = plain_chunks(framed, len(datas))
+    plain = plain_chunks(framed) == len(datas)
     assert plain == all(_one_plain_event(d) for d in datas)
     if plain:  # the reader would have found the same events, plain, the stream not ended
         batch = SSEReader().feed_batch(b"".join(datas))
@@ -85,9 +85,9 @@ def test_chunks_are_plain_exactly_when_each_is_one_plain_event(datas: list[bytes
 def test_plain_events_of_vllms_kind_are_plain() -> None:
     events = [b'data: {"request_id":"generate-tokens-a","choices":[{"index":0,"token_ids":[264]}]}\n\n',
               b'data: {"request_id":"generate-tokens-a","choices":[{"index":0,"token_ids":[331]}]}\n\n']
-    assert plain_chunks(b"".join(chunk(e) for e in events), 2)
-    assert not plain_chunks(chunk(events[0] + events[1]), 1)  # two events in one chunk
-    assert not plain_chunks(chunk(events[0]) + chunk(DONE_EVENT), 2)
+    assert plain_chunks(b"".join(chunk(e) for e in events)) == 2
+    assert not plain_chunks(chunk(events[0] + events[1]))  # two events in one chunk
+    assert not plain_chunks(chunk(events[0]) + chunk(DONE_EVENT))
 
 
 @pytest.mark.parametrize("data", [
@@ -103,8 +103,8 @@ def test_plain_events_of_vllms_kind_are_plain() -> None:
 def test_a_chunk_of_anything_but_one_plain_event_is_not_plain(data: bytes) -> None:
     ok = chunk(b"data: 1\n\n")
     assert not _one_plain_event(data)
-    assert not plain_chunks(chunk(data), 1)
-    assert not plain_chunks(ok + chunk(data) + ok, 3)
+    assert not plain_chunks(chunk(data))
+    assert plain_chunks(ok + chunk(data) + ok) != 3
 
 
 # -- the connection: whole chunks to the splice, the rest to the sink

@@ -17,7 +17,8 @@ from proxy.first_token_filter import FirstTokenFilter
 from proxy.flight import Flight
 from proxy.pools import Worker
 from proxy.relay import StreamBuffer
-from proxy.stream_read import DecodeReader, Status
+from proxy.sse import SSEReader
+from proxy.stream_read import DecodeReader, Status, _Read
 from tests.proxy.scripted_streams import (
     DONE,
     KV_PARAMS,
@@ -247,6 +248,24 @@ async def test_a_read_is_not_spliced_while_the_reader_holds_part_of_an_event() -
     await writer.park()
     assert (await r.once())[0] is Status.DONE
     assert writer.events == [EVENTS[0], b'data: {"x"' + EVENTS[1]] and writer.framed == [reads[2]]
+
+
+async def test_the_splice_takes_only_reads_whose_chunk_sizes_hold() -> None:
+    """Reads that look like plain chunks by their bytes but are not whole chunks by their size
+    lines (a size that lies, an extension) are left to the parser: never written as they came."""
+    r = Reading(Answer([]))
+    writer = _Writer(r.buffer)
+    await writer.park()
+    rd = _Read(r.f, r.worker, decode_body(False), r.buffer, None)
+    rd.first = False  # D's first event is read
+    splice = r.reader._splicer(rd, SSEReader())
+    event = EVENTS[1]
+    ok = framed_reads([event])[0]
+    for bad in (b"%x\r\n%b\r\n" % (len(event) + 1, event), b"%x\r\n%b\r\n" % (len(event) - 1, event),
+                b"%x;x=1\r\n%b\r\n" % (len(event), event)):
+        assert not splice(bad), bad
+    assert writer.framed == []
+    assert splice(ok) and writer.framed == [ok]
 
 
 def _choice_event(index: int, *tokens: int) -> bytes:
