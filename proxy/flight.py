@@ -56,7 +56,14 @@ class Timing:
         return out
 
     def header(self, now: float) -> str:
-        return ", ".join(f"{name};dur={value:.3f}" for name, value in self.durations_ms(now).items())
+        """``durations_ms`` as the ``Server-Timing`` header's value (``name;dur=ms``, in order)."""
+        d = self.durations_ms(now)
+        return (_SERVER_TIMING if len(d) == 5 else _SERVER_TIMING_FIRST) % tuple(d.values())
+
+
+_SERVER_TIMING = "queue;dur=%.3f, prefill;dur=%.3f, handoff;dur=%.3f, decode_ttft;dur=%.3f, total;dur=%.3f"
+_SERVER_TIMING_FIRST = _SERVER_TIMING.replace(", total", ", first_to_second;dur=%.3f, total")
+"""``Timing.header``'s formats, without and with P's token first (one formatting, not one per entry)."""
 
 
 
