@@ -131,6 +131,8 @@ class FrontRequest:
         self.keep_alive, self._body = head.keep_alive, body
         self._state: dict[Any, Any] = {}
         self._writer: StreamWriter | None = None
+        self.replied: FrontReply | None = None
+        """Set by ``reply``: the answer is on the wire, whatever the handler does after it."""
         self.on_gone: Callable[[], None] | None = None
         """Set by the handler while it is in a step it must not leave half done (the prefill hop,
         ``proxy.prefill``): when the client goes away, or the shutdown ends the request, the front
@@ -158,6 +160,28 @@ class FrontRequest:
     async def read(self) -> bytes:
         return self._body
 
+    def reply(self, body: bytes, headers: Mapping[str, str]) -> web.StreamResponse:
+        """A 200 JSON answer written on the connection now, before the walk's accounting: the same
+        head and body as ``Front._finish`` writes for a ``web.Response(body=body,
+        content_type="application/json", headers=headers)`` (the headers in that order, then
+        ``Content-Type``, ``Content-Length``, ``Date``, ``Server``, ``Connection: close`` when the
+        connection ends). Nothing is written when the client is gone. The response returned is
+        the front's record of it (``FrontReply``): nothing is left to send."""
+        protocol = self._protocol
+        transport = protocol.transport
+        if transport is not None and not transport.is_closing():
+            head = dict(headers)
+            head[hdrs.CONTENT_TYPE] = "application/json"
+            head[hdrs.CONTENT_LENGTH] = str(len(body))
+            head[hdrs.DATE] = rfc822_formatted_time()
+            head[hdrs.SERVER] = SERVER_SOFTWARE
+            if not self.keep_alive or protocol.closing:
+                head[hdrs.CONNECTION] = "close"
+            # aiohttp's serializer (C, refuses CR and LF) iterates any mapping's items
+            transport.write(_serialize_headers("HTTP/1.1 200 OK", cast("CIMultiDict[str]", head)) + body)
+        replied = self.replied = FrontReply(protocol)
+        return replied
+
     def get(self, key: Any, default: Any = None) -> Any:
         return self._state.get(key, default)
 
@@ -182,6 +206,25 @@ def _response_head(resp: web.StreamResponse, *, close: bool) -> bytes:
     if close:
         headers[hdrs.CONNECTION] = "close"
     return _serialize_headers(f"HTTP/1.1 {resp.status} {resp.reason}", headers)
+
+
+class FrontReply(web.StreamResponse):
+    """A full answer ``FrontRequest.reply`` wrote already: its status for the walk's accounting;
+    ending it waits for a client that has not taken it yet (past the transport's high-water mark),
+    as ``Front._finish`` waits after its own write."""
+
+    def __init__(self, front: Front) -> None:
+        super().__init__(status=200)
+        self._front = front
+
+    @property
+    def prepared(self) -> bool:
+        return True
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        front = self._front
+        if front.transport is not None and front._paused:
+            await front._drain_helper()
 
 
 class FrontStream(web.StreamResponse):
@@ -401,7 +444,12 @@ class Front(BaseProtocol):
                     guard(as_request)
                 resp = await handler(as_request)
             except Exception as e:
-                resp = answer_error(as_request, e)
+                if request.replied is None:
+                    resp = answer_error(as_request, e)
+                else:  # a bug after the answer went out: no second answer on this connection
+                    log_unexpected(e, f"serving POST {request.path} after its answer")
+                    request.keep_alive = False
+                    resp = request.replied
             await self._finish(request, resp)
         except Exception as e:  # the client went away mid-write, or a response that cannot be written
             if not isinstance(e, ConnectionResetError):

@@ -75,34 +75,42 @@ class FullDecode(Part):
         finally:
             f.settled.set()
 
-    def _reply(self, f: Flight, worker: Worker, reply: dict[str, Any], raw: bytes) -> web.Response:
-        """D answered: the lease ends (pulled), and D's bytes go to the client with what only P
-        knows spliced in."""
-        record = f.record
+    def _reply(self, f: Flight, worker: Worker, reply: dict[str, Any], raw: bytes) -> web.StreamResponse:
+        """D answered: D's bytes go to the client with what only P knows spliced in, then the
+        lease ends (pulled) and the request is accounted. On the front the answer is written
+        before that accounting (``FrontRequest.reply``): the client does not wait for it."""
         f.timing.first_token = self.clock()
-        self.core.close_lease(f, "aborted" if record.is_aborted else "pulled")
-        self.core.set_done(f)
-        self.metrics.child(self.metrics.stage, "decode_first_token").observe(
-            f.timing.first_token - (f.timing.decode_start or 0))
         if reply.get("output_mode") != f.request.output_mode:
+            self._answered(f)
             self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "protocol").inc()
             raise UpstreamProtocolError(
                 "decode", worker.url,
                 f"answered output_mode {reply.get('output_mode')!r} for a {f.request.output_mode!r} "
                 "request (a server that predates output_mode?)")
-        self.core.note_usage(f, reply.get("usage"))
-        if f.completion_tokens and f.request.sampling_params.n == 1 and f.timing.first_token is not None \
-                and f.timing.decode_start is not None:
-            # Non-stream: the decode hop (KV pull and first token included) per output token.
-            self.metrics.tpot.observe((f.timing.first_token - f.timing.decode_start) / f.completion_tokens)
+        self.core.note_usage(f, reply.get("usage"))  # D's own usage, before P's is merged in
         raw = self.merge_prefill_info(f, reply, raw)
         if f.rewrite is not None:
             raw = f.rewrite.apply(raw)
         now = self.clock()
-        self.metrics.ttft.observe(now - f.timing.received)
         headers = dict(f.headers)
         headers["Server-Timing"] = f.timing.header(now)
-        return web.Response(body=raw, content_type="application/json", headers=headers)
+        response = f.front.reply(raw, headers) if f.front is not None else \
+            web.Response(body=raw, content_type="application/json", headers=headers)
+        self._answered(f)
+        if f.completion_tokens and f.request.sampling_params.n == 1 and f.timing.first_token is not None \
+                and f.timing.decode_start is not None:
+            # Non-stream: the decode hop (KV pull and first token included) per output token.
+            self.metrics.tpot.observe((f.timing.first_token - f.timing.decode_start) / f.completion_tokens)
+        self.metrics.ttft.observe(now - f.timing.received)
+        return response
+
+    def _answered(self, f: Flight) -> None:
+        """D answered (it pulled the KV): the lease ends, the request is done."""
+        first_token = f.timing.first_token or 0.0
+        self.core.close_lease(f, "aborted" if f.record.is_aborted else "pulled")
+        self.core.set_done(f)
+        self.metrics.child(self.metrics.stage, "decode_first_token").observe(
+            first_token - (f.timing.decode_start or 0))
 
     def merge_prefill_info(self, f: Flight, reply: dict[str, Any], raw: bytes) -> bytes:
         """Put what only the prefill hop knows into D's reply (``reply``, parsed from ``raw``);

@@ -442,3 +442,70 @@ async def test_a_client_gone_mid_paced_stream_is_aborted_and_nothing_held(pd_fac
     metrics = await (await pd.client.get("/metrics")).text()
     assert 'pd_proxy_requests_total{outcome="aborted"} 1.0' in metrics
     assert len(pd.serving.table) == 0
+
+
+async def _raw_head(port: int, data: bytes) -> tuple[list[str], bytes]:
+    """One answer's header names in the order written (lower-cased), and its body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        lines = head.decode().split("\r\n")[1:-2]
+        names = [line.partition(":")[0].lower() for line in lines]
+        length = int(next(line for line in lines if line.lower().startswith("content-length:")).split(":")[1])
+        return names, await asyncio.wait_for(reader.readexactly(length), 5.0)
+    finally:
+        writer.close()
+
+
+async def test_a_full_answer_is_written_by_the_walk_with_aiohttps_head(pd_factory: PDFactory) -> None:
+    """A non-stream answer on the front is written by the walk (``FrontRequest.reply``) with the
+    head aiohttp writes for the same answer: the same header lines in the same order, the
+    connection's end announced when the client asked for it."""
+    heads: dict[str, list[list[str]]] = {}
+    for front in ("own", "aiohttp"):
+        pd = await pd_factory(front=front)
+        port = _port(pd)
+        heads[front] = []
+        for extra in ("", "Connection: close\r\n"):
+            names, body = await _raw_head(port, _gen("h", extra))
+            assert json.loads(body)["request_id"] == "generate-tokens-h"
+            heads[front].append(names)
+        await pd.quiet()
+    assert heads["own"] == heads["aiohttp"]
+    kept, closed = heads["own"]
+    assert kept == ["x-request-id", "server-timing", "content-type", "content-length", "date", "server"]
+    assert closed == [*kept, "connection"]
+
+
+async def test_a_failure_after_the_answer_went_out_closes_the_connection_only(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The walk's accounting after a non-stream answer is written (the lease's end, the request
+    done) raising (a bug): the client has its whole answer, no second one follows on the
+    connection, which is closed; the error is logged; the server goes on."""
+    pd = await pd_factory()
+    port = _port(pd)
+    answered = pd.serving.full._answered
+    calls: list[str] = []
+
+    def failing(f: Any) -> None:
+        calls.append(f.client_id)
+        if f.client_id == "late":
+            raise RuntimeError("accounting failed")
+        answered(f)
+
+    monkeypatch.setattr(pd.serving.full, "_answered", failing)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(_gen("late"))
+        raw = await asyncio.wait_for(reader.read(), 5.0)  # to the end: the server closes
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nConnection: close" not in head
+    assert json.loads(body)["request_id"] == "generate-tokens-late"  # one answer, whole
+    assert calls == ["late"]
+    assert "unexpected RuntimeError while serving POST /inference/v1/generate after its answer" in caplog.text
+    (status, _, after), = await _exchange(port, _gen("after"), 1)
+    assert status == 200 and json.loads(after)["request_id"] == "generate-tokens-after"
+    await pd.quiet()
