@@ -20,7 +20,14 @@ from proxy.aborts import Aborts, stream_tail
 from proxy.cleanup import Cleanup
 from proxy.core import Core, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
-from proxy.errors import StreamOverflow, UpstreamError, UpstreamProtocolError, UpstreamStatusError
+from proxy.errors import (
+    ProxyError,
+    StreamOverflow,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    log_unexpected,
+)
 from proxy.flight import Flight
 from proxy.front import FrontStream
 from proxy.metrics import HistogramBatch
@@ -91,6 +98,25 @@ class StreamDecode(Part):
             return resp
         finally:
             buffer.discard()  # nothing more goes to this client: its bytes leave the budget
+
+    def _crashed(self, f: Flight, buffer: StreamBuffer, exc: Exception) -> None:
+        """The producer raised ``exc`` (a bug: every failure it expects ends the client's answer
+        in ``produce``). Left so, the handler would wait forever, for D's answer
+        (``headers_ready``) or in the relay's ``take``, and the request stay in the table until
+        the client leaves. Its client is answered as after any unexpected error: a generic 500
+        when nothing was sent yet (the handler raises it: ``proxy.errors.answer_error`` logs it),
+        else the proxy's in-band error event. The phase stays DECODING: the clean-up aborts D and
+        closes P's lease (``Cleanup.run``, which also retrieves the exception)."""
+        f.settled.set()  # nothing else will: the clean-up waits on it while it aborts D
+        ready = f.headers_ready
+        if f.first is None and ready is not None and not ready.done():  # no stream opened yet
+            ready.set_exception(exc)
+            return
+        # The client's stream is open (D answered, or P's token went first): the error goes
+        # in-band, never quoting the exception (its message may quote the request).
+        log_unexpected(exc, "reading a decode stream")
+        if not buffer.closed:
+            buffer.finish(done=False, error=ProxyError("Internal server error").sse_event())
 
     def _wrote(self, f: Flight, w: _Writes, now: float) -> None:
         """A write to the client at ``now``: the first one's TTFT, the gaps between the others."""
@@ -172,8 +198,9 @@ class StreamDecode(Part):
         events = last + buffer.error_event if buffer.error_event is not None else last
         await self.write_client(request, resp, stream_tail(request, f, self.clock(), events), eof=True)
         buffer.sent()
-        if f.decode_task is not None and f.decode_task.done():
-            self.core.set_done(f)
+        task = f.decode_task
+        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
+            self.core.set_done(f)  # (a producer that raised left D and P's lease to the clean-up)
 
     def _second_write(self, f: Flight, now: float) -> None:
         """The write after P's token (when P's token went first): the ``first_to_second`` stage."""
@@ -201,6 +228,14 @@ class StreamDecode(Part):
         await write_bounded(request, resp, data, self.settings.slow_reader_timeout, eof=eof)
 
     async def produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
+        """The producer task: ``attempts``, its client answered if it raises (``_crashed``)."""
+        try:
+            await self.attempts(f, worker, body, buffer)
+        except Exception as e:
+            self._crashed(f, buffer, e)
+            raise  # the task ends failed: the clean-up frees what D and P hold
+
+    async def attempts(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
         """Read D's stream into ``buffer`` (never blocks on the client).
 
         Before D's first byte, a failed open goes to another decode worker (``DecodeAttempts``).

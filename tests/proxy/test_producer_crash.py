@@ -1,0 +1,137 @@
+"""A stream's producer that raises (a bug, not a worker's failure) ends its client's answer: a
+generic 500 before D answered, the proxy's in-band error event once the client's stream is open
+(D answered, or P's token went first); never quoting the exception. The clean-up then frees what
+D and P hold, as after any walk that did not finish: the request leaves the table, P's lease is
+closed, no task is left behind, nothing is left for asyncio to log."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from proxy.errors import ProxyError
+from proxy.hop import HopResponse
+from proxy.stream_read import DecodeReader
+from proxy.upstream import Upstream
+from tests.proxy.conftest import PD, PDFactory, req, sse_datas
+
+SECRET = "secret prompt text"
+INTERNAL = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                      "code": 500}}
+PACED = {"zero_latency": False, "itl_ms": 100.0, "prefill_base_ms": 0.0, "prefill_per_token_ms": 0.0,
+         "transfer_per_block_ms": 0.0}
+"""A decode worker that sends a token every 100 ms (200 tokens: 20 s unless it is stopped)."""
+BOUND = 30.0
+"""Every wait for the client's answer: a hang fails the test, not pytest's timeout."""
+
+
+def crash_at_the_first_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer raises before D's stream is opened."""
+    async def once(*_: Any, **__: Any) -> Any:
+        raise RuntimeError(SECRET)
+
+    monkeypatch.setattr(DecodeReader, "once", once)
+
+
+def crash_after_the_first_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer reads D's first read of its stream as usual, then raises at the next one
+    (every read goes to the reader's sink: no splice)."""
+    pipe = Upstream.pipe
+
+    async def crashing(self: Upstream, hop: str, worker: str, resp: HopResponse,
+                       sink: Callable[[bytes], bool], splice: Callable[[bytes], bool] | None = None) -> None:
+        reads = 0
+
+        def first_only(data: bytes) -> bool:
+            nonlocal reads
+            reads += 1
+            if reads > 1:
+                raise RuntimeError(SECRET)
+            return sink(data)
+
+        await pipe(self, hop, worker, resp, first_only)
+
+    monkeypatch.setattr(Upstream, "pipe", crashing)
+
+
+async def post_stream(pd: PD, body: dict[str, Any]) -> tuple[int, bytes]:
+    r = await asyncio.wait_for(pd.client.post("/inference/v1/generate", json={**body, "stream": True}), BOUND)
+    return r.status, await asyncio.wait_for(r.read(), BOUND)
+
+
+async def closed_leases(pd: PD) -> list[str]:
+    """The reasons P's leases were closed with; none may be left open."""
+    ledger = await (await pd.client.get("/debug/kv-leases")).json()
+    assert ledger["open"] == []
+    return [lease["reason"] for lease in ledger["closed"]]
+
+
+async def nothing_unretrieved(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        gc.collect()
+        await asyncio.sleep(0)
+    assert not [rec for rec in caplog.records if "never retrieved" in rec.getMessage()]
+
+
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_a_crash_before_ds_answer_is_a_generic_500(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        front: str) -> None:
+    # D never got the request: P frees its KV at the end of its own (short) lease.
+    pd = await pd_factory(front=front, first_token_from_prefill=False, prefill={"lease_seconds": 0.5})
+    crash_at_the_first_attempt(monkeypatch)
+    with caplog.at_level(logging.ERROR, logger="pd_proxy"):
+        status, raw = await post_stream(pd, req(request_id="crash-500"))
+        await pd.quiet(limit=BOUND)  # the table and the tracker empty, nothing held on P or D
+    assert status == 500 and json.loads(raw) == INTERNAL
+    assert "unexpected RuntimeError while serving POST /inference/v1/generate" in caplog.text
+    assert SECRET not in caplog.text
+    assert await closed_leases(pd) == ["unknown"]  # whether D pulled is not known
+    await nothing_unretrieved(caplog)
+
+
+async def test_a_crash_after_ds_first_event_ends_the_stream_in_band(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    pd = await pd_factory(first_token_from_prefill=False, decode=PACED)
+    crash_after_the_first_read(monkeypatch)
+    with caplog.at_level(logging.ERROR, logger="pd_proxy"):
+        status, raw = await post_stream(pd, req(request_id="crash-in-band", sp={"max_tokens": 200}))
+        # D stops at once (its connection closed, then the clean-up's abort), not after 20 s.
+        await pd.quiet(limit=10.0)
+    events = sse_datas(raw)
+    assert status == 200 and len(events) == 3
+    choice = events[0]["choices"][0]
+    assert len(choice["token_ids"]) == 1 and choice["finish_reason"] is None  # D's first event
+    assert raw.endswith(ProxyError("Internal server error").sse_event() + b"data: [DONE]\n\n")
+    assert events[1:] == [INTERNAL, "[DONE]"]
+    assert "unexpected RuntimeError while reading a decode stream" in caplog.text
+    assert SECRET not in caplog.text and SECRET.encode() not in raw
+    assert (await pd.d.state())["generate_calls"] == 1
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert 'pd_proxy_abort_fanout_total{pool="decode",result="ok"} 1.0' in metrics  # the clean-up's
+    assert await closed_leases(pd) == ["pulled"]  # D's first event: it had P's KV
+    await nothing_unretrieved(caplog)
+
+
+async def test_a_crash_after_ps_token_went_first_ends_the_stream_in_band(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    pd = await pd_factory(first_token_from_prefill=True, prefill={"lease_seconds": 0.5})
+    crash_at_the_first_attempt(monkeypatch)
+    with caplog.at_level(logging.ERROR, logger="pd_proxy"):
+        status, raw = await post_stream(pd, req(request_id="crash-after-p"))
+        await pd.quiet(limit=BOUND)
+    events = sse_datas(raw)
+    assert status == 200 and len(events) == 3
+    assert len(events[0]["choices"][0]["token_ids"]) == 1  # P's token
+    assert raw.endswith(ProxyError("Internal server error").sse_event() + b"data: [DONE]\n\n")
+    assert events[1:] == [INTERNAL, "[DONE]"]
+    assert "unexpected RuntimeError while reading a decode stream" in caplog.text
+    assert SECRET not in caplog.text and SECRET.encode() not in raw
+    assert await closed_leases(pd) == ["unknown"]
+    await nothing_unretrieved(caplog)
