@@ -14,6 +14,7 @@ without looking at each event; anything else falls back to the event-by-event pa
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 DONE_DATA = b"[DONE]"
@@ -123,6 +124,20 @@ def plain_chunks(framed: bytes) -> int:
             and framed.count(b"\n\n\r\n") == n and DONE_EVENT not in framed and _ERROR_EVENT not in framed:
         return n
     return 0
+
+
+_ONE_PLAIN_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,16})\r\n(data: [^\r\n]*\n\n)\r\n")
+"""One chunk (a bare hex size of at most 16 digits, as the hop's parser takes) whose data is one
+``data`` line and its end."""
+
+
+def one_plain_chunk(framed: bytes) -> bool:
+    """``framed`` is one chunk holding one plain event: what ``plain_chunks`` and
+    ``hop_answer.whole_chunks`` both count as 1, found in one match (the usual read of a paced
+    stream: one vLLM event). False says nothing: ask those two."""
+    m = _ONE_PLAIN_CHUNK.fullmatch(framed)
+    return m is not None and int(m[1], 16) == len(framed) - m.end(1) - 4 \
+        and DONE_EVENT not in framed and _ERROR_EVENT not in framed
 
 
 def _scan_end(buf: bytes) -> int:

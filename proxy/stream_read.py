@@ -21,7 +21,7 @@ from proxy.hop_answer import whole_chunks
 from proxy.pools import StreamFollower, Worker
 from proxy.protocol import parse_worker_json
 from proxy.relay import StreamBuffer
-from proxy.sse import DONE_DATA, Batch, SSEReader, data_event, last_data, plain_chunks
+from proxy.sse import DONE_DATA, Batch, SSEReader, data_event, last_data, one_plain_chunk, plain_chunks
 
 log = logging.getLogger("pd_proxy")
 
@@ -153,9 +153,12 @@ class DecodeReader(Part):
         def splice(framed: bytes) -> bool:
             if rd.first or reader.pending or (first_filter is not None and first_filter.pending):
                 return False
-            chunks = plain_chunks(framed)  # its scans first: D's last read ([DONE]) is not walked
-            if not chunks or whole_chunks(framed) != chunks:
-                return False
+            if one_plain_chunk(framed):  # the usual read: one event, in one match
+                chunks = 1
+            else:
+                chunks = plain_chunks(framed)  # its scans first: D's last read ([DONE]) is not walked
+                if not chunks or whole_chunks(framed) != chunks:
+                    return False
             follower = rd.follower
             runs = None
             if follower is not None:

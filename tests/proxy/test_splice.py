@@ -21,7 +21,7 @@ from proxy.hop_answer import whole_chunks
 from proxy.hop_wire import HopConnection, parse_origin
 from proxy.pools import PoolSettings
 from proxy.relay import StreamBuffer
-from proxy.sse import DONE_EVENT, SSEReader, plain_chunks
+from proxy.sse import DONE_EVENT, SSEReader, one_plain_chunk, plain_chunks
 from proxy.upstream import Upstream
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import PDFactory, req, sse_datas
@@ -82,10 +82,36 @@ def test_chunks_are_plain_exactly_when_each_is_one_plain_event(datas: list[bytes
         assert batch.plain and not batch.done and batch.body == b"".join(datas)
 
 
+_SIZES = ["%x", "%X", "%016x", "%017x", "+%x", " %x", "%x ", "0x%x", "%x;e", "0", "1", "f"]
+"""A chunk's size line from its data's length: bare hex (any case, up to 16 digits) or not."""
+_MIDDLES = [b"x", b'{"token_ids":[1]}', b"[DONE]", b"\n", b"\r", b'{"error"', b"data: [DONE]\n\n",
+            b"data: ", b"\n\n"]
+
+
+@settings(max_examples=600)
+@given(st.lists(st.sampled_from(_MIDDLES), max_size=3).map(b"".join),
+       st.sampled_from(["%x", "%x", *_SIZES]), st.sampled_from([b"\r\n", b"\r\n", b"", b"\r", b"x"]),
+       st.sampled_from([b"", b"", b"1\r\nx\r\n", b"0\r\n\r\n"]))
+def test_one_plain_chunk_is_what_the_two_counts_say(middle: bytes, size: str, end: bytes,
+                                                    more: bytes) -> None:
+    """The one-match check of the usual read agrees with ``plain_chunks`` and ``whole_chunks``
+    wherever it says yes, and says yes to every chunk of one plain event (a size line that is
+    not the data's length or not bare hex, a cut or other end, a second chunk: no)."""
+    data = b"data: " + middle + b"\n\n"
+    framed = (size % len(data) if "%" in size else size).encode() + b"\r\n" + data + end + more
+    if one_plain_chunk(framed):
+        assert plain_chunks(framed) == whole_chunks(framed) == 1
+    if size in ("%x", "%X", "%016x") and end == b"\r\n" and not more:
+        assert one_plain_chunk(framed) == (plain_chunks(framed) == 1) == _one_plain_event(data)
+
+
 def test_plain_events_of_vllms_kind_are_plain() -> None:
     events = [b'data: {"request_id":"generate-tokens-a","choices":[{"index":0,"token_ids":[264]}]}\n\n',
               b'data: {"request_id":"generate-tokens-a","choices":[{"index":0,"token_ids":[331]}]}\n\n']
     assert plain_chunks(b"".join(chunk(e) for e in events)) == 2
+    assert one_plain_chunk(chunk(events[0])) and not one_plain_chunk(b"".join(chunk(e) for e in events))
+    event = b"data: " + b"x" * 18 + b"\n\n"  # 0x1a bytes: a size with a letter, either case
+    assert one_plain_chunk(b"1a\r\n" + event + b"\r\n") and one_plain_chunk(b"1A\r\n" + event + b"\r\n")
     assert not plain_chunks(chunk(events[0] + events[1]))  # two events in one chunk
     assert not plain_chunks(chunk(events[0]) + chunk(DONE_EVENT))
 
