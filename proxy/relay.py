@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.front import FrontRequest, FrontStream
+from proxy.front import FrontRequest
 from proxy.protocol import compact_json, parse_worker_json
 from proxy.sse import data_event, split_events
 
@@ -46,7 +46,7 @@ def event_stream(request: web.Request, headers: Mapping[str, str], *,
     out["Content-Type"] = "text/event-stream; charset=utf-8"
     out["Cache-Control"] = "no-cache"
     if type(request) is FrontRequest:  # type: ignore[comparison-overlap]
-        return FrontStream(request, out, headers_with_first_write=headers_with_first_write)
+        return request.stream(out, headers_with_first_write=headers_with_first_write)
     if headers_with_first_write:
         return EventStream(status=200, headers=out)
     return web.StreamResponse(status=200, headers=out)

@@ -29,7 +29,7 @@ from proxy.errors import (
     log_unexpected,
 )
 from proxy.flight import Flight
-from proxy.front import FrontStream
+from proxy.front_write import FrontStream
 from proxy.metrics import HistogramBatch
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill

@@ -34,7 +34,7 @@ _TREE = str(Path(__file__).resolve().parents[2])
 if _TREE not in sys.path:
     sys.path.append(_TREE)
 
-from proxy.front import Front, FrontRequest, FrontRoute, FrontStream, Head  # noqa: E402
+from proxy.front import Front, FrontRequest, FrontRoute, Head  # noqa: E402
 from proxy.relay import EventStream  # noqa: E402
 
 EVENT = (b'data: {"request_id":"generate-tokens-bench","choices":[{"index":0,"token_ids":[1234],'
@@ -88,7 +88,7 @@ def _connection(loop: asyncio.AbstractEventLoop, keep: bool) -> tuple[Front, Fro
 
 def _response(writer: str, request: FrontRequest) -> web.StreamResponse:
     if writer == "front":
-        return FrontStream(request, HEADERS, headers_with_first_write=True)
+        return request.stream(HEADERS, headers_with_first_write=True)
     return EventStream(status=200, headers=HEADERS)
 
 

@@ -485,7 +485,8 @@ def server_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, bytes]]
     from aiohttp import http_writer  # noqa: PLC0415
     from aiohttp.web_protocol import RequestHandler  # noqa: PLC0415
 
-    from proxy.front import Front, FrontStream  # noqa: PLC0415
+    from proxy.front import Front  # noqa: PLC0415
+    from proxy.front_write import FrontStream  # noqa: PLC0415
 
     writes: list[tuple[object, bytes]] = []
     write, writelines = http_writer.StreamWriter._write, http_writer.StreamWriter._writelines
@@ -508,7 +509,7 @@ def server_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, bytes]]
         writelines(self, chunks)
 
     def streamed(self: FrontStream, data: bytes) -> None:
-        writes.append((self._front.server, data))
+        writes.append((server_of(self._front), data))
         send(self, data)
 
     monkeypatch.setattr(http_writer.StreamWriter, "_write", one)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.internals import stream_write
-from proxy.front import FrontStream
+from proxy.front_write import FrontStream
 
 
 async def test_both_writers_write_the_same_stream() -> None:
