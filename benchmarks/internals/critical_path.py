@@ -77,9 +77,11 @@ class Marks:
     def mark(self, name: str) -> None:
         self.points.append((name, time.perf_counter_ns()))
 
-    def wrap(self, cls: Any, method: str, before: str | None, after: str | None = None) -> None:
-        """``cls.method`` marking ``before`` on entry and ``after`` on return (a coroutine
-        function's when its coroutine returns); nothing when the class has no such method."""
+    def wrap(self, cls: Any, method: str, before: str | None, after: str | None = None,
+             when: Callable[[Any], bool] | None = None) -> None:
+        """``cls.method`` marking ``before`` on entry (only when ``when(self)``, if given) and
+        ``after`` on return (a coroutine function's when its coroutine returns); nothing when the
+        class has no such method."""
         original = cls.__dict__.get(method)
         if original is None:
             return
@@ -87,7 +89,7 @@ class Marks:
         if asyncio.iscoroutinefunction(original):
             @functools.wraps(original)
             async def wrapped_async(*args: Any, **kwargs: Any) -> Any:
-                if before:
+                if before and (when is None or when(args[0])):
                     mark(before)
                 try:
                     return await original(*args, **kwargs)
@@ -98,7 +100,7 @@ class Marks:
         else:
             @functools.wraps(original)
             def wrapped(*args: Any, **kwargs: Any) -> Any:
-                if before:
+                if before and (when is None or when(args[0])):
                     mark(before)
                 try:
                     return original(*args, **kwargs)
@@ -111,29 +113,13 @@ class Marks:
     def install(self) -> None:
         from proxy import front, full, hop_wire, prefill, serving  # noqa: PLC0415
 
-        marks = self
-
-        original_read = front.Front.data_received
-
-        def data_received(self: Any, data: bytes) -> None:
-            if self.task is None and self.head is None:  # a request's first read
-                marks.mark("request in")
-            original_read(self, data)
-
-        front.Front.data_received = data_received  # type: ignore[method-assign]
-        self._undo.append(lambda: setattr(front.Front, "data_received", original_read))
+        self.wrap(front.Front, "data_received", "request in",  # a request's first read
+                  when=lambda protocol: protocol.task is None and protocol.head is None)
         self.wrap(front.Front, "_serve", "handler starts")
         self.wrap(serving.Serving, "validate", "validate", "validated")
         self.wrap(serving.Serving, "_walk", "walk")
         self.wrap(hop_wire.HopConnection, "send", "sent")
-        original_hop_read = hop_wire.HopConnection.data_received
-
-        def hop_data_received(self: Any, data: bytes) -> None:
-            marks.mark("answer in")
-            original_hop_read(self, data)
-
-        hop_wire.HopConnection.data_received = hop_data_received  # type: ignore[method-assign]
-        self._undo.append(lambda: setattr(hop_wire.HopConnection, "data_received", original_hop_read))
+        self.wrap(hop_wire.HopConnection, "data_received", "answer in")
         self.wrap(prefill.Prefill, "accept_reply", "P's reply checked", "P's reply accepted")
         self.wrap(serving.Serving, "_decode", "decode")
         self.wrap(full.FullDecode, "_reply", "D's reply handled")
