@@ -48,6 +48,7 @@ from proxy.flight import Flight, Timing
 from proxy.front import FrontRequest
 from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, upstream_id
+from proxy.known_bodies import KnownBodies, cut
 from proxy.large_body import LARGE_BODY_BYTES, PackedTokenIds, parse_large_generate_body, prompt_too_long
 from proxy.limits import request_body
 from proxy.logs import ACCESS_LOG, log_access
@@ -79,6 +80,7 @@ class Serving:
         self.pools, self.prefill_pool, self.decode_pool = core.pools, core.prefill_pool, core.decode_pool
         self.leases, self.table, self.tracker = core.leases, core.table, core.tracker
         self.stream_budget = core.stream_budget
+        self.known = KnownBodies()  # bodies validated before (``validate``)
         self.aborts = Aborts(core)
         self.prefill = Prefill(core)
         self.cleanup = Cleanup(core, self.aborts, self.prefill)
@@ -113,13 +115,26 @@ class Serving:
         await self.pools.start(self.upstream.session, check)
 
     def validate(self, body: bytes, content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
+        """``body`` parsed and checked as vLLM would, then by the proxy's own rules. A body that
+        differs from one that passed only in its token ids and request id is known
+        (``proxy.known_bodies``): only the checks of its ids' number and the pools' config run."""
+        probe = cut(body, content_type)
+        if probe is not None:
+            known = self.known.get(probe)
+            if known is not None:
+                req, data = known
+                self._prompt_fits(req)
+                return self._server_checks(req, data)
         try:
             req, data = parse_generate_body(body, content_type)
         except RequestValidationError as e:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
-        return self._checked(body, req, data)
+        req, data = self._checked(body, req, data, None if probe is None else probe[1])
+        if probe is not None:
+            self.known.add(probe, req, data)
+        return req, data
 
     async def validate_large(self, body: bytes | bytearray,
                              content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
@@ -136,21 +151,29 @@ class Serving:
             return self._checked(None, req, data)
         return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``): as before
 
-    def _checked(self, body: bytes | None, req: GenerateRequest,
-                 data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
+    def _checked(self, body: bytes | None, req: GenerateRequest, data: dict[str, Any],
+                 ids: bytes | None = None) -> tuple[GenerateRequest, dict[str, Any]]:
         """The proxy's own checks of a parsed body. ``body`` None: the ids are packed already
-        (``PackedTokenIds``, which carry their own text)."""
-        s = self.settings
-        if s.max_prompt_tokens and len(req.token_ids) > s.max_prompt_tokens:
-            raise BadRequest.from_protocol(prompt_too_long(s.max_prompt_tokens, len(req.token_ids)))
+        (``PackedTokenIds``, which carry their own text). ``ids``: their text, found already."""
+        self._prompt_fits(req)
         # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
         # hop (kv_transfer.params). A top-level null names nothing and passes.
         where = client_transfer_params(body if body is not None else _WALK_DATA, data)
         if where is not None:
             raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
                              "remove it from the request.", param=where)
-        if body is not None:
-            data["token_ids"] = TokenIds(data["token_ids"], ids_text(body))  # not encoded again
+        if body is not None:  # not encoded again
+            data["token_ids"] = TokenIds(data["token_ids"], ids if ids is not None else ids_text(body))
+        return self._server_checks(req, data)
+
+    def _prompt_fits(self, req: GenerateRequest) -> None:
+        limit = self.settings.max_prompt_tokens
+        if limit and len(req.token_ids) > limit:
+            raise BadRequest.from_protocol(prompt_too_long(limit, len(req.token_ids)))
+
+    def _server_checks(self, req: GenerateRequest,
+                       data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
+        s = self.settings
         sp = req.sampling_params
         # The server-level checks of vLLM's serve_tokens, in its order, for the pools' config.
         if s.max_num_seqs is not None and sp.n > s.max_num_seqs:
