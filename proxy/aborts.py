@@ -155,7 +155,7 @@ class Aborts(Part):
         record = f.record
         if not fut.done() and not record.is_aborted:
             # Callbacks rather than a task waiting on ``record.aborted``: this runs per request.
-            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            woken: asyncio.Future[None] = self.tracker.loop.create_future()
 
             def wake(_: object = None) -> None:
                 if not woken.done():

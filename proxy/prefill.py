@@ -156,7 +156,7 @@ class Prefill(Part):
         the hop has a task of its own and ends after the handler: ``prefill_task`` done, with
         P's answer or the hop's error."""
         limit = self._limit(f, worker)
-        ended: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        ended: asyncio.Future[dict[str, Any]] = self.tracker.loop.create_future()
         f.prefill_task = ended
         front = f.front
         assert front is not None
@@ -225,7 +225,7 @@ class Prefill(Part):
         once: aborted, or finished with its KV); the timer, to cancel when P answered in time,
         and the abort's task once sent (empty before)."""
         aborted: list[asyncio.Task[bool]] = []
-        late = asyncio.get_running_loop().call_later(
+        late = self.tracker.loop.call_later(
             limit, lambda: aborted.append(self.tracker.spawn(self.send_abort(worker, f.record.engine_id))))
         return late, aborted
 

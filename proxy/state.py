@@ -157,9 +157,19 @@ class TaskTracker:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the proxy runs on, asked once: ``asyncio.get_running_loop`` is a ``getpid``
+        system call each time on Python 3.11 (a check that the process did not fork)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def spawn(self, coro: Any, name: str | None = None) -> asyncio.Task[Any]:
-        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro, name=name)
+        task: asyncio.Task[Any] = self.loop.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

@@ -233,22 +233,28 @@ class Pool:
         way (a decode hop), a circuit's trial is a short wait, not a reason to refuse."""
         ctx = ctx or PickContext()
         excluded = list(exclude)
+        candidates = self.candidates(excluded)
+        if candidates:  # the usual case: no wait, so no clock
+            return self._take(candidates, ctx)
         loop = asyncio.get_running_loop()
         end = None if limit is None else loop.time() + limit
         while True:
-            candidates = self.candidates(excluded)
-            if candidates:
-                worker = self.policy.choose(candidates, ctx, self.load)
-                worker.begin(ctx.tokens)
-                return worker
             if self.admissible(excluded):
                 await self.queue.wait(None if end is None else end - loop.time())
-                continue
-            soon = self.recovery_in(excluded) if wait_recovering and end is not None else None
-            left = 0.0 if end is None else end - loop.time()
-            if soon is None or left <= 0:
-                raise NoWorkerAvailable(self.name, retry_after=self.retry_in())
-            await self._wait_recovery(min(left, max(soon, 1e-3)))
+            else:
+                soon = self.recovery_in(excluded) if wait_recovering and end is not None else None
+                left = 0.0 if end is None else end - loop.time()
+                if soon is None or left <= 0:
+                    raise NoWorkerAvailable(self.name, retry_after=self.retry_in())
+                await self._wait_recovery(min(left, max(soon, 1e-3)))
+            candidates = self.candidates(excluded)
+            if candidates:
+                return self._take(candidates, ctx)
+
+    def _take(self, candidates: list[Worker], ctx: PickContext) -> Worker:
+        worker = self.policy.choose(candidates, ctx, self.load)
+        worker.begin(ctx.tokens)
+        return worker
 
     async def _wait_recovery(self, limit: float) -> None:
         """Until the next release (a trial ended, a circuit may have closed) or ``limit``."""
