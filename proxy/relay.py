@@ -238,11 +238,14 @@ class StreamBuffer:
     client lags), and the writer is woken as without it.
     """
 
-    __slots__ = ("_budget", "_closed", "_discarded", "_done", "_error", "_raw", "_size", "_waiter",
-                 "_writing", "direct", "direct_framed", "max_bytes", "overflowed")
+    __slots__ = ("_budget", "_closed", "_discarded", "_done", "_error", "_loop", "_raw", "_size",
+                 "_waiter", "_writing", "direct", "direct_framed", "max_bytes", "overflowed")
 
-    def __init__(self, max_bytes: int, budget: ByteBudget | None = None) -> None:
+    def __init__(self, max_bytes: int, budget: ByteBudget | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.max_bytes = max_bytes
+        self._loop = loop
+        """The running loop, when the caller knows it (else asked at each wait)."""
         self._raw: list[bytes] = []
         self._size = 0
         self._writing = 0
@@ -373,7 +376,7 @@ class StreamBuffer:
         With ``merge`` (the client is lagging) several queued chunks become one per choice;
         without it the events go out untouched."""
         while not self._raw and not self._closed:
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = (self._loop or asyncio.get_running_loop()).create_future()
             try:
                 await waiter
             finally:

@@ -68,9 +68,10 @@ class StreamDecode(Part):
                      body: dict[str, Any], opened: web.StreamResponse | None = None) -> web.StreamResponse:
         """``opened``: the client's stream, already open with P's token (``proxy.first_stream``):
         D's stream follows it; a failure before D's first event then ends in-band."""
-        buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes, self.core.stream_budget)
+        loop = self.tracker.loop
+        buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes, self.core.stream_budget, loop)
         try:
-            f.headers_ready = asyncio.get_running_loop().create_future()
+            f.headers_ready = loop.create_future()
             f.decode_task = self.tracker.spawn(self.produce(f, worker, body, buffer))
             if opened is not None:
                 try:
