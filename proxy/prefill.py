@@ -39,6 +39,18 @@ log = logging.getLogger("pd_proxy")
 class Prefill(Part):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
+        self._well_formed: object = None
+        """The last ``kv_transfer_params`` found well formed: a reply's are asked three times (the
+        hop's outcome, the retry, the hand-off), checked once. Held here, so never another's id."""
+
+    def _params_problem(self, params: object) -> str | None:
+        """``check_prefill_params``, once per reply's params."""
+        if params is self._well_formed and params is not None:
+            return None
+        reason = check_prefill_params(params)
+        if reason is None:
+            self._well_formed = params
+        return reason
 
     async def with_retries(
             self, f: Flight) -> tuple[Worker | None, dict[str, Any], UpstreamError | None]:
@@ -93,7 +105,7 @@ class Prefill(Part):
         to pull with; P frees the blocks at its lease's end), so another prefill worker may take
         the request: why, or "" when none is left (the decode worker then computes the prompt,
         as when none is available)."""
-        reason = check_prefill_params(reply.get("kv_transfer_params"))
+        reason = self._params_problem(reply.get("kv_transfer_params"))
         if reason is None or f.record.is_aborted or self.note_worker_abort(f, reply) or last_attempt:
             return None  # the usual case: no pass over the pool for the untried workers
         bypass = self.pools.settings.bypass_when_prefill_unavailable
@@ -204,7 +216,7 @@ class Prefill(Part):
             # A reply without usable KV params is P's failure; one with them is judged at the
             # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
             # every pull, which only the decode hops see.
-            if check_prefill_params(reply.get("kv_transfer_params")) is not None:
+            if self._params_problem(reply.get("kv_transfer_params")) is not None:
                 outcome = Outcome.FAILURE
                 if aborted and not f.record.is_aborted:
                     raise UpstreamTimeout("prefill", worker.url, "timed out before answering")
@@ -243,7 +255,7 @@ class Prefill(Part):
         """Check a 200 prefill reply; on success the KV is held (state KV_HELD, lease open)."""
         record = f.record
         params = reply.get("kv_transfer_params")
-        reason = check_prefill_params(params)
+        reason = self._params_problem(params)
         if reason is None and isinstance(params, dict):
             record.phase = Phase.KV_HELD
             params = self.core.rewrite_remote_host(params, prefill.url)

@@ -40,6 +40,12 @@ def no_params(call: Call) -> dict[str, Any]:
     return {**prefill_reply(call.body), "kv_transfer_params": None}
 
 
+def bad_params(call: Call) -> dict[str, Any]:
+    """Params there, but not what a decode worker can pull with (no block ids)."""
+    params = {k: v for k, v in KV_PARAMS.items() if k != "remote_block_ids"}
+    return {**prefill_reply(call.body), "kv_transfer_params": params}
+
+
 async def test_a_4xx_from_p_is_the_clients_answer() -> None:
     srv, up = serving(prefill_failure_policy="decode-only")
     f = make_flight(srv.core)
@@ -56,6 +62,7 @@ async def test_a_4xx_from_p_is_the_clients_answer() -> None:
      UpstreamStatusError),
     (UpstreamTimeout("prefill", P_URLS[0], "timed out"), "prefill_timeout", UpstreamTimeout),
     (no_params, "missing_kv_params", UpstreamProtocolError),
+    (bad_params, "missing_kv_params", UpstreamProtocolError),  # asked of the same params thrice
 ])
 async def test_a_failed_prefill_is_named(answer: Any, failure: str, error: type[UpstreamError]) -> None:
     srv, up = serving()
