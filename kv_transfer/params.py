@@ -28,7 +28,7 @@ def client_transfer_params(raw: bytes, data: dict[str, Any]) -> str | None:
     """The dotted path of the first transfer key a client body carries (``None`` when there is
     none). ``raw`` is the body as sent, ``data`` its parse. A key can only be spelled with the
     mark's bytes or with a ``\\u`` escape, so a body with neither (nearly all) is not walked."""
-    if _MARK not in raw and _ESCAPE not in raw:
+    if _MARK not in raw and (b"\\" not in raw or _ESCAPE not in raw):  # one byte searched first: faster
         return None
     for key in TRANSFER_KEYS:
         if data.get(key) is not None:

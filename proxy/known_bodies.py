@@ -47,8 +47,11 @@ from proxy.upstream import TokenIds
 _WS: Final = rb"[ \t\n\r]*"  # JSON's whitespace
 _IDS_KEY: Final = b'"token_ids"'
 _RID_KEY: Final = b'"request_id"'
-_IDS_AT: Final = re.compile(_WS + b":" + _WS + rb"(\[[0-9 ,]*\])")
-"""After the key: an array of digits, commas and spaces (the JSON parser says if it is one)."""
+_IDS_AT: Final = re.compile(_WS + b":" + _WS + rb"\[")
+"""After the key: the colon and an array's start."""
+_IDS_CHARS: Final = b"0123456789, "
+"""What the array may hold (the JSON parser says if it is an array of integers): checked by
+deleting them (``bytes.translate``, 0.5 ms at 1 MiB; a regex took 3.9)."""
 _RID_AT: Final = re.compile(_WS + b":" + _WS + rb'("[\x20\x21\x23-\x5b\x5d-\x7e]*")')
 """After the key: a string of printable ASCII without a quote or a backslash."""
 
@@ -66,17 +69,21 @@ def cut(body: bytes, content_type: str) -> Probe | None:
     ids = _IDS_AT.match(body, ids_end)
     if ids is None:
         return None
-    a, b = ids.span(1)
+    a = ids.end() - 1
+    b = body.find(b"]", a) + 1
+    if not b or body[a + 1:b - 1].translate(None, _IDS_CHARS):
+        return None
+    ids_text = body[a:b]
     rid = None
     if _RID_KEY in body:
         rid_end = unique_key_end(body, _RID_KEY)
         rid = _RID_AT.match(body, rid_end) if rid_end is not None else None
     if rid is None:
-        return (content_type, a, -1, body[:a] + body[b:]), ids.group(1), None
+        return (content_type, a, -1, body[:a] + body[b:]), ids_text, None
     c, d = rid.span(1)
     if c < a:
         a, b, c, d = c, d, a, b
-    return (content_type, a, c - b, b"".join((body[:a], body[b:c], body[d:]))), ids.group(1), rid.group(1)
+    return (content_type, a, c - b, b"".join((body[:a], body[b:c], body[d:]))), ids_text, rid.group(1)
 
 
 class KnownBodies:
