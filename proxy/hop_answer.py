@@ -56,16 +56,30 @@ def _status_line(line: bytes) -> tuple[int, bytes]:
     return status, parts[0]
 
 
-def _header_lines(lines: list[bytes]) -> dict[str, str]:
+_SEEN_LINES = 32
+"""Header lines a connection remembers the reading of (all forgotten when that many are)."""
+
+
+def _header_lines(lines: list[bytes], seen: dict[bytes, tuple[str, str]] | None = None) -> dict[str, str]:
     """An answer's headers, names lower-cased; a framing header twice (but the same
-    Content-Length) is an error: where the answer ends would not be known (RFC 9112 6.3)."""
+    Content-Length) is an error: where the answer ends would not be known (RFC 9112 6.3).
+    ``seen``: lines read before on the connection and their reading (a worker sends the same
+    few lines with every answer: its server's name, the content type, the date of the second)."""
     headers: dict[str, str] = {}
     for raw in lines:
-        name, sep, value = raw.partition(b":")
-        if not sep or not name or name != name.strip():
-            raise HopProtocolError("a malformed header line")
-        key = name.decode("latin-1").lower()
-        text = value.strip().decode("latin-1")
+        known = seen.get(raw) if seen is not None else None
+        if known is not None:
+            key, text = known
+        else:
+            name, sep, value = raw.partition(b":")
+            if not sep or not name or name != name.strip():
+                raise HopProtocolError("a malformed header line")
+            key = name.decode("latin-1").lower()
+            text = value.strip().decode("latin-1")
+            if seen is not None:
+                if len(seen) >= _SEEN_LINES:
+                    seen.clear()
+                seen[raw] = (key, text)
         if key in headers and key in _FRAMING and (key != "content-length" or headers[key] != text):
             raise HopProtocolError(f"a repeated {key} header")
         headers[key] = text
@@ -141,6 +155,7 @@ class _Answer(asyncio.Protocol):
         self._body: deque[bytes] = deque()
         self._buffered = 0
         self._reading_paused = False
+        self._seen: dict[bytes, tuple[str, str]] = {}
 
     # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
     # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
@@ -257,7 +272,7 @@ class _Answer(asyncio.Protocol):
         status, version = _status_line(lines[0])
         if 100 <= status < 200:
             return  # an interim answer (100 Continue): the real one follows
-        headers = _header_lines(lines[1:])
+        headers = _header_lines(lines[1:], self._seen)
         if version == b"HTTP/1.0" or "close" in headers.get("connection", "").lower():
             self._keep_alive = False
         self._state, self._remaining, reusable = _body_framing(status, headers)

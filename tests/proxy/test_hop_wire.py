@@ -377,3 +377,50 @@ def test_framing_headers_are_found_whatever_their_case_spacing_and_neighbours(fi
                                                                              reusable: bool) -> None:
     wire = b"HTTP/1.1 200 OK\r\n" + fields + b"\r\n\r\n{}"
     assert parse([wire]) == (200, b"{}", True, reusable, None)
+
+
+_LINES = [b"server: uvicorn", b"Content-Type: application/json", b"date: Sun, 06 Dec 2026 10:00:00 GMT",
+          b"date: Sun, 06 Dec 2026 10:00:01 GMT", b"Connection: close", b"connection: keep-alive",
+          b"X-A:  1 ", b"Content-Length: 2", b"Content-Length: 3", b"no colon", b"Transfer-Encoding: gzip",
+          b"X-Odd: \xe9"]
+
+
+def _answer_on(conn: HopConnection, wire: bytes) -> tuple[object, ...]:
+    conn.begin()
+    conn.data_received(wire)
+    return conn.head, conn.take(), conn.finished, conn.reusable, repr(conn.error)
+
+
+@settings(max_examples=300, deadline=None)
+@given(heads=st.lists(st.lists(st.sampled_from(_LINES), max_size=6), min_size=2, max_size=8))
+def test_header_lines_seen_before_on_a_connection_are_read_as_the_first_time(
+        heads: list[list[bytes]]) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"))
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        for lines in heads:
+            wire = b"HTTP/1.1 200 OK\r\n" + b"".join(line + b"\r\n" for line in lines) + \
+                b"Content-Length: 2\r\n\r\n{}"
+            fresh = HopConnection(loop, parse_origin("http://127.0.0.1:1"))
+            fresh.connection_made(_Transport())  # type: ignore[arg-type]
+            assert _answer_on(conn, wire) == _answer_on(fresh, wire)
+            if not conn.reusable:
+                break
+    finally:
+        loop.close()
+
+
+def test_the_header_lines_a_connection_remembers_are_bounded() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"))
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        for second in range(100):
+            date = b"date: Sun, 06 Dec 2026 10:%02d:%02d GMT" % (second // 60, second % 60)
+            wire = b"HTTP/1.1 200 OK\r\n" + date + b"\r\nContent-Length: 2\r\n\r\n{}"
+            _, body, _, reusable, _ = _answer_on(conn, wire)
+            assert body == b"{}" and reusable
+            assert 1 <= len(conn._seen) <= 32
+    finally:
+        loop.close()
