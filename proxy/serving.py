@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +69,12 @@ log = logging.getLogger("pd_proxy")
 _WALK_DATA = b"transfer_params"
 """Given to ``client_transfer_params`` as the body: it then walks the parsed data (small: the
 packed token ids are not walked) instead of searching the raw bytes first."""
+
+
+def new_client_id() -> str:
+    """A request's id when the client named none: 128 random bits in hex, as ``uuid4().hex``
+    (unguessable: an id is what an abort names) without building a ``UUID`` (3.1 -> 0.9 us)."""
+    return os.urandom(16).hex()
 
 
 class Serving:
@@ -222,7 +228,7 @@ class Serving:
             raise
         try:
             return await self._admitted(request, t0, req, data, deadline, tenant=tenant,
-                                        client_id=client_id if client_id is not None else uuid.uuid4().hex)
+                                        client_id=client_id if client_id is not None else new_client_id())
         finally:
             self.pools.admission.release()
 

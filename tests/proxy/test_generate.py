@@ -75,6 +75,8 @@ async def test_request_id_rules(pd_factory: PDFactory) -> None:
     _, b, h = await pd.gen(req())
     assert b["request_id"].startswith("generate-tokens-") and len(b["request_id"]) > 20
     assert b["request_id"] == "generate-tokens-" + h["X-Request-Id"]
+    made = {h["X-Request-Id"]} | {(await pd.gen(req()))[2]["X-Request-Id"] for _ in range(8)}
+    assert len(made) == 9 and all(len(i) == 32 and int(i, 16) >= 0 for i in made)  # 128 bits, in hex
 
 
 async def test_timing_comment_on_streams(pd_factory: PDFactory) -> None:
