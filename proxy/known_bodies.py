@@ -31,7 +31,8 @@ Only successes are kept: an error is always answered by the full path, byte for 
 known parses are shared by the requests that hit them, read-only: the walk copies a body before it
 changes one (``kv_transfer.handoff``, the first-token seed, migration); each request gets its own
 top-level dict and model. Bounded: ``size`` keys of at most ``max_key`` bytes (all dropped when
-a new one finds them full); a body over ``max_key`` once cut is never kept.
+a new one finds them full), each kept without the ids it came with; a body over ``max_key`` once
+cut is never kept.
 """
 
 from __future__ import annotations
@@ -86,15 +87,33 @@ def cut(body: bytes, content_type: str) -> Probe | None:
     return (content_type, a, c - b, b"".join((body[:a], body[b:c], body[d:]))), ids_text, rid.group(1)
 
 
+_RESTING_EVERY = 16
+"""While no known shape comes back, one body in this many is cut."""
+
+
 class KnownBodies:
-    """The validated parses of recent bodies, by their keys (``cut``)."""
+    """The validated parses of recent bodies, by their keys (``cut``). Clients whose bodies
+    differ in more than their ids (a seed or a length per request) would pay for the cut and
+    gain nothing: after ``size`` misses in a row only one body in ``_RESTING_EVERY`` is cut (and
+    kept when it passes), until one of them is known again."""
 
     def __init__(self, size: int = 256, max_key: int = 4096) -> None:
         self.size, self.max_key = size, max_key
         self._known: dict[_Key, tuple[GenerateRequest, dict[str, Any]]] = {}
+        self._misses = 0
+        self._skipped = 0
 
     def __len__(self) -> int:
         return len(self._known)
+
+    def probe(self, body: bytes, content_type: str) -> Probe | None:
+        """``cut(body, content_type)``, or None for a body not looked up (resting)."""
+        if self._misses >= self.size:
+            self._skipped += 1
+            if self._skipped < _RESTING_EVERY:
+                return None
+            self._skipped = 0
+        return cut(body, content_type)
 
     def get(self, probe: Probe) -> tuple[GenerateRequest, dict[str, Any]] | None:
         """The model and parse of the body ``probe`` was cut from (``parse_generate_body``'s, with
@@ -103,7 +122,9 @@ class KnownBodies:
         key, ids_text, rid_text = probe
         known = self._known.get(key)
         if known is None:
+            self._misses += 1
             return None
+        self._misses = 0
         try:
             ids = pydantic_core.from_json(ids_text)
         except ValueError:  # not JSON (``[1,,2]``, ``[01]``)
@@ -128,4 +149,9 @@ class KnownBodies:
         known = self._known
         if len(known) >= self.size and key not in known:
             known.clear()  # shapes come back in one request each: cheaper than an order kept
-        known[key] = (req, dict(data))
+        # Kept without the ids (each hit brings its own): an entry's size is its key's order.
+        kept = req.__copy__()
+        kept.__dict__["token_ids"] = []
+        template = dict(data)
+        template["token_ids"] = None
+        known[key] = (kept, template)

@@ -48,7 +48,7 @@ from proxy.flight import Flight, Timing
 from proxy.front import FrontRequest
 from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, upstream_id
-from proxy.known_bodies import KnownBodies, cut
+from proxy.known_bodies import KnownBodies
 from proxy.large_body import LARGE_BODY_BYTES, PackedTokenIds, parse_large_generate_body, prompt_too_long
 from proxy.limits import request_body
 from proxy.logs import ACCESS_LOG, log_access
@@ -124,7 +124,7 @@ class Serving:
         """``body`` parsed and checked as vLLM would, then by the proxy's own rules. A body that
         differs from one that passed only in its token ids and request id is known
         (``proxy.known_bodies``): only the checks of its ids' number and the pools' config run."""
-        probe = cut(body, content_type)
+        probe = self.known.probe(body, content_type)
         if probe is not None:
             known = self.known.get(probe)
             if known is not None:

@@ -52,6 +52,9 @@ def body_text(template: dict[str, Any], ids: str, rid: str) -> bytes:
 class Forgets:
     """A ``KnownBodies`` that knows nothing: the full path every time (the oracle)."""
 
+    def probe(self, body: bytes, content_type: str) -> None:
+        return None
+
     def get(self, probe: Any) -> None:
         return None
 
@@ -131,6 +134,47 @@ def test_a_request_id_that_is_not_the_top_level_one_is_not_kept() -> None:
     assert req.request_id is None and data["features"] == {"request_id": "b"}
 
 
+def test_a_known_body_is_kept_without_its_ids() -> None:
+    srv = serving()
+    ids = list(range(1, 50001))
+    srv.validate(json.dumps({"token_ids": ids, "sampling_params": {}}).encode(), JSON)
+    (req, data), = srv.known._known.values()
+    assert req.token_ids == [] and data["token_ids"] is None  # 50,000 ids are not held
+    req, data = srv.validate(json.dumps({"token_ids": ids[:3], "sampling_params": {}}).encode(), JSON)
+    assert req.token_ids == data["token_ids"] == [1, 2, 3]
+
+
+def test_bodies_of_new_shapes_every_time_are_cut_one_in_16_until_a_shape_comes_back() -> None:
+    srv = serving()
+    srv.known = KnownBodies(size=8)
+    cuts = 0
+    probe = srv.known.probe
+
+    def counted(body: bytes, content_type: str) -> Any:
+        nonlocal cuts
+        found = probe(body, content_type)
+        cuts += found is not None
+        return found
+
+    srv.known.probe = counted  # type: ignore[method-assign]
+    seeded = [body_text({**TEMPLATES[0], "sampling_params": {"seed": i}}, "[1]", "") for i in range(200)]
+    for body in seeded[:8]:  # misses: each cut and kept
+        srv.validate(body, JSON)
+    assert cuts == 8
+    for body in seeded[8:168]:  # resting: one in 16
+        srv.validate(body, JSON)
+    assert cuts == 8 + 10
+    known = body_text({**TEMPLATES[0], "sampling_params": {"seed": 167}}, "[5, 6]", "")
+    cuts = 0
+    for _ in range(16):  # the last one kept comes back: once cut, it is known, and every body is cut
+        srv.validate(known, JSON)
+    assert cuts >= 1 and srv.known._misses == 0
+    before = cuts
+    for body in seeded[:5]:
+        srv.validate(body, JSON)
+    assert cuts == before + 5
+
+
 def test_the_known_bodies_are_bounded() -> None:
     known = KnownBodies(size=4, max_key=200)
     srv = serving()
@@ -138,6 +182,7 @@ def test_the_known_bodies_are_bounded() -> None:
     for i in range(10):
         srv.validate(body_text({**TEMPLATES[0], "sampling_params": {"seed": i}}, "[1]", ""), JSON)
         assert 1 <= len(known) <= 4
+        srv.validate(body_text({**TEMPLATES[0], "sampling_params": {"seed": i}}, "[2]", ""), JSON)  # a hit
     srv.validate(body_text({**TEMPLATES[0], "pad": "x" * 200}, "[1]", ""), JSON)
     assert len(known) == 2  # full: dropped, and the new shape is kept
     srv.validate(body_text({**TEMPLATES[0], "pad": "x" * 300}, "[1]", ""), JSON)
@@ -168,9 +213,10 @@ async def test_a_known_shapes_hops_carry_their_own_ids_and_leave_the_known_parse
         assert p.headers[i]["x-request-id"] == d.headers[i]["x-request-id"] == f"rid-{i}"
     (req, data), = srv.known._known.values()
     assert isinstance(req, GenerateRequest)
-    assert req.model_dump(exclude={"sampling_params"}) == fresh[0].model_dump(exclude={"sampling_params"})
+    unshared = {"sampling_params", "token_ids"}
+    assert req.model_dump(exclude=unshared) == fresh[0].model_dump(exclude=unshared)
     assert req.sampling_params.values == fresh[0].sampling_params.values
-    assert data == fresh[1]  # nothing changed in place
+    assert {**data, "token_ids": fresh[1]["token_ids"]} == fresh[1]  # nothing changed in place
 
 
 async def test_an_error_after_a_known_shape_is_the_full_paths(
