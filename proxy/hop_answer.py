@@ -60,14 +60,14 @@ _SEEN_LINES = 32
 """Header lines a connection remembers the reading of (all forgotten when that many are)."""
 
 
-def _header_lines(lines: list[bytes], seen: dict[bytes, tuple[str, str]] | None = None) -> dict[str, str]:
+def _header_lines(lines: list[bytes], seen: dict[bytes, tuple[str, str]]) -> dict[str, str]:
     """An answer's headers, names lower-cased; a framing header twice (but the same
     Content-Length) is an error: where the answer ends would not be known (RFC 9112 6.3).
     ``seen``: lines read before on the connection and their reading (a worker sends the same
     few lines with every answer: its server's name, the content type, the date of the second)."""
     headers: dict[str, str] = {}
     for raw in lines:
-        known = seen.get(raw) if seen is not None else None
+        known = seen.get(raw)
         if known is not None:
             key, text = known
         else:
@@ -76,10 +76,9 @@ def _header_lines(lines: list[bytes], seen: dict[bytes, tuple[str, str]] | None 
                 raise HopProtocolError("a malformed header line")
             key = name.decode("latin-1").lower()
             text = value.strip().decode("latin-1")
-            if seen is not None:
-                if len(seen) >= _SEEN_LINES:
-                    seen.clear()
-                seen[raw] = (key, text)
+            if len(seen) >= _SEEN_LINES:
+                seen.clear()
+            seen[raw] = (key, text)
         if key in headers and key in _FRAMING and (key != "content-length" or headers[key] != text):
             raise HopProtocolError(f"a repeated {key} header")
         headers[key] = text

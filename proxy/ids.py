@@ -15,6 +15,7 @@ written with the client's own id (``Rewrite``), as a single vLLM server would.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Final
@@ -46,6 +47,12 @@ def client_request_id(header: str | None, body_id: str | None) -> str | None:
             f"{where} must be 1 to {MAX_ID_CHARS} characters of letters, digits and '-_.:@+=/'.",
             param=where)
     return value
+
+
+def new_client_id() -> str:
+    """A request's id when the client named none: 128 random bits in hex, as ``uuid4().hex``
+    (unguessable: an id is what an abort names) without building a ``UUID`` (3.1 -> 0.9 us)."""
+    return os.urandom(16).hex()
 
 
 def upstream_id(tag: str, client_id: str) -> str:
@@ -81,4 +88,5 @@ class Rewrite:
         return data.replace(self.upstream, self.client)
 
 
-__all__ = ["MAX_ID_CHARS", "Rewrite", "abortable_id", "client_request_id", "is_valid_id", "upstream_id"]
+__all__ = ["MAX_ID_CHARS", "Rewrite", "abortable_id", "client_request_id", "is_valid_id", "new_client_id",
+           "upstream_id"]

@@ -43,13 +43,10 @@ from typing import Any, Final
 import pydantic_core
 
 from proxy.protocol import GenerateRequest, unique_key_end
-from proxy.upstream import TokenIds
+from proxy.upstream import TokenIds, ids_span
 
 _WS: Final = rb"[ \t\n\r]*"  # JSON's whitespace
-_IDS_KEY: Final = b'"token_ids"'
 _RID_KEY: Final = b'"request_id"'
-_IDS_AT: Final = re.compile(_WS + b":" + _WS + rb"\[")
-"""After the key: the colon and an array's start."""
 _IDS_CHARS: Final = b"0123456789, "
 """What the array may hold (the JSON parser says if it is an array of integers): checked by
 deleting them (``bytes.translate``, 0.5 ms at 1 MiB; a regex took 3.9)."""
@@ -64,15 +61,11 @@ Probe = tuple[_Key, bytes, bytes | None]
 
 def cut(body: bytes, content_type: str) -> Probe | None:
     """``body``'s probe, or None when its token ids cannot be cut."""
-    ids_end = unique_key_end(body, _IDS_KEY)
-    if ids_end is None:
+    span = ids_span(body)  # the one "token_ids" key's array, to its first "]"
+    if span is None:
         return None
-    ids = _IDS_AT.match(body, ids_end)
-    if ids is None:
-        return None
-    a = ids.end() - 1
-    b = body.find(b"]", a) + 1
-    if not b or body[a + 1:b - 1].translate(None, _IDS_CHARS):
+    a, b = span
+    if body[a + 1:b - 1].translate(None, _IDS_CHARS):
         return None
     ids_text = body[a:b]
     rid = None

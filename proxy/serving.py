@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +46,7 @@ from proxy.first_stream import FirstStream
 from proxy.flight import Flight, Timing
 from proxy.front import FrontRequest
 from proxy.full import FullDecode
-from proxy.ids import Rewrite, client_request_id, upstream_id
+from proxy.ids import Rewrite, client_request_id, new_client_id, upstream_id
 from proxy.known_bodies import KnownBodies
 from proxy.large_body import LARGE_BODY_BYTES, PackedTokenIds, parse_large_generate_body, prompt_too_long
 from proxy.limits import request_body
@@ -69,12 +68,6 @@ log = logging.getLogger("pd_proxy")
 _WALK_DATA = b"transfer_params"
 """Given to ``client_transfer_params`` as the body: it then walks the parsed data (small: the
 packed token ids are not walked) instead of searching the raw bytes first."""
-
-
-def new_client_id() -> str:
-    """A request's id when the client named none: 128 random bits in hex, as ``uuid4().hex``
-    (unguessable: an id is what an abort names) without building a ``UUID`` (3.1 -> 0.9 us)."""
-    return os.urandom(16).hex()
 
 
 class Serving:

@@ -46,17 +46,28 @@ ResendCounter = Callable[[str, str], None]
 
 
 _IDS_KEY = b'"token_ids"'
-_IDS_VALUE = re.compile(rb'\s*:\s*(\[[^\]]*\])')
-"""What follows the key: the colon and a flat array."""
+_IDS_OPEN = re.compile(rb"\s*:\s*\[")
+"""What follows the key: the colon and an array's start."""
+
+
+def ids_span(body: bytes) -> tuple[int, int] | None:
+    """Where the text of the one ``token_ids`` key's array is in a JSON body: from its ``[`` to
+    past the first ``]`` after it (the whole array when it is flat), or None when the key cannot
+    be told apart for certain (``protocol.unique_key_end``) or no array follows it. In a body
+    whose parse has that key at the top level, it is the top-level array."""
+    end = unique_key_end(body, _IDS_KEY)
+    found = _IDS_OPEN.match(body, end) if end is not None else None
+    if found is None:
+        return None
+    close = body.find(b"]", found.end())
+    return None if close < 0 else (found.end() - 1, close + 1)
 
 
 def ids_text(body: bytes) -> bytes | None:
     """The JSON text of the top-level ``token_ids`` array in a request body that parsed and
-    validated (so that key exists and holds a flat array), or None when it cannot be told apart
-    for certain (``protocol.unique_key_end``)."""
-    end = unique_key_end(body, _IDS_KEY)
-    found = _IDS_VALUE.match(body, end) if end is not None else None
-    return found.group(1) if found is not None else None
+    validated (so that key exists and holds a flat array), or None (``ids_span``)."""
+    span = ids_span(body)
+    return body[span[0]:span[1]] if span is not None else None
 
 
 class TokenIds(list[int]):
