@@ -271,10 +271,11 @@ async def load_client(port: int, count: int, stream: bool = False,
 
 @asynccontextmanager
 async def loaded_proxy(count: int, stream: bool, tree: str, proxy_args: Sequence[str] = (),
-                       itl_ms: float = 0.0) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+                       itl_ms: float = 0.0, *,
+                       rounds: int = _ROUNDS) -> AsyncIterator[Callable[[], Awaitable[None]]]:
     """pd-proxy of ``tree`` served in this process on loopback in front of two zero-latency pd-sim
     workers, and its load client warmed up (64 requests). Yields one round: ``count`` requests,
-    64 at a time, returning once they and their clean-up are done."""
+    64 at a time, returning once they and their clean-up are done. At most ``rounds`` rounds."""
     from aiohttp import web  # noqa: PLC0415
 
     from proxy.app import build_app  # noqa: PLC0415
@@ -290,7 +291,7 @@ async def loaded_proxy(count: int, stream: bool, tree: str, proxy_args: Sequence
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = runner.addresses[0][1]
-        async with load_client(port, count, stream) as one_round:
+        async with load_client(port, count, stream, rounds) as one_round:
             yield one_round
     finally:
         if runner is not None:

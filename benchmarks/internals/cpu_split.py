@@ -136,7 +136,7 @@ async def main(args: argparse.Namespace) -> None:
     pinned = pin_cpus() if args.pin else None
     if pinned is not None:
         os.sched_setaffinity(0, pinned[0])  # the workers and the client inherit it
-    async with loaded_proxy(args.requests, args.stream, _TREE) as one_round:
+    async with loaded_proxy(args.requests, args.stream, _TREE, rounds=args.rounds) as one_round:
         if pinned is not None:
             os.sched_setaffinity(0, pinned[1])
         # as pd-proxy's start-up settles it (proxy.server.settle_gc, --gc-threshold's default), done
