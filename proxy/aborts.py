@@ -180,14 +180,10 @@ class Aborts(Part):
         if done:
             self.core.set_done(f)
         req, rid = f.request, engine_request_id(f.client_id)
-        n = req.sampling_params.n
         prompt_tokens = len(req.token_ids)
         if not req.is_stream:
-            body = abort_full_response(rid, model=req.model, created=int(time.time()),
-                                       prompt_tokens=prompt_tokens, output_mode=req.output_mode, n=n)
-            headers = dict(f.headers)
-            headers["Server-Timing"] = f.timing.header(self.clock())
-            return web.Response(body=compact_json(body), content_type="application/json", headers=headers)
+            raw, headers = self.aborted_full(f)
+            return web.Response(body=raw, content_type="application/json", headers=headers)
         # the headers go with the chunk
         resp = event_stream(request, f.headers, headers_with_first_write=True)
         await resp.prepare(request)
@@ -199,6 +195,17 @@ class Aborts(Part):
             out.append(data_event(compact_json(usage)))
         await end_stream(request, resp, f, self.clock(), b"".join(out))
         return resp
+
+    def aborted_full(self, f: Flight) -> tuple[bytes, dict[str, str]]:
+        """The body and headers of what vLLM answers a non-stream request aborted before it
+        produced anything."""
+        req = f.request
+        body = abort_full_response(engine_request_id(f.client_id), model=req.model, created=int(time.time()),
+                                   prompt_tokens=len(req.token_ids), output_mode=req.output_mode,
+                                   n=req.sampling_params.n)
+        headers = dict(f.headers)
+        headers["Server-Timing"] = f.timing.header(self.clock())
+        return compact_json(body), headers
 
     def deadline_passed(self, f: Flight) -> None:
         if f.record.phase is not Phase.DONE:

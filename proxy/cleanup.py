@@ -135,7 +135,7 @@ class Cleanup(Part):
                 and record.phase is Phase.PREFILLING and record.prefill_worker is not None:
             self.prefill.accept_reply(f, record.prefill_worker, task.result())
 
-    async def _end_decode(self, f: Flight, task: asyncio.Task[Any]) -> None:
+    async def _end_decode(self, f: Flight, task: asyncio.Future[Any]) -> None:
         """DECODING: abort D until it certainly had the request (first event, or its answer);
         only then may its connection be closed (before that, closing could leave D never pulling
         and P holding the KV until its lease ends)."""

@@ -97,7 +97,9 @@ class Flight:
     prefill_task: asyncio.Future[dict[str, Any]] | None = None
     """The prefill hop: its task, or (the hop made in the handler's task, ``front`` set) a future
     given its answer or its error once it ended."""
-    decode_task: asyncio.Task[Any] | None = None
+    decode_task: asyncio.Future[Any] | None = None
+    """The decode hop: its task, or (a non-stream hop made in the handler's task, ``front`` set) a
+    future given its answer or its error once it ended."""
     release_task: asyncio.Task[None] | None = None
     buffer: StreamBuffer | None = None
     headers_ready: asyncio.Future[None] | None = None

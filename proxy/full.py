@@ -5,6 +5,7 @@ own bytes with what only P knows spliced in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -38,7 +39,12 @@ class FullDecode(Part):
 
     async def decode(self, f: Flight, worker: Worker, body: dict[str, Any],
                      request: web.Request) -> web.StreamResponse:
-        task = self.tracker.spawn(self._hops(f, DecodeAttempts(self.engine, f, worker, body)))
+        tries = DecodeAttempts(self.engine, f, worker, body)
+        if f.front is not None:
+            return await self._in_handler(f, worker, tries)
+        # Under aiohttp's server, which cancels the handler when the client goes away: the hop
+        # in a task of its own, which outlives the handler.
+        task = self.tracker.spawn(self._hops(f, tries))
         f.decode_task = task
         if not await self.aborts.hop_or_abandon(f, task):
             return await self.aborts.respond_aborted(request, f, done=False)
@@ -49,6 +55,39 @@ class FullDecode(Part):
             self.core.set_done(f)
             raise
         return self._reply(f, worker, reply, raw)
+
+    async def _in_handler(self, f: Flight, worker: Worker, tries: DecodeAttempts) -> web.StreamResponse:
+        """The decode hop in the handler's own task (the front serves the request): no task and
+        no wake-ups through one; ``_Watch`` does around it what the waiter of a hop in its own
+        task (``Aborts.hop_or_abandon``) and the clean-up do. ``decode_task`` is a future the
+        hop's end settles: the clean-up and the aborts find what they find when the hop has a
+        task."""
+        ended: asyncio.Future[tuple[dict[str, Any], bytes]] = self.tracker.loop.create_future()
+        f.decode_task = ended
+        watch = _Watch(self, f, ended)
+        try:
+            answer = await self._hops(f, tries)
+        except UpstreamError as e:
+            ended.set_exception(e)
+            ended.exception()  # raised here: not "never retrieved"
+            if watch.gone:
+                raise asyncio.CancelledError from None
+            if watch.front.replied is not None:
+                return watch.front.replied  # the client has its aborted answer; the clean-up ends the lease
+            self.cleanup.after_decode_error(f, e)
+            self.core.set_done(f)
+            raise
+        except BaseException:
+            ended.cancel()
+            raise
+        finally:
+            watch.close()
+        ended.set_result(answer)
+        if watch.gone:
+            raise asyncio.CancelledError
+        if watch.front.replied is not None:
+            return watch.front.replied  # aborted, answered at the grace's end: the clean-up ends the lease
+        return self._reply(f, worker, *answer)
 
     async def _hops(self, f: Flight, tries: DecodeAttempts) -> tuple[dict[str, Any], bytes]:
         """The decode hop, retried as ``tries`` allows; D's reply, parsed and as its bytes."""
@@ -145,3 +184,58 @@ class FullDecode(Part):
                         return spliced  # D's bytes with one value put in: not written again
                 changed = True
         return compact_json(reply) if changed else raw
+
+
+class _Watch:
+    """Around a non-stream decode hop made in the handler's task (``FullDecode._in_handler``):
+
+    - aborted (the abort endpoint, the deadline) and the hop not ended ``abort_grace`` later: the
+      client gets vLLM's aborted answer then (``FrontRequest.reply``, with ``Connection: close``:
+      the handler holds the connection until the hop ends), and the hop goes on, aborted until it
+      ends (``Aborts.abort``);
+    - the client gone: the front calls ``on_gone`` instead of cancelling the handler, and D is
+      aborted until the hop ends, as the clean-up aborts it (``Cleanup._end_decode``); the handler
+      then ends (``CancelledError``).
+
+    A hop ends by its own limit (``DecodeEngine.limit``: at most ``decode_timeout``), and none is
+    tried again once the request is aborted.
+    """
+
+    __slots__ = ("_ended", "_full", "_timer", "f", "front", "gone")
+
+    def __init__(self, full: FullDecode, f: Flight, ended: asyncio.Future[Any]) -> None:
+        assert f.front is not None
+        self._full, self.f, self.front, self._ended = full, f, f.front, ended
+        self._timer: asyncio.TimerHandle | None = None
+        self.gone = False
+        if f.record.is_aborted:
+            self._on_abort()
+        else:
+            f.record.on_abort.append(self._on_abort)
+        self.front.on_gone = self._on_gone
+
+    def _on_abort(self) -> None:
+        full = self._full
+        self._timer = full.tracker.loop.call_later(full.settings.abort_grace, self._answer_aborted)
+
+    def _answer_aborted(self) -> None:
+        if not self.gone and self.front.replied is None:
+            raw, headers = self._full.aborts.aborted_full(self.f)
+            self.front.keep_alive = False
+            self.front.reply(raw, headers)
+
+    def _on_gone(self) -> None:
+        if self.front.replied is not None:
+            return  # the client had its aborted answer (it closes the connection): D is aborted already
+        self.gone = True
+        full, record = self._full, self.f.record
+        full.core.note_gone(record)
+        full.tracker.spawn(full.abort_until(record.decode_worker, record.engine_id, self._ended,
+                                            full.settings.decode_timeout))
+
+    def close(self) -> None:
+        self.front.on_gone = None
+        if self._timer is not None:
+            self._timer.cancel()
+        with contextlib.suppress(ValueError):  # already called (and dropped) on abort
+            self.f.record.on_abort.remove(self._on_abort)

@@ -276,6 +276,124 @@ def _release_answer(body: dict[str, Any], request: Any) -> dict[str, Any]:
     return out
 
 
+def _decode_answering_when(released: asyncio.Event) -> Any:
+    """A decode worker that answers a request (it pulled the KV) only once the test sets
+    ``released`` (bounded: 10 s), whatever aborts it is sent meanwhile: a worker that ignores them."""
+    async def reply(body: dict[str, Any], request: Any) -> dict[str, Any]:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(released.wait(), 10.0)
+        out = {**prefill_reply(body), "kv_transfer_params": None}
+        out["usage"] = {"prompt_tokens": len(body["token_ids"]), "completion_tokens": 1,
+                        "total_tokens": len(body["token_ids"]) + 1, "prompt_tokens_details": None}
+        return out
+    return reply
+
+
+async def _until(check: Any, what: str, limit: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not check():
+        assert loop.time() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_an_aborted_nonstream_request_whose_decode_worker_ignores_it_is_answered_after_the_grace(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str) -> None:
+    """Aborted while D holds its non-stream decode hop, and D ignores the abort: the client gets
+    vLLM's aborted answer ``abort_grace`` after the abort, the hop goes on (D is aborted again
+    until it ends), and once D answers the lease closes ``aborted`` and nothing is left. Through
+    the front the hop runs in the handler's own task (no task of its own), which answers with
+    ``Connection: close`` (the handler holds the connection until the hop ends); under aiohttp's
+    server the hop has a task and the handler returns."""
+    released = asyncio.Event()
+    p: Scripted = await scripted_factory(lambda body, request: prefill_reply(body))
+    d: Scripted = await scripted_factory(_decode_answering_when(released))
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, front=front)
+    serving = app[SERVING]
+    call = asyncio.create_task(client.post("/inference/v1/generate", json=req(request_id="ig1")))
+    await _until(lambda: d.received, "the decode hop never reached D")
+    assert len(serving.tracker) == (0 if front == "own" else 1)  # the hop's task, under aiohttp's server
+    assert (await client.post("/abort_requests", json={"request_ids": ["generate-tokens-ig1"]})).status == 200
+    r = await asyncio.wait_for(call, 5)
+    body = await r.json()
+    assert r.status == 200 and body["choices"][0]["finish_reason"] == "abort"
+    assert body["choices"][0]["token_ids"] == []
+    if front == "own":
+        assert r.headers["Connection"] == "close"
+    await _until(lambda: len(d.aborts) >= 2, "D was not aborted again while its hop went on")
+    assert len(serving.table) == 1  # the hop goes on: the request is not forgotten
+    released.set()
+    await _until(lambda: not len(serving.table) and not len(serving.tracker), "the request never ended")
+    ledger = await leases_of(client)
+    assert ledger["open"] == [] and [c["reason"] for c in ledger["closed"]] == ["aborted"]
+    assert serving.pools.decode.workers[0].inflight == 0
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pd_proxy_requests_total{outcome="aborted"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_an_aborted_nonstream_decode_that_never_ends_is_cut_at_its_limit(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Aborted, answered after the grace, and D never answers: the hop ends at its limit
+    (``decode_timeout``), the lease is ``unknown`` (D may or may not have pulled) and nothing is
+    left."""
+    released = asyncio.Event()
+    p: Scripted = await scripted_factory(lambda body, request: prefill_reply(body))
+    d: Scripted = await scripted_factory(_decode_answering_when(released))
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, decode_timeout=0.5, front=front)
+    serving = app[SERVING]
+    call = asyncio.create_task(client.post("/inference/v1/generate", json=req(request_id="ig2")))
+    await _until(lambda: d.received, "the decode hop never reached D")
+    assert (await client.post("/abort_requests", json={"request_ids": ["generate-tokens-ig2"]})).status == 200
+    r = await asyncio.wait_for(call, 5)
+    assert r.status == 200 and (await r.json())["choices"][0]["finish_reason"] == "abort"
+    await _until(lambda: not len(serving.table) and not len(serving.tracker), "the hop was never cut", 8.0)
+    assert not released.is_set()  # D never answered: the hop was cut
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "the hop's end is no error"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pd_proxy_requests_total{outcome="aborted"} 1.0' in metrics  # answered: not a failure
+    assert 'pd_proxy_requests_total{outcome="timeout"} 0.0' in metrics
+    ledger = await leases_of(client)
+    assert ledger["open"] == [] and [c["reason"] for c in ledger["closed"]] == ["unknown"]
+    assert serving.pools.decode.workers[0].inflight == 0
+    released.set()
+
+
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_a_client_gone_during_a_nonstream_decode_aborts_d_until_it_answers(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str) -> None:
+    """The client goes away while D holds its non-stream decode hop, and D ignores the aborts: D is
+    aborted again until it answers; its answer (it pulled the KV) closes the lease ``aborted`` and
+    nothing is left. Through the front the handler is told (``on_gone``) instead of cancelled,
+    and ends once the hop did."""
+    released = asyncio.Event()
+    p: Scripted = await scripted_factory(lambda body, request: prefill_reply(body))
+    d: Scripted = await scripted_factory(_decode_answering_when(released))
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, front=front)
+    serving = app[SERVING]
+
+    async def call() -> None:
+        async with client.post("/inference/v1/generate", json=req(request_id="gone1")) as r:
+            await r.read()
+
+    task = asyncio.create_task(call())
+    await _until(lambda: d.received, "the decode hop never reached D")
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    disconnected = serving.metrics.aborts.labels(source="disconnect", state="decoding")
+    await _until(lambda: disconnected._value.get() == 1, "the disconnect was never seen")
+    await _until(lambda: len(d.aborts) >= 2, "D was not aborted again until its hop ended")
+    assert len(serving.table) == 1
+    released.set()
+    await _until(lambda: not len(serving.table) and not len(serving.tracker), "the request never ended")
+    ledger = await leases_of(client)
+    assert ledger["open"] == [] and [c["reason"] for c in ledger["closed"]] == ["aborted"]
+    assert serving.pools.decode.workers[0].inflight == 0
+
+
 @pytest.mark.parametrize("front", ["own", "aiohttp"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_disconnect_while_a_finished_prefill_answers_late_frees_its_kv(
