@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import example, given
+from hypothesis import strategies as st
+
 from proxy.protocol import compact_json
 from proxy.replies import abort_full_response, abort_stream_chunk, error_body
 
@@ -36,3 +39,14 @@ def test_an_aborted_full_response_has_n_empty_choices_and_the_prompt_counted() -
     assert [(c["index"], c["finish_reason"], c["text"], c["token_ids"]) for c in body["choices"]] == \
         [(0, "abort", "", []), (1, "abort", "", [])]
     assert json.loads(compact_json(body)) == body
+
+
+@given(st.dictionaries(st.text(st.characters(exclude_categories=["Cs"])),
+                       st.integers(min_value=-2**200, max_value=2**200) | st.floats() | st.booleans(),
+                       max_size=4))
+@example({"cached_tokens": 3, "seconds": 1e-05})
+@example({None: 1})  # a key that is not a string: json.dumps writes null as "null", pydantic-core "None"
+def test_a_flat_object_is_written_as_json_dumps_writes_it(obj: dict[str, int | float | bool]) -> None:
+    """One of integers is written by pydantic-core (faster): the bytes of ``json.dumps``, escapes
+    included; one with a float, as ``json.dumps`` spells it (``1e-05``, not ``0.00001``)."""
+    assert compact_json(obj) == json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
