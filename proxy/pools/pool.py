@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Final
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.hop import parse_origin
@@ -17,6 +18,8 @@ from proxy.pools.policies import LeastLoaded, PickContext, Policy
 from proxy.pools.worker import Outcome, Worker
 
 STATIC_SOURCE = "static"
+_NOTHING: Final[frozenset[int]] = frozenset()
+"""No worker left out of a pick (the usual case: no set built for it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +191,7 @@ class Pool:
         return self.panic and not any(w.healthy for w in self._workers.values() if not w.draining)
 
     def candidates(self, exclude: Iterable[Worker] = ()) -> list[Worker]:
-        skip = {id(w) for w in exclude}
+        skip = {id(w) for w in exclude} if exclude else _NOTHING
         if self.in_panic:
             return [w for w in self._workers.values()
                     if w.admissible_in_panic and not w.saturated and id(w) not in skip]
@@ -196,7 +199,7 @@ class Pool:
 
     def admissible(self, exclude: Iterable[Worker] = ()) -> list[Worker]:
         """Workers that could take a request if they had room (saturated ones included)."""
-        skip = {id(w) for w in exclude}
+        skip = {id(w) for w in exclude} if exclude else _NOTHING
         if self.in_panic:
             return [w for w in self._workers.values() if w.admissible_in_panic and id(w) not in skip]
         return [w for w in self._workers.values() if w.admissible and id(w) not in skip]
