@@ -210,9 +210,9 @@ class Prefill(Part):
         outcome = Outcome.NEUTRAL
         late, aborted = self._abort_at(limit, f, worker)
         try:
-            reply: dict[str, Any] = await self.core.call(worker, self.upstream.post_generate(
+            reply: dict[str, Any] = (await self.core.call(worker, self.upstream.post_generate_raw(
                 "prefill", worker.url, body, request_id=f.record.base_id,
-                total=limit + self.settings.abort_grace), f.trace.hop("prefill", worker))
+                total=limit + self.settings.abort_grace), f.trace.hop("prefill", worker)))[0]
             # A reply without usable KV params is P's failure; one with them is judged at the
             # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
             # every pull, which only the decode hops see.
