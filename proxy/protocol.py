@@ -269,7 +269,7 @@ _COMPACT_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).en
 def compact_json(obj: Any) -> bytes:
     """JSON as vLLM (starlette) writes it: compact, UTF-8 unescaped. An object of integers
     (``{"cached_tokens": 3}``, what the proxy splices into a reply) is written by pydantic-core's
-    serializer, whose bytes differ from ``json.dumps``' only in floats' spelling (2.0 -> 0.6 us)."""
+    serializer, whose bytes differ from ``json.dumps``' only in floats' spelling (2.0 -> 0.8 us)."""
     if type(obj) is dict and all(type(k) is str and type(v) is int for k, v in obj.items()):
         return pydantic_core.to_json(obj)
     return _COMPACT_ENCODE(obj).encode()
