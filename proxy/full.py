@@ -13,7 +13,7 @@ from aiohttp import web
 
 from proxy.aborts import Aborts
 from proxy.cleanup import Cleanup
-from proxy.core import Core, Part
+from proxy.core import Core, HandlerHop, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
 from proxy.errors import (
     UpstreamError,
@@ -59,35 +59,27 @@ class FullDecode(Part):
     async def _in_handler(self, f: Flight, worker: Worker, tries: DecodeAttempts) -> web.StreamResponse:
         """The decode hop in the handler's own task (the front serves the request): no task and
         no wake-ups through one; ``_Watch`` does around it what the waiter of a hop in its own
-        task (``Aborts.hop_or_abandon``) and the clean-up do. ``decode_task`` is a future the
-        hop's end settles: the clean-up and the aborts find what they find when the hop has a
-        task."""
-        ended: asyncio.Future[tuple[dict[str, Any], bytes]] = self.tracker.loop.create_future()
-        f.decode_task = ended
-        watch = _Watch(self, f, ended)
+        task (``Aborts.hop_or_abandon``) and the clean-up do."""
+        watch = _Watch(self, f)
+        f.decode_task = watch.ended
         try:
             answer = await self._hops(f, tries)
         except UpstreamError as e:
-            ended.set_exception(e)
-            ended.exception()  # raised here: not "never retrieved"
-            if watch.gone:
-                raise asyncio.CancelledError from None
+            watch.failed(e)
             if watch.front.replied is not None:
                 return watch.front.replied  # the client has its aborted answer; the clean-up ends the lease
             self.cleanup.after_decode_error(f, e)
             self.core.set_done(f)
             raise
         except BaseException:
-            ended.cancel()
+            watch.ended.cancel()
             raise
         finally:
             watch.close()
-        ended.set_result(answer)
-        if watch.gone:
-            raise asyncio.CancelledError
+        reply, raw = watch.answered(answer)
         if watch.front.replied is not None:
             return watch.front.replied  # aborted, answered at the grace's end: the clean-up ends the lease
-        return self._reply(f, worker, *answer)
+        return self._reply(f, worker, reply, raw)
 
     async def _hops(self, f: Flight, tries: DecodeAttempts) -> tuple[dict[str, Any], bytes]:
         """The decode hop, retried as ``tries`` allows; D's reply, parsed and as its bytes."""
@@ -186,33 +178,26 @@ class FullDecode(Part):
         return compact_json(reply) if changed else raw
 
 
-class _Watch:
-    """Around a non-stream decode hop made in the handler's task (``FullDecode._in_handler``):
-
-    - aborted (the abort endpoint, the deadline) and the hop not ended ``abort_grace`` later: the
-      client gets vLLM's aborted answer then (``FrontRequest.reply``, with ``Connection: close``:
-      the handler holds the connection until the hop ends), and the hop goes on, aborted until it
-      ends (``Aborts.abort``);
-    - the client gone: the front calls ``on_gone`` instead of cancelling the handler, and D is
-      aborted until the hop ends, as the clean-up aborts it (``Cleanup._end_decode``); the handler
-      then ends (``CancelledError``).
-
-    A hop ends by its own limit (``DecodeEngine.limit``: at most ``decode_timeout``), and none is
+class _Watch(HandlerHop):
+    """Around a non-stream decode hop made in the handler's task (``FullDecode._in_handler``),
+    besides what ``HandlerHop`` does when the client goes away: aborted (the abort endpoint, the
+    deadline) and the hop not ended ``abort_grace`` later, the client gets vLLM's aborted answer
+    then (``FrontRequest.reply``, with ``Connection: close``: the handler holds the connection
+    until the hop ends), and the hop goes on, aborted until it ends (``Aborts.abort``). A hop
+    ends by its own limit (``DecodeEngine.limit``: at most ``decode_timeout``), and none is
     tried again once the request is aborted.
     """
 
-    __slots__ = ("_ended", "_full", "_timer", "f", "front", "gone")
+    __slots__ = ("_full", "_timer")
 
-    def __init__(self, full: FullDecode, f: Flight, ended: asyncio.Future[Any]) -> None:
-        assert f.front is not None
-        self._full, self.f, self.front, self._ended = full, f, f.front, ended
+    def __init__(self, full: FullDecode, f: Flight) -> None:
+        super().__init__(full, f, decode=True)
+        self._full = full
         self._timer: asyncio.TimerHandle | None = None
-        self.gone = False
         if f.record.is_aborted:
             self._on_abort()
         else:
             f.record.on_abort.append(self._on_abort)
-        self.front.on_gone = self._on_gone
 
     def _on_abort(self) -> None:
         full = self._full
@@ -224,17 +209,12 @@ class _Watch:
             self.front.keep_alive = False
             self.front.reply(raw, headers)
 
-    def _on_gone(self) -> None:
-        if self.front.replied is not None:
-            return  # the client had its aborted answer (it closes the connection): D is aborted already
-        self.gone = True
-        full, record = self._full, self.f.record
-        full.core.note_gone(record)
-        full.tracker.spawn(full.abort_until(record.decode_worker, record.engine_id, self._ended,
-                                            full.settings.decode_timeout))
+    def on_gone(self) -> None:
+        if self.front.replied is None:  # else the client had its aborted answer: D is aborted already
+            super().on_gone()
 
     def close(self) -> None:
-        self.front.on_gone = None
+        super().close()
         if self._timer is not None:
             self._timer.cancel()
         with contextlib.suppress(ValueError):  # already called (and dropped) on abort

@@ -13,7 +13,7 @@ from kv_transfer.handoff import (
     check_prefill_params,
     prefill_body,
 )
-from proxy.core import Core, Part
+from proxy.core import Core, HandlerHop, Part
 from proxy.errors import (
     UpstreamError,
     UpstreamProtocolError,
@@ -162,43 +162,24 @@ class Prefill(Part):
     async def _in_handler(self, f: Flight, worker: Worker) -> dict[str, Any]:
         """The prefill hop to ``worker`` in the handler's own task (the front serves the request:
         no task, no wake-ups through one). A client that goes away meanwhile must not cut the
-        hop (P's answer may name KV it holds): the front then calls ``on_gone`` instead of
-        cancelling the handler, which notes the abort, aborts P until the hop ends, and has the
-        handler end (``CancelledError``) once it did. The clean-up then finds what it finds when
-        the hop has a task of its own and ends after the handler: ``prefill_task`` done, with
-        P's answer or the hop's error."""
+        hop (P's answer may name KV it holds): ``core.HandlerHop`` notes the abort, aborts P
+        until the hop ends, and has the handler end (``CancelledError``) once it did. The
+        clean-up then finds what it finds when the hop has a task of its own and ends after the
+        handler: ``prefill_task`` done, with P's answer or the hop's error."""
         limit = self._limit(f, worker)
-        ended: asyncio.Future[dict[str, Any]] = self.tracker.loop.create_future()
-        f.prefill_task = ended
-        front = f.front
-        assert front is not None
-        gone = False
-
-        def on_gone() -> None:
-            nonlocal gone
-            gone = True
-            self.core.note_gone(f.record)
-            self.tracker.spawn(self.abort_until(worker, f.record.engine_id, ended,
-                                                self.settings.prefill_timeout))
-
-        front.on_gone = on_gone
+        hop = HandlerHop(self, f, decode=False)
+        f.prefill_task = hop.ended
         try:
-            reply = await self.hop(f, worker, limit)
+            reply: dict[str, Any] = await self.hop(f, worker, limit)
         except UpstreamError as e:
-            ended.set_exception(e)
-            ended.exception()  # raised here (or the clean-up's): not "never retrieved"
-            if gone:
-                raise asyncio.CancelledError from None
+            hop.failed(e)
             raise
         except BaseException:
-            ended.cancel()  # cancelled all the same (the hook was not called: nothing to wait for)
+            hop.ended.cancel()  # cancelled all the same (the hook was not called: nothing to wait for)
             raise
         finally:
-            front.on_gone = None
-        ended.set_result(reply)
-        if gone:
-            raise asyncio.CancelledError
-        return reply
+            hop.close()
+        return hop.answered(reply)
 
     async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
         """At ``limit`` P is sent an abort, not cut off: P then answers within ``abort_grace``,
