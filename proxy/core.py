@@ -87,8 +87,9 @@ class Core:
     async def call(self, worker: Worker, coro: Any, hop: Hop = NOOP_HOP) -> Any:
         """Count one call to ``worker`` (its in-flight count is the pool's: ``Pool.acquire``);
         ``hop`` is its span (``proxy.tracing``), current while the call runs."""
-        self.metrics.child(self.metrics.inflight, worker.pool).inc()
-        self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
+        series = self.metrics.calls(worker.pool, worker.url)
+        series.inflight.inc()
+        series.requests.inc()
         try:
             with hop:
                 return await coro
@@ -96,7 +97,7 @@ class Core:
             self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, error_class(e)).inc()
             raise
         finally:
-            self.metrics.child(self.metrics.inflight, worker.pool).dec()
+            series.inflight.dec()
 
     def queue_limit(self, f: Flight) -> float:
         """How long a pick may wait for a worker with room: the queue timeout, or less when
@@ -137,7 +138,7 @@ class Core:
         """The client went away (or the shutdown ended its request): its abort, counted once
         (the request counted as aborted)."""
         if self.note_abort(record, "shutdown" if self.draining else "disconnect"):
-            self.metrics.child(self.metrics.requests, "aborted").inc()
+            self.metrics.outcomes["aborted"].inc()
 
     def expire_leases(self) -> int:
         return self.leases.expire()

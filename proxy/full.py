@@ -140,7 +140,7 @@ class FullDecode(Part):
         first_token = f.timing.first_token or 0.0
         self.core.close_lease(f, "aborted" if f.record.is_aborted else "pulled")
         self.core.set_done(f)
-        self.metrics.child(self.metrics.stage, "decode_first_token").observe(
+        self.metrics.stages["decode_first_token"].observe(
             first_token - (f.timing.decode_start or 0))
 
     def merge_prefill_info(self, f: Flight, reply: dict[str, Any], raw: bytes) -> bytes:

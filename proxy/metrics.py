@@ -186,6 +186,23 @@ def fast(metric: Any, series: Any = None) -> Any:
     return series
 
 
+class WorkerCalls:
+    """One worker's call series (``ProxyMetrics.calls``): its pool's in-flight gauge (``inflight``:
+    up as a call goes out, down when it is over) and its own call counter (``requests``)."""
+
+    __slots__ = ("inflight", "requests")
+
+    def __init__(self, inflight: Any, requests: Any) -> None:
+        self.inflight = inflight
+        self.requests = requests
+
+
+STAGES = ("queue", "prefill", "handoff", "decode_first_token", "first_to_second", "decode_stream")
+"""The stages of ``pd_proxy_stage_seconds``."""
+OUTCOMES = ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected")
+"""The outcomes of ``pd_proxy_requests_total``."""
+
+
 class HistogramBatch:
     """Observations of one histogram without labels (or one child), counted here per bucket and
     added to it in one step per bucket by ``flush``. prometheus_client's ``observe`` is two
@@ -246,6 +263,7 @@ class ProxyMetrics:
         the prefill workers' KV lease. The histograms' buckets cover both."""
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._calls: dict[tuple[str, str], WorkerCalls] = {}
         # Registered in this order, which is /metrics' order.
         self._client_metrics(r, latency_buckets(longest))
         self._upstream_metrics(r)
@@ -265,8 +283,6 @@ class ProxyMetrics:
         """Requests by outcome and what their clients saw: TTFT, ITL, TPOT, end to end, per stage."""
         self.requests = Counter("pd_proxy_requests", "Generate requests by outcome", ["outcome"],
                                 registry=r)
-        for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
-            self.requests.labels(outcome=outcome)
         # Observed once or twice per request: updated straight on their values (``fast``).
         self.ttft = fast(Histogram("pd_proxy_ttft_seconds", "Client-side time to first token",
                                    buckets=latency, registry=r))
@@ -279,6 +295,12 @@ class ProxyMetrics:
                                   buckets=latency, registry=r))
         self.stage = Histogram("pd_proxy_stage_seconds", "Time per stage of the P/D walk", ["stage"],
                                buckets=latency, registry=r)
+        # Observed on every request: each stage's series made once, here (``stages[name]``).
+        self.stages: dict[str, Any] = {name: fast(self.stage, self.stage.labels(stage=name))
+                                       for name in STAGES}
+        self.outcomes: dict[str, Any] = {outcome: fast(self.requests, self.requests.labels(outcome=outcome))
+                                         for outcome in OUTCOMES}
+        """``pd_proxy_requests_total``'s series by outcome, made once."""
 
     def _upstream_metrics(self, r: CollectorRegistry) -> None:
         """Calls to workers: made, failed, resent, in flight."""
@@ -363,8 +385,22 @@ class ProxyMetrics:
             found = self._children[key] = fast(metric, metric.labels(*values))
         return found
 
+    def calls(self, pool: str, worker: str) -> WorkerCalls:
+        """The series a call to ``worker`` updates, made once per worker (``child``'s, three
+        lookups a call before): its pool's in-flight gauge and its own call counter. Not kept for a
+        worker that left its pool (its call counter then counts nothing, as ``child``'s)."""
+        key = (pool, worker)
+        found = self._calls.get(key)
+        if found is None:
+            found = WorkerCalls(self.child(self.inflight, pool),
+                                self.child(self.upstream_requests, pool, worker))
+            if found.requests is not _UNCOUNTED:
+                self._calls[key] = found
+        return found
+
     def forget_worker(self, pool: str, worker: str) -> None:
         """Remove every series labelled with this worker (the pools' on-leave hook)."""
+        self._calls.pop((pool, worker), None)
         for key in [k for k in self._children if k[0] in self._per_worker]:
             _, at_pool, at_worker = self._per_worker[key[0]]
             if key[1][at_pool] == pool and key[1][at_worker] == worker:

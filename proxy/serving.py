@@ -261,7 +261,7 @@ class Serving:
             self.metrics.e2e.observe(self.clock() - t0)
             outcome = "aborted" if record.is_aborted else "ok"
             status = response.status
-            self.metrics.child(self.metrics.requests, outcome).inc()
+            self.metrics.outcomes[outcome].inc()
             return response
         finally:
             if timer is not None:
@@ -340,8 +340,8 @@ class Serving:
                 f.timing.prefill_end = self.clock()
                 raise error
         f.timing.prefill_end = prefill_end = self.clock()
-        self.metrics.child(self.metrics.stage, "queue").observe(prefill_start - f.timing.received)
-        self.metrics.child(self.metrics.stage, "prefill").observe(prefill_end - prefill_start)
+        self.metrics.stages["queue"].observe(prefill_start - f.timing.received)
+        self.metrics.stages["prefill"].observe(prefill_end - prefill_start)
         if error is not None:
             return None, "prefill_timeout" if isinstance(error, UpstreamTimeout) else "prefill_error", error
         if bypass is not None:
@@ -392,7 +392,7 @@ class Serving:
         record.decode_worker = decode
         record.phase = Phase.DECODING
         f.timing.decode_start = decode_start = self.clock()
-        self.metrics.child(self.metrics.stage, "handoff").observe(
+        self.metrics.stages["handoff"].observe(
             decode_start - (f.timing.prefill_end or decode_start))
         body = decode_body(f.data, record.base_id, kv_params)
         if f.request.is_stream:

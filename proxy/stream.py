@@ -208,7 +208,7 @@ class StreamDecode(Part):
         first = f.timing.first_write
         if first is not None:
             f.timing.second_write = now
-            self.metrics.child(self.metrics.stage, "first_to_second").observe(now - first)
+            self.metrics.stages["first_to_second"].observe(now - first)
 
     def _observe_stream(self, f: Flight, first_write: float | None, last_write: float | None) -> None:
         """A stream relayed to its end: the decode stage after D's first token, and the time per
@@ -216,7 +216,7 @@ class StreamDecode(Part):
         if f.timing.second_write is None:  # nothing but the stream's end followed P's token
             self._second_write(f, self.clock())
         if f.timing.first_token is not None:
-            self.metrics.child(self.metrics.stage, "decode_stream").observe(
+            self.metrics.stages["decode_stream"].observe(
                 self.clock() - f.timing.first_token)
         tokens = f.completion_tokens  # known only when the client asked for include_usage
         if tokens is not None and tokens > 1 and f.request.sampling_params.n == 1 \

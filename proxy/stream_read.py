@@ -73,8 +73,9 @@ class DecodeReader(Part):
         """One decode stream into ``buffer``; how it ended (``Status``), with D's error event (or
         the proxy's) and the failure when there is one."""
         assert f.headers_ready is not None
-        self.metrics.child(self.metrics.inflight, worker.pool).inc()
-        self.metrics.child(self.metrics.upstream_requests, worker.pool, worker.url).inc()
+        series = self.metrics.calls(worker.pool, worker.url)
+        series.inflight.inc()
+        series.requests.inc()
         resp: HopResponse | None = None
         try:
             try:
@@ -100,7 +101,7 @@ class DecodeReader(Part):
         finally:
             if resp is not None:
                 resp.close()
-            self.metrics.child(self.metrics.inflight, worker.pool).dec()
+            series.inflight.dec()
 
     async def _read(self, rd: _Read, resp: HopResponse) -> None:
         """D's events into the buffer until [DONE], an error, a closed buffer or the end; what
@@ -327,7 +328,7 @@ class DecodeReader(Part):
         """D's first event: D certainly has the request (the KV was pulled); check the event."""
         if f.timing.first_token is None:
             f.timing.first_token = self.clock()
-            self.metrics.child(self.metrics.stage, "decode_first_token").observe(
+            self.metrics.stages["decode_first_token"].observe(
                 f.timing.first_token - (f.timing.decode_start or f.timing.first_token))
         self.core.close_lease(f, "aborted" if f.record.is_aborted else "pulled")
         f.settled.set()

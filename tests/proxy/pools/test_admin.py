@@ -177,6 +177,38 @@ def test_forget_worker_removes_every_worker_series_and_late_counts_stay_gone() -
         "pd_proxy_upstream_requests_total", "pd_proxy_upstream_requests_created"}
 
 
+def requests_of(text: str, worker: str) -> list[float]:
+    return [s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "pd_proxy_upstream_requests_total" and s.labels.get("worker") == worker]
+
+
+def test_a_workers_call_series_are_made_once_and_go_with_the_worker() -> None:
+    m = ProxyMetrics()
+    pools = make_pools()
+    pools.forget_workers_in(m)
+    pools["decode"].add(D2, "admin")
+    calls = m.calls("decode", D2)
+    assert m.calls("decode", D2) is calls  # made once, kept
+    calls.requests.inc()
+    calls.inflight.inc()
+    assert requests_of(m.render().decode(), D2) == [1.0]
+    assert pools["decode"].remove(D2)
+    # a call that ends after the worker left lowers its pool's in-flight count as it raised it
+    calls.inflight.dec()
+    assert 'pd_proxy_inflight_requests{pool="decode"} 0.0' in m.render().decode()
+    # a call to it after it left counts nowhere, and nothing is kept for it
+    late = m.calls("decode", D2)
+    late.requests.inc()
+    assert series(m.render().decode(), D2) == []
+    assert m.calls("decode", D2) is not late
+    # it joins again: counted afresh, on new series
+    pools["decode"].add(D2, "admin")
+    again = m.calls("decode", D2)
+    assert again is not calls
+    again.requests.inc()
+    assert requests_of(m.render().decode(), D2) == [1.0]
+
+
 async def test_deleting_a_worker_removes_its_series_from_metrics(stack: StackFactory) -> None:
     st = await stack(n_prefill=1, n_decode=2, pools={"admin_key": KEY, "decode_policy": "round_robin"})
     gone = st.decode[1].url
