@@ -50,7 +50,6 @@ class RequestRecord:
     kv_params: dict[str, Any] | None = None
     lease: Lease | None = None
     abort_source: str | None = None
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     on_abort: list[Callable[[], None]] = field(default_factory=list)
     """Called once when the request is aborted (``mark_aborted``): a waiter that needs no task."""
@@ -64,7 +63,6 @@ class RequestRecord:
         if self.abort_source is not None:
             return False
         self.abort_source = source
-        self.aborted.set()
         callbacks, self.on_abort = self.on_abort, []
         for callback in callbacks:
             callback()

@@ -22,7 +22,7 @@ async def test_a_record_is_aborted_once_and_its_waiters_woken_once() -> None:
     record.on_abort.append(lambda: calls.append("b"))
     assert record.mark_aborted("client_call")
     assert not record.mark_aborted("disconnect")  # the first source stands
-    assert record.abort_source == "client_call" and record.aborted.is_set()
+    assert record.abort_source == "client_call" and record.is_aborted
     assert calls == ["a", "b"] and record.on_abort == []
 
 
