@@ -96,6 +96,9 @@ def test_remote_host_rewrite_for_a_routable_host() -> None:
     assert rewrite({**KV, "remote_host": "::"}, url)["remote_host"] == "10.1.2.3"
     assert rewrite({**KV, "remote_host": "0.0.0.0"}, url)["remote_host"] == "10.1.2.3"
     assert rewrite({**KV, "remote_host": "10.9.9.9"}, url)["remote_host"] == "10.9.9.9"
+    # each worker URL its own host (what is known of one is not another's)
+    assert rewrite({**KV, "remote_host": "localhost"}, "http://10.4.5.6:8000")["remote_host"] == "10.4.5.6"
+    assert rewrite({**KV, "remote_host": "::1"}, url)["remote_host"] == "10.1.2.3"
     # the proxy reached P on loopback too: one host, nothing to rewrite
     assert rewrite({**KV, "remote_host": "localhost"}, "http://127.0.0.1:8000")["remote_host"] == "localhost"
     params = {**KV, "remote_host": "localhost"}
