@@ -386,9 +386,9 @@ class ProxyMetrics:
         return found
 
     def calls(self, pool: str, worker: str) -> WorkerCalls:
-        """The series a call to ``worker`` updates, made once per worker (``child``'s, three
-        lookups a call before): its pool's in-flight gauge and its own call counter. Not kept for a
-        worker that left its pool (its call counter then counts nothing, as ``child``'s)."""
+        """The series a call to ``worker`` updates: its pool's in-flight gauge and its own call
+        counter, found once per worker (not three ``child`` lookups a call). Not kept for a worker
+        that left its pool (its call counter then counts nothing, as ``child``'s)."""
         key = (pool, worker)
         found = self._calls.get(key)
         if found is None:
