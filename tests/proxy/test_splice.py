@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import aiohttp
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.errors import UpstreamTimeout
@@ -89,6 +89,9 @@ _MIDDLES = [b"x", b'{"token_ids":[1]}', b"[DONE]", b"\n", b"\r", b'{"error"', b"
 
 
 @settings(max_examples=600)
+@example(b"\n", "%x", b"\r\n", b"")  # an LF inside the event: two lines, not one plain event
+@example(b"\r", "%x", b"\r\n", b"")
+@example(b"x", " %x", b"\r\n", b"")
 @given(st.lists(st.sampled_from(_MIDDLES), max_size=3).map(b"".join),
        st.sampled_from(["%x", "%x", *_SIZES]), st.sampled_from([b"\r\n", b"\r\n", b"", b"\r", b"x"]),
        st.sampled_from([b"", b"", b"1\r\nx\r\n", b"0\r\n\r\n"]))
@@ -113,6 +116,8 @@ def test_plain_events_of_vllms_kind_are_plain() -> None:
     event = b"data: " + b"x" * 18 + b"\n\n"  # 0x1a bytes: a size with a letter, either case
     assert one_plain_chunk(b"1a\r\n" + event + b"\r\n") and one_plain_chunk(b"1A\r\n" + event + b"\r\n")
     assert not plain_chunks(chunk(events[0] + events[1]))  # two events in one chunk
+    for other in (b": ping\n\n", b"event: x\n\n", b"datum: x\n\n"):  # no data line
+        assert not one_plain_chunk(chunk(other)) and not plain_chunks(chunk(other))
     assert not plain_chunks(chunk(events[0]) + chunk(DONE_EVENT))
 
 
