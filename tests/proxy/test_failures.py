@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,12 +14,14 @@ from tests.proxy.conftest import PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
 
 
-def dead_url() -> str:
-    """A loopback port nobody listens on."""
+@pytest.fixture
+def dead_url() -> Iterator[str]:
+    """A loopback port nobody listens on: bound, not listening, for the whole test, so that a
+    connection to it is refused and no server of the test (bound to port 0) is given it (a port
+    let go before use once went to the proxy under test, which then answered its own prefill hop)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 async def test_prefill_5xx_is_a_502_naming_the_prefill_worker(pd_factory: PDFactory) -> None:
@@ -54,9 +57,10 @@ async def test_prefill_timeout_is_a_504(pd_factory: PDFactory) -> None:
     await pd.quiet()
 
 
-async def test_unreachable_prefill_is_a_502(proxy_factory: ProxyFactory, sim_factory: Any) -> None:
+async def test_unreachable_prefill_is_a_502(proxy_factory: ProxyFactory, sim_factory: Any,
+                                            dead_url: str) -> None:
     d = await sim_factory(role="decode", zero_latency=True)
-    url = dead_url()
+    url = dead_url
     client, _ = await proxy_factory([url], [d.url])
     r = await client.post("/inference/v1/generate", json=req())
     body = await r.json()
@@ -273,7 +277,8 @@ async def test_upstream_api_key_is_sent(pd_factory: PDFactory) -> None:
     assert r.status == 401  # the prefill worker's 401 passes through
 
 
-async def test_health_reports_pools(pd_factory: PDFactory, proxy_factory: ProxyFactory) -> None:
+async def test_health_reports_pools(pd_factory: PDFactory, proxy_factory: ProxyFactory,
+                                    dead_url: str) -> None:
     admin = {"Authorization": "Bearer adm"}
     pd = await pd_factory(pools=PoolSettings.plain(admin_key="adm"))
     r = await pd.client.get("/health", headers=admin)
@@ -281,7 +286,7 @@ async def test_health_reports_pools(pd_factory: PDFactory, proxy_factory: ProxyF
     assert r.status == 200 and body["status"] == "ok"
     assert body["pools"]["prefill"][0]["url"] == pd.p.url and body["pools"]["decode"][0]["healthy"]
     # The dead decode worker is seen by the active probes; /health reports their last verdict.
-    client, _ = await proxy_factory([pd.p.url], [dead_url()], pools=PoolSettings.plain(
+    client, _ = await proxy_factory([pd.p.url], [dead_url], pools=PoolSettings.plain(
         admin_key="adm", active_health=True, health_interval=0.05, health_fail_threshold=1))
     for _ in range(400):  # bounded: 20 s
         r = await client.get("/health", headers=admin)

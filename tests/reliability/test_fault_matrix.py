@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -187,13 +186,6 @@ FAULTS += [
     Fault("decode_inband_error", True, "sse:length", "first_event", pair=True,
           decode={**SLOW_DECODE, "faults": {"error_after_tokens": 20}}),
 ]
-
-
-def dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 def outcome_of(status: int, raw: bytes, stream: bool) -> str:
