@@ -17,7 +17,6 @@ whatever a worker holds for the request is freed whatever state the walk was in 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -312,32 +311,13 @@ class Serving:
             if f.first.final:
                 return await self.first.finish_at_prefill(request, f, resp)
         if kv_params is not None and self.settings.hold_between_hops > 0:  # a test hook: KV_HELD
-            await self._hold(f, self.settings.hold_between_hops)
+            await f.record.aborted_within(self.settings.hold_between_hops)
         if f.record.is_aborted:
             await self.cleanup.release_shielded(f)
             if resp is not None:  # the client has P's token
                 return await self.first.end_aborted(request, f, resp)
             return await self.aborts.respond_aborted(request, f)
         return await self._decode(request, f, kv_params, resp)
-
-    async def _hold(self, f: Flight, seconds: float) -> None:
-        """``hold_between_hops``: wait ``seconds`` in KV_HELD, or until the request is aborted."""
-        record = f.record
-        if record.is_aborted:
-            return
-        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def wake() -> None:
-            if not woken.done():
-                woken.set_result(None)
-
-        record.on_abort.append(wake)
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken, seconds)
-        finally:
-            with contextlib.suppress(ValueError):  # already called (and dropped) on abort
-                record.on_abort.remove(wake)
 
     async def _prefill(self, f: Flight) -> tuple[dict[str, Any] | None, str, UpstreamError | None]:
         """PREFILLING: the prefill hop (retried), or decode-only when the request bypasses it.

@@ -17,6 +17,7 @@ DONE            nobody                                 nothing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,27 @@ class RequestRecord:
         callbacks, self.on_abort = self.on_abort, []
         for callback in callbacks:
             callback()
+        return True
+
+    async def aborted_within(self, seconds: float) -> bool:
+        """Wait until the request is aborted, at most ``seconds``: whether it was (woken through
+        ``on_abort``: no task, no polling)."""
+        if self.is_aborted:
+            return True
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        self.on_abort.append(wake)
+        try:
+            await asyncio.wait_for(woken, seconds)
+        except TimeoutError:
+            return False
+        finally:
+            with contextlib.suppress(ValueError):  # already called (and dropped) on abort
+                self.on_abort.remove(wake)
         return True
 
     def holders(self) -> list[Worker]:
