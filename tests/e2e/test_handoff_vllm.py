@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
+from tests.fixtures_vllm import STARTUP_TIMEOUT_S, metric_value, scrape_metrics, vllm_connector
 from workers import launcher
 from workers.demo import manual_handoff, post_generate
 from workers.launcher import Cluster
@@ -86,8 +86,8 @@ def test_pd_workers_down_stops_every_process_of_a_real_worker(
     up = subprocess.run(
         [sys.executable, "-m", "workers.launcher", "up", "--prefill", "1", "--decode", "0", "--tokens-only",
          "--model", str(tiny_model_dir), "--vllm-bin", str(vllm_bin), "--state-file", str(state_file),
-         "--log-dir", str(tmp_path / "logs"), "--detach"],
-        capture_output=True, text=True, timeout=600, check=False,
+         "--log-dir", str(tmp_path / "logs"), "--detach", "--startup-timeout", str(STARTUP_TIMEOUT_S)],
+        capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S + 180, check=False,
     )  # fmt: skip
     try:
         assert up.returncode == 0, up.stderr[-3000:]
