@@ -132,6 +132,9 @@ class Flight:
     """The request as the front (``proxy.front``) serves it, None under aiohttp's server: the
     front calls its ``on_gone`` instead of cancelling the handler, so the prefill hop can run in
     the handler's own task (``proxy.prefill``)."""
+    crashed: bool = False
+    """The stream's producer raised what it did not expect (``StreamDecode._crashed``): its client's
+    stream ended with the proxy's error event; the request's outcome is ``internal_error``."""
 
 
 __all__ = ["Flight", "PrefillFirst", "Timing"]

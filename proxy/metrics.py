@@ -199,8 +199,9 @@ class WorkerCalls:
 
 STAGES = ("queue", "prefill", "handoff", "decode_first_token", "first_to_second", "decode_stream")
 """The stages of ``pd_proxy_stage_seconds``."""
-OUTCOMES = ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected")
-"""The outcomes of ``pd_proxy_requests_total``."""
+OUTCOMES = ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected", "internal_error")
+"""The outcomes of ``pd_proxy_requests_total``. ``internal_error``: the proxy raised what it did not
+expect (a bug): its client got a generic 500, or the proxy's error event in a stream already open."""
 
 
 class HistogramBatch:

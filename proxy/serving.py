@@ -256,9 +256,13 @@ class Serving:
             # when the front called ``on_gone`` during the prefill hop (``proxy.prefill``).
             self.core.note_gone(record)
             raise
+        except Exception:  # a bug: the client gets a generic 500 (``errors.answer_error`` logs it)
+            outcome, status = "internal_error", 500
+            self.metrics.outcomes[outcome].inc()
+            raise
         else:
             self.metrics.e2e.observe(self.clock() - t0)
-            outcome = "aborted" if record.is_aborted else "ok"
+            outcome = "aborted" if record.is_aborted else "internal_error" if flight.crashed else "ok"
             status = response.status
             self.metrics.outcomes[outcome].inc()
             return response

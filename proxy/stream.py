@@ -109,6 +109,7 @@ class StreamDecode(Part):
         else the proxy's in-band error event. The phase stays DECODING: the clean-up aborts D and
         closes P's lease (``Cleanup.run``, which also retrieves the exception)."""
         f.settled.set()  # nothing else will: the clean-up waits on it while it aborts D
+        f.crashed = True
         ready = f.headers_ready
         if f.first is None and ready is not None and not ready.done():  # no stream opened yet
             ready.set_exception(exc)

@@ -29,7 +29,8 @@ WORKER_TARGET_LABELS: Final = frozenset({"job", "instance", "namespace", "pool",
 # Series Prometheus makes itself for each target.
 SYNTHETIC: Final = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
 
-_OUTCOME = frozenset({"ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"})
+_OUTCOME = frozenset({"ok", "client_error", "upstream_error", "aborted", "timeout", "rejected",
+                      "internal_error"})
 _STAGE = frozenset({"queue", "prefill", "handoff", "decode_first_token", "decode_stream", "first_to_second"})
 _SOURCE = frozenset({"client_call", "disconnect", "deadline", "shutdown"})
 _STATE = frozenset({"prefilling", "kv_held", "decoding", "done", "unknown"})

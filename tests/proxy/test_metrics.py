@@ -55,7 +55,8 @@ def test_every_stage_and_outcome_is_a_series_from_the_start() -> None:
     text = ProxyMetrics().render().decode()
     for stage in ("queue", "prefill", "handoff", "decode_first_token", "first_to_second", "decode_stream"):
         assert f'pd_proxy_stage_seconds_count{{stage="{stage}"}} 0.0' in text
-    for outcome in ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected"):
+    outcomes = ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected", "internal_error")
+    for outcome in outcomes:
         assert f'pd_proxy_requests_total{{outcome="{outcome}"}} 0.0' in text
 
 

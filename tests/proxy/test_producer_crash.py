@@ -2,15 +2,17 @@
 generic 500 before D answered, the proxy's in-band error event once the client's stream is open
 (D answered, or P's token went first); never quoting the exception. The clean-up then frees what
 D and P hold, as after any walk that did not finish: the request leaves the table, P's lease is
-closed, no task is left behind, nothing is left for asyncio to log."""
+closed, no task is left behind, nothing is left for asyncio to log. Such a request is counted as
+the proxy's own failure (``internal_error``), as is a crash handling D's non-stream answer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -72,6 +74,27 @@ async def closed_leases(pd: PD) -> list[str]:
     return [lease["reason"] for lease in ledger["closed"]]
 
 
+@contextlib.contextmanager
+def logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The proxy's errors and its access lines captured."""
+    with caplog.at_level(logging.ERROR, logger="pd_proxy"), \
+            caplog.at_level(logging.INFO, logger="pd_proxy.access"):
+        yield
+
+
+async def counted_as_internal_errors(pd: PD, caplog: pytest.LogCaptureFixture, status: int) -> None:
+    """The request is counted as the proxy's own failure (not ``ok``, not ``aborted``), and its
+    access line says so, with the status its client got."""
+    metrics = await (await pd.client.get("/metrics")).text()
+    assert 'pd_proxy_requests_total{outcome="internal_error"} 1.0' in metrics
+    for other in ("ok", "aborted", "upstream_error"):
+        assert f'pd_proxy_requests_total{{outcome="{other}"}} 0.0' in metrics
+    access = [r.getMessage() for r in caplog.records if r.name == "pd_proxy.access"]
+    assert len(access) == 1
+    fields = access[0].split()
+    assert "outcome=internal_error" in fields and f"status={status}" in fields
+
+
 async def nothing_unretrieved(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         gc.collect()
@@ -86,13 +109,40 @@ async def test_a_crash_before_ds_answer_is_a_generic_500(
     # D never got the request: P frees its KV at the end of its own (short) lease.
     pd = await pd_factory(front=front, first_token_from_prefill=False, prefill={"lease_seconds": 0.5})
     crash_at_the_first_attempt(monkeypatch)
-    with caplog.at_level(logging.ERROR, logger="pd_proxy"):
+    with logged(caplog):
         status, raw = await post_stream(pd, req(request_id="crash-500"))
         await pd.quiet(limit=BOUND)  # the table and the tracker empty, nothing held on P or D
     assert status == 500 and json.loads(raw) == INTERNAL
+    await counted_as_internal_errors(pd, caplog, 500)
     assert "unexpected RuntimeError while serving POST /inference/v1/generate" in caplog.text
     assert SECRET not in caplog.text
     assert await closed_leases(pd) == ["unknown"]  # whether D pulled is not known
+    await nothing_unretrieved(caplog)
+
+
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_a_crash_handling_ds_non_stream_answer_is_a_generic_500(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        front: str) -> None:
+    """D answered a non-stream request in full and the proxy raises handling the answer: the
+    client gets the generic 500, counted as the proxy's own failure, and nothing is left held."""
+    from proxy.full import FullDecode  # noqa: PLC0415
+
+    def reply(*_: Any, **__: Any) -> Any:
+        raise RuntimeError(SECRET)
+
+    monkeypatch.setattr(FullDecode, "_reply", reply)
+    pd = await pd_factory(front=front)
+    with logged(caplog):
+        r = await asyncio.wait_for(
+            pd.client.post("/inference/v1/generate", json=req(request_id="crash-full")), BOUND)
+        raw = await asyncio.wait_for(r.read(), BOUND)
+        await pd.quiet(limit=BOUND)
+    assert r.status == 500 and json.loads(raw) == INTERNAL
+    assert "unexpected RuntimeError while serving POST /inference/v1/generate" in caplog.text
+    assert SECRET not in caplog.text
+    await counted_as_internal_errors(pd, caplog, 500)
+    assert len(await closed_leases(pd)) == 1  # P's lease closed by the clean-up, none left open
     await nothing_unretrieved(caplog)
 
 
@@ -100,7 +150,7 @@ async def test_a_crash_after_ds_first_event_ends_the_stream_in_band(
         pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     pd = await pd_factory(first_token_from_prefill=False, decode=PACED)
     crash_after_the_first_read(monkeypatch)
-    with caplog.at_level(logging.ERROR, logger="pd_proxy"):
+    with logged(caplog):
         status, raw = await post_stream(pd, req(request_id="crash-in-band", sp={"max_tokens": 200}))
         # D stops at once (its connection closed, then the clean-up's abort), not after 20 s.
         await pd.quiet(limit=10.0)
@@ -115,6 +165,7 @@ async def test_a_crash_after_ds_first_event_ends_the_stream_in_band(
     assert (await pd.d.state())["generate_calls"] == 1
     metrics = await (await pd.client.get("/metrics")).text()
     assert 'pd_proxy_abort_fanout_total{pool="decode",result="ok"} 1.0' in metrics  # the clean-up's
+    await counted_as_internal_errors(pd, caplog, 200)
     assert await closed_leases(pd) == ["pulled"]  # D's first event: it had P's KV
     await nothing_unretrieved(caplog)
 
@@ -123,7 +174,7 @@ async def test_a_crash_after_ps_token_went_first_ends_the_stream_in_band(
         pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     pd = await pd_factory(first_token_from_prefill=True, prefill={"lease_seconds": 0.5})
     crash_at_the_first_attempt(monkeypatch)
-    with caplog.at_level(logging.ERROR, logger="pd_proxy"):
+    with logged(caplog):
         status, raw = await post_stream(pd, req(request_id="crash-after-p"))
         await pd.quiet(limit=BOUND)
     events = sse_datas(raw)
@@ -134,4 +185,5 @@ async def test_a_crash_after_ps_token_went_first_ends_the_stream_in_band(
     assert "unexpected RuntimeError while reading a decode stream" in caplog.text
     assert SECRET not in caplog.text and SECRET.encode() not in raw
     assert await closed_leases(pd) == ["unknown"]
+    await counted_as_internal_errors(pd, caplog, 200)
     await nothing_unretrieved(caplog)
