@@ -281,18 +281,21 @@ class StreamDecode(Part):
 
     async def _attempt(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer,
                        follower: StreamFollower | None) -> tuple[Status, bytes | None, UpstreamError | None]:
-        """One attempt (``once``) in its span; its worker released with the outcome it earned."""
+        """One attempt (``once``) in its span; its worker released with the outcome it earned
+        (none, neutral, when the attempt raised: cancelled, or a bug of the proxy's own)."""
         w = tries.worker
         status, error, exc = Status.BROKEN, None, None
+        raised = True
         try:
             with f.trace.hop("decode", w) as hop:
                 status, error, exc = await self.reader.once(f, w, tries.body, buffer, follower)
                 hop.outcome(status.value)
+            raised = False
         finally:
             passthrough = isinstance(exc, UpstreamStatusError) and exc.passthrough
             outcome = (Outcome.SUCCESS if status is Status.DONE else
                        Outcome.NEUTRAL if status in (Status.CLOSED, Status.MISMATCH) or passthrough
-                       or f.record.is_aborted
+                       or raised or f.record.is_aborted
                        else Outcome.FAILURE)
             if status in (Status.OPEN_FAILED, Status.KV_FAILED) and exc is not None:
                 outcome = tries.failed(exc, outcome)

@@ -19,6 +19,8 @@ import pytest
 
 from proxy.errors import ProxyError
 from proxy.hop import HopResponse
+from proxy.pools import PoolSettings
+from proxy.pools.breaker import CircuitState
 from proxy.stream_read import DecodeReader
 from proxy.upstream import Upstream
 from tests.proxy.conftest import PD, PDFactory, req, sse_datas
@@ -118,6 +120,24 @@ async def test_a_crash_before_ds_answer_is_a_generic_500(
     assert SECRET not in caplog.text
     assert await closed_leases(pd) == ["unknown"]  # whether D pulled is not known
     await nothing_unretrieved(caplog)
+
+
+async def test_a_crash_is_not_charged_to_the_decode_worker(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The proxy's own bug in a decode attempt tells nothing about D: D's circuit, which one
+    failure would open, stays closed, and the next request is served by it."""
+    pd = await pd_factory(first_token_from_prefill=False, prefill={"lease_seconds": 0.5},
+                          pools=PoolSettings.plain(breaker_failures=1))
+    with monkeypatch.context() as crashing, logged(caplog):
+        crash_at_the_first_attempt(crashing)
+        status, _ = await post_stream(pd, req(request_id="crash-not-d"))
+        await pd.quiet(limit=BOUND)
+    assert status == 500
+    (d,) = pd.serving.pools.decode.workers
+    assert d.breaker.state is CircuitState.CLOSED
+    status, raw = await post_stream(pd, req(request_id="after-crash"))
+    assert status == 200 and sse_datas(raw)[-1] == "[DONE]"
+    await pd.quiet(limit=BOUND)
 
 
 @pytest.mark.parametrize("front", ["own", "aiohttp"])
