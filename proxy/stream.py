@@ -282,7 +282,7 @@ class StreamDecode(Part):
     async def _attempt(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer,
                        follower: StreamFollower | None) -> tuple[Status, bytes | None, UpstreamError | None]:
         """One attempt (``once``) in its span; its worker released with the outcome it earned
-        (none, neutral, when the attempt raised: cancelled, or a bug of the proxy's own)."""
+        (neutral when the attempt raised: it was cancelled, or the proxy has a bug)."""
         w = tries.worker
         status, error, exc = Status.BROKEN, None, None
         raised = True
