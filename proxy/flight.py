@@ -136,5 +136,25 @@ class Flight:
     """The stream's producer raised what it did not expect (``StreamDecode._crashed``): its client's
     stream ended with the proxy's error event; the request's outcome is ``internal_error``."""
 
+    def access_fields(self, outcome: str, status: int, now: float) -> dict[str, Any]:
+        """The fields of the request's one access line: ids, workers, hop timings, outcome; no
+        content."""
+        record = self.record
+        fields: dict[str, Any] = {
+            "request_id": self.client_id,
+            **({"tenant": self.tenant.name} if self.tenant.tag else {}),
+            "prefill": record.prefill_worker.url if record.prefill_worker is not None else None,
+            "decode": record.decode_worker.url if record.decode_worker is not None else None,
+            "stream": self.request.is_stream,
+            "outcome": outcome,
+            "status": status,
+            "decode_only": self.headers.get("X-PD-Decode-Only"),
+            "abort": record.abort_source,
+        }
+        for name, value in self.timing.durations_ms(now).items():
+            fields[f"{name}_ms"] = round(value, 3)
+        fields["completion_tokens"] = self.completion_tokens
+        return fields
+
 
 __all__ = ["Flight", "PrefillFirst", "Timing"]

@@ -274,27 +274,8 @@ class Serving:
             else:
                 self.cleanup.forget(flight)
             if ACCESS_LOG.isEnabledFor(logging.INFO):
-                self._log_access(flight, outcome, status)
+                log_access(flight.access_fields(outcome, status, self.clock()), self.settings.log_format)
             flight.trace.finish(flight, outcome, status)
-
-    def _log_access(self, f: Flight, outcome: str, status: int) -> None:
-        """The one access line of a request: ids, workers, hop timings, outcome; no content."""
-        record = f.record
-        fields: dict[str, Any] = {
-            "request_id": f.client_id,
-            **({"tenant": f.tenant.name} if f.tenant.tag else {}),
-            "prefill": record.prefill_worker.url if record.prefill_worker is not None else None,
-            "decode": record.decode_worker.url if record.decode_worker is not None else None,
-            "stream": f.request.is_stream,
-            "outcome": outcome,
-            "status": status,
-            "decode_only": f.headers.get("X-PD-Decode-Only"),
-            "abort": record.abort_source,
-        }
-        for name, value in f.timing.durations_ms(self.clock()).items():
-            fields[f"{name}_ms"] = round(value, 3)
-        fields["completion_tokens"] = f.completion_tokens
-        log_access(fields, self.settings.log_format)
 
     async def _walk(self, request: web.Request, f: Flight) -> web.StreamResponse:
         """PREFILLING -> KV_HELD -> DECODING: the prefill hop (or decode-only), then the decode."""

@@ -69,11 +69,11 @@ class RequestRecord:
             callback()
         return True
 
-    async def aborted_within(self, seconds: float) -> bool:
-        """Wait until the request is aborted, at most ``seconds``: whether it was (woken through
-        ``on_abort``: no task, no polling)."""
+    async def aborted_within(self, seconds: float) -> None:
+        """Wait until the request is aborted, at most ``seconds`` (woken through ``on_abort``: no
+        task, no polling)."""
         if self.is_aborted:
-            return True
+            return
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def wake() -> None:
@@ -82,13 +82,11 @@ class RequestRecord:
 
         self.on_abort.append(wake)
         try:
-            await asyncio.wait_for(woken, seconds)
-        except TimeoutError:
-            return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken, seconds)
         finally:
             with contextlib.suppress(ValueError):  # already called (and dropped) on abort
                 self.on_abort.remove(wake)
-        return True
 
     def holders(self) -> list[Worker]:
         if self.phase is Phase.PREFILLING and self.prefill_worker is not None:

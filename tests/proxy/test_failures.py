@@ -60,11 +60,10 @@ async def test_prefill_timeout_is_a_504(pd_factory: PDFactory) -> None:
 async def test_unreachable_prefill_is_a_502(proxy_factory: ProxyFactory, sim_factory: Any,
                                             dead_url: str) -> None:
     d = await sim_factory(role="decode", zero_latency=True)
-    url = dead_url
-    client, _ = await proxy_factory([url], [d.url])
+    client, _ = await proxy_factory([dead_url], [d.url])
     r = await client.post("/inference/v1/generate", json=req())
     body = await r.json()
-    assert r.status == 502 and f"prefill worker {url}: unreachable" in body["error"]["message"]
+    assert r.status == 502 and f"prefill worker {dead_url}: unreachable" in body["error"]["message"]
 
 
 async def test_missing_kv_params_fails_by_default(pd_factory: PDFactory) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from proxy.errors import ProxyError
+from proxy.full import FullDecode
 from proxy.hop import HopResponse
 from proxy.pools import PoolSettings
 from proxy.pools.breaker import CircuitState
@@ -146,8 +147,6 @@ async def test_a_crash_handling_ds_non_stream_answer_is_a_generic_500(
         front: str) -> None:
     """D answered a non-stream request in full and the proxy raises handling the answer: the
     client gets the generic 500, counted as the proxy's own failure, and nothing is left held."""
-    from proxy.full import FullDecode  # noqa: PLC0415
-
     def reply(*_: Any, **__: Any) -> Any:
         raise RuntimeError(SECRET)
 
