@@ -440,8 +440,10 @@ async def test_no_migration_for_stop_strings_or_when_disabled(stack: StackFactor
 
 
 async def test_deadline_expiry_mid_stream_aborts(stack: StackFactory) -> None:
+    # 2 s: the prefill hop ends well inside it on a loaded machine (300 ms once ran out before
+    # the decode began, in CI); D's 400 tokens at 20 ms take 8 s, so it ends mid-stream.
     st = await stack(n_decode=1, decode={"zero_latency": False, "itl_ms": 20.0})
-    status, events, _ = await st.stream(req(sp={"max_tokens": 400}), headers={"X-PD-Deadline-Ms": "300"})
+    status, events, _ = await st.stream(req(sp={"max_tokens": 400}), headers={"X-PD-Deadline-Ms": "2000"})
     assert status == 200 and events[-1] == "[DONE]"
     finishes = [c["finish_reason"] for e in events if isinstance(e, dict) for c in e["choices"]]
     assert finishes[-1] == "abort" and len(tokens(events)) < 400
