@@ -1,7 +1,7 @@
 """The request walk: validate, admit, prefill, hand off, decode; every other step is a part.
 
 ``Serving.generate`` owns one client request and reads top to bottom: the body is checked
-(``validate``), the request admitted, then ``_walk`` runs the prefill hop (``proxy.prefill``),
+(``proxy.validation``), the request admitted, then ``_walk`` runs the prefill hop (``proxy.prefill``),
 the hand-off (``kv_transfer.handoff``, ``kv_transfer.leases``) and the decode, non-stream
 (``proxy.full``) or streamed (``proxy.stream``, each attempt read by ``proxy.stream_read``),
 both through one decode-attempt engine (``proxy.decode``). No upstream hop is cut when the
@@ -27,15 +27,12 @@ from aiohttp import web
 from kv_transfer.handoff import (
     decode_body,
 )
-from kv_transfer.params import client_transfer_params
 from proxy.aborts import Aborts
 from proxy.cleanup import Cleanup
 from proxy.core import Core
 from proxy.decode import DecodeEngine
 from proxy.errors import (
-    BadRequest,
     ClientError,
-    InvalidRequest,
     ProxyError,
     UpstreamError,
     UpstreamStatusError,
@@ -46,27 +43,23 @@ from proxy.flight import Flight, Timing
 from proxy.front import FrontRequest
 from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, new_client_id, upstream_id
-from proxy.known_bodies import KnownBodies
-from proxy.large_body import LARGE_BODY_BYTES, PackedTokenIds, parse_large_generate_body, prompt_too_long
+from proxy.large_body import LARGE_BODY_BYTES
 from proxy.limits import request_body
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
 from proxy.pools import Deadline, NoWorkerAvailable, Outcome, Overloaded, Worker, handoff_check
 from proxy.prefill import Prefill
-from proxy.protocol import GenerateRequest, engine_request_id, parse_generate_body
+from proxy.protocol import GenerateRequest, engine_request_id
 from proxy.settings import ProxySettings
 from proxy.state import Phase, RequestRecord
 from proxy.stream import StreamDecode
 from proxy.tenants import OPEN, Tenant
 from proxy.tracing import DISABLED as TRACING_DISABLED
 from proxy.tracing import Tracing
-from proxy.upstream import TokenIds, Upstream, ids_text
-from proxy.validation_errors import RequestValidationError, VLLMValidationError
+from proxy.upstream import Upstream
+from proxy.validation import Validation
 
 log = logging.getLogger("pd_proxy")
-_WALK_DATA = b"transfer_params"
-"""Given to ``client_transfer_params`` as the body: it then walks the parsed data (small: the
-packed token ids are not walked) instead of searching the raw bytes first."""
 
 
 class Serving:
@@ -78,7 +71,7 @@ class Serving:
         self.pools, self.prefill_pool, self.decode_pool = core.pools, core.prefill_pool, core.decode_pool
         self.leases, self.table, self.tracker = core.leases, core.table, core.tracker
         self.stream_budget = core.stream_budget
-        self.known = KnownBodies()  # bodies validated before (``validate``)
+        self.validation = Validation(settings)
         self.aborts = Aborts(core)
         self.prefill = Prefill(core)
         self.cleanup = Cleanup(core, self.aborts, self.prefill)
@@ -112,99 +105,18 @@ class Serving:
                               rewrite=self.core.rewrite_remote_host)
         await self.pools.start(self.upstream.session, check)
 
-    def validate(self, body: bytes, content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
-        """``body`` parsed and checked as vLLM would, then by the proxy's own rules. A body that
-        differs from one that passed only in its token ids and request id is known
-        (``proxy.known_bodies``): only the checks of its ids' number and the pools' config run."""
-        probe = self.known.probe(body, content_type)
-        if probe is not None:
-            known = self.known.get(probe)
-            if known is not None:
-                req, data = known
-                self._prompt_fits(req)
-                return self._server_checks(req, data)
-        try:
-            req, data = parse_generate_body(body, content_type)
-        except RequestValidationError as e:
-            raise InvalidRequest.from_protocol(e) from None
-        except VLLMValidationError as e:
-            raise BadRequest.from_protocol(e) from None
-        req, data = self._checked(body, req, data, None if probe is None else probe[1])
-        if probe is not None:
-            self.known.add(probe, req, data)
-        return req, data
-
-    async def validate_large(self, body: bytes | bytearray,
-                             content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
-        """``validate`` for a body over ``LARGE_BODY_BYTES``: its token ids are parsed in slices,
-        the loop given back between them (``proxy.large_body``)."""
-        try:
-            req, data = await parse_large_generate_body(body, content_type,
-                                                        max_tokens=self.settings.max_prompt_tokens or None)
-        except RequestValidationError as e:
-            raise InvalidRequest.from_protocol(e) from None
-        except VLLMValidationError as e:
-            raise BadRequest.from_protocol(e) from None
-        if type(data["token_ids"]) is PackedTokenIds:
-            return self._checked(None, req, data)
-        return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``): as before
-
-    def _checked(self, body: bytes | None, req: GenerateRequest, data: dict[str, Any],
-                 ids: bytes | None = None) -> tuple[GenerateRequest, dict[str, Any]]:
-        """The proxy's own checks of a parsed body. ``body`` None: the ids are packed already
-        (``PackedTokenIds``, which carry their own text). ``ids``: their text, found already."""
-        self._prompt_fits(req)
-        # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
-        # hop (kv_transfer.params). A top-level null names nothing and passes.
-        where = client_transfer_params(body if body is not None else _WALK_DATA, data)
-        if where is not None:
-            raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
-                             "remove it from the request.", param=where)
-        if body is not None:  # not encoded again
-            data["token_ids"] = TokenIds(data["token_ids"], ids if ids is not None else ids_text(body))
-        return self._server_checks(req, data)
-
-    def _prompt_fits(self, req: GenerateRequest) -> None:
-        limit = self.settings.max_prompt_tokens
-        if limit and len(req.token_ids) > limit:
-            raise BadRequest.from_protocol(prompt_too_long(limit, len(req.token_ids)))
-
-    def _server_checks(self, req: GenerateRequest,
-                       data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
-        s = self.settings
-        sp = req.sampling_params
-        # The server-level checks of vLLM's serve_tokens, in its order, for the pools' config.
-        if s.max_num_seqs is not None and sp.n > s.max_num_seqs:
-            raise BadRequest(
-                f"sampling_params.n must be at most the server's max_num_seqs ({s.max_num_seqs}), "
-                f"got {sp.n}."
-            )
-        if req.is_stream and sp.get("prompt_logprob_token_ids") is not None:
-            raise BadRequest("prompt_logprob_token_ids are not available when stream=true.")
-        if s.decode_tokens_only and sp.stop:
-            raise BadRequest(
-                "stop strings are not supported on a --tokens-only server because detokenization "
-                "is disabled. Check stop strings on the coordinator, or use stop_token_ids."
-            )
-        if s.decode_tokens_only and req.output_mode != "tokens":
-            raise BadRequest(
-                f"output_mode={req.output_mode!r} requires a tokenizer, but this server does not "
-                "load one (--tokens-only or --skip-tokenizer-init). Send the request to a server "
-                "that loads a tokenizer, or use output_mode='tokens'."
-            )
-        return req, data
-
     async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
         """One generate call. Errors are raised (``proxy.errors``): the app's error middleware
         answers them in vLLM's shape and counts them."""
         t0 = self.clock()
         body = await request_body(request)
         try:
+            content_type = request.headers.get("Content-Type", "")
             if len(body) > LARGE_BODY_BYTES:
-                req, data = await self.validate_large(body, request.headers.get("Content-Type", ""))
+                req, data = await self.validation.validate_large(body, content_type)
             else:
-                req, data = self.validate(body if type(body) is bytes else bytes(body),
-                                          request.headers.get("Content-Type", ""))
+                req, data = self.validation.validate(body if type(body) is bytes else bytes(body),
+                                                     content_type)
             client_id = client_request_id(request.headers.get("X-Request-Id"), req.request_id)
         except ClientError as e:
             if ACCESS_LOG.isEnabledFor(logging.INFO):

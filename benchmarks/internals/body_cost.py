@@ -3,8 +3,8 @@ for the workers' replies (parse them).
 
     python -m benchmarks.internals.body_cost [--prompt-lens 128,2048,4096] [--calls 2000] [--rounds 3]
 
-The work ``proxy.serving.Serving`` does on every generate call before and between its hops that
-grows with the prompt: ``Serving.validate`` (JSON parse, vLLM's validation, the token ids kept
+The work pd-proxy does on every generate call before and between its hops that
+grows with the prompt: ``Validation.validate`` (JSON parse, vLLM's validation, the token ids kept
 for the hops) and ``encode_body`` of the prefill and the decode hop bodies. In this process, no
 network. ``client_text``: the body as compare_routers sends it (compact JSON, so the ids' text is
 forwarded as the client wrote it); ``escaped``: the same body with a ``\\u`` escape in a stop
@@ -26,11 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kv_transfer.handoff import decode_body, prefill_body
-from proxy.metrics import ProxyMetrics
 from proxy.protocol import parse_worker_json
-from proxy.serving import Serving
 from proxy.settings import ProxySettings
 from proxy.upstream import encode_body
+from proxy.validation import Validation
 
 _MAX_CALLS = 100_000
 
@@ -74,9 +73,9 @@ def timed(call: Callable[[], object], calls: int, rounds: int) -> list[float]:
     return figures
 
 
-def one_call(serving: Serving, body: bytes) -> Callable[[], None]:
+def one_call(validation: Validation, body: bytes) -> Callable[[], None]:
     def call() -> None:
-        req, data = serving.validate(body, "application/json")
+        req, data = validation.validate(body, "application/json")
         encode_body(prefill_body(data, "bench", stream=req.is_stream))
         encode_body(decode_body(data, "bench", {"do_remote_prefill": True}))
     return call
@@ -84,12 +83,12 @@ def one_call(serving: Serving, body: bytes) -> Callable[[], None]:
 
 def measure(prompt_lens: Sequence[int], calls: int, rounds: int) -> dict[str, Any]:
     calls = max(1, min(calls, _MAX_CALLS))
-    serving = Serving(ProxySettings(prefill_urls=("http://127.0.0.1:1",),
-                                    decode_urls=("http://127.0.0.1:2",)), ProxyMetrics())
+    validation = Validation(ProxySettings(prefill_urls=("http://127.0.0.1:1",),
+                                          decode_urls=("http://127.0.0.1:2",)))
     report: dict[str, Any] = {"calls": calls, "rounds": rounds}
     for n in prompt_lens:
         for variant in ("client_text", "escaped"):
-            call = one_call(serving, client_body(n, escaped=variant == "escaped"))
+            call = one_call(validation, client_body(n, escaped=variant == "escaped"))
             report[f"{variant}_{n}_us_per_call"] = timed(call, calls, rounds)
     for tokens in (1, 32, 256):
         parse = functools.partial(parse_worker_json, worker_reply(tokens))

@@ -13,7 +13,7 @@ tokens, ``--max-tokens`` output tokens) one after the other from a client subpro
 (the proxy is idle between them, as at one request at a time). The points are taken by wrapping
 the proxy's methods on their classes for the run (``time.perf_counter_ns``, a few hundred
 nanoseconds each): the request's first read (``Front.data_received``), the handler's start
-(``Front._serve``), validation (``Serving.validate``), the walk (``Serving._walk``), each hop's
+(``Front._serve``), validation (``Validation.validate``), the walk (``Serving._walk``), each hop's
 request written (``HopConnection.send``) and its answer's first read
 (``HopConnection.data_received``), P's reply accepted (``Prefill.accept_reply``), the decode
 (``Serving._decode``), the answer written (``FrontRequest.reply``, or ``Front._finish`` for a tree
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib.util
 import itertools
 import json
 import statistics
@@ -116,7 +117,11 @@ class Marks:
         self.wrap(front.Front, "data_received", "request in",  # a request's first read
                   when=lambda protocol: protocol.task is None and protocol.head is None)
         self.wrap(front.Front, "_serve", "handler starts")
-        self.wrap(serving.Serving, "validate", "validate", "validated")
+        self.wrap(serving.Serving, "validate", "validate", "validated")  # a tree before proxy.validation
+        if importlib.util.find_spec("proxy.validation") is not None:
+            from proxy import validation  # noqa: PLC0415
+
+            self.wrap(validation.Validation, "validate", "validate", "validated")
         self.wrap(serving.Serving, "_walk", "walk")
         self.wrap(hop_wire.HopConnection, "send", "sent")
         self.wrap(hop_wire.HopConnection, "data_received", "answer in")

@@ -5,7 +5,7 @@
 ``bare_proxy``'s shells (a bare ``asyncio.Protocol`` server, no aiohttp on the client's side, one
 task per request) around the components pd-proxy calls for one non-stream generate request, in
 the walk's order and called the way its parts call them: the body parsed and checked
-(``Serving.validate``), the request id, the admission gate, the request's record and ``Flight``
+(``Validation.validate``), the request id, the admission gate, the request's record and ``Flight``
 in the request table, the pools' pick context and bypass check, the prefill pick and release
 (``Pool.acquire``, its breaker and in-flight count), the prefill body
 (``kv_transfer.handoff.prefill_body``), the hop's abort timer, P's reply parsed and checked, the KV
@@ -102,7 +102,7 @@ class FlatProxy:
         s = self.serving
         core, m, clock, pools = s.core, s.metrics, s.clock, s.pools
         t0 = clock()
-        req, data = s.validate(raw, "application/json")
+        req, data = s.validation.validate(raw, "application/json")
         if req.is_stream and relay is None:
             return None
         client_id = client_request_id(None, req.request_id) or uuid.uuid4().hex

@@ -14,11 +14,10 @@ from hypothesis import strategies as st
 from proxy.app import SERVING
 from proxy.errors import ClientError
 from proxy.known_bodies import KnownBodies, cut
-from proxy.metrics import ProxyMetrics
 from proxy.protocol import GenerateRequest
-from proxy.serving import Serving
 from proxy.settings import ProxySettings
 from proxy.upstream import TokenIds
+from proxy.validation import Validation
 from tests.proxy.conftest import ProxyFactory
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, prefill_reply
 
@@ -62,12 +61,12 @@ class Forgets:
         pass
 
 
-def serving(**settings: Any) -> Serving:
-    return Serving(ProxySettings(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:2",),
-                                 **settings), ProxyMetrics())
+def validation(**settings: Any) -> Validation:
+    return Validation(ProxySettings(prefill_urls=("http://127.0.0.1:1",), decode_urls=("http://127.0.0.1:2",),
+                                    **settings))
 
 
-def outcome(srv: Serving, body: bytes, content_type: str = JSON) -> Any:
+def outcome(srv: Validation, body: bytes, content_type: str = JSON) -> Any:
     try:
         req, data = srv.validate(body, content_type)
     except ClientError as e:
@@ -79,7 +78,7 @@ def outcome(srv: Serving, body: bytes, content_type: str = JSON) -> Any:
     return ("ok", dump, req.model_fields_set, {**data, "token_ids": list(ids)})
 
 
-ORACLE = serving(max_prompt_tokens=4)
+ORACLE = validation(max_prompt_tokens=4)
 ORACLE.known = cast(KnownBodies, Forgets())
 
 
@@ -94,7 +93,7 @@ ORACLE.known = cast(KnownBodies, Forgets())
        content_type=st.sampled_from([JSON, JSON, "application/json; charset=utf-8", "text/plain"]))
 def test_a_known_shape_answers_what_the_full_path_answers(
         template: dict[str, Any], first: tuple[str, str], ids: str, rid: str, content_type: str) -> None:
-    srv = serving(max_prompt_tokens=4)  # the ids' number is still checked on a known shape
+    srv = validation(max_prompt_tokens=4)  # the ids' number is still checked on a known shape
     known = body_text(template, *first)
     srv.validate(known, content_type) if outcome(ORACLE, known, content_type)[0] == "ok" else None
     body = body_text(template, ids, rid)
@@ -102,7 +101,7 @@ def test_a_known_shape_answers_what_the_full_path_answers(
 
 
 def test_a_body_is_known_by_all_but_its_ids_and_request_id() -> None:
-    srv = serving()
+    srv = validation()
     a = body_text(TEMPLATES[1], "[1,2]", '"a"')
     assert srv.validate(a, JSON) and len(srv.known) == 1
     b = body_text(TEMPLATES[1], "[3, 4, 5]", '"bb"')
@@ -127,7 +126,7 @@ def test_what_cannot_be_told_apart_is_not_cut() -> None:
 
 
 def test_a_request_id_that_is_not_the_top_level_one_is_not_kept() -> None:
-    srv = serving()
+    srv = validation()
     srv.validate(body_text(TEMPLATES[3], "[1]", '"a"'), JSON)
     assert len(srv.known) == 0
     req, data = srv.validate(body_text(TEMPLATES[3], "[2]", '"b"'), JSON)
@@ -135,7 +134,7 @@ def test_a_request_id_that_is_not_the_top_level_one_is_not_kept() -> None:
 
 
 def test_a_known_body_is_kept_without_its_ids() -> None:
-    srv = serving()
+    srv = validation()
     ids = list(range(1, 50001))
     srv.validate(json.dumps({"token_ids": ids, "sampling_params": {}}).encode(), JSON)
     (req, data), = srv.known._known.values()
@@ -145,7 +144,7 @@ def test_a_known_body_is_kept_without_its_ids() -> None:
 
 
 def test_bodies_of_new_shapes_every_time_are_cut_one_in_16_until_a_shape_comes_back() -> None:
-    srv = serving()
+    srv = validation()
     srv.known = KnownBodies(size=8)
     cuts = 0
     probe = srv.known.probe
@@ -177,7 +176,7 @@ def test_bodies_of_new_shapes_every_time_are_cut_one_in_16_until_a_shape_comes_b
 
 def test_the_known_bodies_are_bounded() -> None:
     known = KnownBodies(size=4, max_key=200)
-    srv = serving()
+    srv = validation()
     srv.known = known
     for i in range(10):
         srv.validate(body_text({**TEMPLATES[0], "sampling_params": {"seed": i}}, "[1]", ""), JSON)
@@ -194,7 +193,7 @@ async def test_a_known_shapes_hops_carry_their_own_ids_and_leave_the_known_parse
     p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
     d: Scripted = await scripted_factory(lambda b, r: {**prefill_reply(b), "kv_transfer_params": None})
     client, app = await proxy_factory([p.url], [d.url])
-    srv = app[SERVING]
+    srv = app[SERVING].validation
     first = {"token_ids": [5, 6, 7], "request_id": "rid-a", "stream": False,
              "sampling_params": {"max_tokens": 9, "min_tokens": 2, "temperature": 0.5, "seed": 3,
                                  "prompt_logprobs": 1}}
