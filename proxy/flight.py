@@ -132,6 +132,9 @@ class Flight:
     """The request as the front (``proxy.front``) serves it, None under aiohttp's server: the
     front calls its ``on_gone`` instead of cancelling the handler, so the prefill hop can run in
     the handler's own task (``proxy.prefill``)."""
+    abandoned: bool = False
+    """The handler answered the request's abort without waiting longer for D's answer
+    (``Aborts.hop_or_abandon`` gave up after the grace): nothing awaits ``headers_ready`` any more."""
     crashed: bool = False
     """The stream's producer raised what it did not expect (``StreamDecode._crashed``): its client's
     stream ended with the proxy's error event; the request's outcome is ``internal_error``."""

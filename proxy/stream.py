@@ -80,6 +80,7 @@ class StreamDecode(Part):
                     self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
                 return opened
             if not await self.aborts.hop_or_abandon(f, f.headers_ready):
+                f.abandoned = True
                 return await self.aborts.respond_aborted(request, f, done=False)
             try:
                 await asyncio.shield(f.headers_ready)
@@ -106,12 +107,16 @@ class StreamDecode(Part):
         (``headers_ready``) or in the relay's ``take``, and the request stay in the table until
         the client leaves. Its client is answered as after any unexpected error: a generic 500
         when nothing was sent yet (the handler raises it: ``proxy.errors.answer_error`` logs it),
-        else the proxy's in-band error event. The phase stays DECODING: the clean-up aborts D and
-        closes P's lease (``Cleanup.run``, which also retrieves the exception)."""
+        else the proxy's in-band error event. When the handler already answered an abort and
+        left (``abandoned``), nobody else would see it: it is logged here. The phase stays
+        DECODING: the clean-up aborts D and closes P's lease (``Cleanup.run``, which also
+        retrieves the exception)."""
         f.settled.set()  # nothing else will: the clean-up waits on it while it aborts D
         f.crashed = True
         ready = f.headers_ready
         if f.first is None and ready is not None and not ready.done():  # no stream opened yet
+            if f.abandoned:
+                log_unexpected(exc, "opening a decode stream after its client was answered an abort")
             ready.set_exception(exc)
             return
         # The client's stream is open (D answered, or P's token went first): the error goes

@@ -3,7 +3,8 @@ generic 500 before D answered, the proxy's in-band error event once the client's
 (D answered, or P's token went first); never quoting the exception. The clean-up then frees what
 D and P hold, as after any walk that did not finish: the request leaves the table, P's lease is
 closed, no task is left behind, nothing is left for asyncio to log. Such a request is counted as
-the proxy's own failure (``internal_error``), as is a crash handling D's non-stream answer."""
+the proxy's own failure (``internal_error``), as is a crash handling D's non-stream answer. A
+crash after its client was answered an abort is logged all the same."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from proxy.full import FullDecode
 from proxy.hop import HopResponse
 from proxy.pools import PoolSettings
 from proxy.pools.breaker import CircuitState
+from proxy.state import Phase
 from proxy.stream_read import DecodeReader
 from proxy.upstream import Upstream
 from tests.proxy.conftest import PD, PDFactory, req, sse_datas
@@ -205,4 +207,37 @@ async def test_a_crash_after_ps_token_went_first_ends_the_stream_in_band(
     assert SECRET not in caplog.text and SECRET.encode() not in raw
     assert await closed_leases(pd) == ["unknown"]
     await counted_as_internal_errors(pd, caplog, 200)
+    await nothing_unretrieved(caplog)
+
+
+async def test_a_crash_after_its_client_was_answered_an_abort_is_logged(
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Aborted before D answered, and D did not answer within the grace: the client got vLLM's
+    aborted stream and its handler left. The producer raises after that: no handler is left to
+    log it, so it is logged where it is seen, without its message."""
+    crash = asyncio.Event()
+
+    async def once(*_: Any, **__: Any) -> Any:
+        await asyncio.wait_for(crash.wait(), BOUND)  # D's answer never comes before the crash
+        raise RuntimeError(SECRET)
+
+    monkeypatch.setattr(DecodeReader, "once", once)
+    pd = await pd_factory(first_token_from_prefill=False, abort_grace=0.05, prefill={"lease_seconds": 0.5})
+    with logged(caplog):
+        call = asyncio.create_task(post_stream(pd, req(request_id="crash-late")))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + BOUND
+        while not [r for r in pd.serving.table.all() if r.phase is Phase.DECODING]:
+            assert loop.time() < end, "the request never reached its decode"
+            await asyncio.sleep(0.01)
+        abort = await pd.client.post("/abort_requests", json={"request_ids": ["generate-tokens-crash-late"]})
+        assert abort.status == 200
+        status, raw = await asyncio.wait_for(call, BOUND)
+        assert status == 200 and sse_datas(raw)[-1] == "[DONE]"  # vLLM's aborted stream
+        assert "unexpected" not in caplog.text
+        crash.set()
+        await pd.quiet(limit=BOUND)
+    assert "unexpected RuntimeError while opening a decode stream after its client was answered an abort" \
+        in caplog.text
+    assert SECRET not in caplog.text
     await nothing_unretrieved(caplog)
