@@ -17,6 +17,7 @@ from proxy.core import Core, Part
 from proxy.errors import (
     UpstreamError,
     UpstreamStatusError,
+    log_unexpected,
 )
 from proxy.flight import Flight
 from proxy.prefill import Prefill
@@ -116,7 +117,14 @@ class Cleanup(Part):
                 f.force_end.cancel()
             # A hop that failed after the handler left (the client aborted or went away) ended
             # its task and the headers future with an error nobody awaits: it is known here,
-            # not worth asyncio's "exception was never retrieved" at collection.
+            # not worth asyncio's "exception was never retrieved" at collection. But a decode hop
+            # that crashed (a bug, not a worker's failure) after its client was answered an abort
+            # is seen nowhere else: logged (type and frames, never the message).
+            task = f.decode_task
+            if f.abandoned and task is not None and task.done() and not task.cancelled():
+                error = task.exception()
+                if error is not None and not isinstance(error, UpstreamError):
+                    log_unexpected(error, "decoding a request whose client was answered an abort")
             for fut in (f.prefill_task, f.decode_task, f.headers_ready, f.release_task):
                 if fut is not None and fut.done() and not fut.cancelled():
                     fut.exception()

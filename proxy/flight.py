@@ -134,7 +134,9 @@ class Flight:
     the handler's own task (``proxy.prefill``)."""
     abandoned: bool = False
     """The handler answered the request's abort without waiting longer for D's answer
-    (``Aborts.hop_or_abandon`` gave up after the grace): nothing awaits ``headers_ready`` any more."""
+    (``Aborts.hop_or_abandon`` gave up after the grace): nothing awaits the decode hop any more
+    (``headers_ready`` of a stream, the hop's task of a non-stream request under aiohttp's
+    server), so the clean-up logs the error of a hop that then crashes (``Cleanup.run``)."""
     crashed: bool = False
     """The stream's producer raised what it did not expect (``StreamDecode._crashed``): its client's
     stream ended with the proxy's error event; the request's outcome is ``internal_error``."""

@@ -107,17 +107,14 @@ class StreamDecode(Part):
         (``headers_ready``) or in the relay's ``take``, and the request stay in the table until
         the client leaves. Its client is answered as after any unexpected error: a generic 500
         when nothing was sent yet (the handler raises it: ``proxy.errors.answer_error`` logs it),
-        else the proxy's in-band error event. When the handler already answered an abort and
-        left (``abandoned``), nobody else would see it: it is logged here. The phase stays
-        DECODING: the clean-up aborts D and closes P's lease (``Cleanup.run``, which also
-        retrieves the exception)."""
+        else the proxy's in-band error event; when the handler already answered an abort and
+        left (``abandoned``), the clean-up logs it. The phase stays DECODING: the clean-up aborts
+        D and closes P's lease (``Cleanup.run``, which also retrieves the exception)."""
         f.settled.set()  # nothing else will: the clean-up waits on it while it aborts D
         f.crashed = True
         ready = f.headers_ready
         if f.first is None and ready is not None and not ready.done():  # no stream opened yet
-            if f.abandoned:
-                log_unexpected(exc, "opening a decode stream after its client was answered an abort")
-            ready.set_exception(exc)
+            ready.set_exception(exc)  # the handler's, or the clean-up's when it left (``abandoned``)
             return
         # The client's stream is open (D answered, or P's token went first): the error goes
         # in-band, never quoting the exception (its message may quote the request).

@@ -210,21 +210,34 @@ async def test_a_crash_after_ps_token_went_first_ends_the_stream_in_band(
     await nothing_unretrieved(caplog)
 
 
+@pytest.mark.parametrize("mode", ["stream", "non-stream"])
 async def test_a_crash_after_its_client_was_answered_an_abort_is_logged(
-        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        mode: str) -> None:
     """Aborted before D answered, and D did not answer within the grace: the client got vLLM's
-    aborted stream and its handler left. The producer raises after that: no handler is left to
-    log it, so it is logged where it is seen, without its message."""
+    aborted answer and its handler left. The decode hop crashes after that (the stream's
+    producer; the non-stream hop's own task, under aiohttp's server): no handler is left to log
+    it, so the clean-up does, without its message."""
     crash = asyncio.Event()
 
-    async def once(*_: Any, **__: Any) -> Any:
+    async def crashing(*_: Any, **__: Any) -> Any:
         await asyncio.wait_for(crash.wait(), BOUND)  # D's answer never comes before the crash
         raise RuntimeError(SECRET)
 
-    monkeypatch.setattr(DecodeReader, "once", once)
-    pd = await pd_factory(first_token_from_prefill=False, abort_grace=0.05, prefill={"lease_seconds": 0.5})
+    if mode == "stream":
+        monkeypatch.setattr(DecodeReader, "once", crashing)
+    else:
+        post = Upstream.post_generate_raw
+
+        def decode_crashing(self: Upstream, hop: str, *args: Any, **kwargs: Any) -> Any:
+            return crashing() if hop == "decode" else post(self, hop, *args, **kwargs)
+
+        monkeypatch.setattr(Upstream, "post_generate_raw", decode_crashing)
+    pd = await pd_factory(first_token_from_prefill=False, abort_grace=0.05, prefill={"lease_seconds": 0.5},
+                          front="own" if mode == "stream" else "aiohttp")
     with logged(caplog):
-        call = asyncio.create_task(post_stream(pd, req(request_id="crash-late")))
+        call = asyncio.create_task(pd.client.post("/inference/v1/generate",
+                                                  json=req(request_id="crash-late", stream=mode == "stream")))
         loop = asyncio.get_running_loop()
         end = loop.time() + BOUND
         while not [r for r in pd.serving.table.all() if r.phase is Phase.DECODING]:
@@ -232,12 +245,14 @@ async def test_a_crash_after_its_client_was_answered_an_abort_is_logged(
             await asyncio.sleep(0.01)
         abort = await pd.client.post("/abort_requests", json={"request_ids": ["generate-tokens-crash-late"]})
         assert abort.status == 200
-        status, raw = await asyncio.wait_for(call, BOUND)
-        assert status == 200 and sse_datas(raw)[-1] == "[DONE]"  # vLLM's aborted stream
+        r = await asyncio.wait_for(call, BOUND)
+        raw = await asyncio.wait_for(r.read(), BOUND)
+        # vLLM's aborted answer (a stream's or a full one)
+        assert r.status == 200 and b'"finish_reason":"abort"' in raw.replace(b" ", b"")
         assert "unexpected" not in caplog.text
         crash.set()
         await pd.quiet(limit=BOUND)
-    assert "unexpected RuntimeError while opening a decode stream after its client was answered an abort" \
+    assert "unexpected RuntimeError while decoding a request whose client was answered an abort" \
         in caplog.text
     assert SECRET not in caplog.text
     await nothing_unretrieved(caplog)
