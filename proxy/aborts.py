@@ -151,7 +151,8 @@ class Aborts(Part):
         """Wait for a decode hop's answer (without cancelling it: it outlives the handler). False
         when the request was aborted and the hop did not end within ``abort_grace`` after: a
         worker that ignores the abort must not hold the client until the hop times out (the
-        clean-up keeps aborting it)."""
+        clean-up keeps aborting it). Giving up marks the flight ``abandoned``: nothing awaits the
+        hop any more."""
         record = f.record
         if not fut.done() and not record.is_aborted:
             # Callbacks rather than a task waiting on ``record.aborted``: this runs per request.
@@ -171,6 +172,7 @@ class Aborts(Part):
                     record.on_abort.remove(wake)
         if not fut.done():
             await asyncio.wait({fut}, timeout=self.settings.abort_grace)
+            f.abandoned = not fut.done()
         return fut.done()
 
     async def respond_aborted(self, request: web.Request, f: Flight, *,

@@ -47,7 +47,6 @@ class FullDecode(Part):
         task = self.tracker.spawn(self._hops(f, tries))
         f.decode_task = task
         if not await self.aborts.hop_or_abandon(f, task):
-            f.abandoned = True
             return await self.aborts.respond_aborted(request, f, done=False)
         try:
             reply, raw = await asyncio.shield(task)

@@ -80,7 +80,6 @@ class StreamDecode(Part):
                     self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
                 return opened
             if not await self.aborts.hop_or_abandon(f, f.headers_ready):
-                f.abandoned = True
                 return await self.aborts.respond_aborted(request, f, done=False)
             try:
                 await asyncio.shield(f.headers_ready)
