@@ -9,13 +9,17 @@ One function per concern, both pure (no I/O), so a launcher, a compose file gene
 - :func:`worker_env` gives the environment variables a worker needs on top of the inherited ones:
   the NIXL side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, unique per worker on a host) for
   P/D roles, and either CPU settings (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``) or
-  ``CUDA_VISIBLE_DEVICES``.
+  ``CUDA_VISIBLE_DEVICES``; on CPU, for P/D roles, NIXL's progress thread made to sleep between
+  events (``nixl_progress_delay_us``, the ``kv_transfer/nixl_progress`` folder: NIXL's own setting
+  busy-polls, a core per worker).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
@@ -28,6 +32,10 @@ NIXL_CONNECTOR: Final = "NixlConnector"
 # vLLM's NixlConnector default lease on KV blocks held for a decode that has not pulled them yet.
 DEFAULT_LEASE_SECONDS: Final = 30
 ROLE_TO_KV_ROLE: Final[Mapping[str, KvRole]] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+NIXL_PROGRESS_DIR: Final = Path(__file__).resolve().parent / "nixl_progress"
+"""Put first on a worker's ``PYTHONPATH``: its ``sitecustomize`` sets NIXL's progress delay."""
+NIXL_PROGRESS_ENV: Final = "PD_NIXL_PROGRESS_DELAY_US"
+DEFAULT_NIXL_PROGRESS_DELAY_US: Final = 1000
 
 
 class NixlConfig(BaseModel):
@@ -106,6 +114,9 @@ class WorkerEnv(BaseModel):
     """CPU: GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``); without it start-up fails on memory here."""
     cuda_devices: tuple[int, ...] | None = None
     """GPU: the devices this worker sees (``CUDA_VISIBLE_DEVICES``); None leaves the variable alone."""
+    nixl_progress_delay_us: int = Field(default=DEFAULT_NIXL_PROGRESS_DELAY_US, ge=0)
+    """CPU, P/D roles: the longest NIXL's progress thread sleeps with nothing to do (it wakes at once
+    on a UCX event). 0 keeps NIXL's own setting, a busy poll that holds a core per worker."""
 
     @field_validator("cpu_cores", "cuda_devices")
     @classmethod
@@ -131,7 +142,8 @@ class WorkerEnv(BaseModel):
 
 
 def worker_env(spec: WorkerEnv) -> dict[str, str]:
-    """The environment variables to add to the inherited environment for one worker."""
+    """The environment variables to add to the inherited environment for one worker. Its
+    ``PYTHONPATH``, when there is one, goes before an inherited one (``with_inherited``)."""
     env: dict[str, str] = {}
     if spec.role != "aggregated":
         assert spec.side_channel_port is not None  # checked by WorkerEnv
@@ -142,6 +154,9 @@ def worker_env(spec: WorkerEnv) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = (
             "auto" if spec.cpu_cores is None else ",".join(str(c) for c in spec.cpu_cores)
         )
+        if spec.role != "aggregated" and spec.nixl_progress_delay_us > 0:
+            env["PYTHONPATH"] = str(NIXL_PROGRESS_DIR)
+            env[NIXL_PROGRESS_ENV] = str(spec.nixl_progress_delay_us)
     elif spec.cuda_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.cuda_devices)
     return env
@@ -157,3 +172,12 @@ def round_robin_cores(index: int, cores: Sequence[int], per_worker: int = 1) -> 
         raise ValueError("index must be non-negative")
     start = index * per_worker
     return tuple(cores[(start + k) % len(cores)] for k in range(per_worker))
+
+
+def with_inherited(added: Mapping[str, str], inherited: Mapping[str, str]) -> dict[str, str]:
+    """A worker's whole environment: ``inherited`` with ``added`` over it, an added ``PYTHONPATH``
+    put before the inherited one rather than in its place."""
+    env = {**inherited, **added}
+    if "PYTHONPATH" in added and inherited.get("PYTHONPATH"):
+        env["PYTHONPATH"] = f"{added['PYTHONPATH']}{os.pathsep}{inherited['PYTHONPATH']}"
+    return env

@@ -51,11 +51,13 @@ from types import FrameType, TracebackType
 from typing import Any, Final, Self
 
 from kv_transfer.config import (
+    DEFAULT_NIXL_PROGRESS_DELAY_US,
     Device,
     WorkerEnv,
     WorkerRole,
     kv_transfer_config,
     round_robin_cores,
+    with_inherited,
     worker_env,
 )
 
@@ -95,6 +97,8 @@ class ClusterSettings:
     cuda_devices: tuple[int, ...] | None = None
     """CUDA: devices handed out round-robin, one per worker; None leaves CUDA_VISIBLE_DEVICES alone."""
     kvcache_gib: int = 1
+    nixl_progress_delay_us: int = DEFAULT_NIXL_PROGRESS_DELAY_US
+    """CPU, P/D workers: NIXL's progress thread sleeps up to this between events; 0: NIXL's busy poll."""
     dtype: str | None = None
     """None: ``float32`` on CPU, vLLM's default on CUDA."""
     max_model_len: int | None = None
@@ -113,6 +117,8 @@ class ClusterSettings:
             raise LaunchError("timeouts must be positive")
         if self.lease_seconds is not None and self.lease_seconds <= 0:
             raise LaunchError("lease_seconds must be positive")
+        if self.nixl_progress_delay_us < 0:
+            raise LaunchError("nixl_progress_delay_us must be 0 or more")
 
 
 @dataclass(frozen=True)
@@ -485,6 +491,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
                 side_channel_port=side_port,
                 cpu_cores=round_robin_cores(position, cores) if settings.device == "cpu" else None,
                 kvcache_gib=settings.kvcache_gib,
+                nixl_progress_delay_us=settings.nixl_progress_delay_us,
                 cuda_devices=(
                     round_robin_cores(position, settings.cuda_devices)
                     if settings.device == "cuda" and settings.cuda_devices
@@ -492,7 +499,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
                 ),
             )
             added = worker_env(spec)
-            env = {**os.environ, **added}
+            env = with_inherited(added, os.environ)
             # Nothing can (or should) be fetched from a model hub; no usage reporting.
             for key, value in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1")):
                 env.setdefault(key, value)
@@ -638,6 +645,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--cpu-cores", type=_int_list, help="CPU cores to hand out, one per worker (e.g. 0,1)")
     up.add_argument("--gpus", type=_int_list, help="CUDA devices to hand out, one per worker (e.g. 0,1,2,3)")
     up.add_argument("--kvcache-gib", type=int, default=1, help="CPU: VLLM_CPU_KVCACHE_SPACE")
+    up.add_argument(
+        "--nixl-progress-delay-us",
+        type=int,
+        default=DEFAULT_NIXL_PROGRESS_DELAY_US,
+        help="CPU P/D workers: the longest NIXL's progress thread sleeps between events "
+        f"(default {DEFAULT_NIXL_PROGRESS_DELAY_US}; 0: NIXL's busy poll, a core per worker)",
+    )
     up.add_argument("--dtype")
     up.add_argument("--max-model-len", type=int)
     up.add_argument(
@@ -674,6 +688,7 @@ def _up(args: argparse.Namespace) -> int:
         cpu_cores=args.cpu_cores,
         cuda_devices=args.gpus,
         kvcache_gib=args.kvcache_gib,
+        nixl_progress_delay_us=args.nixl_progress_delay_us,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         extra_args=tuple(args.vllm_arg),

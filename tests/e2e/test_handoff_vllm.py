@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kv_transfer.config import DEFAULT_NIXL_PROGRESS_DELAY_US
 from tests.fixtures_vllm import STARTUP_TIMEOUT_S, metric_value, scrape_metrics, vllm_connector
 from workers import launcher
 from workers.demo import manual_handoff, post_generate
@@ -171,3 +172,13 @@ async def test_manual_handoff_matches_aggregated_greedy_output(vllm_cluster: Clu
             assert handoff.decode_reply["usage"]["prompt_tokens"] == len(prompt)
             assert handoff.decode_reply["kv_transfer_params"] is None
             assert after - before == 1, f"prompt {i}: decode's {XFER_COUNT} went {before} -> {after}"
+
+
+def test_the_cpu_pd_workers_nixl_progress_thread_sleeps_between_events(vllm_cluster: Cluster) -> None:
+    """The launcher makes a CPU P or D worker's NIXL agent with a poll delay (kv_transfer/nixl_progress):
+    with NIXL's own setting its progress thread busy-polls, a core per worker. The line is printed
+    where the agent is made, in the worker's model process; the aggregated worker has no agent."""
+    line = f"progress thread poll delay {DEFAULT_NIXL_PROGRESS_DELAY_US} us"
+    for worker in vllm_cluster.workers:
+        text = Path(worker.log).read_text(errors="replace")
+        assert text.count(line) == (0 if worker.role == "aggregated" else 1), (worker.role, worker.log)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from pydantic import ValidationError
 
 from kv_transfer.config import (
+    NIXL_PROGRESS_DIR,
     NixlConfig,
     WorkerEnv,
     kv_transfer_config,
     round_robin_cores,
+    with_inherited,
     worker_env,
 )
 
@@ -79,7 +82,25 @@ def test_prefill_cpu_env() -> None:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "5611",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "PYTHONPATH": str(NIXL_PROGRESS_DIR),
+        "PD_NIXL_PROGRESS_DELAY_US": "1000",
     }
+    assert (NIXL_PROGRESS_DIR / "sitecustomize.py").is_file()
+
+
+def test_nixl_progress_delay_zero_keeps_nixls_own_setting() -> None:
+    env = worker_env(WorkerEnv(role="decode", side_channel_port=5612, nixl_progress_delay_us=0))
+    assert "PYTHONPATH" not in env and "PD_NIXL_PROGRESS_DELAY_US" not in env
+    env = worker_env(WorkerEnv(role="decode", side_channel_port=5612, nixl_progress_delay_us=250))
+    assert env["PD_NIXL_PROGRESS_DELAY_US"] == "250"
+
+
+def test_an_added_pythonpath_goes_before_the_inherited_one() -> None:
+    added = {"PYTHONPATH": "/shim", "A": "1"}
+    assert with_inherited(added, {"PYTHONPATH": "/mine", "B": "2"}) == {
+        "PYTHONPATH": f"/shim{os.pathsep}/mine", "A": "1", "B": "2"}
+    assert with_inherited(added, {"PYTHONPATH": ""})["PYTHONPATH"] == "/shim"
+    assert with_inherited({"A": "1"}, {"PYTHONPATH": "/mine"}) == {"PYTHONPATH": "/mine", "A": "1"}
 
 
 def test_aggregated_cpu_env_has_no_side_channel_and_auto_binding_by_default() -> None:

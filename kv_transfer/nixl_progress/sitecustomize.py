@@ -1,0 +1,102 @@
+"""Loaded by every Python process of a CPU P/D worker that ``pd-workers`` starts (this folder is put
+first on the worker's ``PYTHONPATH``), and inert unless ``PD_NIXL_PROGRESS_DELAY_US`` is set.
+
+NIXL's Python API creates each agent with ``pthrDelay = 0``: the UCX backend's progress thread then
+polls its workers' event fds with a timeout of 0, a busy loop that holds one core per P or D worker
+for as long as the worker runs, idle or not (measured: 1.00 core for an idle CPU worker). On a GPU
+host that buys the lowest completion latency with a core to spare; on a CPU host it takes a core
+from the worker's own forward passes and from everything else on the machine. With the variable
+set, the agent is created with that delay instead: the thread still wakes at once on a UCX event
+(it polls the workers' armed event fds), and when nothing happens it sleeps up to the delay.
+
+The patch wraps ``nixlAgent`` in the module namespace of NIXL's ``_api`` when that module is first
+imported; a NIXL whose ``_api`` has no such binding is left as it is, with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+ENV = "PD_NIXL_PROGRESS_DELAY_US"
+MODULES = ("nixl_cu12._api", "nixl._api")
+
+
+class _Bindings:
+    """NIXL's binding module as ``_api`` sees it, with the agent made with the delay."""
+
+    def __init__(self, real: Any, delay_us: int) -> None:
+        self._real = real
+        self._delay_us = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # NIXL's name
+        config.pthrDelay = self._delay_us
+        print(
+            f"pd-workers: NIXL agent {name}: progress thread poll delay {self._delay_us} us",
+            file=sys.stderr,
+            flush=True,
+        )
+        return self._real.nixlAgent(name, config)
+
+
+def _patch(module: ModuleType, delay_us: int) -> None:
+    real = getattr(module, "nixlBind", None)
+    if real is None or not hasattr(real, "nixlAgent"):
+        print(
+            f"pd-workers: {module.__name__} has no nixlBind.nixlAgent; NIXL's progress delay left as it is",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    module.nixlBind = _Bindings(real, delay_us)  # type: ignore[attr-defined]
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds NIXL's ``_api`` as the other finders would and patches it once it has run."""
+
+    def __init__(self, delay_us: int) -> None:
+        self.delay_us = delay_us
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+        delay_us = self.delay_us
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            _patch(module, delay_us)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    """Put the finder first when ``PD_NIXL_PROGRESS_DELAY_US`` holds a delay (microseconds, > 0)."""
+    value = os.environ.get(ENV, "")
+    if not value:
+        return
+    try:
+        delay_us = int(value)
+    except ValueError:
+        print(f"pd-workers: {ENV}={value!r} is not a whole number; ignored", file=sys.stderr, flush=True)
+        return
+    if delay_us > 0:
+        sys.meta_path.insert(0, _Finder(delay_us))
+
+
+install()
