@@ -10,7 +10,9 @@ set, the agent is created with that delay instead: the thread still wakes at onc
 (it polls the workers' armed event fds), and when nothing happens it sleeps up to the delay.
 
 The patch wraps ``nixlAgent`` in the module namespace of NIXL's ``_api`` when that module is first
-imported; a NIXL whose ``_api`` has no such binding is left as it is, with one line on stderr.
+imported; a NIXL whose ``_api`` has no such binding is left as it is, with one line on stderr. A
+``sitecustomize`` further down the path (some system Pythons ship one), which this one hides, is
+run after it.
 """
 
 from __future__ import annotations
@@ -99,4 +101,15 @@ def install() -> None:
         sys.meta_path.insert(0, _Finder(delay_us))
 
 
+def run_the_hidden_one() -> None:
+    """Run the ``sitecustomize`` that this one hides on ``sys.path``, if there is one."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
 install()
+run_the_hidden_one()

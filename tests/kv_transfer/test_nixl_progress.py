@@ -47,14 +47,14 @@ print(json.dumps({"agent": api.agent("a1"), "delays": bindings.made}))
 """
 
 
-def _run(tmp_path: Path, api: str, delay: str | None) -> tuple[dict[str, object], str]:
+def _run(tmp_path: Path, api: str, delay: str | None, *more_path: Path) -> tuple[dict[str, object], str]:
     package = tmp_path / "nixl_cu12"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").write_text("")
     (package / "_bindings.py").write_text(BINDINGS)
     (package / "_api.py").write_text(api)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", NIXL_PROGRESS_ENV)}
-    env["PYTHONPATH"] = f"{NIXL_PROGRESS_DIR}{os.pathsep}{tmp_path}"
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (NIXL_PROGRESS_DIR, tmp_path, *more_path))
     if delay is not None:
         env[NIXL_PROGRESS_ENV] = delay
     done = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=60,
@@ -79,3 +79,13 @@ def test_a_nixl_laid_out_otherwise_is_left_alone_and_says_so(tmp_path: Path) -> 
     out, err = _run(tmp_path, API_WITHOUT_BINDINGS, "1000")
     assert out["delays"] == [0]
     assert "has no nixlBind.nixlAgent" in err
+
+
+def test_a_sitecustomize_it_hides_still_runs(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import sys; print('their sitecustomize ran', file=sys.stderr)")
+    out, err = _run(tmp_path, API, "1000", theirs)
+    assert out["delays"] == [1000]
+    assert err.count("their sitecustomize ran") == 1
+    assert err.count("progress thread poll delay") == 1  # this one not run twice
