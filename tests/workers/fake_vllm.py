@@ -29,6 +29,8 @@ ENV_KEYS = (
     "VLLM_CPU_KVCACHE_SPACE",
     "CUDA_VISIBLE_DEVICES",
     "HF_HUB_OFFLINE",
+    "PD_NIXL_PROGRESS_DELAY_US",
+    "PYTHONPATH",
 )
 CHILD_OK = "import time\nwhile True: time.sleep(1)"
 CHILD_STUBBORN = (

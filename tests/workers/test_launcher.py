@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from kv_transfer.config import NIXL_PROGRESS_DIR
 from workers import launcher
 from workers.launcher import ClusterSettings, LaunchError, start_cluster
 
@@ -115,7 +116,11 @@ def test_cluster_has_unique_ports_role_configs_and_core_binding(fake_env: dict[s
             if w.role == "aggregated":
                 assert kv is None
                 assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env
+                assert "PD_NIXL_PROGRESS_DELAY_US" not in env
             else:
+                # NIXL's progress thread sleeps between events (kv_transfer/nixl_progress)
+                assert env["PD_NIXL_PROGRESS_DELAY_US"] == "1000"
+                assert env["PYTHONPATH"].split(os.pathsep)[0] == str(NIXL_PROGRESS_DIR)
                 assert kv is not None
                 roles[w.role] = json.loads(kv)["kv_role"]
                 assert json.loads(kv)["kv_connector_extra_config"] == {"kv_lease_duration": 5}
@@ -210,15 +215,17 @@ def test_cli_up_detach_status_and_down(fake_env: dict[str, Path]) -> None:
     up = subprocess.run(
         [sys.executable, "-m", "workers.launcher", "up", "--prefill", "1", "--decode", "1",
          "--aggregated", "1", "--model", str(fake_env["model"]), "--vllm-bin", str(fake_env["vllm"]),
-         "--log-dir", str(fake_env["logs"]), "--detach", *common],
+         "--log-dir", str(fake_env["logs"]), "--detach", "--nixl-progress-delay-us", "250", *common],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert up.returncode == 0, up.stderr
     printed = json.loads(up.stdout)
     assert printed == json.loads(state_file.read_text())
     assert len(printed["prefill"]) == len(printed["decode"]) == len(printed["aggregated"]) == 1
-    pids = [p for r in _records(fake_env).values() for p in (r["pid"], r["child_pid"])]
+    records = _records(fake_env).values()
+    pids = [p for r in records for p in (r["pid"], r["child_pid"])]
     assert len(pids) == 6 and all(_alive(p) for p in pids)
+    assert sorted(r["env"].get("PD_NIXL_PROGRESS_DELAY_US", "-") for r in records) == ["-", "250", "250"]
 
     assert launcher.main(["status", *common]) == 0
     # A second `up` on the same state file refuses while the first cluster runs.
@@ -318,6 +325,8 @@ def test_settings_and_commands() -> None:
         ClusterSettings(model=Path("m"), prefill=-1)
     with pytest.raises(LaunchError):
         ClusterSettings(model=Path("m"), lease_seconds=0)
+    with pytest.raises(LaunchError):
+        ClusterSettings(model=Path("m"), nixl_progress_delay_us=-1)
     gpu = ClusterSettings(
         model=Path("/models/llama"), device="cuda", tokens_only=True, extra_args=("--tp", "2")
     )
