@@ -83,8 +83,9 @@ async def test_an_abort_right_after_the_prefill_workers_token_frees_its_kv(
     closed = [lease for lease in ledger.recent_closed() if lease.request_id.endswith("ft-abort")]
     reasons = [lease.reason for lease in closed]
     if reasons == ["expired"]:
-        # On the loaded 2-core CI machine (load averages of 30 and more, other jobs included) D
-        # may not take the request up within P's 30 s lease, which then frees the blocks first.
+        # On a loaded 2-core machine D may not take the request up within P's 30 s lease, which
+        # then frees the blocks first (seen in CI at load averages of 30 and more, most of it the
+        # workers' NIXL progress threads busy-polling, before pd-workers made them sleep).
         # What the proxy owes the request then is the abort sent to D: it was.
         registry = serving.metrics.registry
         sent = sum(registry.get_sample_value("pd_proxy_abort_fanout_total",
