@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.datasets import DatasetConfig, random_dataset
 from benchmarks.procstat import tree_cpu_seconds
 from workers.demo import manual_handoff
 from workers.launcher import Cluster, ClusterSettings, start_cluster
@@ -44,13 +44,14 @@ def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 
 async def _handoffs(cluster: Cluster, requests: int, max_tokens: int, seed: int) -> list[float]:
     prefill, decode = (next(w.url for w in cluster.workers if w.role == r) for r in ("prefill", "decode"))
-    rng = random.Random(seed)
+    dataset = DatasetConfig(num_requests=requests, input_len=256, output_len=max_tokens, seed=seed)
+    specs = random_dataset(dataset)
     walls: list[float] = []
     async with aiohttp.ClientSession() as session:
-        for i in range(requests):
+        for i, spec in enumerate(specs):
             body = {
-                "token_ids": [rng.randrange(3, 515) for _ in range(256)],
-                "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0},
+                "token_ids": spec.prompt,
+                "sampling_params": {"max_tokens": spec.output_len, "temperature": 0.0},
                 "stream": False,
             }
             start = time.perf_counter()

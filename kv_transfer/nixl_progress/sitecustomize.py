@@ -26,6 +26,9 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+# kv_transfer.config.NIXL_PROGRESS_ENV: written again because this runs in vLLM's environment,
+# where the project is not installed (tests/kv_transfer/test_nixl_progress.py sets the variable by
+# that name, so the two cannot drift apart unnoticed).
 ENV = "PD_NIXL_PROGRESS_DELAY_US"
 MODULES = ("nixl_cu12._api", "nixl._api")
 
