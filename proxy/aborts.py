@@ -87,7 +87,12 @@ class Aborts(Part):
         if not self.core.note_abort(record, source):
             return
         if record.phase is Phase.PREFILLING and record.prefill_worker is not None:
-            self.tracker.spawn(self.send_abort(record.prefill_worker, record.engine_id))
+            task = f.prefill_task
+            if task is not None and not task.done():
+                self.tracker.spawn(self.abort_until(record.prefill_worker, record.engine_id,
+                                                     task, self.settings.prefill_timeout))
+            else:
+                self.tracker.spawn(self.send_abort(record.prefill_worker, record.engine_id))
         elif record.phase is Phase.DECODING and record.decode_worker is not None:
             if f.decode_task is not None:
                 self.tracker.spawn(self.abort_until(record.decode_worker, record.engine_id,

@@ -195,16 +195,22 @@ class Part:
 
     async def abort_until(self, worker: Worker | None, engine_id: str, task: asyncio.Future[Any],
                           limit: float) -> None:
-        """Send abort to ``worker`` and repeat it every ``abort_grace`` until ``task`` is done
-        (an abort that reaches vLLM before it registered the request is lost)."""
+        """Send abort to ``worker`` and repeat it until ``task`` is done: an abort that reaches
+        vLLM before it registered the request is lost, and a worker may register it any moment
+        after (a decode hop sent just before the abort, a worker slow to take requests up). The
+        first repeats come soon, ``abort_repeat_first`` after the abort, then at twice the
+        interval each time up to ``abort_grace``: a worker that registers the request late and
+        runs it fast is aborted while it runs, not answered in full before the next repeat."""
         deadline = self.clock() + limit
+        interval = min(self.settings.abort_repeat_first, self.settings.abort_grace)
         while not task.done():
             if worker is not None:
                 await self.send_abort(worker, engine_id)
             remaining = deadline - self.clock()
             if remaining <= 0:
                 break
-            await asyncio.wait({task}, timeout=min(self.settings.abort_grace, remaining))
+            await asyncio.wait({task}, timeout=min(interval, remaining))
+            interval = min(2 * interval, self.settings.abort_grace)
 
 
 _T = TypeVar("_T")

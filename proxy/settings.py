@@ -65,7 +65,12 @@ class ProxySettings:
     """Abort calls, KV releases and health probes."""
     abort_grace: float = 2.0
     """After forwarding an abort to a decode worker, how long its stream may take to send
-    its final ``abort`` chunk before the proxy ends the client's stream itself."""
+    its final ``abort`` chunk before the proxy ends the client's stream itself; also the longest
+    wait between two repeats of an abort to a worker still running the hop."""
+    abort_repeat_first: float = 0.05
+    """From an abort sent to a worker still running the hop to its first repeat (vLLM drops an
+    abort of a request it has not registered yet); each repeat after waits twice as long, up to
+    ``abort_grace`` (``Part.abort_until``)."""
     drain_timeout: float = 30.0
     """On shutdown, how long in-flight requests may take before they are ended."""
     slow_reader_max_bytes: int = 1024 * 1024

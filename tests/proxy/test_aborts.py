@@ -245,6 +245,46 @@ async def test_disconnect_during_a_long_prefill_aborts_the_prefill_worker(pd_fac
     assert 'pd_proxy_aborts_total{source="disconnect",state="prefilling"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_abort_p_dropped_goes_again_soon_while_p_prefills(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool, front: str) -> None:
+    """The client's abort reaches P before P registered the request (vLLM drops it), then P
+    prefills for 2 s. The abort goes again soon after, not at the next ``abort_grace`` (here
+    60 s): P ends the prefill aborted, holding no KV, so D is never sent a release of it."""
+    p: Scripted
+    d: Scripted = await scripted_factory(_release_answer)
+
+    async def prefill(body: dict[str, Any], request: Any) -> dict[str, Any]:
+        for _ in range(1000):  # registered only after a first abort came (bounded: 10 s)
+            if p.aborts:
+                break
+            await asyncio.sleep(0.01)
+        dropped = len(p.aborts)
+        for _ in range(200):  # prefills 2 s unless an abort comes
+            if len(p.aborts) > dropped:
+                out = prefill_reply(body, kv_transfer_params=None)
+                out["choices"][0].update(token_ids=[], finish_reason="abort")
+                return out
+            await asyncio.sleep(0.01)
+        return prefill_reply(body)
+
+    p = await scripted_factory(prefill)
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=60.0, front=front)
+    task = asyncio.create_task(client.post("/inference/v1/generate",
+                                           json={**req(request_id="pd1"), "stream": stream}))
+    await _until(lambda: bool(p.received), "the prefill hop never reached P")
+    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-pd1"]})
+    assert a.status == 200
+    r = await asyncio.wait_for(task, 30)
+    raw = await r.read()
+    reasons = finish_reasons(sse_datas(raw)) if stream else \
+        [c["finish_reason"] for c in json.loads(raw)["choices"]]
+    assert r.status == 200 and reasons == ["abort"]
+    assert len(p.aborts) >= 2 and d.received == []  # no KV held on P: nothing to release
+    await _until(lambda: len(app[SERVING].table) == 0, "the request stayed in the table")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_disconnect_between_hops_frees_prefill_kv(pd_factory: PDFactory, stream: bool) -> None:
     pd = await pd_factory(hold_between_hops=10.0)

@@ -434,7 +434,7 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
     """The client aborts right after P's token, while the decode hop is on its way: D drops that
     abort (vLLM drops an abort of an id it has not registered yet) and starts streaming. At D's
     first event D certainly has the request: the abort goes again at once, so the stream ends as
-    an aborted one, not after D's whole answer (the repeat comes only after ``abort_grace``)."""
+    an aborted one, not after D's whole answer (the repeats, put off here, would come later)."""
     from aiohttp import web  # noqa: PLC0415
 
     from tests.proxy.scripted_streams import DONE, chunk  # noqa: PLC0415
@@ -460,7 +460,7 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
         return resp
 
     d = await scripted_factory(decode)
-    client, _ = await proxy_factory([p.url], [d.url], abort_grace=60.0, **ON)
+    client, _ = await proxy_factory([p.url], [d.url], abort_grace=60.0, abort_repeat_first=60.0, **ON)
     resp = await client.post("/inference/v1/generate", json={**req(request_id="lost"), "stream": True})
     first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 30.0)
     assert json.loads(first[6:])["choices"][0]["token_ids"] == [7]  # P's token
@@ -474,6 +474,59 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
     finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
     assert finishes == ["abort"] and rest[-1] == "[DONE]"
     assert len(d.aborts) >= 2  # the one D dropped, and the one sent at its first event
+
+
+async def test_an_abort_lost_by_d_goes_again_soon_while_d_runs_the_request_unseen(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    """As in a real-vLLM cancellation run: the client aborts right after P's token, D drops that
+    abort (it had not registered the request yet), then runs the request and sends its whole
+    answer at once (its API server had fallen behind its engine), so no first event came while
+    it ran. The abort must go again while D runs, soon after the first, not at the next
+    ``abort_grace`` (here 60 s): the stream ends as an aborted one, not D's full answer."""
+    from aiohttp import web  # noqa: PLC0415
+
+    from tests.proxy.scripted_streams import DONE, chunk  # noqa: PLC0415
+
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted
+
+    async def decode(body: dict[str, Any], request: web.Request) -> web.StreamResponse:
+        for _ in range(1000):  # registered only after a first abort came (bounded: 10 s)
+            if d.aborts:
+                break
+            await asyncio.sleep(0.01)
+        dropped = len(d.aborts)
+        aborted = False
+        for _ in range(100):  # runs 1 s unless an abort comes, nothing written meanwhile
+            if len(d.aborts) > dropped:
+                aborted = True
+                break
+            await asyncio.sleep(0.01)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        if aborted:
+            await resp.write(chunk(finish="abort"))
+        else:
+            await resp.write(b"".join(chunk(7 if i == 0 else 100 + i, finish="length" if i == 15 else None)
+                                      for i in range(16)))
+        await resp.write(DONE)
+        return resp
+
+    d = await scripted_factory(decode)
+    client, _ = await proxy_factory([p.url], [d.url], abort_grace=60.0, **ON)
+    resp = await client.post("/inference/v1/generate", json={**req(request_id="unseen"), "stream": True})
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 30.0)
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == [7]  # P's token
+    for _ in range(1000):  # the decode hop reached D (bounded: 10 s)
+        if d.received:
+            break
+        await asyncio.sleep(0.01)
+    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-unseen"]})
+    assert a.status == 200
+    rest = sse_datas(await asyncio.wait_for(resp.read(), 30.0))
+    finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["abort"] and rest[-1] == "[DONE]"
+    assert not any(t >= 100 for e in rest[:-1] for c in e["choices"] for t in c["token_ids"])
 
 
 @pytest.fixture
