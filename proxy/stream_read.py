@@ -88,6 +88,11 @@ class DecodeReader(Part):
                 return Status.OPEN_FAILED, e.sse_event(), e
             if not f.headers_ready.done():
                 f.headers_ready.set_result(None)
+            if f.record.is_aborted:
+                # vLLM answers a stream's headers just before it registers the request: an abort
+                # sent before may have been dropped. Sent again now, not at the next repeat (D may
+                # run the whole request before that) nor at its first event (which may be its last).
+                self.tracker.spawn(self.send_abort(worker, f.record.engine_id))
             rd = _Read(f, worker, body, buffer, follower)
             try:
                 await self._read(rd, resp)

@@ -432,7 +432,8 @@ async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
 async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_first_event(
         scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
     """The client aborts right after P's token, while the decode hop is on its way: D drops that
-    abort (vLLM drops an abort of an id it has not registered yet) and starts streaming. At D's
+    abort (vLLM drops an abort of an id it has not registered yet), and the one sent again at its
+    headers too (here D registers the request only after that one), and starts streaming. At D's
     first event D certainly has the request: the abort goes again at once, so the stream ends as
     an aborted one, not after D's whole answer (the repeats, put off here, would come later)."""
     from aiohttp import web  # noqa: PLC0415
@@ -443,13 +444,17 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
     d: Scripted
 
     async def decode(body: dict[str, Any], request: web.Request) -> web.StreamResponse:
-        for _ in range(1000):  # registered only after a first abort came (bounded: 10 s)
+        for _ in range(1000):  # a first abort came before the headers (bounded: 10 s)
             if d.aborts:
                 break
             await asyncio.sleep(0.01)
-        dropped = len(d.aborts)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
+        for _ in range(1000):  # registered only after the abort sent at the headers (bounded: 10 s)
+            if len(d.aborts) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        dropped = len(d.aborts)
         for i in range(100):  # 5 s of tokens unless an abort comes
             if len(d.aborts) > dropped:
                 await resp.write(chunk(finish="abort"))
@@ -473,7 +478,7 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
     rest = sse_datas(await asyncio.wait_for(resp.read(), 30.0))
     finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
     assert finishes == ["abort"] and rest[-1] == "[DONE]"
-    assert len(d.aborts) >= 2  # the one D dropped, and the one sent at its first event
+    assert len(d.aborts) >= 3  # the two D dropped, and the one sent at its first event
 
 
 async def test_an_abort_lost_by_d_goes_again_soon_while_d_runs_the_request_unseen(
@@ -527,6 +532,58 @@ async def test_an_abort_lost_by_d_goes_again_soon_while_d_runs_the_request_unsee
     finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
     assert finishes == ["abort"] and rest[-1] == "[DONE]"
     assert not any(t >= 100 for e in rest[:-1] for c in e["choices"] for t in c["token_ids"])
+
+
+async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_headers(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    """vLLM answers a stream's headers, then registers the request: an abort the client sent
+    right after P's token, which reached D before, was dropped. At D's headers it goes again at
+    once: D, which here runs the request unseen and sends its whole answer at once (no first
+    event while it runs), is aborted; the repeats, put off here, would come too late."""
+    from aiohttp import web  # noqa: PLC0415
+
+    from tests.proxy.scripted_streams import DONE, chunk  # noqa: PLC0415
+
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted
+
+    async def decode(body: dict[str, Any], request: web.Request) -> web.StreamResponse:
+        for _ in range(1000):  # the client's abort came before D's headers (bounded: 10 s)
+            if d.aborts:
+                break
+            await asyncio.sleep(0.01)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)  # the headers go now; the request is registered after them
+        dropped = len(d.aborts)
+        aborted = False
+        for _ in range(100):  # runs 1 s unless an abort comes, nothing written meanwhile
+            if len(d.aborts) > dropped:
+                aborted = True
+                break
+            await asyncio.sleep(0.01)
+        if aborted:
+            await resp.write(chunk(finish="abort"))
+        else:
+            await resp.write(b"".join(chunk(7 if i == 0 else 100 + i, finish="length" if i == 15 else None)
+                                      for i in range(16)))
+        await resp.write(DONE)
+        return resp
+
+    d = await scripted_factory(decode)
+    client, _ = await proxy_factory([p.url], [d.url], abort_grace=60.0, abort_repeat_first=60.0, **ON)
+    resp = await client.post("/inference/v1/generate", json={**req(request_id="early"), "stream": True})
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 30.0)
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == [7]  # P's token
+    for _ in range(1000):  # the decode hop reached D (bounded: 10 s)
+        if d.received:
+            break
+        await asyncio.sleep(0.01)
+    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-early"]})
+    assert a.status == 200
+    rest = sse_datas(await asyncio.wait_for(resp.read(), 30.0))
+    finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["abort"] and rest[-1] == "[DONE]"
+    assert len(d.aborts) >= 2  # the one D dropped, and the one sent at its headers
 
 
 @pytest.fixture
