@@ -10,6 +10,8 @@ in every run of the same seed). Each is cancelled
   as cancelled mid-stream: ``cancel_phases`` says where cancels really landed);
 * ``--cancel-at mid-stream``: once a number of output tokens drawn uniformly in [1, output - 1]
   arrived;
+* ``--cancel-at first-token``: as soon as its first token arrived (behind a P/D router, the moment
+  the decode worker may not have registered the request yet);
 * ``--cancel-after S``: S seconds after its send, wherever it is then;
 
 by closing its connection (``--cancel-mode disconnect``) or through the target's abort endpoint
@@ -30,7 +32,7 @@ from benchmarks.datasets import RequestSpec
 from benchmarks.metrics import stats
 from benchmarks.records import RequestRecord
 
-CANCEL_AT: Final = ("before-first-token", "mid-stream")
+CANCEL_AT: Final = ("before-first-token", "mid-stream", "first-token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,8 @@ def cancel_plans(
         u = rng.random()
         if cfg.after_s is not None:
             plans[i] = CancelPlan(mode=cfg.mode, after_s=cfg.after_s, abort_grace_s=cfg.abort_grace_s)
+        elif cfg.at == "first-token":
+            plans[i] = CancelPlan(mode=cfg.mode, after_tokens=1, abort_grace_s=cfg.abort_grace_s)
         elif cfg.at == "mid-stream":
             n_out = specs[i].output_len
             k = 1 + int(u * max(1, n_out - 1))  # uniform in [1, max(1, n_out - 1)]

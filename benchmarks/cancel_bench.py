@@ -52,7 +52,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from benchmarks.cancel import CancelConfig
+from benchmarks.cancel import CANCEL_AT, CancelConfig
 from benchmarks.datasets import DatasetConfig
 from benchmarks.runner import BenchConfig, BenchResult, arun_benchmark
 
@@ -316,6 +316,7 @@ def figures(target: str, scenario: str, res: BenchResult, *, isolated: bool) -> 
         "cancel_phases": d.get("cancel_phases"),
         "abort_calls": d.get("abort_calls"),
         "abort_calls_ok": d.get("abort_calls_ok"),
+        "aborts_run_out": d.get("aborts_run_out"),
         "median_ttft_ms": d.get("median_ttft_ms"),
         "p99_ttft_ms": d.get("p99_ttft_ms"),
         "median_itl_ms": d.get("median_itl_ms"),
@@ -361,16 +362,17 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     """The markdown table for benchmarks/README.md."""
     rows = _ordered(rows)
     head = (
-        "| scenario | target | ok / cancelled / failed | survivors' TTFT p50 / p99 ms "
+        "| scenario | target | ok / cancelled / failed | aborts run out | survivors' TTFT p50 / p99 ms "
         "| TTFT penalty p50 / p99 ms | ITL p50 ms | P cancels holding KV | P cancel-to-free p50 / max ms "
         "| P KV block-s stranded "
         "(per cancel) | P held > 1 s / not freed | D cancel-to-free p50 / max ms |"
     )
-    lines = [head, "| " + " | ".join(["---"] * 11) + " |"]
+    lines = [head, "| " + " | ".join(["---"] * 12) + " |"]
     for r in rows:
         scen = r["scenario"] + (" (isolated)" if r["isolated"] else "")
         lines.append(
             f"| {scen} | {r['target']} | {_f(r['completed'])} / {_f(r['cancelled'])} / {_f(r['failed'])} "
+            f"| {_f(r.get('aborts_run_out')) if r.get('abort_calls') else '-'} "
             f"| {_f(r['median_ttft_ms'])} / {_f(r['p99_ttft_ms'])} "
             f"| {_f(r['ttft_penalty_median_ms'])} / {_f(r['ttft_penalty_p99_ms'])} "
             f"| {_f(r['median_itl_ms'])} | {_f(r['p_cancels_holding'])} "
@@ -482,9 +484,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--targets", default=",".join(TARGETS),
                    help="comma list out of floor,pd-proxy,vllm-router")
     p.add_argument("--scenarios", default=None,
-                   help="comma list of AT:MODE (AT before-first-token|mid-stream|after=SECONDS, MODE "
-                        f"disconnect|abort); default {','.join(SIM_SCENARIOS)} on pd-sim, "
-                        f"{','.join(SCENARIOS)} on real vLLM")
+                   help="comma list of AT:MODE (AT before-first-token|mid-stream|first-token|"
+                        "after=SECONDS, MODE disconnect|abort); default "
+                        f"{','.join(SIM_SCENARIOS)} on pd-sim, {','.join(SCENARIOS)} on real vLLM")
     p.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     p.add_argument("--cancel-rate", type=float, default=0.3)
     p.add_argument("--num-prompts", type=int, default=None)
@@ -536,10 +538,10 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     scenarios = tuple(s.strip() for s in a.scenarios.split(",") if s.strip()) if a.scenarios else default
     for s in scenarios:
         at, mode = parse_scenario(s)
-        good_at = at in ("before-first-token", "mid-stream") or _after_s(at) is not None
+        good_at = at in CANCEL_AT or _after_s(at) is not None
         if not good_at or mode not in ("disconnect", "abort"):
-            p.error(f"bad scenario {s!r}: AT:MODE, AT before-first-token|mid-stream|after=SECONDS, "
-                    "MODE disconnect|abort")
+            p.error(f"bad scenario {s!r}: AT:MODE, AT before-first-token|mid-stream|first-token|"
+                    "after=SECONDS, MODE disconnect|abort")
     lease = a.lease_seconds or (10 if real else 5)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     return Settings(

@@ -252,7 +252,8 @@ def _pd_bench_groups(p: argparse.ArgumentParser, single_target: bool) -> None:
     w = c.add_mutually_exclusive_group()
     w.add_argument("--cancel-at", choices=CANCEL_AT, default=None,
                    help="before-first-token: at a random moment before the request's expected first "
-                        "token; mid-stream: after a random number of its output tokens")
+                        "token; mid-stream: after a random number of its output tokens; first-token: "
+                        "as soon as its first token came")
     w.add_argument("--cancel-after", type=float, default=None, metavar="SECONDS",
                    help="cancel this long after the request was sent")
     c.add_argument("--cancel-mode", choices=CANCEL_MODES, default="disconnect",

@@ -313,6 +313,8 @@ def cancel_metrics(records: Sequence[RequestRecord], percentiles: Sequence[float
         "abort_calls": len(aborts),
         "abort_calls_ok": sum(1 for r in aborts if r.abort_status == 200),
         "aborts_not_ended": sum(1 for r in aborts if r.abort_ended_s is None),
+        # the answer after the abort still ended as the worker's own end: the abort was not heeded
+        "aborts_run_out": sum(1 for r in aborts if r.finish_reason in ("length", "stop")),
     }
     out.update(stats_keys("cancel", stats([r.cancel_s for r in cancelled if r.cancel_s is not None],
                                            percentiles), percentiles))

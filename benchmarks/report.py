@@ -166,6 +166,7 @@ def _cancel_lines(data: dict[str, Any]) -> list[str]:
             f"{'  abort calls answered 200:':<42}{data.get('abort_calls_ok')} of {data.get('abort_calls')}"
         )
         lines.append(f"{'  abort to end of answer, median (ms):':<42}{_fmt(data.get('median_abort_ack_ms'))}")
+        lines.append(f"{'  answers run to their end all the same:':<42}{data.get('aborts_run_out')}")
     if "ttft_penalty_median_ms" in data:
         lines.append(
             f"{'Survivors compared with the baseline:':<42}{data.get('survivors_compared')}"

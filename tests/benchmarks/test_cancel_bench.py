@@ -43,11 +43,13 @@ def test_table_and_plot(tmp_path: Path) -> None:
              p_cancel_to_free_max_ms=23.6),
     ]  # fmt: skip
     rows[0]["p_held_over_1s"] = 1
+    rows[1].update(abort_calls=18, aborts_run_out=2)
     rows.reverse()  # the table orders them: floor first
     text = table(rows)
     lines = text.splitlines()
-    assert len(lines) == 4 and all(line.count("|") == 12 for line in lines)
-    assert "| before-first-token:disconnect | floor | 42 / 18 / 0 |" in lines[2]
+    assert len(lines) == 4 and all(line.count("|") == 13 for line in lines)
+    assert "| before-first-token:disconnect | floor | 42 / 18 / 0 | - |" in lines[2]  # no abort calls
+    assert "| pd-proxy | 42 / 18 / 0 | 2 |" in lines[3]
     assert "12.3 / 5004.5" in lines[2] and "82.64 (5.510)" in lines[2] and "| 1 / 0 |" in lines[2]
     assert "- / 23.6" in lines[3]  # a figure the run did not have is a dash
     png = plot(rows, tmp_path / "p.png")
@@ -69,6 +71,8 @@ def test_a_scenario_becomes_a_pd_bench_run(tmp_path: Path) -> None:
     handoff = bench_config(cfg, stack, PD_PROXY, "after=0.05:abort", isolated=False)
     assert handoff.cancel is not None and (handoff.cancel.at, handoff.cancel.after_s) == (None, 0.05)
     assert cfg.scenarios[-1] == "after=0.05:disconnect"  # pd-sim's default adds the hand-off window
+    first = bench_config(cfg, stack, PD_PROXY, "first-token:abort", isolated=False)
+    assert first.cancel is not None and (first.cancel.at, first.cancel.mode) == ("first-token", "abort")
     iso = bench_config(cfg, stack, PD_PROXY, "mid-stream:disconnect", isolated=True)
     assert iso.url == "http://127.0.0.1:3" and iso.two_hop is None
     assert iso.max_concurrency == 1 and iso.kv_settle and iso.cancel is not None and iso.cancel.rate == 1.0

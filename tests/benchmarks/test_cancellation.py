@@ -172,6 +172,8 @@ def test_plans_are_deterministic_and_shaped_as_asked() -> None:
     assert set(bft) == set(mid)  # the same requests for the same seed
     for i, p in bft.items():
         assert p.before_first_token and p.mode == "abort" and 0.0 <= (p.after_s or 0.0) <= refs[i]
+    first = cancel_plans(CancelConfig(rate=0.5, at="first-token", mode="abort"), specs, 3)
+    assert set(first) == set(mid) and {(p.after_tokens, p.mode) for p in first.values()} == {(1, "abort")}
     after = cancel_plans(CancelConfig(rate=1.0, after_s=0.3), specs, 3)
     assert len(after) == 40 and {p.after_s for p in after.values()} == {0.3}
     with pytest.raises(ValueError):
@@ -218,6 +220,16 @@ def test_ttft_penalty_pairs_the_survivors_with_the_same_requests_of_the_baseline
     assert out["ttft_penalty_mean_paired_ms"] == pytest.approx((50 + 10 + 0) / 3)
     assert out["ttft_penalty_median_ms"] == pytest.approx(10.0)
     assert out["baseline_median_ttft_ms"] == pytest.approx(100.0)
+
+
+def test_an_abort_whose_answer_ran_to_its_end_is_counted() -> None:
+    recs = [_rec(i, 0.05, cancelled=True) for i in range(4)]
+    for r, finish in zip(recs, ["abort", "length", "stop", None], strict=True):
+        r.cancel_mode, r.finish_reason = "abort", finish  # None: hung up after the grace
+    recs.append(_rec(4, 0.05, cancelled=True))
+    recs[4].finish_reason = "length"  # a disconnect: no abort call to heed
+    out = compute_metrics(recs, 1.0, [50.0], cancellation=True)
+    assert out["abort_calls"] == 4 and out["aborts_run_out"] == 2
 
 
 def test_cancelled_requests_are_neither_completed_nor_failed() -> None:
