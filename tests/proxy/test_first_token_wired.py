@@ -429,6 +429,46 @@ async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
     await pd.quiet()
 
 
+async def _aborts_reach(d: Scripted, n: int) -> None:
+    """Until ``d`` was sent ``n`` aborts (bounded: 10 s)."""
+    for _ in range(1000):
+        if len(d.aborts) >= n:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _unseen_answer(d: Scripted, dropped: int) -> bytes:
+    """D runs the request 1 s without a word (its API server behind its engine), then answers all
+    at once: vLLM's aborted ending if an abort beyond the ``dropped`` ones came meanwhile, else all
+    16 tokens (the first P's) and ``length``."""
+    from tests.proxy.scripted_streams import DONE, chunk  # noqa: PLC0415
+
+    for _ in range(100):
+        if len(d.aborts) > dropped:
+            return chunk(finish="abort") + DONE
+        await asyncio.sleep(0.01)
+    return b"".join(chunk(7 if i == 0 else 100 + i, finish="length" if i == 15 else None)
+                    for i in range(16)) + DONE
+
+
+async def _abort_after_ps_token(client: Any, d: Scripted, rid: str) -> list[Any]:
+    """A stream whose client aborts as soon as it has P's token, D having its request by then:
+    what came after P's token, checked to end as vLLM's aborted stream."""
+    resp = await client.post("/inference/v1/generate", json={**req(request_id=rid), "stream": True})
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 30.0)
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == [7]  # P's token
+    for _ in range(1000):  # the decode hop reached D (bounded: 10 s)
+        if d.received:
+            break
+        await asyncio.sleep(0.01)
+    a = await client.post("/inference/v1/abort_requests", json={"request_ids": [f"generate-tokens-{rid}"]})
+    assert a.status == 200
+    rest = sse_datas(await asyncio.wait_for(resp.read(), 30.0))
+    finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["abort"] and rest[-1] == "[DONE]"
+    return rest
+
+
 async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_first_event(
         scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
     """The client aborts right after P's token, while the decode hop is on its way: D drops that
@@ -444,16 +484,10 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
     d: Scripted
 
     async def decode(body: dict[str, Any], request: web.Request) -> web.StreamResponse:
-        for _ in range(1000):  # a first abort came before the headers (bounded: 10 s)
-            if d.aborts:
-                break
-            await asyncio.sleep(0.01)
+        await _aborts_reach(d, 1)  # a first abort came before the headers
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
-        for _ in range(1000):  # registered only after the abort sent at the headers (bounded: 10 s)
-            if len(d.aborts) >= 2:
-                break
-            await asyncio.sleep(0.01)
+        await _aborts_reach(d, 2)  # registered only after the abort sent at the headers
         dropped = len(d.aborts)
         for i in range(100):  # 5 s of tokens unless an abort comes
             if len(d.aborts) > dropped:
@@ -466,18 +500,7 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_fi
 
     d = await scripted_factory(decode)
     client, _ = await proxy_factory([p.url], [d.url], abort_grace=60.0, abort_repeat_first=60.0, **ON)
-    resp = await client.post("/inference/v1/generate", json={**req(request_id="lost"), "stream": True})
-    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 30.0)
-    assert json.loads(first[6:])["choices"][0]["token_ids"] == [7]  # P's token
-    for _ in range(1000):  # the decode hop reached D (bounded: 10 s)
-        if d.received:
-            break
-        await asyncio.sleep(0.01)
-    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-lost"]})
-    assert a.status == 200
-    rest = sse_datas(await asyncio.wait_for(resp.read(), 30.0))
-    finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
-    assert finishes == ["abort"] and rest[-1] == "[DONE]"
+    await _abort_after_ps_token(client, d, "lost")
     assert len(d.aborts) >= 3  # the two D dropped, and the one sent at its first event
 
 
@@ -490,47 +513,20 @@ async def test_an_abort_lost_by_d_goes_again_soon_while_d_runs_the_request_unsee
     ``abort_grace`` (here 60 s): the stream ends as an aborted one, not D's full answer."""
     from aiohttp import web  # noqa: PLC0415
 
-    from tests.proxy.scripted_streams import DONE, chunk  # noqa: PLC0415
-
     p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
     d: Scripted
 
     async def decode(body: dict[str, Any], request: web.Request) -> web.StreamResponse:
-        for _ in range(1000):  # registered only after a first abort came (bounded: 10 s)
-            if d.aborts:
-                break
-            await asyncio.sleep(0.01)
-        dropped = len(d.aborts)
-        aborted = False
-        for _ in range(100):  # runs 1 s unless an abort comes, nothing written meanwhile
-            if len(d.aborts) > dropped:
-                aborted = True
-                break
-            await asyncio.sleep(0.01)
+        await _aborts_reach(d, 1)  # registered only after a first abort came
+        answer = await _unseen_answer(d, len(d.aborts))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        if aborted:
-            await resp.write(chunk(finish="abort"))
-        else:
-            await resp.write(b"".join(chunk(7 if i == 0 else 100 + i, finish="length" if i == 15 else None)
-                                      for i in range(16)))
-        await resp.write(DONE)
+        await resp.prepare(request)  # the headers only with the answer: no resend at them
+        await resp.write(answer)
         return resp
 
     d = await scripted_factory(decode)
     client, _ = await proxy_factory([p.url], [d.url], abort_grace=60.0, **ON)
-    resp = await client.post("/inference/v1/generate", json={**req(request_id="unseen"), "stream": True})
-    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 30.0)
-    assert json.loads(first[6:])["choices"][0]["token_ids"] == [7]  # P's token
-    for _ in range(1000):  # the decode hop reached D (bounded: 10 s)
-        if d.received:
-            break
-        await asyncio.sleep(0.01)
-    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-unseen"]})
-    assert a.status == 200
-    rest = sse_datas(await asyncio.wait_for(resp.read(), 30.0))
-    finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
-    assert finishes == ["abort"] and rest[-1] == "[DONE]"
+    rest = await _abort_after_ps_token(client, d, "unseen")
     assert not any(t >= 100 for e in rest[:-1] for c in e["choices"] for t in c["token_ids"])
 
 
@@ -542,47 +538,19 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_he
     event while it runs), is aborted; the repeats, put off here, would come too late."""
     from aiohttp import web  # noqa: PLC0415
 
-    from tests.proxy.scripted_streams import DONE, chunk  # noqa: PLC0415
-
     p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
     d: Scripted
 
     async def decode(body: dict[str, Any], request: web.Request) -> web.StreamResponse:
-        for _ in range(1000):  # the client's abort came before D's headers (bounded: 10 s)
-            if d.aborts:
-                break
-            await asyncio.sleep(0.01)
+        await _aborts_reach(d, 1)  # the client's abort came before D's headers
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)  # the headers go now; the request is registered after them
-        dropped = len(d.aborts)
-        aborted = False
-        for _ in range(100):  # runs 1 s unless an abort comes, nothing written meanwhile
-            if len(d.aborts) > dropped:
-                aborted = True
-                break
-            await asyncio.sleep(0.01)
-        if aborted:
-            await resp.write(chunk(finish="abort"))
-        else:
-            await resp.write(b"".join(chunk(7 if i == 0 else 100 + i, finish="length" if i == 15 else None)
-                                      for i in range(16)))
-        await resp.write(DONE)
+        await resp.write(await _unseen_answer(d, len(d.aborts)))
         return resp
 
     d = await scripted_factory(decode)
     client, _ = await proxy_factory([p.url], [d.url], abort_grace=60.0, abort_repeat_first=60.0, **ON)
-    resp = await client.post("/inference/v1/generate", json={**req(request_id="early"), "stream": True})
-    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 30.0)
-    assert json.loads(first[6:])["choices"][0]["token_ids"] == [7]  # P's token
-    for _ in range(1000):  # the decode hop reached D (bounded: 10 s)
-        if d.received:
-            break
-        await asyncio.sleep(0.01)
-    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-early"]})
-    assert a.status == 200
-    rest = sse_datas(await asyncio.wait_for(resp.read(), 30.0))
-    finishes = [c["finish_reason"] for e in rest[:-1] for c in e["choices"] if c["finish_reason"]]
-    assert finishes == ["abort"] and rest[-1] == "[DONE]"
+    await _abort_after_ps_token(client, d, "early")
     assert len(d.aborts) >= 2  # the one D dropped, and the one sent at its headers
 
 
