@@ -162,6 +162,9 @@ class ProxySettings:
             raise ValueError("--upstream-max-connections-per-host must be 0 (no cap) or more")
         if self.kv_block_size is not None and self.kv_block_size < 1:
             raise ValueError("--kv-block-size must be at least 1")
+        if not (self.abort_grace > 0 and self.abort_repeat_first > 0):
+            raise ValueError("abort_grace and abort_repeat_first must be above 0 (an abort's repeats wait "
+                             "that long)")
         p = self.pools
         dynamic = p.config_file is not None or bool(p.k8s) or bool(p.admin_key)
         if (not self.prefill_urls or not self.decode_urls) and not dynamic:
