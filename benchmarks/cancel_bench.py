@@ -53,6 +53,7 @@ from typing import Any, Final
 import aiohttp
 
 from benchmarks.cancel import CANCEL_AT, CancelConfig
+from benchmarks.client import CANCEL_MODES
 from benchmarks.datasets import DatasetConfig
 from benchmarks.runner import BenchConfig, BenchResult, arun_benchmark
 
@@ -539,7 +540,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     for s in scenarios:
         at, mode = parse_scenario(s)
         good_at = at in CANCEL_AT or _after_s(at) is not None
-        if not good_at or mode not in ("disconnect", "abort"):
+        if not good_at or mode not in CANCEL_MODES:
             p.error(f"bad scenario {s!r}: AT:MODE, AT before-first-token|mid-stream|first-token|"
                     "after=SECONDS, MODE disconnect|abort")
     lease = a.lease_seconds or (10 if real else 5)

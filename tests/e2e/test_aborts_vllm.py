@@ -157,13 +157,13 @@ async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> Non
                 seen += await asyncio.wait_for(r.read(), 30)
             events = [json.loads(b[6:]) for b in seen.split(b"\n\n") if b.startswith(b"data: {")]
             finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
-            if finishes != ["length"] or sum(len(c["token_ids"]) for e in events for c in e["choices"]) < 360:
+            tokens = sum(len(c["token_ids"]) for e in events for c in e["choices"])
+            if finishes != ["length"] or tokens < 360:
                 break
             print(f"\nattempt {attempt}: D finished the 360 tokens before the abort reached it")
             await wait_idle(p)
         assert finishes == ["abort"]
         assert seen.rstrip().endswith(b"data: [DONE]")
-        tokens = sum(len(c["token_ids"]) for e in events for c in e["choices"])
         assert tokens < 360
         for w in (p, d):
             assert await seconds_until(w, RUNNING, lambda v: v == 0.0, 30) is not None
