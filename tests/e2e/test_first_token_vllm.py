@@ -57,8 +57,9 @@ async def test_an_abort_right_after_the_prefill_workers_token_frees_its_kv(
         vllm_cluster: Cluster, proxy: tuple[str, web.Application]) -> None:
     """The client has P's token, D has not streamed yet (the hand-off): an abort then ends the
     stream as vLLM's aborted stream and settles P's KV through D (pulled, or released), never
-    leaving it to P's lease, except on a machine so loaded that D did not take the request up
-    within the lease (the abort then went to D all the same)."""
+    leaving it to P's lease, except where vLLM leaves it there: D did not take the request up
+    within the lease on a loaded machine, or D was aborted mid-pull and then idle (the abort
+    then went to D all the same)."""
     url, app = proxy
     serving = app[SERVING]
     body = {"request_id": "ft-abort", "token_ids": prompt(300, seed=11), "stream": True,
@@ -83,10 +84,13 @@ async def test_an_abort_right_after_the_prefill_workers_token_frees_its_kv(
     closed = [lease for lease in ledger.recent_closed() if lease.request_id.endswith("ft-abort")]
     reasons = [lease.reason for lease in closed]
     if reasons == ["expired"]:
-        # On a loaded 2-core machine D may not take the request up within P's 30 s lease, which
-        # then frees the blocks first (seen in CI at load averages of 30 and more, most of it the
-        # workers' NIXL progress threads busy-polling, before pd-workers made them sleep).
-        # What the proxy owes the request then is the abort sent to D: it was.
+        # P's lease freed the blocks first. Two ways, both vLLM's: on a loaded 2-core machine D
+        # may not take the request up within P's 30 s lease (seen in CI at load averages of 30
+        # and more, most of it the workers' NIXL progress threads busy-polling, before
+        # pd-workers made them sleep); or the abort reached D while it was pulling, and D, idle
+        # after it, tells P the pull is done only at its next engine step (seen in P's log:
+        # "Potentially invalid KV blocks for unrecognized request"). What the proxy owes the
+        # request then is the abort sent to D: it was.
         registry = serving.metrics.registry
         sent = sum(registry.get_sample_value("pd_proxy_abort_fanout_total",
                                              {"pool": "decode", "result": result}) or 0.0
