@@ -170,7 +170,8 @@ def build_body(spec: RequestSpec, request_id: str, opts: ClientOptions) -> dict[
 
 def prefill_hop_body(body: dict[str, Any]) -> dict[str, Any]:
     """The floor's prefill hop: non-stream, one token, no ``min_tokens`` nor ``stream_options``,
-    tokens mode, remote decode (vLLM's P/D recipe, SPEC section 3.1; a proxy sends the same)."""
+    tokens mode, remote decode (vLLM's P/D recipe, docs/vllm.md, section 3, item 1; a proxy sends the
+    same)."""
     sampling = {k: v for k, v in body["sampling_params"].items() if k != "min_tokens"}
     sampling["max_tokens"] = 1
     hop = {k: v for k, v in body.items() if k != "stream_options"}

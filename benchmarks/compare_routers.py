@@ -7,7 +7,7 @@ the same closed-loop load through three targets:
 
 * ``floor``: the client doing the two hops itself (prefill hop non-stream with ``max_tokens: 1``
   and ``kv_transfer_params: {do_remote_decode: true, do_remote_prefill: false}``, then the decode
-  hop with the returned params; SPEC section 3). No proxy: the best any proxy can do.
+  hop with the returned params; docs/vllm.md, section 3). No proxy: the best any proxy can do.
 * ``pd-proxy``: this project's proxy (``pd-proxy --prefill URL --decode URL --port P``), once per
   ``--pd-proxy-workers`` count (default 1 and 2): ``pd-proxy`` is one process, ``pd-proxy-w2`` is
   ``--workers 2`` (two processes on one port, ``proxy/multiproc.py``).

@@ -5,7 +5,7 @@ One function per concern, both pure (no I/O), so a launcher, a compose file gene
 - :func:`kv_transfer_config` gives the NixlConnector config for a worker role (``None`` for an
   aggregated worker, which runs without a KV connector). Its :meth:`NixlConfig.to_json` is the
   ``--kv-transfer-config`` argument, e.g. ``{"kv_connector":"NixlConnector","kv_role":"kv_producer",
-  "kv_buffer_device":"cpu"}`` (SPEC.md section 3; the traces' exact shape).
+  "kv_buffer_device":"cpu"}`` (docs/vllm.md, section 3; the traces' exact shape).
 - :func:`worker_env` gives the environment variables a worker needs on top of the inherited ones:
   the NIXL side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, unique per worker on a host) for
   P/D roles, and either CPU settings (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``) or

@@ -1,7 +1,8 @@
 """Reader for the vLLM wire traces in ``tests/data/traces/vllm-0.32.0-cpu/`` (format in its README).
 
-They are a verbatim copy of the project's recorded vLLM 0.32.0 exchanges (``shared/traces/``), kept in
-the repository so that the referee travels with the tests; ``PD_TRACE_DIR`` points elsewhere.
+They are the project's recorded exchanges with a real vLLM 0.32.0 (CPU build), byte for byte, and the
+referee for pd-sim and the proxy (``docs/vllm.md`` states what they show); ``PD_TRACE_DIR`` points
+elsewhere.
 
 ``load_trace(path) -> Trace``; ``trace_files()`` lists every case. Import read-only from any test.
 """

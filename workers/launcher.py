@@ -22,7 +22,7 @@ Python API (what the test fixtures use)::
     with start_cluster(ClusterSettings(model=path, prefill=1, decode=1, log_dir=d)) as cluster:
         cluster.prefill_urls, cluster.decode_urls, cluster.aggregated_urls
 
-CPU defaults follow SPEC.md section 5: one core per worker (round-robin over the cores this process
+CPU defaults follow docs/vllm.md, section 5: one core per worker (round-robin over the cores this process
 may use), ``VLLM_CPU_KVCACHE_SPACE=1``, ``--dtype float32 --max-model-len 512 --enforce-eager``,
 ``--enable-scale-out`` (or ``--tokens-only``), ``kv_buffer_device: cpu``. Aggregated workers run
 without a KV connector. The vLLM executable is a setting: ``--vllm-bin``, else

@@ -1,4 +1,4 @@
-"""The tiny local Llama that the real-vLLM CPU runs serve (SPEC.md section 5, traces' ``tiny-llama``).
+"""The tiny local Llama that the real-vLLM CPU runs serve (docs/vllm.md, section 5; traces' ``tiny-llama``).
 
 Nothing can be downloaded from a model hub here, so the model is built locally and deterministically:
 the same recipe gives the same bytes in every file, on every run. The build needs only ``tokenizers``,

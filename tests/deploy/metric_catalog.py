@@ -2,18 +2,20 @@
 
 The proxy's list is the one agreed between the metrics work and the dashboards (names, label names and
 the closed sets of label values). The workers' list comes from real vLLM 0.32.0 scrapes: the traces'
-``metrics-pd-prefill.txt``, ``metrics-pd-decode.txt`` and ``metrics-scaleout.txt`` when ``shared/`` is
-next to the repository, else the copy in ``vllm_metrics.txt`` (a test keeps the two equal).
+``metrics-pd-prefill.txt``, ``metrics-pd-decode.txt`` and ``metrics-scaleout.txt`` in the repository's
+``tests/data/traces/vllm-0.32.0-cpu/`` (``PD_TRACE_DIR``, as for ``tests.traces``), else the names in
+``vllm_metrics.txt`` (a test keeps the two equal).
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+
+from tests.traces import TRACE_DIR
 
 HERE: Final = Path(__file__).resolve().parent
 REPO: Final = HERE.parents[1]
@@ -128,14 +130,10 @@ def parse_samples(text: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def traces_dir() -> Path | None:
-    """The real vLLM traces, when ``shared/`` is reachable (``PD_SHARED_DIR`` or next to the repository)."""
-    candidates = [Path(os.environ["PD_SHARED_DIR"])] if "PD_SHARED_DIR" in os.environ else []
-    candidates += [REPO / "tests" / "data", REPO.parent / "shared", Path("/work/shared")]
-    for base in candidates:
-        d = base / "traces" / "vllm-0.32.0-cpu"
-        if all((d / f).is_file() for f in TRACE_FILES):
-            return d
-    return None
+    """The recorded vLLM traces (``tests.traces.TRACE_DIR``: the repository's
+    ``tests/data/traces/vllm-0.32.0-cpu/``, or ``PD_TRACE_DIR``); None when a ``TRACE_FILES`` file
+    is missing."""
+    return TRACE_DIR if all((TRACE_DIR / f).is_file() for f in TRACE_FILES) else None
 
 
 def metrics_from_traces(d: Path) -> dict[str, frozenset[str]]:

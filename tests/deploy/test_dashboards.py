@@ -27,6 +27,7 @@ from tests.deploy import metric_catalog as cat
 from tests.deploy.live_scrape import Scrapes, traffic_and_scrape
 from tests.deploy.tools import find, run
 from tests.fixtures_sim import SimFactory
+from tests.traces import TRACE_DIR
 
 FILES = dash.dashboard_files()
 QUERIES = [q for f in FILES for q in dash.queries(f)]
@@ -211,8 +212,8 @@ def test_provisioning_points_at_the_dashboards() -> None:
 
 def test_vendored_worker_metrics_match_the_traces() -> None:
     traces = cat.traces_dir()
-    if traces is None:
-        pytest.skip("shared/traces not reachable: the vendored copy is used as is")
+    assert traces is not None, (
+        f"the recorded vLLM traces are missing: expected {', '.join(cat.TRACE_FILES)} in {TRACE_DIR}")
     vendored = cat.VENDORED_VLLM.read_text(encoding="utf-8")
     assert vendored == cat.format_vendored(cat.metrics_from_traces(traces))
 

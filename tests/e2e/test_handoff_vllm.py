@@ -30,7 +30,7 @@ BLOCK_TOKENS = 128  # the CPU build's KV block size (traces README)
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 LAUNCH_ERROR = "pd-workers: error:"  # how the launcher reports a failed `up`
 
-# SPEC.md section 3, item 2 (vLLM 0.32.0; 0.33 adds remote_registration_generation).
+# docs/vllm.md, section 3, item 2 (vLLM 0.32.0; 0.33 adds remote_registration_generation).
 PREFILL_PARAM_FIELDS = {
     "do_remote_prefill",
     "do_remote_decode",

@@ -1,4 +1,5 @@
-"""SPEC section 1 fields through pd-proxy against pd-sim: identical to one aggregated worker."""
+"""The generate fields (docs/vllm.md, section 1) through pd-proxy against pd-sim: identical to one
+aggregated worker."""
 
 from __future__ import annotations
 

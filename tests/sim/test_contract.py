@@ -23,7 +23,7 @@ Documented exclusions (compared by type only, or not at all), and why:
   list lengths and the number of SSE events may differ (still type-checked, nulls allowed).
 - n>1 streams: vLLM interleaves the two choices in engine order, so ``index`` is type-checked.
 - ``metrics-*.txt``: metric values change from run to run; only the content type and the presence
-  of every SPEC section-4 family are compared.
+  of every family of docs/vllm.md, section 4, are compared.
 - The ``server``/``date``/``vary`` headers (uvicorn's) are not part of the contract.
 """
 

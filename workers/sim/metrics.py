@@ -1,4 +1,4 @@
-"""vLLM's worker metrics (SPEC section 4) on a per-app prometheus registry."""
+"""vLLM's worker metrics (docs/vllm.md, section 4) on a per-app prometheus registry."""
 
 from __future__ import annotations
 
