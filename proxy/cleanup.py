@@ -81,6 +81,11 @@ class Cleanup(Part):
         self.core.close_lease(f, "unknown")
 
     def after_decode_error(self, f: Flight, e: UpstreamError) -> None:
+        """The decode hop failed with ``e`` (no retry follows): release the KV P still holds.
+        Called where the failure is known (the handler, the stream's producer, the clean-up
+        when the client had gone), once or more: the first call decides."""
+        if f.release_task is not None:
+            return  # a release runs already: it ends the lease
         if isinstance(e, UpstreamStatusError) and e.passthrough:
             # D rejected the request up front: vLLM does not tell P, so the blocks would wait
             # for the lease. Try the stripped-down release request (tokens mode, one token, no
@@ -158,6 +163,13 @@ class Cleanup(Part):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if task.done() and not task.cancelled() and isinstance(error := task.exception(), UpstreamError):
+            # D failed the hop after the client left (a non-stream hop: its handler is gone): as
+            # with the client there, P's KV is released (``after_decode_error``).
+            self.after_decode_error(f, error)
+        if f.release_task is not None:
+            await f.release_task  # it ends the lease (released through a decode worker, or not)
+            return
         if record.lease is not None and record.lease.end is None and task.done():
             # The walk that closes it is gone (client left a non-stream decode, or a stream
             # before its first event): D answered, so it had the KV; else unknown.

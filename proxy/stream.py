@@ -318,10 +318,10 @@ class StreamDecode(Part):
         except UpstreamError:
             pass  # no worker left to take it
         f.settled.set()
-        if status is Status.OPEN_FAILED and f.first is not None:  # the client's stream is open
-            self.cleanup.after_decode_error(f, exc)
-            self.end_with_error(f, buffer, error, exc.message)
-        elif status is Status.OPEN_FAILED:
+        # P's KV is released here, whoever hears of the failure (the handler may have gone:
+        # a client that left, or one answered an abort, awaits nothing of this producer).
+        self.cleanup.after_decode_error(f, exc)
+        if status is Status.OPEN_FAILED and f.first is None:  # no stream opened yet: the handler's answer
             f.headers_ready.set_exception(exc)
         else:
             self.end_with_error(f, buffer, error, exc.message)
