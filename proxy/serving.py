@@ -280,10 +280,12 @@ class Serving:
             if resp is None:
                 raise
             return await self.first.end_with_error(request, f, resp, e)
-        if resp is not None and record.is_aborted:  # aborted while the decode worker was picked
+        if record.is_aborted:  # aborted while a decode worker was picked (it may wait for one)
             self.decode_pool.release(decode, Outcome.NEUTRAL, f.ctx.tokens)
             await self.cleanup.release_shielded(f)
-            return await self.first.end_aborted(request, f, resp)
+            if resp is not None:  # the client has P's token
+                return await self.first.end_aborted(request, f, resp)
+            return await self.aborts.respond_aborted(request, f)
         record.decode_worker = decode
         record.phase = Phase.DECODING
         f.timing.decode_start = decode_start = self.clock()

@@ -638,3 +638,53 @@ async def test_every_client_stream_has_the_same_headers(pd_factory: PDFactory, h
     assert r.headers["Cache-Control"] == "no-cache"
     assert r.headers["Transfer-Encoding"] == "chunked"
     await pd.quiet(limit=1.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_a_request_aborted_while_it_waits_for_a_decode_worker_never_decodes(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str, stream: bool) -> None:
+    """KV_HELD, every decode worker at its in-flight cap: the request waits for one. Aborted
+    meanwhile, it gets vLLM's aborted answer once a worker frees up, and D is sent only the
+    release of P's KV (one token), not the request. Before, the whole decode hop went to D (and,
+    non-stream through the front, D was never sent an abort while it ran)."""
+    free = asyncio.Event()
+
+    async def decode(body: dict[str, Any], request: Any) -> Any:
+        if body["request_id"] == "busy":
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(free.wait(), 5)
+        return prefill_reply(body, kv_transfer_params=None)
+
+    p = await scripted_factory(lambda body, request: prefill_reply(body))
+    d = await scripted_factory(decode)
+    client, app = await proxy_factory([p.url], [d.url], front=front, first_token_from_prefill=False,
+                                      pools=PoolSettings.plain(max_inflight_per_worker=1))
+    serving = app[SERVING]
+    busy = asyncio.ensure_future(client.post("/inference/v1/generate", json=req(request_id="busy")))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while not d.received:
+        assert loop.time() < deadline, "the first request never reached D"
+        await asyncio.sleep(0.01)
+    victim = asyncio.ensure_future(client.post("/inference/v1/generate",
+                                               json={**req(request_id="vic"), "stream": stream}))
+    while not any(r.phase.value == "kv_held" and r.base_id == "vic" for r in serving.table.all()):
+        assert loop.time() < deadline, "the second request never waited in KV_HELD"
+        await asyncio.sleep(0.01)
+    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-vic"]})
+    assert a.status == 200
+    free.set()  # D frees up: the aborted request gets it
+    r = await asyncio.wait_for(victim, 5)
+    assert r.status == 200
+    raw = await r.read()
+    assert b'"finish_reason":"abort"' in raw.replace(b" ", b"")
+    await (await busy).read()
+    while len(serving.table) or len(serving.tracker):
+        assert loop.time() < deadline + 5, "the requests never ended"
+        await asyncio.sleep(0.02)
+    vic = [b for b in d.received if b["request_id"] == "vic"]
+    assert len(vic) == 1 and vic[0]["sampling_params"]["max_tokens"] == 1 and not vic[0].get("stream")
+    assert vic[0]["kv_transfer_params"] == KV_PARAMS  # the release: D pulls, P frees
+    ledger = await (await client.get("/debug/kv-leases")).json()
+    assert ledger["open"] == [] and len(ledger["closed"]) == 2
