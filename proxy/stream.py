@@ -237,6 +237,8 @@ class StreamDecode(Part):
         except Exception as e:
             self._crashed(f, buffer, e)
             raise  # the task ends failed: the clean-up frees what D and P hold
+        finally:
+            f.settled.set()  # its last hop ended, however (the clean-up's repeated aborts stop)
 
     async def attempts(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
         """Read D's stream into ``buffer`` (never blocks on the client).
@@ -278,6 +280,10 @@ class StreamDecode(Part):
                 if not await self._retry(f, tries, buffer, status=status, error=error, exc=exc):
                     return
             elif not await self._migrate(f, tries, buffer, follower, status=status, error=error):
+                if status is Status.OPEN_FAILED and exc is not None:
+                    # A continuation's hop that failed to open, not migrated again: the KV P
+                    # holds for it is released (the first hop's failures go through ``_retry``).
+                    self.cleanup.after_decode_error(f, exc)
                 return
 
     async def _attempt(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer,
@@ -348,7 +354,11 @@ class StreamDecode(Part):
                 self.end_with_error(f, buffer, error, f"no decode worker to migrate to ({e})")
                 return False
             record.decode_worker = w
-            tries.move(w, await self.prefill.continuation(f, cont.body))
+            body = await self.prefill.continuation(f, cont.body)
+            # The next worker must register the continuation before its connection may be
+            # closed (its KV is P's again): what settled the last one says nothing of it.
+            f.settled.clear()
+            tries.move(w, body)
             rt.count_migration()
             log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,
                         cont.kept + cont.replay)
