@@ -62,8 +62,6 @@ class Prefill(Part):
         tried: list[Worker] = []
         last: UpstreamError | None = None
         for attempt in range(rt.prefill_retry.attempts):
-            if record.is_aborted:
-                break  # aborted (client call, deadline) during the backoff
             try:
                 worker = await self._pick(f, ctx, tried)
             except NoWorkerAvailable:
@@ -75,6 +73,8 @@ class Prefill(Part):
                 if last is not None:
                     break  # none left: the last error stands
                 raise
+            if worker is None:
+                break  # aborted (client call, deadline) during the backoff or the wait for a worker
             record.prefill_worker = worker
             try:
                 if f.front is not None:
@@ -129,18 +129,26 @@ class Prefill(Part):
         await asyncio.sleep(pause)
         return True
 
-    async def _pick(self, f: Flight, ctx: PickContext, tried: list[Worker]) -> Worker:
+    async def _pick(self, f: Flight, ctx: PickContext, tried: list[Worker]) -> Worker | None:
         """A prefill worker not tried yet (when every admitted one failed once, any of them again:
         the failure may pass), never one whose pairs all failed the preflight or one whose KV
-        block the prompt does not fill (another block size). Raises ``NoWorkerAvailable``."""
+        block the prompt does not fill (another block size). Raises ``NoWorkerAvailable``. None
+        when the request is aborted, before the pick or while it waited for a worker (given back:
+        nothing is prefilled for a request nobody will decode)."""
+        if f.record.is_aborted:
+            return None
         left_out = [*self.pairless(), *self.pools.prefill_too_short(len(ctx.token_ids))]
         try:
-            return await self.prefill_pool.acquire(ctx, exclude=[*tried, *left_out],
-                                                   limit=self.core.queue_limit(f))
+            worker = await self.prefill_pool.acquire(ctx, exclude=[*tried, *left_out],
+                                                     limit=self.core.queue_limit(f))
         except NoWorkerAvailable:
             if not tried:
                 raise
-            return await self.prefill_pool.acquire(ctx, exclude=left_out, limit=self.core.queue_limit(f))
+            worker = await self.prefill_pool.acquire(ctx, exclude=left_out, limit=self.core.queue_limit(f))
+        if f.record.is_aborted:
+            self.prefill_pool.release(worker, Outcome.NEUTRAL)
+            return None
+        return worker
 
     def _limit(self, f: Flight, worker: Worker) -> float:
         """The prefill hop's time limit: its share of the request's deadline (``worker`` given

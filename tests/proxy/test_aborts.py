@@ -688,3 +688,49 @@ async def test_a_request_aborted_while_it_waits_for_a_decode_worker_never_decode
     assert vic[0]["kv_transfer_params"] == KV_PARAMS  # the release: D pulls, P frees
     ledger = await (await client.get("/debug/kv-leases")).json()
     assert ledger["open"] == [] and len(ledger["closed"]) == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_a_request_aborted_while_it_waits_for_a_prefill_worker_is_never_prefilled(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str, stream: bool) -> None:
+    """Every prefill worker at its in-flight cap: the request waits for one. Aborted meanwhile,
+    it gets vLLM's aborted answer once a worker frees up, and the prefill hop is never sent (P's
+    compute goes to requests that will decode). Before, P prefilled it all the same."""
+    free = asyncio.Event()
+
+    async def prefill(body: dict[str, Any], request: Any) -> Any:
+        if body["request_id"] == "busy":
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(free.wait(), 5)
+        return prefill_reply(body)
+
+    p = await scripted_factory(prefill)
+    d = await scripted_factory(lambda body, request: prefill_reply(body, kv_transfer_params=None))
+    client, app = await proxy_factory([p.url], [d.url], front=front, first_token_from_prefill=False,
+                                      pools=PoolSettings.plain(max_inflight_per_worker=1))
+    serving = app[SERVING]
+    busy = asyncio.ensure_future(client.post("/inference/v1/generate", json=req(request_id="busy")))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while not p.received:
+        assert loop.time() < deadline, "the first request never reached P"
+        await asyncio.sleep(0.01)
+    victim = asyncio.ensure_future(client.post("/inference/v1/generate",
+                                               json={**req(request_id="vic"), "stream": stream}))
+    while not any(r.base_id == "vic" for r in serving.table.all()):
+        assert loop.time() < deadline, "the second request never came"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # it waits for P
+    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-vic"]})
+    assert a.status == 200
+    free.set()
+    r = await asyncio.wait_for(victim, 5)
+    assert r.status == 200
+    assert b'"finish_reason":"abort"' in (await r.read()).replace(b" ", b"")
+    await (await busy).read()
+    while len(serving.table) or len(serving.tracker):
+        assert loop.time() < deadline + 5, "the requests never ended"
+        await asyncio.sleep(0.02)
+    assert [b["request_id"] for b in p.received] == ["busy"]
+    assert [b["request_id"] for b in d.received] == ["busy"]
