@@ -228,6 +228,17 @@ def http_exception_response(exc: web.HTTPException) -> web.StreamResponse:
     return json_response(error_body(exc.reason, HTTPStatus(exc.status).phrase, exc.status), exc.status)
 
 
+def malformed_http_response(status: int, exc: BaseException | None) -> web.Response:
+    """A request aiohttp's parser refused (a malformed head, a bad chunk): vLLM's error shape,
+    naming the parser's error class only, never its message (it quotes the request's bytes,
+    which may hold a key); the connection is closed after it, as aiohttp does."""
+    what = f" ({type(exc).__name__})" if exc is not None else ""
+    body = error_body(f"malformed HTTP request{what}", HTTPStatus(status).phrase, status)
+    resp = json_response(body, status)
+    resp.force_close()
+    return resp
+
+
 ErrorHook = Callable[[web.Request, "ProxyError"], None]
 ON_ERROR: web.AppKey[ErrorHook] = web.AppKey("on_error")
 """App key: called with every ``ProxyError`` a handler raised, before it is answered (the app

@@ -42,6 +42,7 @@ fails there).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple, cast
@@ -52,7 +53,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.errors import BodyTimeout, answer_error, log_unexpected
+from proxy.errors import BodyTimeout, answer_error, log_unexpected, malformed_http_response
 from proxy.front_write import FrontReply, FrontStream, full_answer, response_head
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -64,6 +65,8 @@ MAX_HEAD_BYTES = 8190
 """A longer head (request line and headers) goes to aiohttp's parser, which has its own limits."""
 READ_AHEAD_BYTES = 1 << 16
 """Bytes buffered past a request in flight (pipelined requests) before reading pauses."""
+
+log = logging.getLogger("pd_proxy")
 
 _FIELD_NAME = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _HEAD = re.compile(rb"POST (/[!-~]*) HTTP/1\.1(\r\n(?:" + _FIELD_NAME.encode() +
@@ -442,7 +445,33 @@ class Front(BaseProtocol):
             self.transport.close()
 
 
-class FrontServer(web.Server):
+class QuietRequestHandler(web.RequestHandler):
+    """aiohttp's request handler, for the connections the front hands over and every one under
+    ``--front aiohttp``. A request its parser refuses is answered in vLLM's error shape and
+    logged in one line, its class and status: aiohttp logs it at ERROR with the parser's message,
+    which quotes the offending line (an ``Authorization`` header and its key, say), and answers
+    it as plain text that echoes it. Errors of a handler (500) stay aiohttp's (the app's
+    middlewares answer them first)."""
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status == 500:
+            return super().handle_error(request, status, exc, message)
+        log.info("refused a malformed HTTP request from %s: %s (%d)", request.remote,
+                 type(exc).__name__ if exc is not None else "no error", status)
+        if request.writer.output_size > 0:  # as aiohttp: an answer is on its way, the connection is broken
+            raise ConnectionError("an answer was sent already: no error answer can follow")
+        return malformed_http_response(status, exc)
+
+
+class QuietServer(web.Server):
+    """A ``web.Server`` whose connections get ``QuietRequestHandler``."""
+
+    def __call__(self) -> web.RequestHandler:
+        return QuietRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class FrontServer(QuietServer):
     """The app's ``web.Server``: each connection starts on a ``Front``; aiohttp's
     ``RequestHandler`` takes those handed to it (``aiohttp_protocol``)."""
 
@@ -470,4 +499,5 @@ class FrontServer(web.Server):
         await asyncio.gather(super().shutdown(timeout), *(f.shutdown(timeout) for f in list(self.fronts)))
 
 
-__all__ = ["FRONT_BODY_BYTES", "Front", "FrontRequest", "FrontRoute", "FrontServer", "parse_head"]
+__all__ = ["FRONT_BODY_BYTES", "Front", "FrontRequest", "FrontRoute", "FrontServer", "QuietRequestHandler",
+           "QuietServer", "parse_head"]

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from aiohttp import hdrs, web
 
 from proxy.errors import answer_error
-from proxy.front import FRONT_BODY_BYTES, FrontRoute, FrontServer
+from proxy.front import FRONT_BODY_BYTES, FrontRoute, FrontServer, QuietServer
 from proxy.limits import BodyLimit
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -64,7 +64,9 @@ with warnings.catch_warnings():
         def _make_handler(self, **kwargs: Any) -> web.Server:
             server = super()._make_handler(**kwargs)
             if not self._front:
-                return server
+                return QuietServer(server.request_handler, request_factory=server.request_factory,
+                                   loop=self._loop, handler_cancellation=server.handler_cancellation,
+                                   **server._kwargs)
             limit = self._lean_limit
             return FrontServer(self._handle, app=self, guard=self._lean_guard,
                                routes={path: FrontRoute(route.handler) for path, route in self._lean.items()},

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import ssl
 from pathlib import Path
 from typing import Any
@@ -521,4 +522,24 @@ async def test_a_failure_after_the_answer_went_out_closes_the_connection_only(
     assert "unexpected RuntimeError while serving POST /inference/v1/generate after its answer" in caplog.text
     (status, _, after), = await _exchange(port, _gen("after"), 1)
     assert status == 200 and json.loads(after)["request_id"] == "generate-tokens-after"
+    await pd.quiet()
+
+
+@pytest.mark.parametrize("front", ["own", "aiohttp"])
+async def test_a_head_aiohttps_parser_refuses_is_answered_in_vllms_shape_and_its_bytes_never_logged(
+        pd_factory: PDFactory, front: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A control byte after the key in ``Authorization``: the front hands the head to aiohttp,
+    whose parser refuses it. aiohttp alone logged its message at ERROR, with the raw line (the
+    key in it) and a traceback, and answered plain text that echoed the line."""
+    pd = await pd_factory(front=front, api_key=KEY)
+    caplog.set_level(logging.DEBUG)
+    bad = _gen("bad", f"Authorization: Bearer {KEY}\x01\r\n")
+    (status, headers, body), = await _exchange(_port(pd), bad, 1)
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert error["code"] == 400 and error["type"] == "Bad Request"
+    assert error["message"].startswith("malformed HTTP request")
+    assert KEY.encode() not in body
+    assert KEY not in caplog.text and "Traceback" not in caplog.text
+    assert "refused a malformed HTTP request" in caplog.text
     await pd.quiet()
