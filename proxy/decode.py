@@ -10,9 +10,6 @@ import asyncio
 import logging
 from typing import Any
 
-from kv_transfer.handoff import (
-    decode_body,
-)
 from proxy.core import Core, Part
 from proxy.errors import (
     UpstreamError,
@@ -77,7 +74,7 @@ class DecodeEngine(Part):
         if "kv_transfer_params" not in body or (attempt == 0 and self.core.lease_valid(f)):
             return w, body  # decode-only already, or the same KV (P still holds it under the lease)
         self.core.decode_only(f, "decode_retry")
-        return w, decode_body(f.data, f.record.base_id, None)
+        return w, without_kv(body)
 
     @staticmethod
     def kv_ambiguous(e: UpstreamError, body: dict[str, Any]) -> bool:
@@ -91,9 +88,11 @@ class DecodeEngine(Part):
         return self.pools.decode_retry.attempts > 1 and self.kv_ambiguous(e, body) \
             and self.may_retry(f, e)
 
-    async def rescue(self, f: Flight, error: UpstreamError) -> tuple[Worker, dict[str, Any]]:
-        """The last decode attempt of a request whose KV no decode worker could use: decode-only
-        (D computes the prompt), on any decode worker; raises ``error`` if there is none."""
+    async def rescue(self, f: Flight, error: UpstreamError,
+                     body: dict[str, Any]) -> tuple[Worker, dict[str, Any]]:
+        """The last decode attempt of a request whose KV no decode worker could use: ``body``
+        decode-only (D computes the prompt), on any decode worker; raises ``error`` if there is
+        none."""
         try:
             w = await self.acquire(f, [])
         except (NoWorkerAvailable, Overloaded):
@@ -103,7 +102,7 @@ class DecodeEngine(Part):
         log.warning("request %s: decode-only on %s after its KV failed: %s", f.record.engine_id, w.url,
                     error.message)
         self.core.decode_only(f, "decode_retry")
-        return w, decode_body(f.data, f.record.base_id, None)
+        return w, without_kv(body)
 
     def attribute_failure(self, f: Flight, w: Worker, body: dict[str, Any], e: UpstreamError, *,
                                   outcome: Outcome, suspect: Worker | None,
@@ -151,6 +150,11 @@ class DecodeEngine(Part):
         worker.breaker.record_failure()
 
 
+def without_kv(body: dict[str, Any]) -> dict[str, Any]:
+    """A decode hop's ``body`` decode-only: D computes the prompt itself."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
 class DecodeAttempts:
     """One request's decode attempts, the same bookkeeping for the non-stream and the streamed
     decode: the worker and body of the attempt running (``worker``, ``body``), the workers that
@@ -196,12 +200,17 @@ class DecodeAttempts:
         elif not self.rescued and engine.may_rescue(f, e, self.body):
             self.rescued = True
             self.tried.append(self.worker)
-            self.worker, self.body = await engine.rescue(f, e)
+            self.worker, self.body = await engine.rescue(f, e, self.first_body)
         else:
             return False
         self.attempt += 1
         return True
 
     def move(self, worker: Worker, body: dict[str, Any]) -> None:
-        """A stream migrated: the next attempt is ``body`` on ``worker``."""
-        self.worker, self.body = worker, body
+        """A stream migrated: the next attempt is ``body`` (the continuation) on ``worker``, and
+        the attempts start over from it: a retry or the rescue takes the continuation (with its
+        KV, or decode-only), never the request's first body, whose tokens the client has."""
+        self.worker, self.body, self.first_body = worker, body, body
+        self.attempt = 0
+        self.rescued = False
+        self.suspect = None

@@ -354,7 +354,11 @@ class StreamDecode(Part):
                 self.end_with_error(f, buffer, error, f"no decode worker to migrate to ({e})")
                 return False
             record.decode_worker = w
-            body = await self.prefill.continuation(f, cont.body)
+            try:
+                body = await self.prefill.continuation(f, cont.body)
+            except BaseException:  # cancelled (the client left): ``w`` was taken for nothing
+                self.decode_pool.release(w, Outcome.NEUTRAL, f.ctx.tokens)
+                raise
             # The next worker must register the continuation before its connection may be
             # closed (its KV is P's again): what settled the last one says nothing of it.
             f.settled.clear()

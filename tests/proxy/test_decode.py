@@ -44,8 +44,8 @@ class Engine:
         self.calls.append(("next", list(tried), attempt, body is KV_BODY))
         return f"d{len(tried) + 1}", body
 
-    async def rescue(self, f: Any, error: UpstreamError) -> tuple[str, dict[str, Any]]:
-        self.calls.append(("rescue",))
+    async def rescue(self, f: Any, error: UpstreamError, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        self.calls.append(("rescue",) if body is KV_BODY else ("rescue", body))
         return "rescuer", ONLY_BODY
 
     def handoff_done(self, f: Any, body: dict[str, Any], suspect: str | None) -> None:
@@ -105,7 +105,18 @@ async def test_no_next_attempt_when_none_may_follow(retry: bool) -> None:
     assert tries.attempt == 0 and tries.worker == "d1"
 
 
-async def test_a_migration_moves_the_attempt() -> None:
-    tries = attempts(Engine())
-    tries.move("d9", ONLY_BODY)
-    assert (tries.worker, tries.body, tries.first_body) == ("d9", ONLY_BODY, KV_BODY)
+async def test_a_migration_moves_the_attempt_and_the_attempts_start_over_from_the_continuation() -> None:
+    """After a migration a retry or the rescue takes the continuation (the client has the
+    first body's tokens): never the request's first body again."""
+    engine = Engine(attempts=2, rescue_ok=True)
+    tries = attempts(engine)
+    tries.attempt, tries.rescued, tries.suspect = 1, True, "d1"  # the first body's attempts spent
+    continuation = {"token_ids": [1, 2, 3], "kv_transfer_params": {"x": 1}}
+    tries.move("d9", continuation)
+    assert (tries.worker, tries.body, tries.first_body) == ("d9", continuation, continuation)
+    assert (tries.attempt, tries.rescued, tries.suspect) == (0, False, None)
+    assert await tries.next(err())
+    assert engine.calls[-1] == ("next", ["d9"], 0, False) and tries.body is continuation
+    tries.attempt = 1
+    assert await tries.next(err())
+    assert engine.calls[-1] == ("rescue", continuation)

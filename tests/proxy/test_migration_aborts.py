@@ -20,7 +20,7 @@ from proxy.app import SERVING
 from proxy.pools import PoolSettings
 from proxy.serving import Serving
 from tests.fixtures_sim import SimWorker
-from tests.proxy.conftest import ProxyFactory, req
+from tests.proxy.conftest import PDFactory, ProxyFactory, req
 from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply
 
 D1_SLOW = {"zero_latency": False, "itl_ms": 20.0, "prefill_base_ms": 0.0, "prefill_per_token_ms": 0.0,
@@ -188,3 +188,70 @@ async def test_a_continuation_d2_fails_after_the_client_left_is_released_and_the
     assert await held_on_p(serving, p) == []
     ledger = await (await client.get("/debug/kv-leases")).json()
     assert ledger["open"] == []
+
+
+def token_ids(raw: bytes) -> list[int]:
+    """The token ids of a client's stream, in order."""
+    out: list[int] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: {"):
+            out += [t for c in json.loads(block[6:]).get("choices", []) for t in c.get("token_ids") or []]
+    return out
+
+
+async def test_a_continuation_whose_kv_fails_is_retried_as_the_continuation_not_the_first_request(
+        pd_factory: PDFactory) -> None:
+    """D1 breaks after 3 tokens; the continuation's prefill is on P; then the continuation's KV
+    will not load on D2 (P refuses pulls): the retry is the continuation again (decode-only,
+    D computes its prompt), so the client's stream is the uninterrupted one. Before, the retry
+    was the request's first body: the client got its first tokens twice, and more than
+    ``max_tokens`` in all, in a stream that ended as if nothing had happened."""
+    pd = await pd_factory(prefill={"zero_latency": False, "prefill_base_ms": 300.0}, n_decode=3,
+                          pools=PoolSettings.plain(migrate=True, migrate_prefill_tokens=0, decode_attempts=2))
+    body = {**req(sp={"max_tokens": 12}), "stream": True}
+    r = await pd.client.post("/inference/v1/generate", json=body)
+    uninterrupted = token_ids(await r.read())
+    assert len(uninterrupted) == 12
+    for d in pd.decode:
+        await d.set_faults(reset_after_tokens=3)
+    r = await pd.client.post("/inference/v1/generate", json=body)
+    raw = b""
+    while raw.count(b"data: {") < 3:
+        raw += await asyncio.wait_for(r.content.readany(), 5)
+    for d in pd.decode:  # D1 broke: the continuation is being prefilled on P (300 ms)
+        await d.set_faults(reset=True)
+    await pd.p.set_faults(refuse_kv_pulls=True)
+    raw += await asyncio.wait_for(r.content.read(), 10)
+    assert token_ids(raw) == uninterrupted
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while len(pd.serving.table) or len(pd.serving.tracker):
+        assert loop.time() < deadline, "the request never ended"
+        await asyncio.sleep(0.02)
+    # P refused the pulls, so it keeps the continuation's KV to its lease: the ledger says so
+    ledger = await (await pd.client.get("/debug/kv-leases")).json()
+    assert ledger["open"] == []
+    assert sorted(c["reason"] for c in ledger["closed"]) == ["pulled", "pulled", "unknown"]
+
+
+async def test_a_client_gone_while_the_continuation_is_prefilled_leaves_no_decode_slot_taken(
+        pd_factory: PDFactory) -> None:
+    """The decode worker picked for the continuation is given back when the clean-up cancels
+    the migration during the continuation's prefill. Before, its in-flight count stayed up for
+    good (least-loaded picks then avoided it; with a per-worker cap, a slot was gone)."""
+    pd = await pd_factory(prefill={"zero_latency": False, "prefill_base_ms": 600.0},
+                          decode={"faults": {"reset_after_tokens": 3}}, n_decode=2,
+                          pools=PoolSettings.plain(migrate=True, migrate_prefill_tokens=0))
+    r = await pd.client.post("/inference/v1/generate", json={**req(sp={"max_tokens": 30}), "stream": True})
+    assert r.status == 200
+    got = b""
+    while got.count(b"data: ") < 3:  # the client has D1's 3 tokens; D1 resets, the migration starts
+        got += await asyncio.wait_for(r.content.readany(), 5)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while (await pd.p.state())["generate_calls"] < 2:  # the continuation's prefill on P (600 ms)
+        assert loop.time() < deadline, "the continuation never went to P"
+        await asyncio.sleep(0.01)
+    r.close()  # the client goes away
+    await pd.quiet(limit=5.0)
+    assert [(w.inflight, w.outstanding_tokens) for w in pd.serving.decode_pool] == [(0, 0), (0, 0)]
