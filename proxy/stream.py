@@ -362,6 +362,10 @@ class StreamDecode(Part):
             # The next worker must register the continuation before its connection may be
             # closed (its KV is P's again): what settled the last one says nothing of it.
             f.settled.clear()
+            if f.first_filter is not None:
+                # The continuation starts after the tokens the client has, P's token among them
+                # (D broke before its token 1 was checked): no token 1 to take out of it.
+                f.first_filter.clear()
             tries.move(w, body)
             rt.count_migration()
             log.warning("request %s: stream migrated to %s after %d tokens", record.engine_id, w.url,

@@ -617,3 +617,25 @@ async def test_the_headers_go_with_ps_token_and_the_last_events_with_the_streams
     assert b"data: [DONE]\n\n\r\n0\r\n\r\n" in last and last.count(b"data: ") >= last_events
     assert b"0\r\n\r\n" not in writes  # no chunked end alone
     await pd.quiet()
+
+
+@pytest.mark.parametrize("max_migrations", [1, 2])
+async def test_a_decode_worker_broken_before_its_first_event_migrates_once_with_no_false_mismatch(
+        pd_factory: PDFactory, sim_factory: SimFactory, max_migrations: int) -> None:
+    """D answers its headers, then resets before any event: the stream goes on elsewhere from
+    the prompt and P's token, which the client has. The continuation's first token is token 2:
+    nothing is taken out of it, no mismatch is counted, one migration serves the client the
+    aggregated stream. Before, the token-1 check stayed on and took token 2 for a contradicting
+    token 1: a mismatch counted and a second migration spent, and with ``max_migrations`` 1 the
+    client's stream ended with an error."""
+    pd = await pd_factory(pools=PoolSettings.plain(migrate=True, max_migrations=max_migrations), n_decode=2,
+                          first_token_from_prefill=True)
+    await pd.decode[0].set_faults(reset_after_tokens=0)
+    for i in range(2):
+        body = req(token_ids=[65, 66, 67, 68, 69], request_id=f"brk{i}", sp={"max_tokens": 10})
+        status, want_status, got, want, _ = await stream_and_reference(pd, sim_factory, body, usage=True)
+        assert status == want_status == 200 and volatile(got) == volatile(want)
+    broken = (await pd.decode[0].state())["generate_calls"]
+    assert broken >= 1  # the broken worker took at least one of them
+    assert await metric(pd, "pd_proxy_first_token_mismatch_total") == 0
+    assert await metric(pd, "pd_proxy_migrations_total") == broken  # one each
