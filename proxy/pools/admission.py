@@ -1,8 +1,9 @@
 """Admission control: in-flight limits with a bounded FIFO wait queue, and per-request deadlines.
 
 ``WaitQueue`` is the one waiting mechanism: a bounded FIFO of futures woken one at a time as
-capacity frees. A full queue refuses at once, a wait that outlasts its limit gives up; both
-raise :class:`~proxy.pools.errors.Overloaded` (429 with ``Retry-After``).
+capacity frees (the oldest one that can use it: a pool's waiter may rule workers out). A full
+queue refuses at once, a wait that outlasts its limit gives up; both raise
+:class:`~proxy.pools.errors.Overloaded` (429 with ``Retry-After``).
 
 ``Admission`` caps requests in flight through the whole proxy; ``Pool.acquire`` uses the same
 queue for its per-worker caps. ``Deadline`` carries ``X-PD-Deadline-Ms`` (or the default) and
@@ -31,15 +32,17 @@ class WaitQueue:
         self.max_waiters = max_waiters
         self.retry_after = retry_after
         self.what = what
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[asyncio.Future[None], Callable[[], bool] | None]] = deque()
         self.rejected_full = 0
         self.rejected_timeout = 0
 
     def __len__(self) -> int:
-        return sum(1 for f in self._waiters if not f.done())
+        return sum(1 for f, _ in self._waiters if not f.done())
 
-    async def wait(self, limit: float | None) -> None:
-        """Wait for a :meth:`wake` (FIFO). Raise ``Overloaded`` if full or when ``limit`` passes."""
+    async def wait(self, limit: float | None, can_use: Callable[[], bool] | None = None) -> None:
+        """Wait for a :meth:`wake` (FIFO). Raise ``Overloaded`` if full or when ``limit`` passes.
+        ``can_use``: whether the capacity freed is of use to this waiter (a pool's waiter that
+        rules the freed worker out is passed over, not woken for nothing)."""
         if len(self) >= self.max_waiters:
             self.rejected_full += 1
             raise Overloaded(f"the {self.what} is at capacity and its wait queue is full",
@@ -49,7 +52,8 @@ class WaitQueue:
             raise Overloaded(f"the {self.what} is at capacity", retry_after=self.retry_after,
                              reason="queue_timeout")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        entry = (fut, can_use)
+        self._waiters.append(entry)
         woken = False
         try:
             async with asyncio.timeout(limit):
@@ -65,13 +69,16 @@ class WaitQueue:
             if not fut.done():
                 fut.cancel()
             with contextlib.suppress(ValueError):
-                self._waiters.remove(fut)
+                self._waiters.remove(entry)
 
     def wake(self) -> None:
-        """Capacity freed: wake the oldest live waiter."""
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
+        """Capacity freed: wake the oldest live waiter that can use it."""
+        for entry in list(self._waiters):
+            fut, can_use = entry
+            if fut.done():
+                self._waiters.remove(entry)
+            elif can_use is None or can_use():
+                self._waiters.remove(entry)
                 fut.set_result(None)
                 return
 

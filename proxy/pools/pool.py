@@ -243,7 +243,8 @@ class Pool:
         end = None if limit is None else loop.time() + limit
         while True:
             if self.admissible(excluded):
-                await self.queue.wait(None if end is None else end - loop.time())
+                await self.queue.wait(None if end is None else end - loop.time(),
+                                      lambda: bool(self.candidates(excluded)))
             else:
                 soon = self.recovery_in(excluded) if wait_recovering and end is not None else None
                 left = 0.0 if end is None else end - loop.time()

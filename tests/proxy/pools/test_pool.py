@@ -175,6 +175,27 @@ async def test_cancelled_woken_waiter_passes_its_turn_on() -> None:
     assert w.inflight == 1
 
 
+async def test_a_freed_worker_wakes_the_oldest_waiter_that_can_take_it() -> None:
+    """Both workers busy; a retry that rules A out waits, then a request that takes any. A frees:
+    the second gets A at once, the first waits on for B. Before, the first was woken, found
+    nothing it could take and queued again: the wake-up was lost, and the second got its 429 at
+    the end of its wait while A sat idle."""
+    p = Pool("decode", [A, B], max_inflight_per_worker=1)
+    a, b = p.get(A), p.get(B)
+    assert a is not None and b is not None
+    a.begin()
+    b.begin()
+    retry = asyncio.ensure_future(p.acquire(exclude=[a], limit=5.0))
+    await asyncio.sleep(0)
+    fresh = asyncio.ensure_future(p.acquire(limit=5.0))
+    await asyncio.sleep(0)
+    p.release(a, Outcome.SUCCESS)
+    assert await asyncio.wait_for(fresh, 1.0) is a
+    assert not retry.done()
+    p.release(b, Outcome.SUCCESS)
+    assert await asyncio.wait_for(retry, 1.0) is b
+
+
 def test_panic_routes_to_probe_failed_workers_only_when_all_failed() -> None:
     clock = FakeClock()
     p = Pool("decode", [A, B, C], policy=RoundRobin(), clock=clock, panic=True,
