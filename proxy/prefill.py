@@ -198,6 +198,7 @@ class Prefill(Part):
                             keep_stop=not self.settings.prefill_tokens_only, first_token=f.first_token)
         outcome = Outcome.NEUTRAL
         late, aborted = self._abort_at(limit, f, worker)
+        timed_out = False
         try:
             reply: dict[str, Any] = (await self.core.call(worker, self.upstream.post_generate_raw(
                 "prefill", worker.url, body, request_id=f.record.base_id,
@@ -206,10 +207,11 @@ class Prefill(Part):
             # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
             # every pull, which only the decode hops see.
             if self._params_problem(reply.get("kv_transfer_params")) is not None:
-                outcome = Outcome.FAILURE
-                if aborted and not f.record.is_aborted:
-                    raise UpstreamTimeout("prefill", worker.url, "timed out before answering")
-            return reply
+                # P's failure, unless the request's own abort or deadline cut it short: a
+                # client's abort, or a hop limit its deadline made shorter than P's own.
+                cut_short = f.record.is_aborted or (bool(aborted) and limit < self.settings.prefill_timeout)
+                outcome = Outcome.NEUTRAL if cut_short else Outcome.FAILURE
+                timed_out = bool(aborted) and not f.record.is_aborted
         except UpstreamStatusError as e:
             outcome = Outcome.NEUTRAL if e.passthrough else Outcome.FAILURE
             raise
@@ -219,6 +221,9 @@ class Prefill(Part):
         finally:
             late.cancel()
             self.prefill_pool.release(worker, outcome)
+        if timed_out:
+            raise UpstreamTimeout("prefill", worker.url, "timed out before answering")
+        return reply
 
     def _abort_at(self, limit: float, f: Flight,
                   worker: Worker) -> tuple[asyncio.TimerHandle, list[asyncio.Task[bool]]]:
@@ -295,7 +300,9 @@ class Prefill(Part):
             params = reply.get("kv_transfer_params")
             if check_prefill_params(params) is not None or not isinstance(params, dict):
                 params = None
-            outcome = Outcome.SUCCESS if params is not None or not aborted else Outcome.FAILURE
+            # aborted at a limit the request's deadline made shorter than P's own: not P's fault
+            outcome = Outcome.SUCCESS if params is not None or not aborted else \
+                Outcome.NEUTRAL if limit < self.settings.prefill_timeout else Outcome.FAILURE
         except UpstreamError as e:
             log.warning("request %s: continuation prefill failed: %s", record.engine_id, e.message)
             return body

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.pools import PoolSettings
+from proxy.pools.breaker import CircuitState
 from tests.proxy.conftest import PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
 
@@ -355,3 +356,33 @@ async def test_a_prefill_hop_past_its_timeout_that_p_aborts_is_a_504(
     assert r.status == 504 and body["error"]["type"] == "GatewayTimeoutError"
     assert f"prefill worker {p.url}" in body["error"]["message"]
     assert len(p.aborts) == 1 and d.received == []
+
+
+@pytest.mark.parametrize("cut", ["deadline", "abort"])
+async def test_prefill_hops_cut_short_by_the_request_do_not_open_ps_circuit(
+        pd_factory: PDFactory, cut: str) -> None:
+    """P needs 400 ms. Requests whose own deadline (300 ms: the prefill hop gets half) or whose
+    client's abort cuts the prefill hop short are not P's failures: with a breaker that opens
+    after 2, P still serves the next request. Before, two such requests opened P's circuit and
+    a patient client got a 503 (no prefill worker)."""
+    slow = {"zero_latency": False, "prefill_base_ms": 400.0, "prefill_per_token_ms": 0.0}
+    pd = await pd_factory(prefill=slow, pools=PoolSettings.plain(breaker_failures=2))
+    p = pd.serving.prefill_pool.workers[0]
+    for i in range(3):
+        if cut == "deadline":
+            await pd.gen(req(), headers={"X-PD-Deadline-Ms": "300"})
+        else:
+            call = asyncio.ensure_future(pd.gen(req(request_id=f"cut{i}")))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while (await pd.p.state())["generate_calls"] < i + 1:
+                assert loop.time() < deadline, "the prefill hop never came"
+                await asyncio.sleep(0.01)
+            r = await pd.client.post("/inference/v1/abort_requests",
+                                     json={"request_ids": [f"generate-tokens-cut{i}"]})
+            assert r.status == 200
+            await call
+    assert p.breaker.state is CircuitState.CLOSED
+    status, body, _ = await pd.gen(req())
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    await pd.quiet()
