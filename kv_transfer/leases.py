@@ -59,6 +59,22 @@ class RequestLeases:
         holder.kv_params = None
         return True
 
+    def decoding(self, holder: Holder, limit: float) -> None:
+        """A decode hop with ``holder``'s KV is sent: its lease is not expired by the clock for
+        up to ``limit`` seconds (the hop's own bound) but closed by what the hop tells. A decode
+        worker that queues the request keeps P's lease alive meanwhile (vLLM's heartbeats):
+        an expiry inferred from the clock alone would be false, and its first reason final."""
+        lease = holder.lease
+        if lease is not None and lease.end is None and holder.kv_params is not None:
+            lease.decode_until = self.clock() + limit
+
+    def decode_refused(self, holder: Holder) -> None:
+        """A decode worker refused the hop with ``holder``'s KV (it registered nothing): the
+        params are dropped, and the lease ends at P's own lease's end, by the clock."""
+        holder.kv_params = None
+        if holder.lease is not None:
+            holder.lease.decode_until = None
+
     def valid(self, holder: Holder) -> bool:
         """``holder``'s KV may still be pulled: params kept and P's lease not run out."""
         lease = holder.lease

@@ -5,7 +5,9 @@ pinned on that worker) and closes when the proxy knows they were freed:
 
 * ``pulled``   the decode worker started answering (it pulled the blocks, P freed them),
 * ``aborted``  the proxy freed them on purpose (a release decode after an abort/disconnect),
-* ``expired``  nothing freed them: the worker's lease ran out (its own timer frees them),
+* ``expired``  nothing freed them: the worker's lease ran out (its own timer frees them); not
+               while a decode hop with them runs (a decode worker queueing the request keeps
+               P's lease alive): that hop's end tells,
 * ``unknown``  the decode hop failed in a way that does not tell whether D pulled.
 
 The open table and a bounded list of recent closed leases are the proof that nothing leaks.
@@ -34,6 +36,10 @@ class Lease:
     blocks: int
     end: float | None = None
     reason: CloseReason | None = None
+    decode_until: float | None = None
+    """While a decode hop with this KV runs: not expired before this time. A decode worker that
+    queues the request keeps P's lease alive (vLLM's heartbeats), and the hop's answer, or its
+    failure, tells how the KV ended; the bound only covers a hop that never tells."""
 
     @property
     def duration(self) -> float | None:
@@ -51,6 +57,11 @@ class Lease:
             "blocks": self.blocks,
             "reason": self.reason,
         }
+
+
+def _ends(lease: Lease) -> float:
+    """When an open lease expires, if nothing closes it first."""
+    return lease.expires if lease.decode_until is None else max(lease.expires, lease.decode_until)
 
 
 class KVLeaseLedger:
@@ -82,10 +93,11 @@ class KVLeaseLedger:
         return True
 
     def expire(self, now: float) -> int:
-        """Close every open lease whose worker-side lease has run out."""
-        due = [lease for lease in self._open.values() if lease.expires <= now]
+        """Close every open lease whose worker-side lease has run out (not one a decode hop
+        still holds: ``Lease.decode_until``)."""
+        due = [lease for lease in self._open.values() if _ends(lease) <= now]
         for lease in due:
-            self.close(lease, "expired", lease.expires)
+            self.close(lease, "expired", _ends(lease))
         return len(due)
 
     @property

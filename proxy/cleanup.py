@@ -52,6 +52,7 @@ class Cleanup(Part):
         if worker is None:
             return  # no decode worker at all: the lease expires on P
         record.decode_worker = worker
+        self.core.decoding(f)
         body = release_body(f.data, record.base_id, params)
         rt = self.pools
         attempts = max(2, rt.decode_retry.attempts)
@@ -63,7 +64,7 @@ class Cleanup(Part):
             except UpstreamError as e:
                 log.warning("KV release for %s failed: %s", record.engine_id, e.message)
                 if isinstance(e, UpstreamStatusError) and e.passthrough:
-                    record.kv_params = None  # D refused: the lease will expire on P
+                    self.leases.decode_refused(record)  # D refused: the lease will expire on P
                     return
                 # A 5xx, transport failure or timeout (seen: NIXL's first handshake with P timing
                 # out on a loaded host) may pass on another try: while P still holds the blocks,

@@ -108,6 +108,12 @@ class Core:
     def lease_valid(self, f: Flight) -> bool:
         return self.leases.valid(f.record)
 
+    def decoding(self, f: Flight) -> None:
+        """A decode hop with the request's KV goes out: its lease ends with what the hop tells
+        (``RequestLeases.decoding``), within the longest a decode hop may take."""
+        s = self.settings
+        self.leases.decoding(f.record, max(s.decode_timeout, s.stream_idle_timeout) + s.abort_grace)
+
     def close_lease(self, f: Flight, reason: CloseReason) -> None:
         self.leases.close(f.record, reason)
 

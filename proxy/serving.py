@@ -288,6 +288,7 @@ class Serving:
             return await self.aborts.respond_aborted(request, f)
         record.decode_worker = decode
         record.phase = Phase.DECODING
+        self.core.decoding(f)
         f.timing.decode_start = decode_start = self.clock()
         self.metrics.stages["handoff"].observe(
             decode_start - (f.timing.prefill_end or decode_start))

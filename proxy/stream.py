@@ -362,6 +362,7 @@ class StreamDecode(Part):
             # The next worker must register the continuation before its connection may be
             # closed (its KV is P's again): what settled the last one says nothing of it.
             f.settled.clear()
+            self.core.decoding(f)  # the continuation's KV, when P holds some
             if f.first_filter is not None:
                 # The continuation starts after the tokens the client has, P's token among them
                 # (D broke before its token 1 was checked): no token 1 to take out of it.

@@ -30,6 +30,17 @@ def test_expiry_closes_at_the_lease_end() -> None:
     assert led.open_count == 0
 
 
+def test_a_lease_a_decode_hop_holds_expires_only_after_the_hops_bound() -> None:
+    """A decode worker that queues the request keeps P's lease alive: the ledger waits for the
+    hop to tell (here ``pulled`` at 45), and expires the lease only past the hop's bound."""
+    led = KVLeaseLedger(lease_duration=30)
+    a, b = led.open("a", "w", 0.0), led.open("b", "w", 0.0)
+    a.decode_until = b.decode_until = 60.0
+    assert led.expire(45.0) == 0
+    assert led.close(a, "pulled", 45.0) and a.reason == "pulled"
+    assert led.expire(61.0) == 1 and b.reason == "expired" and b.end == 60.0
+
+
 def test_recent_closed_is_bounded() -> None:
     led = KVLeaseLedger(lease_duration=1, keep_closed=3)
     for i in range(10):

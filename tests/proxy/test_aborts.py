@@ -114,8 +114,8 @@ async def test_a_hop_that_fails_after_the_client_left_logs_no_unretrieved_error(
     r = await asyncio.wait_for(task, 5)
     assert r.status == 200
     await r.read()
-    await asyncio.sleep(0.3)
-    assert pd.serving.expire_leases() == 1  # as the sweep would: P's lease ends before the hop
+    await asyncio.sleep(0.3)  # P's lease ends before the hop does
+    assert pd.serving.expire_leases() == 0  # the hop's end tells how the KV ended, not the clock
     await pd.d.set_faults(hang_before_headers=False)
     await pd.quiet(limit=3.0)  # the clean-up outlives the answer
     with caplog.at_level(logging.ERROR, logger="asyncio"):
@@ -734,3 +734,26 @@ async def test_a_request_aborted_while_it_waits_for_a_prefill_worker_is_never_pr
         await asyncio.sleep(0.02)
     assert [b["request_id"] for b in p.received] == ["busy"]
     assert [b["request_id"] for b in d.received] == ["busy"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_worker_queueing_the_request_past_the_lease_still_closes_it_pulled(
+        pd_factory: PDFactory, stream: bool) -> None:
+    """P's lease is 1 s; D runs one request at a time and is busy for ~2 s, queueing ours, and
+    heartbeats P's lease meanwhile (as vLLM does), then pulls. The ledger says ``pulled``.
+    Before, the proxy's sweep closed it ``expired`` at 1 s on its own clock, and the pull that
+    followed could not change a first reason."""
+    pd = await pd_factory(lease_duration=1.0, prefill={"lease_seconds": 1.0},
+                          decode={"zero_latency": False, "max_running": 1, "itl_ms": 150.0,
+                                  "prefill_base_ms": 0.0, "kv_heartbeat_s": 0.2})
+    busy = asyncio.ensure_future(pd.d.session.post(pd.d.url + "/inference/v1/generate", json={
+        "token_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_tokens": 14}}))
+    await asyncio.sleep(0.2)  # D is busy with it
+    r = await pd.client.post("/inference/v1/generate",
+                             json={**req(request_id="hb", sp={"max_tokens": 3}), "stream": stream})
+    assert r.status == 200
+    await r.read()
+    await (await busy).read()
+    assert (await pd.p.state())["releases"]["pulled"] == 1
+    assert [c["reason"] for c in (await leases(pd))["closed"]] == ["pulled"]
+    await pd.quiet()
