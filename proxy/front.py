@@ -217,6 +217,10 @@ class Front(BaseProtocol):
         self.body_timer: asyncio.TimerHandle | None = None
         """The body timeout, while ``head`` waits for its body."""
         self.closing = False
+        self.discard_left = 0
+        """Bytes of a refused request's body still to come (its key refused before the body
+        arrived): read and dropped before the connection closes, within the body timeout, so
+        that a client that writes its whole body before it reads gets the answer, not a reset."""
         self.scanned = 0
         """How far the buffer was searched for the end of a head that has not all arrived."""
 
@@ -237,6 +241,10 @@ class Front(BaseProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
+            if self.discard_left > 0:
+                self.discard_left -= len(data)
+                if self.discard_left <= 0 and self.task is None and self.transport is not None:
+                    self.transport.close()  # the refused body is all in: the answer is out
             return
         self.buf += data
         if self.task is None:
@@ -271,7 +279,7 @@ class Front(BaseProtocol):
                     try:
                         guard(cast(web.Request, FrontRequest(self, self.server.app, head, b"")))
                     except Exception as e:
-                        self._answer_and_close(head, e)
+                        self._answer_and_close(head, e, drain=end - len(buf))
                         return
                 self.head = head
                 self.body_timer = self.loop.call_later(self.server.body_timeout, self._body_late)
@@ -350,6 +358,9 @@ class Front(BaseProtocol):
         if transport is None:
             return
         if not keep_alive or self.closing:
+            if self.discard_left > 0:  # a refused body still coming: dropped as it comes, for a while
+                self.body_timer = self.loop.call_later(self.server.body_timeout, transport.close)
+                return
             transport.close()
             return
         self._idle()
@@ -365,12 +376,17 @@ class Front(BaseProtocol):
         if head is not None and self.task is None:
             self._answer_and_close(head, BodyTimeout.after(self.server.body_timeout))
 
-    def _answer_and_close(self, head: Head, error: Exception) -> None:
+    def _answer_and_close(self, head: Head, error: Exception, *, drain: int = 0) -> None:
         """Answer ``error`` for the request of ``head`` without its body, then close: nothing more
-        is read from this connection (what is left of the body is not a request)."""
+        is read from this connection as a request (what is left of the body is not one).
+        ``drain``: bytes of the body still to come, dropped as they arrive before the close
+        (``discard_left``)."""
         self._cancel_timers()
         self.buf.clear()
         self.closing = True
+        self.discard_left = drain
+        if drain > 0 and self._buffer_paused:
+            self._resume_reading_for_buffer()
         request = FrontRequest(self, self.server.app, head._replace(keep_alive=False), b"")
 
         async def fail(_: web.Request) -> web.StreamResponse:

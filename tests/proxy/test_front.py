@@ -543,3 +543,29 @@ async def test_a_head_aiohttps_parser_refuses_is_answered_in_vllms_shape_and_its
     assert KEY not in caplog.text and "Traceback" not in caplog.text
     assert "refused a malformed HTTP request" in caplog.text
     await pd.quiet()
+
+
+async def test_a_key_refused_before_the_body_arrived_lets_the_client_send_it_and_read_the_401(
+        pd_factory: PDFactory) -> None:
+    """No key, and a body that comes in two parts: the front answers 401 when the head is in
+    (the key first, as the lean front), then drops the rest of the body as it comes and closes.
+    A client that writes its whole body before reading gets its 401. Before, the front closed at
+    once: the client's further writes met a reset."""
+    pd = await pd_factory(api_key=KEY, max_body_bytes=4 << 20)
+    # 900 KB: under the front's own limit (1 MiB), above what loopback's socket buffers take
+    body = b'{"token_ids": [' + b"1," * 450_000 + b'1], "sampling_params": {"max_tokens": 1}}'
+    data = _post(GENERATE, body)
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(pd))
+    try:
+        writer.write(data[:50_000])
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the 401 is out, the connection still open
+        writer.write(data[50_000:])
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 5)  # to EOF: the front closes once all is in
+    finally:
+        writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401 ")
+    assert json.loads(payload) == {"error": "Unauthorized"}
+    await pd.quiet()
