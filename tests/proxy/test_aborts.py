@@ -640,6 +640,53 @@ async def test_every_client_stream_has_the_same_headers(pd_factory: PDFactory, h
     await pd.quiet(limit=1.0)
 
 
+async def aborted_while_it_waits_for(
+        pool: str, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str,
+        stream: bool) -> tuple[Scripted, Scripted, Any]:
+    """A request ("busy") holds the only worker of ``pool`` (each worker's in-flight cap 1);
+    another ("vic") comes and waits for one, and is aborted meanwhile; then the worker frees up.
+    Returns P, D and the proxy's client once both requests ended, vic with vLLM's aborted answer."""
+    free = asyncio.Event()
+
+    def worker(role: str) -> Any:
+        async def reply(body: dict[str, Any], request: Any) -> Any:
+            if body["request_id"] == "busy" and role == pool:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(free.wait(), 5)
+            return prefill_reply(body) if role == "prefill" else prefill_reply(body, kv_transfer_params=None)
+        return reply
+
+    p = await scripted_factory(worker("prefill"))
+    d = await scripted_factory(worker("decode"))
+    client, app = await proxy_factory([p.url], [d.url], front=front, first_token_from_prefill=False,
+                                      pools=PoolSettings.plain(max_inflight_per_worker=1))
+    serving = app[SERVING]
+    busy = asyncio.ensure_future(client.post("/inference/v1/generate", json=req(request_id="busy")))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while not (p if pool == "prefill" else d).received:
+        assert loop.time() < deadline, f"the first request never reached the {pool} worker"
+        await asyncio.sleep(0.01)
+    victim = asyncio.ensure_future(client.post("/inference/v1/generate",
+                                               json={**req(request_id="vic"), "stream": stream}))
+    waiting = "kv_held" if pool == "decode" else "prefilling"
+    while not any(r.phase.value == waiting and r.base_id == "vic" for r in serving.table.all()):
+        assert loop.time() < deadline, f"the second request never waited for a {pool} worker"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # it waits
+    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-vic"]})
+    assert a.status == 200
+    free.set()  # the worker frees up: the aborted request gets it
+    r = await asyncio.wait_for(victim, 5)
+    assert r.status == 200
+    assert b'"finish_reason":"abort"' in (await r.read()).replace(b" ", b"")
+    await (await busy).read()
+    while len(serving.table) or len(serving.tracker):
+        assert loop.time() < deadline + 5, "the requests never ended"
+        await asyncio.sleep(0.02)
+    return p, d, client
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_request_aborted_while_it_waits_for_a_decode_worker_never_decodes(
@@ -648,41 +695,7 @@ async def test_a_request_aborted_while_it_waits_for_a_decode_worker_never_decode
     meanwhile, it gets vLLM's aborted answer once a worker frees up, and D is sent only the
     release of P's KV (one token), not the request. Before, the whole decode hop went to D (and,
     non-stream through the front, D was never sent an abort while it ran)."""
-    free = asyncio.Event()
-
-    async def decode(body: dict[str, Any], request: Any) -> Any:
-        if body["request_id"] == "busy":
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(free.wait(), 5)
-        return prefill_reply(body, kv_transfer_params=None)
-
-    p = await scripted_factory(lambda body, request: prefill_reply(body))
-    d = await scripted_factory(decode)
-    client, app = await proxy_factory([p.url], [d.url], front=front, first_token_from_prefill=False,
-                                      pools=PoolSettings.plain(max_inflight_per_worker=1))
-    serving = app[SERVING]
-    busy = asyncio.ensure_future(client.post("/inference/v1/generate", json=req(request_id="busy")))
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
-    while not d.received:
-        assert loop.time() < deadline, "the first request never reached D"
-        await asyncio.sleep(0.01)
-    victim = asyncio.ensure_future(client.post("/inference/v1/generate",
-                                               json={**req(request_id="vic"), "stream": stream}))
-    while not any(r.phase.value == "kv_held" and r.base_id == "vic" for r in serving.table.all()):
-        assert loop.time() < deadline, "the second request never waited in KV_HELD"
-        await asyncio.sleep(0.01)
-    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-vic"]})
-    assert a.status == 200
-    free.set()  # D frees up: the aborted request gets it
-    r = await asyncio.wait_for(victim, 5)
-    assert r.status == 200
-    raw = await r.read()
-    assert b'"finish_reason":"abort"' in raw.replace(b" ", b"")
-    await (await busy).read()
-    while len(serving.table) or len(serving.tracker):
-        assert loop.time() < deadline + 5, "the requests never ended"
-        await asyncio.sleep(0.02)
+    _, d, client = await aborted_while_it_waits_for("decode", scripted_factory, proxy_factory, front, stream)
     vic = [b for b in d.received if b["request_id"] == "vic"]
     assert len(vic) == 1 and vic[0]["sampling_params"]["max_tokens"] == 1 and not vic[0].get("stream")
     assert vic[0]["kv_transfer_params"] == KV_PARAMS  # the release: D pulls, P frees
@@ -697,42 +710,9 @@ async def test_a_request_aborted_while_it_waits_for_a_prefill_worker_is_never_pr
     """Every prefill worker at its in-flight cap: the request waits for one. Aborted meanwhile,
     it gets vLLM's aborted answer once a worker frees up, and the prefill hop is never sent (P's
     compute goes to requests that will decode). Before, P prefilled it all the same."""
-    free = asyncio.Event()
-
-    async def prefill(body: dict[str, Any], request: Any) -> Any:
-        if body["request_id"] == "busy":
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(free.wait(), 5)
-        return prefill_reply(body)
-
-    p = await scripted_factory(prefill)
-    d = await scripted_factory(lambda body, request: prefill_reply(body, kv_transfer_params=None))
-    client, app = await proxy_factory([p.url], [d.url], front=front, first_token_from_prefill=False,
-                                      pools=PoolSettings.plain(max_inflight_per_worker=1))
-    serving = app[SERVING]
-    busy = asyncio.ensure_future(client.post("/inference/v1/generate", json=req(request_id="busy")))
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
-    while not p.received:
-        assert loop.time() < deadline, "the first request never reached P"
-        await asyncio.sleep(0.01)
-    victim = asyncio.ensure_future(client.post("/inference/v1/generate",
-                                               json={**req(request_id="vic"), "stream": stream}))
-    while not any(r.base_id == "vic" for r in serving.table.all()):
-        assert loop.time() < deadline, "the second request never came"
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)  # it waits for P
-    a = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-vic"]})
-    assert a.status == 200
-    free.set()
-    r = await asyncio.wait_for(victim, 5)
-    assert r.status == 200
-    assert b'"finish_reason":"abort"' in (await r.read()).replace(b" ", b"")
-    await (await busy).read()
-    while len(serving.table) or len(serving.tracker):
-        assert loop.time() < deadline + 5, "the requests never ended"
-        await asyncio.sleep(0.02)
+    p, d, _ = await aborted_while_it_waits_for("prefill", scripted_factory, proxy_factory, front, stream)
     assert [b["request_id"] for b in p.received] == ["busy"]
+    assert [b["request_id"] for b in d.received] == ["busy"]
     assert [b["request_id"] for b in d.received] == ["busy"]
 
 
