@@ -243,8 +243,11 @@ class Pool:
         end = None if limit is None else loop.time() + limit
         while True:
             if self.admissible(excluded):
-                await self.queue.wait(None if end is None else end - loop.time(),
-                                      lambda: bool(self.candidates(excluded)))
+                # woken when a worker it may take frees up, or when none it may take is left
+                # (it then fails at once, as below, rather than at the end of its wait)
+                def can_use() -> bool:
+                    return bool(self.candidates(excluded)) or not self.admissible(excluded)
+                await self.queue.wait(None if end is None else end - loop.time(), can_use)
             else:
                 soon = self.recovery_in(excluded) if wait_recovering and end is not None else None
                 left = 0.0 if end is None else end - loop.time()

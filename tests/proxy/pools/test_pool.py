@@ -196,6 +196,22 @@ async def test_a_freed_worker_wakes_the_oldest_waiter_that_can_take_it() -> None
     assert await asyncio.wait_for(retry, 1.0) is b
 
 
+async def test_a_waiter_left_with_no_worker_it_may_take_fails_at_once() -> None:
+    """A retry that rules A out waits for B; B's circuit opens as it frees (its hop failed).
+    The waiter is woken and fails at once (no worker: its caller may fall back to any), not at
+    the end of its wait with a 429."""
+    p = Pool("decode", [A, B], max_inflight_per_worker=1, breaker=BreakerConfig(failure_threshold=1))
+    a, b = p.get(A), p.get(B)
+    assert a is not None and b is not None
+    a.begin()
+    b.begin()
+    retry = asyncio.ensure_future(p.acquire(exclude=[a], limit=30.0))
+    await asyncio.sleep(0)
+    p.release(b, Outcome.FAILURE)  # B's circuit opens
+    with pytest.raises(NoWorkerAvailable):
+        await asyncio.wait_for(retry, 1.0)
+
+
 def test_panic_routes_to_probe_failed_workers_only_when_all_failed() -> None:
     clock = FakeClock()
     p = Pool("decode", [A, B, C], policy=RoundRobin(), clock=clock, panic=True,
