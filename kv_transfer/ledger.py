@@ -53,7 +53,7 @@ class Lease:
             "start": self.start,
             "end": self.end,
             "age_s": (self.end if self.end is not None else now) - self.start,
-            "expires_in_s": None if self.end is not None else max(0.0, self.expires - now),
+            "expires_in_s": None if self.end is not None else max(0.0, _ends(self) - now),
             "blocks": self.blocks,
             "reason": self.reason,
         }

@@ -36,6 +36,7 @@ def test_a_lease_a_decode_hop_holds_expires_only_after_the_hops_bound() -> None:
     led = KVLeaseLedger(lease_duration=30)
     a, b = led.open("a", "w", 0.0), led.open("b", "w", 0.0)
     a.decode_until = b.decode_until = 60.0
+    assert led.snapshot(40.0)["open"][0]["expires_in_s"] == 20.0  # not before the hop's bound
     assert led.expire(45.0) == 0
     assert led.close(a, "pulled", 45.0) and a.reason == "pulled"
     assert led.expire(61.0) == 1 and b.reason == "expired" and b.end == 60.0
