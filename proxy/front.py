@@ -50,6 +50,7 @@ from typing import Any, NamedTuple, cast
 from aiohttp import hdrs, web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http import HttpVersion11
+from aiohttp.http_exceptions import BadHttpMethod
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -471,10 +472,12 @@ class QuietRequestHandler(web.RequestHandler):
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        if status == 500:
+        if status != 400:
             return super().handle_error(request, status, exc, message)
-        log.info("refused a malformed HTTP request from %s: %s (%d)", request.remote,
-                 type(exc).__name__ if exc is not None else "no error", status)
+        # Non-HTTP traffic (a TLS hello, a scanner) is a bad method: DEBUG, as aiohttp logs it.
+        level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.INFO
+        log.log(level, "refused a malformed HTTP request from %s: %s", request.remote,
+                type(exc).__name__ if exc is not None else "no error")
         if request.writer.output_size > 0:  # as aiohttp: an answer is on its way, the connection is broken
             raise ConnectionError("an answer was sent already: no error answer can follow")
         return malformed_http_response(status, exc)
