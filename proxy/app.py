@@ -395,7 +395,10 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
                           client_max_size=settings.max_body_bytes)
     if gate is not None:
         app.set_guard(gate.admit)
-    metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=settings.lease_duration)
+    # a lease stays open at most P's lease, or a decode hop's bound while one holds it (Core.decoding)
+    longest_lease = max(settings.lease_duration,
+                        max(settings.decode_timeout, settings.stream_idle_timeout) + settings.abort_grace)
+    metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=longest_lease)
     app[SETTINGS] = settings
     app[METRICS] = metrics
     app[SERVING] = serving = Serving(settings, metrics,

@@ -250,8 +250,9 @@ def latency_buckets(longest: float = 0.0) -> tuple[float, ...]:
 
 
 def lease_buckets(lease_duration: float = 0.0) -> tuple[float, ...]:
-    """KV-lease durations: up to 120 s, then doubling until one covers twice the lease duration (a
-    lease the proxy forgets is closed at the next sweep after it expires)."""
+    """KV-lease durations: up to 120 s, then doubling until one covers twice ``lease_duration``
+    (the longest a lease may stay open: P's lease, or a decode hop's bound when one holds it; a
+    lease the proxy forgets is closed at the next sweep after that)."""
     buckets = list(_LEASE_BUCKETS)
     while buckets[-1] < 2 * lease_duration:
         buckets.append(buckets[-1] * 2)

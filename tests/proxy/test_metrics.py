@@ -419,6 +419,15 @@ async def test_latency_buckets_cover_every_timeout_the_proxy_allows(
 
 
 async def test_lease_buckets_cover_the_lease_duration(proxy_factory: ProxyFactory) -> None:
-    client, _ = await proxy_factory(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], lease_duration=300.0)
+    client, _ = await proxy_factory(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], lease_duration=300.0,
+                                    decode_timeout=60.0, stream_idle_timeout=60.0)
     text = await (await client.get("/metrics")).text()
     assert finite_buckets(text, "pd_proxy_kv_lease_duration_seconds")[-1] >= 600.0
+
+
+async def test_lease_buckets_cover_a_decode_hop_holding_the_lease(proxy_factory: ProxyFactory) -> None:
+    """A lease a decode hop holds closes when the hop tells (up to its bound), not at P's lease."""
+    client, _ = await proxy_factory(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], lease_duration=30.0,
+                                    decode_timeout=600.0)
+    text = await (await client.get("/metrics")).text()
+    assert finite_buckets(text, "pd_proxy_kv_lease_duration_seconds")[-1] >= 1200.0
