@@ -73,8 +73,10 @@ _FIELD_NAME = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _HEAD = re.compile(rb"POST (/[!-~]*) HTTP/1\.1(\r\n(?:" + _FIELD_NAME.encode() +
                    rb":[\t\x20-\x7e\x80-\xff]*\r\n){0,128})\r\n")
 _FIELD = re.compile("(" + _FIELD_NAME + "):[ \t]*([^\r\n]*)\r\n")
-"""A header line: its name and value, leading blanks left out (trailing ones are stripped after:
-a lazy value before ``[ \t]*`` backtracks over a run of blanks, in time quadratic in its length)."""
+"""A header line: its name and its value, leading blanks left out, in time linear in the line
+(trailing blanks are stripped after, where ``_BLANK_END`` finds some: a lazy value before
+``[ \t]*`` backtracked over every run of blanks inside it, in time quadratic in its length)."""
+_BLANK_END = re.compile(rb"[ \t]\r\n")
 _HANDED = re.compile(rb"\r\n(?:transfer-encoding|content-encoding|expect|upgrade):", re.IGNORECASE)
 """Headers whose requests aiohttp serves: a chunked or compressed body, ``100-continue``, an upgrade."""
 _DIGITS = re.compile("[0-9]{1,18}")
@@ -111,8 +113,10 @@ def parse_head(buf: bytearray, routes: Mapping[str, FrontRoute], max_body: int,
     route = routes.get(path)
     if m is None or route is None or _HANDED.search(block := m.group(2)) is not None:
         return _HAND_OFF
-    headers = CIMultiDict((name, value.rstrip(" \t")) for name, value in
-                          _FIELD.findall(block.decode("utf-8", "surrogateescape")[2:]))
+    fields = _FIELD.findall(block.decode("utf-8", "surrogateescape")[2:])
+    if _BLANK_END.search(block) is not None:  # a value with trailing blanks (rare): they go
+        fields = [(name, value.rstrip(" \t")) for name, value in fields]
+    headers = CIMultiDict(fields)
     lengths = headers.getall(hdrs.CONTENT_LENGTH, ())
     if len(lengths) != 1 or _DIGITS.fullmatch(lengths[0]) is None or int(lengths[0]) > max_body:
         return _HAND_OFF
