@@ -396,8 +396,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     if gate is not None:
         app.set_guard(gate.admit)
     # a lease stays open at most P's lease, or a decode hop's bound while one holds it (Core.decoding)
-    longest_lease = max(settings.lease_duration,
-                        max(settings.decode_timeout, settings.stream_idle_timeout) + settings.abort_grace)
+    longest_lease = max(settings.lease_duration, settings.longest_decode_hop())
     metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=longest_lease)
     app[SETTINGS] = settings
     app[METRICS] = metrics

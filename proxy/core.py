@@ -111,8 +111,7 @@ class Core:
     def decoding(self, f: Flight) -> None:
         """A decode hop with the request's KV goes out: its lease ends with what the hop tells
         (``RequestLeases.decoding``), within the longest a decode hop may take."""
-        s = self.settings
-        self.leases.decoding(f.record, max(s.decode_timeout, s.stream_idle_timeout) + s.abort_grace)
+        self.leases.decoding(f.record, self.settings.longest_decode_hop())
 
     def close_lease(self, f: Flight, reason: CloseReason) -> None:
         self.leases.close(f.record, reason)

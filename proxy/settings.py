@@ -145,6 +145,11 @@ class ProxySettings:
     pools: PoolSettings = field(default_factory=PoolSettings)
     """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
 
+    def longest_decode_hop(self) -> float:
+        """The longest a decode hop may run before it ends by its own limits (seconds): its
+        timeout or a stream's idle gap, and the abort's grace after it."""
+        return max(self.decode_timeout, self.stream_idle_timeout) + self.abort_grace
+
     def longest_request(self) -> float:
         """The longest a request may take under the proxy's timeouts (seconds): a queue wait, the
         prefill hop and the decode hop (or a stream's idle gap), or the longest deadline. Streams

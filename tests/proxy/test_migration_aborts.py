@@ -88,6 +88,10 @@ async def held_on_p(serving: Serving, p: SimWorker) -> list[Any]:
     return held
 
 
+async def received(worker: Scripted) -> bool:
+    return bool(worker.received)
+
+
 async def until(condition: Any, what: str, response: aiohttp.ClientResponse | None = None) -> None:
     """Poll ``condition`` (bounded), reading the client's stream meanwhile when given."""
     loop = asyncio.get_running_loop()
@@ -115,9 +119,7 @@ async def test_a_client_gone_before_d2_registered_the_continuation_leaves_nothin
                                 "stream": True})
     assert r.status == 200
 
-    async def sent_to_d2() -> bool:
-        return bool(d2.received)
-    await until(sent_to_d2, "the continuation sent to D2", r)
+    await until(lambda: received(d2), "the continuation sent to D2", r)
     assert "kv_transfer_params" in d2.received[0]  # it went through P
     r.close()  # the client goes away before D2 answered its headers
     assert await held_on_p(serving, p) == []
@@ -181,9 +183,7 @@ async def test_a_continuation_d2_fails_after_the_client_left_is_released_and_the
                                 "stream": True})
     assert r.status == 200
 
-    async def sent_to_d2() -> bool:
-        return bool(d2.received)
-    await until(sent_to_d2, "the continuation sent to D2", r)
+    await until(lambda: received(d2), "the continuation sent to D2", r)
     r.close()
     assert await held_on_p(serving, p) == []
     ledger = await (await client.get("/debug/kv-leases")).json()

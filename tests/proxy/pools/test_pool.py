@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -8,7 +9,7 @@ from proxy.pools.breaker import BreakerConfig, CircuitState
 from proxy.pools.errors import NoWorkerAvailable, Overloaded
 from proxy.pools.policies import PickContext, RoundRobin
 from proxy.pools.pool import Pool
-from proxy.pools.worker import Outcome
+from proxy.pools.worker import Outcome, Worker
 from tests.proxy.pools.helpers import FakeClock
 
 A, B, C = "http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"
@@ -175,41 +176,53 @@ async def test_cancelled_woken_waiter_passes_its_turn_on() -> None:
     assert w.inflight == 1
 
 
+def both_busy(**kwargs: Any) -> tuple[Pool, Worker, Worker]:
+    """A pool of A and B, one request at most each, both taken."""
+    p = Pool("decode", [A, B], max_inflight_per_worker=1, **kwargs)
+    a, b = p.get(A), p.get(B)
+    assert a is not None and b is not None
+    a.begin()
+    b.begin()
+    return p, a, b
+
+
+async def turns(n: int = 5) -> None:
+    """Let the loop run what is ready (a woken waiter's next step), with no clock involved."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 async def test_a_freed_worker_wakes_the_oldest_waiter_that_can_take_it() -> None:
     """Both workers busy; a retry that rules A out waits, then a request that takes any. A frees:
     the second gets A at once, the first waits on for B. Before, the first was woken, found
     nothing it could take and queued again: the wake-up was lost, and the second got its 429 at
     the end of its wait while A sat idle."""
-    p = Pool("decode", [A, B], max_inflight_per_worker=1)
-    a, b = p.get(A), p.get(B)
-    assert a is not None and b is not None
-    a.begin()
-    b.begin()
+    p, a, b = both_busy()
     retry = asyncio.ensure_future(p.acquire(exclude=[a], limit=5.0))
-    await asyncio.sleep(0)
+    await turns()
     fresh = asyncio.ensure_future(p.acquire(limit=5.0))
-    await asyncio.sleep(0)
+    await turns()
     p.release(a, Outcome.SUCCESS)
-    assert await asyncio.wait_for(fresh, 1.0) is a
+    await turns()
+    assert fresh.done() and fresh.result() is a
     assert not retry.done()
     p.release(b, Outcome.SUCCESS)
-    assert await asyncio.wait_for(retry, 1.0) is b
+    await turns()
+    assert retry.done() and retry.result() is b
 
 
 async def test_a_waiter_left_with_no_worker_it_may_take_fails_at_once() -> None:
     """A retry that rules A out waits for B; B's circuit opens as it frees (its hop failed).
     The waiter is woken and fails at once (no worker: its caller may fall back to any), not at
     the end of its wait with a 429."""
-    p = Pool("decode", [A, B], max_inflight_per_worker=1, breaker=BreakerConfig(failure_threshold=1))
-    a, b = p.get(A), p.get(B)
-    assert a is not None and b is not None
-    a.begin()
-    b.begin()
+    p, a, b = both_busy(breaker=BreakerConfig(failure_threshold=1))
     retry = asyncio.ensure_future(p.acquire(exclude=[a], limit=30.0))
-    await asyncio.sleep(0)
+    await turns()
     p.release(b, Outcome.FAILURE)  # B's circuit opens
+    await turns()
+    assert retry.done()
     with pytest.raises(NoWorkerAvailable):
-        await asyncio.wait_for(retry, 1.0)
+        await retry
 
 
 def test_panic_routes_to_probe_failed_workers_only_when_all_failed() -> None:
