@@ -49,7 +49,7 @@ from proxy.errors import (
     error_middleware,
     json_response,
 )
-from proxy.hop import HopClient
+from proxy.hop import AnswerLimits, HopClient
 from proxy.lean import LeanApplication
 from proxy.limits import BodyLimit, body_middleware
 from proxy.logs import ACCESS_LOG, log_access
@@ -264,7 +264,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     json_serialize=json.dumps)
     hops = HopClient(connect_timeout=settings.connect_timeout,
-                     keepalive=settings.upstream_keepalive_timeout, ssl_context=tls, max_per_host=cap)
+                     keepalive=settings.upstream_keepalive_timeout, ssl_context=tls, max_per_host=cap,
+                     limits=AnswerLimits(head=settings.max_upstream_header_bytes,
+                                         body=settings.max_upstream_body_bytes,
+                                         error=settings.max_upstream_error_bytes))
     metrics = app[METRICS]
 
     def count_resend(hop: str, result: str) -> None:

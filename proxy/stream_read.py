@@ -81,7 +81,7 @@ class DecodeReader(Part):
             try:
                 resp = await self.upstream.open(
                     "decode", worker.url, body, request_id=f.record.base_id, total=None,
-                    sock_read=self.settings.stream_idle_timeout)
+                    sock_read=self.settings.stream_idle_timeout, stream=True)
             except UpstreamError as e:
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
@@ -100,6 +100,7 @@ class DecodeReader(Part):
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
                 rd.error, rd.exc = e.sse_event(), e
+                rd.protocol = isinstance(e, UpstreamProtocolError)  # broken framing: not migrated
             if rd.kv_failed is not None:
                 return Status.KV_FAILED, rd.error, rd.kv_failed
             return self._ended(rd, resp)

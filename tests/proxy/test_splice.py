@@ -168,7 +168,7 @@ async def test_reads_of_whole_chunks_go_to_the_splice_as_they_came_and_the_answe
     way the last chunk still ends the answer: the connection is kept."""
     paced = Paced(12)
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         sink, splice = Sink(paced), Splice(paced, take=take)
         await resp.pipe(sink, splice)
         offered = [framed for framed, _ in splice.reads]
@@ -193,7 +193,7 @@ async def test_a_read_cut_mid_chunk_goes_to_the_sink_and_the_next_whole_ones_to_
     loop = asyncio.get_running_loop()
     conn = HopConnection(loop, parse_origin("http://127.0.0.1:9"))
     conn.connection_made(_Transport())  # type: ignore[arg-type]
-    conn.begin()
+    conn.begin(stream=True)
     conn.data_received(HEAD)
     got: list[tuple[str, bytes]] = []
 
@@ -226,7 +226,7 @@ async def test_a_read_cut_mid_chunk_goes_to_the_sink_and_the_next_whole_ones_to_
 async def test_what_the_splice_raises_is_its_own_error() -> None:
     paced = Paced(10)
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         sink, splice = Sink(paced), Splice(paced, fail=True)
         with pytest.raises(SinkError) as raised:
             await resp.pipe(sink, splice)
@@ -242,7 +242,8 @@ async def test_spliced_reads_move_the_read_limit_on() -> None:
     async with serving(paced.handler) as (_, url, client):
         up = Upstream(cast(aiohttp.ClientSession, None), api_key=None, connect_timeout=5, hops=client)
         loop = asyncio.get_running_loop()
-        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.5)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.5,
+                                    stream=True)
         sink, splice = Sink(paced), Splice(paced)
         with pytest.raises(UpstreamTimeout, match="stream stalled"):
             await up.pipe("decode", url, resp, sink, splice)
