@@ -251,3 +251,18 @@ async def test_an_answer_within_the_limits_is_served(scripted_factory: ScriptedF
         client, _ = await _proxy(scripted_factory, proxy_factory, url)
         status, raw = await _post(client, req())
         assert status == 200 and len(raw) > BODY_LIMIT - 4096
+
+
+def test_the_limits_are_flags_with_sane_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.cli import parse_args  # noqa: PLC0415
+
+    urls = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    s = parse_args(urls)
+    assert (s.max_upstream_body_bytes, s.max_upstream_error_bytes, s.max_upstream_header_bytes) == (
+        64 << 20, 1 << 20, 64 << 10)
+    s = parse_args([*urls, "--max-upstream-body-bytes", "5", "--max-upstream-error-bytes", "6",
+                    "--max-upstream-header-bytes", "7"])
+    assert (s.max_upstream_body_bytes, s.max_upstream_error_bytes, s.max_upstream_header_bytes) == (5, 6, 7)
+    with pytest.raises(SystemExit):
+        parse_args([*urls, "--max-upstream-error-bytes", "0"])
+    assert "--max-upstream-error-bytes" in capsys.readouterr().err
