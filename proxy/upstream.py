@@ -35,6 +35,7 @@ from proxy.hop import (
     header_lines,
 )
 from proxy.large_body import PackedTokenIds
+from proxy.pools.health import PROBE_ANSWER_LIMIT, read_capped
 from proxy.protocol import engine_request_id, hop_json, parse_worker_json, unique_key_end
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -264,7 +265,7 @@ class Upstream:
                 worker + ABORT_PATH, data=hop_json({"request_ids": request_ids}),
                 headers=self._headers, timeout=self._timeout(limit),
             ) as resp:
-                await resp.read()
+                await read_capped(resp, PROBE_ANSWER_LIMIT)
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
@@ -273,7 +274,7 @@ class Upstream:
         try:
             async with self.session.get(worker + "/health", headers=self._headers,
                                         timeout=self._timeout(limit)) as resp:
-                await resp.read()
+                await read_capped(resp, PROBE_ANSWER_LIMIT)
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
