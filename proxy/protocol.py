@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import pydantic_core
 from pydantic import (
@@ -183,6 +183,10 @@ _NOT_PLAIN_FIRST = b"\x00\xef\xfe\xff"
 """First bytes of a body ``json.detect_encoding`` may take for other than UTF-8 (a BOM or a NUL)."""
 
 
+@overload
+def utf8_json(body: bytes) -> bytes: ...
+@overload
+def utf8_json(body: bytes | bytearray) -> bytes | bytearray: ...
 def utf8_json(body: bytes | bytearray) -> bytes | bytearray:
     """``body`` as the UTF-8 bytes of the text ``json.loads`` reads in it: ``body`` itself when
     ``json.detect_encoding`` says plain UTF-8 (a check of its first two bytes, nearly always),
@@ -201,9 +205,10 @@ def utf8_json(body: bytes | bytearray) -> bytes | bytearray:
     except UnicodeDecodeError:
         raise JSONBodyError("invalid UTF-8") from None
     out = text.encode("utf-8", "surrogatepass")
-    if json.detect_encoding(out) != "utf-8":
-        # The text starts with a BOM or a NUL (not JSON), which its UTF-8 bytes would be taken
-        # for again: the error is ``json.loads``' own (its decoder's, once it decoded the body).
+    if not out or json.detect_encoding(out) != "utf-8":
+        # The text is empty (a BOM alone: not an empty body) or starts with a BOM or a NUL (not
+        # JSON, and its UTF-8 bytes would be taken for another encoding again): the error is
+        # ``json.loads``' own (its decoder's, once it decoded the body).
         try:
             _JSON_DECODER.decode(text)
         except json.JSONDecodeError as e:
@@ -272,6 +277,10 @@ def _json_invalid(e: JSONBodyError) -> RequestValidationError:
           "input": {}, "ctx": {"error": e.reason}}])
 
 
+@overload
+def utf8_request_body(body: bytes, content_type: str) -> bytes: ...
+@overload
+def utf8_request_body(body: bytes | bytearray, content_type: str) -> bytes | bytearray: ...
 def utf8_request_body(body: bytes | bytearray, content_type: str) -> bytes | bytearray:
     """A generate body as UTF-8 (``utf8_json``), for every check after it; a body ``json.loads``
     cannot decode raises what ``parse_generate_body`` raises for it (its media type first)."""

@@ -40,7 +40,7 @@ class Validation:
         differs from one that passed only in its token ids and request id is known
         (``proxy.known_bodies``): only the checks of its ids' number and the pools' config run."""
         try:
-            body = bytes(utf8_request_body(body, content_type))  # before any byte-level check
+            body = utf8_request_body(body, content_type)  # before any byte-level check
         except RequestValidationError as e:
             raise InvalidRequest.from_protocol(e) from None
         probe = self.known.probe(body, content_type)

@@ -24,8 +24,10 @@ KV = {"remote_host": "10.9.9.9", "remote_port": 5600, "remote_engine_id": "victi
 PLACES: dict[str, dict[str, Any]] = {
     "kv_transfer_params": {"kv_transfer_params": KV},
     "ec_transfer_params": {"ec_transfer_params": KV},
-    "sampling_params.extra_args.kv_transfer_params": {"sampling_params": {"extra_args": {"kv_transfer_params": KV}}},
-    "sampling_params.extra_args.ec_transfer_params": {"sampling_params": {"extra_args": {"ec_transfer_params": KV}}},
+    "sampling_params.extra_args.kv_transfer_params":
+        {"sampling_params": {"extra_args": {"kv_transfer_params": KV}}},
+    "sampling_params.extra_args.ec_transfer_params":
+        {"sampling_params": {"extra_args": {"ec_transfer_params": KV}}},
 }
 
 
@@ -89,8 +91,8 @@ async def test_a_lone_surrogate_in_any_encoding_is_the_utf8_bodys_400(
 async def test_a_valid_body_in_any_encoding_reaches_the_workers_as_utf8(
         scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, encoding: str) -> None:
     raw: list[bytes] = []
-    client, p, d = await _workers(scripted_factory, proxy_factory, raw)
-    body = {"token_ids": [5, 6, 7], "request_id": "r-1", "model": "caf\u00e9 \U0001f600",
+    client, _, d = await _workers(scripted_factory, proxy_factory, raw)
+    body: dict[str, Any] = {"token_ids": [5, 6, 7], "request_id": "r-1", "model": "caf\u00e9 \U0001f600",
             "sampling_params": {"max_tokens": 2, "extra_args": {"k\u00e9y": "\u00e9\U0001f600"}}}
     r = await client.post(GENERATE, data=json.dumps(body, ensure_ascii=False).encode(encoding), headers=JSON)
     assert r.status == 200, await r.text()
@@ -108,7 +110,8 @@ async def test_a_large_body_in_any_encoding_is_checked_as_utf8(
         scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, encoding: str) -> None:
     """Over 1 MiB as sent (the large-body path), transfer params are refused as in UTF-8."""
     client, p, d = await _workers(scripted_factory, proxy_factory)
-    body = {"token_ids": [7] * 200_000, "sampling_params": {"max_tokens": 2, "extra_args": {"kv_transfer_params": KV}}}
+    body = {"token_ids": [7] * 200_000,
+            "sampling_params": {"max_tokens": 2, "extra_args": {"kv_transfer_params": KV}}}
     data = json.dumps(body).encode(encoding)
     assert len(data) > 1 << 20
     r = await client.post(GENERATE, data=data, headers=JSON)
