@@ -20,8 +20,8 @@ each key a tenant (``proxy.tenants``); ``/debug/*`` behind the admin key when se
                                           port then answers 404 for ``/admin/*``)
 
 The three ``POST`` calls above the health routes take the lean front (``proxy.lean``): the same
-key check, body limits and error answers as the middlewares, without the router; with ``--front
-own`` (the default) on the proxy's own protocol (``proxy.front``), without aiohttp's server.
+key check, body limits and error answers as the middlewares, without the router. Every request is
+parsed by aiohttp's server (its strict parser).
 """
 
 from __future__ import annotations
@@ -394,8 +394,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
                    body_middleware(limit, READ_BODY_PATHS, large_paths=LARGE_BODY_PATHS)]
     # The generate and abort calls take the lean front (``proxy.lean``): the same steps as the
     # middlewares above, in one frame and without the router.
-    app = LeanApplication(limit=limit, front=settings.front == "own", middlewares=middlewares,
-                          client_max_size=settings.max_body_bytes)
+    app = LeanApplication(limit=limit, middlewares=middlewares, client_max_size=settings.max_body_bytes)
     if gate is not None:
         app.set_guard(gate.admit)
     # a lease stays open at most P's lease, or a decode hop's bound while one holds it (Core.decoding)

@@ -46,10 +46,6 @@ def _add_workers_and_listener(p: argparse.ArgumentParser) -> None:
                    help="each serving process freezes its start-up objects and sets the cyclic garbage "
                         "collector's first threshold to N (Python's is 700, which costs 6-9%% of the "
                         "CPU per request under load); 0: Python's own settings")
-    p.add_argument("--front", choices=("own", "aiohttp"), default="own",
-                   help="who serves the generate and abort calls: own, the proxy's own HTTP/1.1 protocol "
-                        "(any other request, and any request not in its plain form, is handed to "
-                        "aiohttp's server with its connection), or aiohttp, aiohttp's server for all")
 
 
 def _add_keys(p: argparse.ArgumentParser) -> None:
@@ -271,7 +267,7 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         max_upstream_error_bytes=a.max_upstream_error_bytes,
         max_upstream_header_bytes=a.max_upstream_header_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
-        gc_threshold=a.gc_threshold, front=a.front,
+        gc_threshold=a.gc_threshold,
         slow_reader_timeout=a.slow_reader_timeout, max_body_bytes=a.max_body_bytes,
         max_prompt_tokens=a.max_prompt_tokens,
         body_timeout=a.body_timeout, header_timeout=a.header_timeout,

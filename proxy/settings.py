@@ -9,7 +9,6 @@ from proxy.pools import PoolSettings
 
 PrefillFailurePolicy = Literal["fail", "decode-only"]
 LogFormat = Literal["text", "json"]
-Front = Literal["own", "aiohttp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +129,6 @@ class ProxySettings:
     the objects of the requests in flight set off a young collection every few requests, and what
     outlives it is scanned again in the older generations: 6-9% of the CPU per request at 64 at a
     time (``proxy.server.settle_gc``). 0: Python's own collector settings."""
-    front: Front = "own"
-    """Who serves the generate and abort calls: ``own``, the proxy's own protocol on each
-    connection (``proxy.front``; every other request handed to aiohttp's server), or
-    ``aiohttp``, aiohttp's server for everything (the lean front, ``proxy.lean``)."""
     max_prompt_tokens: int = 1 << 20
     """A longer ``token_ids`` is a 400 (param ``token_ids``) before any hop; 0: no limit. Bodies over
     1 MiB are parsed in slices (``proxy.large_body``), so the count is known early."""

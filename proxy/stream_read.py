@@ -158,6 +158,8 @@ class DecodeReader(Part):
         buffer = rd.buffer
 
         def splice(framed: bytes) -> bool:
+            if buffer.direct_framed is None:  # no writer takes framed bytes: not worth the scans
+                return False
             if rd.first or reader.pending or (first_filter is not None and first_filter.pending):
                 return False
             if one_plain_chunk(framed):  # the usual read: one event, in one match
