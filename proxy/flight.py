@@ -97,6 +97,9 @@ class Flight:
     prefill_task: asyncio.Future[dict[str, Any]] | None = None
     """The prefill hop: its task, or (the hop made in the handler's task, ``front`` set) a future
     given its answer or its error once it ended."""
+    prefill_sent: float | None = None
+    """When the latest prefill attempt's hop was sent (the clock of ``Core``): P's KV lease may run
+    from then, so the proxy's lease expires counting from it (``RequestLeases.hold``)."""
     decode_task: asyncio.Future[Any] | None = None
     """The decode hop: its task, or (a non-stream hop made in the handler's task, ``front`` set) a
     future given its answer or its error once it ended."""

@@ -245,6 +245,8 @@ class Serving:
         if prefill is None:
             return None, "", None  # aborted before any prefill worker took it
         kv_params, error = self.prefill.accept_reply(f, prefill, reply)
+        if kv_params is None and error is None and not record.is_aborted:
+            self.core.decode_only(f, "lease_expired")  # P's answer came after its lease ran out
         if kv_params is not None and f.first_token and not record.is_aborted:
             self.first.build(f, reply)
         return kv_params, "missing_kv_params", error
