@@ -182,6 +182,29 @@ def test_a_mismatch_keeps_the_choice_pending_until_cleared() -> None:
     assert flt.event(cont) is cont
 
 
+def test_a_choice_that_ended_with_ps_token_is_not_sent_again() -> None:
+    """n=2, choice 0 ended at token 1: the client had its token and its end in P's chunk, so D's
+    chunk for it (token 1 and the end) is not sent; choice 1's token 1 is taken out as usual."""
+    flt = FirstTokenFilter([FirstToken(0, 4, None, final=True), FirstToken(1, 8, None)])
+    assert flt.event(pydantic_core.to_json(_chunk([4], finish="stop"))) is None
+    assert flt.event(pydantic_core.to_json(_chunk([8, 9], index=1))) == pydantic_core.to_json(
+        _chunk([9], index=1))
+    assert flt.pending == {}
+    both = _chunk([4], finish="stop")  # two choices in one chunk: the ended one goes
+    both["choices"].append(_chunk([8, 9], index=1)["choices"][0])
+    flt = FirstTokenFilter([FirstToken(0, 4, None, final=True), FirstToken(1, 8, None)])
+    out = flt.event(pydantic_core.to_json(both))
+    assert isinstance(out, bytes) and json.loads(out)["choices"] == _chunk([9], index=1)["choices"]
+
+
+@pytest.mark.parametrize("chunk", [_chunk([4]), _chunk([4, 5], finish="length"),
+                                   _chunk([4], text="abc", finish="stop")])
+def test_d_going_on_with_a_choice_that_ended_at_ps_token_is_a_mismatch(chunk: dict[str, Any]) -> None:
+    text = "ab" if "text" in chunk["choices"][0] else None
+    flt = FirstTokenFilter([FirstToken(0, 4, text, final=True)])
+    assert flt.event(pydantic_core.to_json(chunk)) == Mismatch(0, 4, 4, "finish")
+
+
 def test_a_hypothesis_example_chunk_is_vllm_shaped() -> None:
     # the merged chunks above are built like vLLM's: compare with a recorded chunk
     case = stream_cases()["gen-logprobs-tokens-stream"]
