@@ -92,6 +92,20 @@ class RequestLeases:
         return (holder.kv_params is not None and lease is not None and lease.end is None
                 and lease.expires > self.clock())
 
+    def ran_out(self, holder: Holder) -> bool:
+        """Whether ``holder``'s lease ended by the clock: closed ``expired`` (now, when it is due
+        and still open, as ``expire`` would close it, or earlier). P's own timer has then freed
+        the KV: the params are forgotten, and no hop (a decode or a release) may pull with them."""
+        lease = holder.lease
+        if lease is None:
+            return False
+        if lease.end is None and not self.ledger.expire_lease(lease, self.clock()):
+            return False
+        if lease.reason != "expired":
+            return False
+        holder.kv_params = None
+        return True
+
     def expire(self) -> int:
         """Close every lease whose worker-side lease has run out."""
         return self.ledger.expire(self.clock())

@@ -98,8 +98,15 @@ class KVLeaseLedger:
         still holds: ``Lease.decode_until``)."""
         due = [lease for lease in self._open.values() if _ends(lease) <= now]
         for lease in due:
-            self.close(lease, "expired", max(lease.start, _ends(lease)))  # never before it opened
+            self.expire_lease(lease, now)
         return len(due)
+
+    def expire_lease(self, lease: Lease, now: float) -> bool:
+        """Close ``lease`` as ``expired`` if it is open and has run out by ``now`` (as ``expire``
+        would), ended when it ran out; False otherwise."""
+        if lease.lease_id not in self._open or _ends(lease) > now:
+            return False
+        return self.close(lease, "expired", max(lease.start, _ends(lease)))  # never before it opened
 
     @property
     def open_count(self) -> int:

@@ -288,6 +288,12 @@ class Serving:
             if resp is not None:  # the client has P's token
                 return await self.first.end_aborted(request, f, resp)
             return await self.aborts.respond_aborted(request, f)
+        if kv_params is not None and not self.core.lease_valid(f):
+            # It waited for a decode worker past P's lease: P's own timer may have freed the KV,
+            # so no hop pulls with P's params; D computes the prompt itself.
+            self.leases.ran_out(record)
+            self.core.decode_only(f, "lease_expired")
+            kv_params = None
         record.decode_worker = decode
         record.phase = Phase.DECODING
         self.core.decoding(f)

@@ -11,7 +11,7 @@ import pytest
 
 from kv_transfer.handoff import PREFILL_REQUEST
 from proxy.errors import UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
-from proxy.pools import CircuitState, DeadlineExceeded, NoWorkerAvailable, Outcome, Worker
+from proxy.pools import CircuitState, DeadlineExceeded, NoWorkerAvailable, Outcome, PoolSettings, Worker
 from proxy.pools.admission import Deadline
 from proxy.prefill import Prefill
 from proxy.state import Phase
@@ -484,3 +484,44 @@ async def test_a_prefill_answer_after_the_lease_goes_decode_only(
     assert ledger["open"] == []
     (closed,) = ledger["closed"]
     assert closed["reason"] == "expired" and closed["end"] == closed["start"]
+
+
+async def a_decode_worker_busy_for(seconds: float, scripted_factory: ScriptedFactory,
+                                   proxy_factory: ProxyFactory) -> tuple[Scripted, Scripted, Any]:
+    """One prefill and one decode worker (cap 1 in flight), a 0.5 s lease; the decode worker's
+    first request holds its slot for ``seconds``."""
+    busy = asyncio.Event()
+
+    async def slow_first(body: dict[str, Any], request: Any) -> dict[str, Any]:
+        if not busy.is_set():
+            busy.set()
+            await asyncio.sleep(seconds)
+        return decode_reply(body)
+
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted = await scripted_factory(slow_first)
+    client, _ = await proxy_factory([p.url], [d.url], lease_duration=0.5, kv_block_size=4,
+                                    pools=PoolSettings.plain(max_inflight_per_worker=1))
+    return p, d, client
+
+
+async def test_a_decode_hop_that_waited_past_the_lease_goes_decode_only(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    """The decode pool is at its cap while the request's lease (0.5 s) runs out: when a slot
+    frees (~1 s), its decode hop carries no params of P's (P may have freed the KV) and the
+    request goes decode-only; the lease is closed ``expired``, nothing left open."""
+    p, d, client = await a_decode_worker_busy_for(1.0, scripted_factory, proxy_factory)
+    body = {"token_ids": list(range(1, 13)), "sampling_params": {"max_tokens": 4}}
+    first = asyncio.ensure_future(client.post("/inference/v1/generate", json=body))
+    for _ in range(200):  # the first request holds the decode slot
+        if d.received:
+            break
+        await asyncio.sleep(0.01)
+    r = await client.post("/inference/v1/generate", json=body)
+    assert r.status == 200 and r.headers["X-PD-Decode-Only"] == "lease_expired"
+    assert (await first).status == 200
+    assert len(p.received) == 2 and len(d.received) == 2
+    assert "kv_transfer_params" in d.received[0] and "kv_transfer_params" not in d.received[1]
+    ledger = await (await client.get("/debug/kv-leases")).json()
+    assert ledger["open"] == []
+    assert sorted(c["reason"] for c in ledger["closed"]) == ["expired", "pulled"]
