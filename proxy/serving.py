@@ -103,7 +103,9 @@ class Serving:
         check = handoff_check(self.upstream, block_size=self.pools.blocks.pair,
                               timeout=self.settings.pools.preflight_timeout,
                               rewrite=self.core.rewrite_remote_host)
-        await self.pools.start(self.upstream.session, check)
+        key = self.settings.upstream_api_key
+        await self.pools.start(self.upstream.session, check,
+                               upstream_headers={"Authorization": f"Bearer {key}"} if key else None)
 
     async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
         """One generate call. Errors are raised (``proxy.errors``): the app's error middleware

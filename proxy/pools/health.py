@@ -20,7 +20,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -63,11 +63,23 @@ def http_probe(session: aiohttp.ClientSession, timeout: float, path: str = "/hea
     return probe
 
 
-def http_fetch(session: aiohttp.ClientSession, timeout: float, path: str = "/metrics") -> FetchFn:
+def http_fetch(session: aiohttp.ClientSession, timeout: float, path: str = "/metrics", *,
+               headers: Mapping[str, str] | None = None, limit: int | None = None) -> FetchFn:
+    """``GET path`` of a worker, its body as text; an error status raises
+    (``ClientResponseError``). ``limit``: the most bytes read (beyond it, ``ValueError``; the body
+    is then also read as strict UTF-8)."""
     async def fetch(worker: Worker) -> str:
-        async with session.get(worker.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(worker.url + path, timeout=aiohttp.ClientTimeout(total=timeout),
+                               headers=headers) as resp:
             resp.raise_for_status()
-            return await resp.text()
+            if limit is None:
+                return await resp.text()
+            body = bytearray()
+            async for chunk in resp.content.iter_chunked(64 * 1024):
+                body += chunk
+                if len(body) > limit:
+                    raise ValueError(f"an answer over {limit} bytes")
+            return body.decode()
 
     return fetch
 
