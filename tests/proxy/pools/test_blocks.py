@@ -304,7 +304,8 @@ def test_max_model_len_is_read_from_the_models_card() -> None:
     two = [card, {**card, "id": "alias", "max_model_len": 4096}]
     assert parse_max_model_len(json.dumps({"data": two})) == 4096  # the largest: nothing ends early
     pages: list[object] = [{"data": []}, {"data": [{"id": "m"}]}, {"data": [{"max_model_len": True}]},
-                           {"data": [{"max_model_len": "9"}]}, {"data": [{"max_model_len": 0}]}, [], {"data": {}}]
+                           {"data": [{"max_model_len": "9"}]}, {"data": [{"max_model_len": 0}]}, [],
+                           {"data": {}}]
     for page in pages:
         assert parse_max_model_len(json.dumps(page)) is None
     with pytest.raises(ValueError):
