@@ -52,7 +52,7 @@ _texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_si
 _floats = st.one_of(st.floats(-30, 0, allow_nan=False), st.sampled_from([-1e-05, -1.25e-07, -9999.0, 0.0]))
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(ids=st.lists(st.integers(0, 600), min_size=1, max_size=6), data=st.data(),
        mode=st.sampled_from(["tokens", "text"]), with_logprobs=st.booleans(),
        finish=st.sampled_from([None, "length", "stop"]), continuous=st.booleans())
@@ -91,6 +91,7 @@ def test_a_merged_chunk_loses_exactly_token_1(ids: list[int], data: st.DataObjec
         assert [logprobs[0], *back["logprobs"]["content"]] == sent
 
 
+@settings(deadline=None)
 @given(before=_texts, after=_texts)
 def test_text_is_cut_by_characters_in_any_spelling(before: str, after: str) -> None:
     """The shown text is cut from D's JSON text by characters, whatever the escapes (``ensure_ascii``
