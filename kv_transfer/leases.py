@@ -2,10 +2,12 @@
 
 A request holds KV on a prefill worker from the moment the proxy accepts P's
 ``kv_transfer_params`` until it knows the blocks were freed (``kv_transfer.ledger`` says how each
-lease ends). ``RequestLeases`` opens the lease with the params, closes it with the reason, and
-tells an observer (the proxy's metrics) of both; the request itself (anything with ``engine_id``,
-``kv_params`` and ``lease``) keeps the params exactly while its lease is open, so "may this
-request's KV still be pulled" is one question (``valid``).
+lease ends). P's own lease may have started as soon as P had the request: the expiry counts from
+when the prefill hop was sent, however late its answer arrived. ``RequestLeases`` opens the lease
+with the params, closes it with the reason, and tells an observer (the proxy's metrics) of both;
+the request itself (anything with ``engine_id``, ``kv_params`` and ``lease``) keeps the params
+exactly while its lease is open, so "may this request's KV still be pulled" is one question
+(``valid``).
 
 Imports nothing of the proxy.
 """
@@ -41,13 +43,22 @@ class RequestLeases:
         self.ledger = KVLeaseLedger(lease_duration=lease_duration, keep_closed=keep_closed,
                                     on_close=self._closed)
 
-    def hold(self, holder: Holder, worker_url: str, params: dict[str, Any]) -> int:
+    def hold(self, holder: Holder, worker_url: str, params: dict[str, Any], *,
+             sent: float | None = None) -> int:
         """P at ``worker_url`` holds ``holder``'s KV, as ``params`` (checked) say: open the
-        lease. Returns the blocks held."""
+        lease, recorded from now, expiring ``lease_duration`` after ``sent`` (when the hop that
+        P answered went out: the earliest P can have finished and started its own lease; None:
+        now). A lease already run out by then is closed at once as ``expired`` and its params
+        are not kept (``valid`` is False). Returns the blocks held."""
         blocks = remote_blocks(params)
+        now = self.clock()
+        expires = None if sent is None else min(now, sent) + self.ledger.lease_duration
         holder.kv_params = params
-        holder.lease = lease = self.ledger.open(holder.engine_id, worker_url, self.clock(), blocks=blocks)
+        holder.lease = lease = self.ledger.open(holder.engine_id, worker_url, now, blocks=blocks,
+                                                expires_at=expires)
         self._observer.lease_opened(lease, self.ledger.open_count)
+        if lease.expires <= now and self.ledger.close(lease, "expired", now):
+            holder.kv_params = None
         return blocks
 
     def close(self, holder: Holder, reason: CloseReason) -> bool:
@@ -80,6 +91,20 @@ class RequestLeases:
         lease = holder.lease
         return (holder.kv_params is not None and lease is not None and lease.end is None
                 and lease.expires > self.clock())
+
+    def ran_out(self, holder: Holder) -> bool:
+        """Whether ``holder``'s lease ended by the clock: closed ``expired`` (now, when it is due
+        and still open, as ``expire`` would close it, or earlier). P's own timer has then freed
+        the KV: the params are forgotten, and no hop (a decode or a release) may pull with them."""
+        lease = holder.lease
+        if lease is None:
+            return False
+        if lease.end is None and not self.ledger.expire_lease(lease, self.clock()):
+            return False
+        if lease.reason != "expired":
+            return False
+        holder.kv_params = None
+        return True
 
     def expire(self) -> int:
         """Close every lease whose worker-side lease has run out."""

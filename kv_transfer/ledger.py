@@ -1,7 +1,8 @@
 """The KV-lease ledger: every interval during which a prefill worker holds KV for a request.
 
 A lease opens when a prefill hop returns usable ``kv_transfer_params`` (the blocks are now
-pinned on that worker) and closes when the proxy knows they were freed:
+pinned on that worker) and closes when the proxy knows they were freed; it expires
+``lease_duration`` after the hop was sent (``expires_at``), as P's own lease may have started then:
 
 * ``pulled``   the decode worker started answering (it pulled the blocks, P freed them),
 * ``aborted``  the proxy freed them on purpose (a release decode after an abort/disconnect),
@@ -97,8 +98,15 @@ class KVLeaseLedger:
         still holds: ``Lease.decode_until``)."""
         due = [lease for lease in self._open.values() if _ends(lease) <= now]
         for lease in due:
-            self.close(lease, "expired", _ends(lease))
+            self.expire_lease(lease, now)
         return len(due)
+
+    def expire_lease(self, lease: Lease, now: float) -> bool:
+        """Close ``lease`` as ``expired`` if it is open and has run out by ``now`` (as ``expire``
+        would), ended when it ran out; False otherwise."""
+        if lease.lease_id not in self._open or _ends(lease) > now:
+            return False
+        return self.close(lease, "expired", max(lease.start, _ends(lease)))  # never before it opened
 
     @property
     def open_count(self) -> int:

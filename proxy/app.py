@@ -200,12 +200,13 @@ async def livez(request: web.Request) -> web.Response:
 
 
 def can_route(serving: Serving) -> bool:
-    """A request could be routed now: a decode worker that may take it, and a prefill worker or the
-    decode-only bypass (``--no-bypass-when-prefill-unavailable`` turns it off). Workers at their
-    in-flight cap count (requests wait in the queue for them)."""
-    if not serving.decode_pool.admissible():
+    """A request could be routed now: a decode worker that passes its probes and may take it, and
+    such a prefill worker or the decode-only bypass (``--no-bypass-when-prefill-unavailable`` turns
+    it off). Workers at their in-flight cap count (requests wait in the queue for them). A pool in
+    panic still routes, but its workers failed their probes: not ready, as ``/health`` says."""
+    if not any(w.admissible for w in serving.decode_pool):
         return False
-    return bool(serving.prefill_pool.admissible()) or \
+    return any(w.admissible for w in serving.prefill_pool) or \
         serving.pools.settings.bypass_when_prefill_unavailable
 
 

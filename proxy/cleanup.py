@@ -45,8 +45,8 @@ class Cleanup(Part):
         vLLM 0.32 CPU, where aborting P after it finished does nothing)."""
         record = f.record
         params = record.kv_params
-        if params is None:
-            return
+        if params is None or self.leases.ran_out(record):
+            return  # nothing held, or P's own timer freed it (its lease ran out): no hop to send
         fallback = self.decode_pool.candidates() or self.decode_pool.workers
         worker = record.decode_worker or (fallback[0] if fallback else None)
         if worker is None:

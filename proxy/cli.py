@@ -126,6 +126,9 @@ def _add_buffers_blocks_and_logs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-block-size", type=int, default=None, metavar="TOKENS",
                    help="override the workers' KV block size for all of them (default: each worker's "
                         "own, read from vllm:cache_config_info on its /metrics; 16 until known)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="override the workers' model length for all of them (default: each worker's "
+                        "own, read from max_model_len on its GET /v1/models; unknown until read)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="format of the one access line per request (logger pd_proxy.access)")
@@ -266,7 +269,8 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         max_upstream_body_bytes=a.max_upstream_body_bytes,
         max_upstream_error_bytes=a.max_upstream_error_bytes,
         max_upstream_header_bytes=a.max_upstream_header_bytes,
-        kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
+        kv_block_size=a.kv_block_size, max_model_len=a.max_model_len,
+        log_format=a.log_format, otel=a.otel, workers=a.workers,
         gc_threshold=a.gc_threshold,
         slow_reader_timeout=a.slow_reader_timeout, max_body_bytes=a.max_body_bytes,
         max_prompt_tokens=a.max_prompt_tokens,

@@ -61,7 +61,8 @@ class Core:
         self.leases = RequestLeases(lease_duration=settings.lease_duration,
                                     keep_closed=settings.ledger_recent, clock=clock, observer=metrics)
         self.pools = PoolRuntime(settings.pools, settings.prefill_urls, settings.decode_urls,
-                                 block_size=settings.kv_block_size, registry=metrics.registry, clock=clock)
+                                 block_size=settings.kv_block_size, max_model_len=settings.max_model_len,
+                                 registry=metrics.registry, clock=clock)
         self.prefill_pool = self.pools.prefill
         self.decode_pool = self.pools.decode
         self.pools.pools.forget_workers_in(metrics)  # a removed worker's series go with it

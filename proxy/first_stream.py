@@ -3,10 +3,11 @@
 For a stream the prefill hop samples token 1 as the client's request would
 (``kv_transfer.handoff.prefill_body(first_token=True)``); when it answers, the client's event
 stream is opened and P's chunk written (``proxy.first_token.first_chunk``), before the hand-off.
-When P's token ends the request the stream ends there (usage, ``[DONE]``) and P's KV is released
-as after any early end; otherwise the decode hop goes as before and token 1 is taken out of D's
-stream (``proxy.stream_read``, ``FirstTokenFilter``). Everything that goes wrong after P's chunk
-ends in-band: the client's headers are sent.
+When P's token ends the request (its stop rules, or the model length: room for one token only on
+every decode worker, ``PoolRuntime.one_token_left``) the stream ends there (usage, ``[DONE]``)
+and P's KV is released as after any early end; otherwise the decode hop goes as before and
+token 1 is taken out of D's stream (``proxy.stream_read``, ``FirstTokenFilter``). Everything
+that goes wrong after P's chunk ends in-band: the client's headers are sent.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ class FirstStream(Part):
         try:
             if not isinstance(rid, str):
                 raise NotBuildable("the prefill reply has no request_id")
-            final = ends_at_first_token(reply, sp)
+            # At the model length (room for one token only on every decode worker) the decode
+            # worker would end the stream at token 1 too: vLLM sends it with its end, one chunk.
+            final = ends_at_first_token(reply, sp) or self.pools.one_token_left(len(req.token_ids))
             events, shown = first_chunk(reply, request_id=rid, output_mode=req.output_mode,
                                         sampling_params=sp, final=final, continuous_usage=continuous)
         except NotBuildable as e:

@@ -65,6 +65,9 @@ class FirstToken:
     token_id: int
     text: str | None
     """The text shown for it (text mode, after the stop-string hold-back); None in tokens mode."""
+    final: bool = False
+    """The choice ended at this token: the client was sent its finish with it (as vLLM sends a
+    token that ends its choice: one chunk), so D's token 1 of it ends there too and is not sent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +219,7 @@ def _first_choice(choice: Mapping[str, Any], sp: Mapping[str, Any], output_mode:
             raise NotBuildable("the prefill reply has no text (was it sent output_mode tokens?)")
         shown = out["text"] = visible_text(text, sp, finished=final)
     out["logprobs"] = logprobs
-    return out, FirstToken(index, ids[0], shown)
+    return out, FirstToken(index, ids[0], shown, final)
 
 
 def first_chunk(reply: Mapping[str, Any], *, request_id: str, output_mode: str,
@@ -228,8 +231,10 @@ def first_chunk(reply: Mapping[str, Any], *, request_id: str, output_mode: str,
     ``reply``: P's non-stream reply (parsed), sent with ``max_tokens`` 1, the client's
     ``output_mode`` and ``logprobs``; ``request_id``: the value the client's stream carries
     (``generate-tokens-<id>``: P's reply's own, when the relay's id rewrite applies to these
-    bytes too); ``final``: P's token ends the request (``ends_at_first_token``): the chunk then
-    carries P's ``finish_reason``, ``stop_reason`` and ``weight_versions`` and its whole text;
+    bytes too); ``final``: P's token ends the request (``ends_at_first_token``). A choice's chunk
+    carries P's ``finish_reason``, ``stop_reason`` and ``weight_versions`` and its whole text when
+    its token ends that choice (``final``, or the choice stopped on it as the client's request
+    would: with ``n`` > 1 one choice may end at token 1 while the others go on);
     ``continuous_usage``: the client asked ``stream_options.include_usage`` and
     ``continuous_usage_stats``, so each chunk carries the usage so far (its choice's one token).
 
@@ -252,7 +257,8 @@ def first_chunk(reply: Mapping[str, Any], *, request_id: str, output_mode: str,
     events: list[bytes] = []
     shown: list[FirstToken] = []
     for choice in choices:
-        out, first = _first_choice(choice, sampling_params, output_mode, final=final)
+        ends = final or _choice_ends(choice, sampling_params)
+        out, first = _first_choice(choice, sampling_params, output_mode, final=ends)
         chunk: dict[str, Any] = {"request_id": request_id, "usage": None}
         if continuous_usage:
             assert prompt_tokens is not None

@@ -216,13 +216,13 @@ def _spliced(raw: bytes, cuts: list[_Cut], drop_keys: list[str]) -> bytes | None
     return raw
 
 
-def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken], *,
-          first_event: bool) -> tuple[bytes | Mismatch | None, list[int]]:
-    """``payload`` (parsed: ``chunk``) without token 1 of each choice in ``firsts``; which of
-    those indexes it held. The chunk is decided on parsed; its bytes are edited only when
-    something is left to send."""
+def _take_firsts(chunk: dict[str, Any], firsts: Mapping[int, FirstToken],
+                 seen: list[int]) -> tuple[list[_Cut], list[int]] | Mismatch:
+    """Token 1 out of each choice of ``chunk`` in ``firsts`` (their indexes added to ``seen``):
+    the cuts to make, and the positions of choices whose end the client already had
+    (``FirstToken.final``: D's must end there too, and is not sent); or why not."""
     cuts: list[_Cut] = []
-    seen: list[int] = []
+    ended: list[int] = []
     for pos, choice in enumerate(chunk["choices"]):
         if not isinstance(choice, dict):
             continue
@@ -232,17 +232,35 @@ def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken
         seen.append(first.index)
         cut = _take_first(chunk, pos, first)
         if isinstance(cut, Mismatch):
-            return cut, seen
-        if cut is not None:
+            return cut
+        if first.final:
+            if choice.get("token_ids") or choice.get("text") or choice.get("finish_reason") is None:
+                return Mismatch(first.index, first.token_id, first.token_id, "finish")
+            ended.append(pos)
+        elif cut is not None:
             cuts.append(cut)
-    if not seen:
-        return payload, seen
-    choices = chunk["choices"]
-    if choices and all(isinstance(c, dict) and _is_empty(c) for c in choices):
+    return cuts, ended
+
+
+def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken], *,
+          first_event: bool) -> tuple[bytes | Mismatch | None, list[int]]:
+    """``payload`` (parsed: ``chunk``) without token 1 of each choice in ``firsts``; which of
+    those indexes it held. The chunk is decided on parsed; its bytes are edited only when
+    something is left to send."""
+    seen: list[int] = []
+    taken = _take_firsts(chunk, firsts, seen)
+    if isinstance(taken, Mismatch) or not seen:
+        return (taken if isinstance(taken, Mismatch) else payload), seen
+    cuts, ended = taken
+    if ended:
+        chunk["choices"] = [c for pos, c in enumerate(chunk["choices"]) if pos not in ended]
+    if all(isinstance(c, dict) and _is_empty(c) for c in chunk["choices"]):
         return None, seen
     drop_keys = [key for key in CHUNK_OPTIONAL if first_event and chunk.get(key) is not None]
     for key in drop_keys:  # the client had them with P's chunk
         chunk.pop(key)
+    if ended:  # another choice beside an ended one in one chunk (vLLM sends one each): written again
+        return stream_json(chunk), seen
     if not cuts and not drop_keys:
         return payload, seen
     spliced = _spliced(payload, cuts, drop_keys)
@@ -264,8 +282,10 @@ def drop_first_token(payload: bytes, expected_token: int, expected_text: str | N
     ``finish_reason`` (a continuous ``usage`` alone does not keep it: vLLM never sends a chunk for
     usage alone, and the next chunk carries the running count). A chunk whose only token was token
     1 and that also ends the choice (``finish_reason``; D reached a limit P could not see, such as
-    the model length) is kept with ``token_ids: []``, as vLLM itself sends an abort. A ``Mismatch``
-    when D's token 1 is another token, or its text does not start with the shown text. A payload
+    the model length) is kept with ``token_ids: []``, as vLLM itself sends an abort; one whose end
+    the client had with P's token (``FirstToken.final``) is not sent. A ``Mismatch`` when D's token
+    1 is another token, its text does not start with the shown text, or D goes on with a choice
+    whose end the client had. A payload
     that is not a chunk, or has no choice ``index``, is returned as it is."""
     chunk = parse_stream_chunk(payload)
     if chunk is None:

@@ -95,6 +95,9 @@ class Flight:
     timing: Timing
     prefill_task: asyncio.Future[dict[str, Any]] | None = None
     """The prefill hop's task."""
+    prefill_sent: float | None = None
+    """When the latest prefill attempt's hop was sent (the clock of ``Core``): P's KV lease may run
+    from then, so the proxy's lease expires counting from it (``RequestLeases.hold``)."""
     decode_task: asyncio.Future[Any] | None = None
     """The decode hop's task (a stream's: its producer)."""
     release_task: asyncio.Task[None] | None = None

@@ -174,6 +174,7 @@ class Prefill(Part):
         outcome = Outcome.NEUTRAL
         late, aborted = self._abort_at(limit, f, worker)
         timed_out = False
+        f.prefill_sent = self.clock()  # P may start its KV lease once it has the request
         try:
             reply: dict[str, Any] = (await self.core.call(worker, self.upstream.post_generate_raw(
                 "prefill", worker.url, body, request_id=f.record.base_id,
@@ -221,14 +222,15 @@ class Prefill(Part):
 
     def accept_reply(self, f: Flight, prefill: Worker,
                               reply: dict[str, Any]) -> tuple[dict[str, Any] | None, UpstreamError | None]:
-        """Check a 200 prefill reply; on success the KV is held (state KV_HELD, lease open)."""
+        """Check a 200 prefill reply; on success the KV is held (state KV_HELD, lease open). No
+        params and no error: the lease ran out before P's answer came (closed as ``expired``)."""
         record = f.record
         params = reply.get("kv_transfer_params")
         reason = self._params_problem(params)
         if reason is None and isinstance(params, dict):
             record.phase = Phase.KV_HELD
             params = self.core.rewrite_remote_host(params, prefill.url)
-            f.kv_blocks = self.leases.hold(record, prefill.url, params)
+            f.kv_blocks = self.leases.hold(record, prefill.url, params, sent=f.prefill_sent)
         self.note_worker_abort(f, reply)
         if reason is not None:
             if not record.is_aborted:
@@ -266,6 +268,7 @@ class Prefill(Part):
         # As the request's own prefill hop (``hop``): at ``limit`` P is sent an abort, not cut
         # off, so KV it finished with is taken rather than left on P until its lease ends.
         late, aborted = self._abort_at(limit, f, p)
+        sent = self.clock()  # P may start its KV lease once it has the request
         try:
             reply = await self.core.call(p, self.upstream.post_generate(
                 "prefill", p.url, prefill_body(body, record.base_id, stream=f.request.is_stream,
@@ -290,5 +293,7 @@ class Prefill(Part):
             return body
         params = self.core.rewrite_remote_host(params, p.url)
         record.prefill_worker = p
-        self.leases.hold(record, p.url, params)
+        self.leases.hold(record, p.url, params, sent=sent)
+        if record.kv_params is None:
+            return body  # P's lease ran out before its answer came: D computes the continuation
         return {**body, "kv_transfer_params": params}

@@ -101,7 +101,9 @@ class Serving:
         check = handoff_check(self.upstream, block_size=self.pools.blocks.pair,
                               timeout=self.settings.pools.preflight_timeout,
                               rewrite=self.core.rewrite_remote_host)
-        await self.pools.start(self.upstream.session, check)
+        key = self.settings.upstream_api_key
+        await self.pools.start(self.upstream.session, check,
+                               upstream_headers={"Authorization": f"Bearer {key}"} if key else None)
 
     async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
         """One generate call. Errors are raised (``proxy.errors``): the app's error middleware
@@ -239,6 +241,8 @@ class Serving:
         if prefill is None:
             return None, "", None  # aborted before any prefill worker took it
         kv_params, error = self.prefill.accept_reply(f, prefill, reply)
+        if kv_params is None and error is None and not record.is_aborted:
+            self.core.decode_only(f, "lease_expired")  # P's answer came after its lease ran out
         if kv_params is not None and f.first_token and not record.is_aborted:
             self.first.build(f, reply)
         return kv_params, "missing_kv_params", error
@@ -280,6 +284,12 @@ class Serving:
             if resp is not None:  # the client has P's token
                 return await self.first.end_aborted(request, f, resp)
             return await self.aborts.respond_aborted(request, f)
+        if kv_params is not None and not self.core.lease_valid(f):
+            # It waited for a decode worker past P's lease: P's own timer may have freed the KV,
+            # so no hop pulls with P's params; D computes the prompt itself.
+            self.leases.ran_out(record)
+            self.core.decode_only(f, "lease_expired")
+            kv_params = None
         record.decode_worker = decode
         record.phase = Phase.DECODING
         self.core.decoding(f)

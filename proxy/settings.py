@@ -115,6 +115,10 @@ class ProxySettings:
     own, read from its ``/metrics`` (``proxy.pools.blocks``). It sets the short-prompt bypass, the
     prefix key, the preflight's prompt, and which prompts count in
     ``pd_proxy_suspect_no_transfer_total`` (at least one block, and no transfer seen)."""
+    max_model_len: int | None = None
+    """The workers' model length (prompt and output tokens) for every worker; None: each worker's
+    own, read from its ``GET /v1/models`` (``proxy.pools.blocks``). A stream whose prompt leaves
+    room for one token only ends at the prefill worker's token (``proxy.first_stream``)."""
     log_format: LogFormat = "text"
     """The per-request access line (logger ``pd_proxy.access``): ``key=value`` text or JSON."""
     otel: bool = False
@@ -177,6 +181,8 @@ class ProxySettings:
                              "--max-upstream-header-bytes must be at least 1")
         if self.kv_block_size is not None and self.kv_block_size < 1:
             raise ValueError("--kv-block-size must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be at least 1")
         if not (self.abort_grace > 0 and self.abort_repeat_first > 0):
             raise ValueError("abort_grace and abort_repeat_first must be above 0 (an abort's repeats wait "
                              "that long)")

@@ -20,7 +20,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -88,11 +88,17 @@ def http_probe(session: aiohttp.ClientSession, timeout: float, path: str = "/hea
     return probe
 
 
-def http_fetch(session: aiohttp.ClientSession, timeout: float, path: str = "/metrics") -> FetchFn:
+def http_fetch(session: aiohttp.ClientSession, timeout: float, path: str = "/metrics", *,
+               headers: Mapping[str, str] | None = None, limit: int | None = None) -> FetchFn:
+    """``GET path`` of a worker, its body as text; an error status raises
+    (``ClientResponseError``), and so does a body past ``limit`` bytes (``AnswerTooLarge``; by
+    default ``METRICS_PAGE_LIMIT``)."""
     async def fetch(worker: Worker) -> str:
-        async with session.get(worker.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(worker.url + path, timeout=aiohttp.ClientTimeout(total=timeout),
+                               headers=headers) as resp:
             resp.raise_for_status()
-            return (await read_capped(resp, METRICS_PAGE_LIMIT)).decode(resp.charset or "utf-8", "replace")
+            page = await read_capped(resp, limit if limit is not None else METRICS_PAGE_LIMIT)
+            return page.decode(resp.charset or "utf-8", "replace")
 
     return fetch
 

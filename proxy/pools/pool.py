@@ -92,6 +92,9 @@ class Pool:
         self.weights = weights or LoadWeights()
         self.queue = WaitQueue(max_waiters, retry_after=retry_after, what=f"{name} pool")
         self._workers: dict[str, Worker] = {}
+        self._departed: dict[str, Worker] = {}
+        """Workers that left while requests ran on them, by URL, until those requests end: one that
+        comes back meanwhile is the same object (its in-flight count, breaker, health, draining)."""
         self._recovery: asyncio.Future[None] | None = None
         """Resolved (and dropped) at the next release: what waiters for a recovering worker await."""
         self.on_change: list[Callable[[Pool], None]] = []
@@ -124,8 +127,10 @@ class Pool:
         url = normalize_url(url)
         worker = self._workers.get(url)
         if worker is None:
-            breaker = CircuitBreaker(self.breaker_config, self.clock, f"{self.name} worker {url}")
-            worker = Worker(url, self.name, breaker, max_inflight=self.max_inflight_per_worker)
+            worker = self._departed.pop(url, None)
+            if worker is None:
+                breaker = CircuitBreaker(self.breaker_config, self.clock, f"{self.name} worker {url}")
+                worker = Worker(url, self.name, breaker, max_inflight=self.max_inflight_per_worker)
             self._workers[url] = worker
             worker.sources.add(source)
             self._changed()
@@ -171,6 +176,8 @@ class Pool:
             callback(self)
 
     def _left(self, worker: Worker) -> None:
+        if worker.inflight > 0:
+            self._departed[worker.url] = worker
         for callback in list(self.on_leave):
             callback(self, worker)
         self._changed()
@@ -273,6 +280,8 @@ class Pool:
 
     def release(self, worker: Worker, outcome: Outcome, tokens: int = 0) -> None:
         worker.end(tokens, outcome)
+        if worker.inflight == 0 and self._departed.get(worker.url) is worker:
+            del self._departed[worker.url]  # its last request ended: nothing of it is kept
         self.queue.wake()
         if self._recovery is not None:
             if not self._recovery.done():

@@ -25,7 +25,15 @@ from prometheus_client.registry import Collector
 
 from proxy.pools.admin import admin_app
 from proxy.pools.admission import DEADLINE_HEADER, Admission, Deadline
-from proxy.pools.blocks import BlockSizeLearner, BlockSizes
+from proxy.pools.blocks import (
+    MODELS_BODY_LIMIT,
+    MODELS_PATH,
+    BlockSizeLearner,
+    BlockSizes,
+    ModelLenLearner,
+    ModelLens,
+    WorkerLearner,
+)
 from proxy.pools.breaker import BreakerConfig
 from proxy.pools.health import (
     HealthChecker,
@@ -91,18 +99,30 @@ class PoolMetrics:
 # ------------------------------------------------------------------------------ runtime
 
 
+def _waker(learner: WorkerLearner) -> Callable[[Pool], None]:
+    """A pool change (a worker joined) wakes ``learner``."""
+    return lambda _: learner.wake()
+
+
+
 class PoolRuntime:
     def __init__(self, settings: PoolSettings, prefill_urls: Iterable[str], decode_urls: Iterable[str],
-                 *, block_size: int | None = None, registry: CollectorRegistry | None = None,
+                 *, block_size: int | None = None, max_model_len: int | None = None,
+                 registry: CollectorRegistry | None = None,
                  metrics_with_health: bool = True,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
         """``block_size``: the workers' KV block size for all of them (``--kv-block-size``); None:
-        each worker's own, read from its ``/metrics`` (``proxy.pools.blocks``)."""
+        each worker's own, read from its ``/metrics`` (``proxy.pools.blocks``). ``max_model_len``:
+        the workers' model length (``--max-model-len``); None: each worker's own, from its
+        ``GET /v1/models``."""
         self.settings = s = settings
         self.blocks = BlockSizes(block_size)
         """Per worker KV block sizes: prefix hashing, the short-prompt bypass, preflight, the
         suspect-no-transfer counter."""
         self.learner: BlockSizeLearner | None = None
+        self.model_lens = ModelLens(max_model_len)
+        """Per worker model lengths: a stream whose first token (P's) is its last."""
+        self.learners: list[WorkerLearner] = []
         self.clock = clock
         self.rng = rng or random.Random()
         breaker = BreakerConfig(failure_threshold=s.breaker_failures, open_seconds=s.breaker_open_seconds,
@@ -176,6 +196,12 @@ class PoolRuntime:
             return "prefill_unavailable"
         return None
 
+    def one_token_left(self, prompt_tokens: int) -> bool:
+        """Whether a prompt of ``prompt_tokens`` leaves room for one generated token only on every
+        decode worker (their model length: ``--max-model-len`` or each one's own, all known):
+        whichever decodes it ends the request at token 1 with ``length``."""
+        return self.model_lens.one_token_left(prompt_tokens, self.decode)
+
     def prefill_too_short(self, prompt_tokens: int) -> list[Worker]:
         """Prefill workers a prompt fills no block of (by default, ``--bypass-prompt-tokens`` unset):
         left out of its prefill pick, so the bypass threshold is that of the worker chosen."""
@@ -201,7 +227,9 @@ class PoolRuntime:
 
     # -------------------------------------------------------------- lifecycle
 
-    async def start(self, session: aiohttp.ClientSession, preflight_check: PreflightFn | None = None) -> None:
+    async def start(self, session: aiohttp.ClientSession, preflight_check: PreflightFn | None = None,
+                    *, upstream_headers: Mapping[str, str] | None = None) -> None:
+        """``upstream_headers``: sent with the reads of the workers' API (their API key)."""
         s = self.settings
         loop = asyncio.get_running_loop()
         if s.preflight and preflight_check is not None:
@@ -214,11 +242,7 @@ class PoolRuntime:
             self.prefill.on_change.append(prune)
             self.decode.on_change.append(prune)
             self.preflight.start_all(self.prefill, self.decode)
-        if self.blocks.learning:
-            learner = self.learner = BlockSizeLearner(list(self.pools), http_fetch(session, s.health_timeout))
-            for pool in self.pools:
-                pool.on_change.append(lambda _: learner.wake())
-            self._tasks.append(loop.create_task(learner.run(s.health_interval), name="pool-block-sizes"))
+        self._start_learners(loop, session, upstream_headers)
         if s.active_health:
             self.health = HealthChecker(list(self.pools), http_probe(session, s.health_timeout),
                                         fail_threshold=s.health_fail_threshold,
@@ -255,9 +279,27 @@ class PoolRuntime:
                                              api_client)
                 self._tasks.append(loop.create_task(source.run(), name=f"pool-k8s-{sel.pool}"))
 
+    def _start_learners(self, loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession,
+                        upstream_headers: Mapping[str, str] | None) -> None:
+        """Read what each worker says of itself (block size, model length) unless a setting gives
+        it: each learner woken when a worker joins."""
+        timeout = self.settings.health_timeout
+        if self.blocks.learning:
+            self.learner = BlockSizeLearner(list(self.pools), http_fetch(session, timeout))
+            self.learners.append(self.learner)
+        if self.model_lens.learning:
+            self.learners.append(ModelLenLearner(list(self.pools), http_fetch(
+                session, timeout, MODELS_PATH, headers=upstream_headers, limit=MODELS_BODY_LIMIT)))
+        for learner in self.learners:
+            for pool in self.pools:
+                pool.on_change.append(_waker(learner))
+            self._tasks.append(loop.create_task(learner.run(self.settings.health_interval),
+                                                name=f"pool-learn-{type(learner).__name__}"))
+
     def _health_changed(self, worker: Worker) -> None:
-        if not worker.healthy and self.learner is not None:
-            self.learner.forget(worker)  # it may come back with another configuration
+        if not worker.healthy:
+            for learner in self.learners:
+                learner.forget(worker)  # it may come back with another configuration
 
     async def stop(self) -> None:
         for task in self._tasks:

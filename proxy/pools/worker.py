@@ -43,6 +43,9 @@ class Worker:
     block_size: int | None = None
     """The worker's KV block size (tokens), from its ``/metrics`` (``proxy.pools.blocks``); None
     until known."""
+    max_model_len: int | None = None
+    """The worker's model length (prompt and output tokens), from its ``GET /v1/models``
+    (``proxy.pools.blocks``); None until known."""
 
     @property
     def saturated(self) -> bool:

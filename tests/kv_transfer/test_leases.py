@@ -70,3 +70,30 @@ def test_close_without_a_lease_does_nothing() -> None:
     r = Req("c", kv_params=dict(PARAMS))
     assert not ls.close(r, "unknown")
     assert r.kv_params is not None and seen.events == []
+
+
+def test_the_expiry_counts_from_when_the_hop_was_sent() -> None:
+    """P may have finished, and started its own lease, as soon as it had the request: the lease
+    is recorded from P's answer but expires ``lease_duration`` after the hop went out."""
+    now, seen = [107.0], Seen()
+    ls = leases(now, seen)
+    r = Req("d")
+    ls.hold(r, "http://p:1", PARAMS, sent=100.0)
+    assert r.lease is not None and (r.lease.start, r.lease.expires) == (107.0, 110.0)
+    now[0] = 109.9
+    assert ls.valid(r) and ls.expire() == 0
+    now[0] = 110.0
+    assert not ls.valid(r)
+    assert ls.expire() == 1 and r.lease.end == 110.0 and r.lease.reason == "expired"
+
+
+def test_an_answer_later_than_the_lease_closes_it_as_expired_at_once() -> None:
+    now, seen = [112.0], Seen()
+    ls = leases(now, seen)
+    r = Req("e")
+    assert ls.hold(r, "http://p:1", PARAMS, sent=100.0) == 4
+    assert not ls.valid(r) and r.kv_params is None and ls.open_count == 0
+    assert r.lease is not None and r.lease.reason == "expired" and r.lease.duration == 0.0
+    assert seen.events == [("open", "e", 1), ("close:expired", "e", 0)]
+    closed = ls.snapshot()["closed"][0]
+    assert closed["reason"] == "expired" and closed["start"] == closed["end"] == 112.0

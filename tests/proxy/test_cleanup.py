@@ -92,6 +92,21 @@ async def test_a_release_is_not_tried_again_once_ps_lease_ran_out() -> None:
     assert len(up.releases) == 1 and reason(f) == "unknown"
 
 
+@pytest.mark.parametrize("swept", [False, True], ids=["open", "closed-by-the-sweep"])
+async def test_no_release_once_ps_lease_ran_out(swept: bool) -> None:
+    """P's lease ran out before the release (P's timer freed the KV): no release hop is sent, and
+    the lease ends ``expired`` when it ran out (whether the sweep had closed it or not)."""
+    walk, up, f, clock = held(lease_duration=30.0)
+    assert f.record.lease is not None
+    ends = f.record.lease.expires
+    clock.advance(31.0)
+    if swept:
+        assert walk.core.expire_leases() == 1
+    await walk.cleanup.release(f)
+    assert up.calls == [] and f.record.kv_params is None
+    assert reason(f) == "expired" and f.record.lease.end == ends
+
+
 async def test_a_release_d_refuses_leaves_the_lease_to_expire() -> None:
     walk, up, f, clock = held(2, lease_duration=30.0, pools={"decode_attempts": 3})
     up.script("decode", status(400))

@@ -73,3 +73,13 @@ def test_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.upstream_api_key == "upstream-secret-Zr81" and s.pools.admin_key == "admin-secret-Kq20"
     s = parse_args(["--prefill", P1, "--decode", D1, "--upstream-api-key", "flag-key-Ab12"])
     assert s.upstream_api_key == "flag-key-Ab12"
+
+
+def test_max_model_len_reaches_the_pools() -> None:
+    from proxy.metrics import ProxyMetrics  # noqa: PLC0415
+    from proxy.serving import Serving  # noqa: PLC0415
+
+    s = parse_args(["--prefill", P1, "--decode", D1, "--max-model-len", "4096"])
+    assert s.max_model_len == 4096 and parse_args(["--prefill", P1, "--decode", D1]).max_model_len is None
+    pools = Serving(s, ProxyMetrics()).pools
+    assert pools.one_token_left(4095) and not pools.one_token_left(4094)

@@ -319,11 +319,25 @@ def test_a_final_first_chunk_carries_ps_end_and_its_whole_text() -> None:
     choice = json.loads(events[6:-2])["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"], choice["text"]) == ("stop", "c", "ab")
     assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 1}]
-    assert shown == [FirstToken(0, 7, "ab")]  # not held back: the request is over
-    partial, shown = first_chunk(reply, request_id="generate-tokens-x", output_mode="text",
+    assert shown == [FirstToken(0, 7, "ab", final=True)]  # not held back: the request is over
+    going_on = _reply({"finish_reason": "length", "text": "ab"}, text=True)
+    partial, shown = first_chunk(going_on, request_id="generate-tokens-x", output_mode="text",
                                  sampling_params=sp)
     assert json.loads(partial[6:-2])["choices"][0]["finish_reason"] is None
     assert shown == [FirstToken(0, 7, "")]  # 5 characters held back
+
+
+def test_each_choice_that_ends_at_its_first_token_carries_its_end() -> None:
+    """n=2, choice 0 stops at token 1 (EOS), choice 1 goes on: the request is not over, but choice
+    0's chunk carries its end with its token, as vLLM streams it (one chunk, not a second empty one)."""
+    sp = {"max_tokens": 5, "n": 2, "temperature": 1.0}
+    reply = _reply(EOS, {})
+    assert not ends_at_first_token(reply, sp)
+    events, shown = first_chunk(reply, request_id="generate-tokens-x", output_mode="tokens",
+                                sampling_params=sp)
+    first, second = (json.loads(e[6:])["choices"][0] for e in events.split(b"\n\n")[:2])
+    assert (first["finish_reason"], second["finish_reason"]) == ("stop", None)
+    assert [t.final for t in shown] == [True, False]
 
 
 @pytest.mark.parametrize(("name", "prompt", "completion"), [

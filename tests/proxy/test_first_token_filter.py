@@ -52,7 +52,7 @@ _texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_si
 _floats = st.one_of(st.floats(-30, 0, allow_nan=False), st.sampled_from([-1e-05, -1.25e-07, -9999.0, 0.0]))
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(ids=st.lists(st.integers(0, 600), min_size=1, max_size=6), data=st.data(),
        mode=st.sampled_from(["tokens", "text"]), with_logprobs=st.booleans(),
        finish=st.sampled_from([None, "length", "stop"]), continuous=st.booleans())
@@ -91,6 +91,7 @@ def test_a_merged_chunk_loses_exactly_token_1(ids: list[int], data: st.DataObjec
         assert [logprobs[0], *back["logprobs"]["content"]] == sent
 
 
+@settings(deadline=None)
 @given(before=_texts, after=_texts)
 def test_text_is_cut_by_characters_in_any_spelling(before: str, after: str) -> None:
     """The shown text is cut from D's JSON text by characters, whatever the escapes (``ensure_ascii``
@@ -180,6 +181,29 @@ def test_a_mismatch_keeps_the_choice_pending_until_cleared() -> None:
     flt.clear()  # the continuation starts after P's token
     cont = pydantic_core.to_json(_chunk([5]))
     assert flt.event(cont) is cont
+
+
+def test_a_choice_that_ended_with_ps_token_is_not_sent_again() -> None:
+    """n=2, choice 0 ended at token 1: the client had its token and its end in P's chunk, so D's
+    chunk for it (token 1 and the end) is not sent; choice 1's token 1 is taken out as usual."""
+    flt = FirstTokenFilter([FirstToken(0, 4, None, final=True), FirstToken(1, 8, None)])
+    assert flt.event(pydantic_core.to_json(_chunk([4], finish="stop"))) is None
+    assert flt.event(pydantic_core.to_json(_chunk([8, 9], index=1))) == pydantic_core.to_json(
+        _chunk([9], index=1))
+    assert flt.pending == {}
+    both = _chunk([4], finish="stop")  # two choices in one chunk: the ended one goes
+    both["choices"].append(_chunk([8, 9], index=1)["choices"][0])
+    flt = FirstTokenFilter([FirstToken(0, 4, None, final=True), FirstToken(1, 8, None)])
+    out = flt.event(pydantic_core.to_json(both))
+    assert isinstance(out, bytes) and json.loads(out)["choices"] == _chunk([9], index=1)["choices"]
+
+
+@pytest.mark.parametrize("chunk", [_chunk([4]), _chunk([4, 5], finish="length"),
+                                   _chunk([4], text="abc", finish="stop")])
+def test_d_going_on_with_a_choice_that_ended_at_ps_token_is_a_mismatch(chunk: dict[str, Any]) -> None:
+    text = "ab" if "text" in chunk["choices"][0] else None
+    flt = FirstTokenFilter([FirstToken(0, 4, text, final=True)])
+    assert flt.event(pydantic_core.to_json(chunk)) == Mismatch(0, 4, 4, "finish")
 
 
 def test_a_hypothesis_example_chunk_is_vllm_shaped() -> None:

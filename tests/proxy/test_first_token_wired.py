@@ -312,9 +312,23 @@ async def test_the_client_gets_vllms_recorded_bytes(scripted_factory: ScriptedFa
     assert 'pd_proxy_stage_seconds_count{stage="first_to_second"} 1.0' in text  # token 1 was P's
 
 
-async def test_n2_where_one_choice_stops_at_token_1(pd_factory: PDFactory, sim_factory: SimFactory) -> None:
-    """Only choice 0 stops at token 1 (a stop token): the stream goes on for choice 1; choice 0
-    gets its end from D (``token_ids: []`` with the finish reason), the same tokens as vLLM's."""
+async def raw_streams(pd: PD, sim_factory: SimFactory, body: dict[str, Any],
+                      **sim: Any) -> tuple[bytes, bytes]:
+    """``body`` streamed through the proxy and through one aggregated pd-sim (``sim``: its
+    settings): both raw bodies."""
+    got = await (await pd.client.post("/inference/v1/generate", json={**body, "stream": True})).read()
+    agg = await sim_factory(role="aggregated", zero_latency=True, **sim)
+    want = await (await agg.session.post(agg.url + "/inference/v1/generate",
+                                         json={**body, "stream": True})).read()
+    return got, want
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
+async def test_n2_where_one_choice_stops_at_token_1(pd_factory: PDFactory, sim_factory: SimFactory,
+                                                    usage: bool) -> None:
+    """Only choice 0 stops at token 1 (a stop token): the stream goes on for choice 1; choice 0's
+    token and its end come in one chunk, P's, as one vLLM server sends them: the client's stream is
+    the aggregated worker's, byte for byte."""
     base = r(sp={"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6})
     _, plain = await reference(sim_factory, {**base, "request_id": "n2a"}, True, {})
     first = [next(c["token_ids"][0] for e in plain[:-1] for c in e["choices"] if c["index"] == i)
@@ -336,7 +350,46 @@ async def test_n2_where_one_choice_stops_at_token_1(pd_factory: PDFactory, sim_f
 
     assert per_choice(got) == per_choice(want)
     assert per_choice(got)[0] == ([first[0]], "stop")
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    raw, want_raw = await raw_streams(pd, sim_factory, {**body, "request_id": "n2b"})
+    assert raw == want_raw
+    ends = [c for e in sse_datas(raw) if isinstance(e, dict) for c in e["choices"]
+            if c["index"] == 0 and c["finish_reason"] is not None]
+    assert len(ends) == 1 and ends[0]["token_ids"] == [first[0]]  # one chunk: the token and its end
     await pd.quiet()
+
+
+async def model_lens_known(pd: PD) -> list[int | None]:
+    """The decode workers' model lengths, once the proxy learned them (bounded wait)."""
+    for _ in range(500):
+        lens = [getattr(w, "max_model_len", None) for w in pd.serving.decode_pool]
+        if all(n is not None for n in lens):
+            break
+        await asyncio.sleep(0.01)
+    return lens
+
+
+@pytest.mark.parametrize("how", ["learned", "learned-usage", "setting"])
+async def test_token_1_at_the_model_length_ends_the_stream_in_ps_chunk(
+        pd_factory: PDFactory, sim_factory: SimFactory, how: str) -> None:
+    """Only one token fits the model length (prompt + 1 = max_model_len): the stream ends at P's
+    token, the token and its ``length`` end in one chunk, as one vLLM server sends it (byte for
+    byte), with no decode hop but the release of P's KV. The model length is the decode workers'
+    (``GET /v1/models``, behind the workers' API key) or ``--max-model-len``."""
+    sims = {"max_model_len": 20, "api_key": "upstream"}
+    setting = {"max_model_len": 20} if how == "setting" else {}
+    pd = await pd_factory(prefill=sims, decode=sims, upstream_api_key="upstream", **setting, **ON)
+    lens = await model_lens_known(pd) if how != "setting" else []
+    body = req(token_ids=list(range(300, 319)), request_id="at-len", sp={"max_tokens": 8})
+    if how == "learned-usage":
+        body["stream_options"] = {"include_usage": True}
+    raw, want = await raw_streams(pd, sim_factory, body, max_model_len=20)
+    assert raw == want, (lens, raw)
+    ends = [c for e in sse_datas(raw) if isinstance(e, dict) for c in e["choices"]
+            if c["finish_reason"] is not None]
+    assert len(ends) == 1 and ends[0]["finish_reason"] == "length" and len(ends[0]["token_ids"]) == 1
+    await pd.quiet()  # P's KV released
 
 
 async def test_a_deadline_passing_after_ps_chunk_ends_the_stream_and_frees_ps_kv(

@@ -11,20 +11,22 @@ import pytest
 
 from kv_transfer.handoff import PREFILL_REQUEST
 from proxy.errors import UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
-from proxy.pools import CircuitState, DeadlineExceeded, NoWorkerAvailable, Outcome, Worker
+from proxy.pools import CircuitState, DeadlineExceeded, NoWorkerAvailable, Outcome, PoolSettings, Worker
 from proxy.pools.admission import Deadline
 from proxy.prefill import Prefill
 from proxy.state import Phase
+from tests.proxy.conftest import ProxyFactory
 from tests.proxy.parts import (
     P_URLS,
     BoundRng,
     Call,
     count,
+    decode_reply,
     make_core,
     make_flight,
     worker,
 )
-from tests.proxy.scripted import KV_PARAMS, prefill_reply
+from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, prefill_reply
 
 
 def status(code: int, url: str = "p") -> UpstreamStatusError:
@@ -379,3 +381,147 @@ async def test_a_continuation_prefill_past_its_timeout_is_aborted_not_cut(finish
         assert out is body and core.leases.open_count == 0 and f.record.prefill_worker is None
         assert p.breaker.state is CircuitState.OPEN  # a timeout is P's failure
     assert p.inflight == 0
+
+
+# ------------------------------------------------------------------ the lease counts from the send
+
+
+async def test_the_lease_expires_counting_from_when_the_prefill_hop_was_sent() -> None:
+    """P may start its lease as soon as it has the request: its answer arriving late does not
+    lengthen the proxy's lease. Still inside it: held, expiring ``lease_duration`` after the send."""
+    core, up, clock = make_core(1, lease_duration=30.0)
+    prefill = Prefill(core)
+    f = make_flight(core)
+    sent = clock()
+
+    def late(call: Call) -> dict[str, Any]:
+        clock.advance(20.0)
+        return prefill_reply(call.body)
+
+    up.script("prefill", late)
+    p, reply, error = await prefill.with_retries(f)
+    assert p is not None and error is None
+    params, error = prefill.accept_reply(f, p, reply)
+    assert params == KV_PARAMS and error is None and core.lease_valid(f)
+    lease = f.record.lease
+    assert lease is not None and (lease.start, lease.expires) == (sent + 20.0, sent + 30.0)
+    clock.advance(10.0)
+    assert not core.lease_valid(f)  # 30 s after the send: P's own timer may have freed the KV
+
+
+async def test_an_answer_later_than_the_lease_is_taken_as_expired() -> None:
+    core, up, clock = make_core(1, lease_duration=30.0)
+    prefill = Prefill(core)
+    f = make_flight(core)
+
+    def too_late(call: Call) -> dict[str, Any]:
+        clock.advance(31.0)
+        return prefill_reply(call.body)
+
+    up.script("prefill", too_late)
+    p, reply, _ = await prefill.with_retries(f)
+    assert p is not None
+    assert prefill.accept_reply(f, p, reply) == (None, None)
+    assert f.record.kv_params is None and not core.lease_valid(f) and core.leases.open_count == 0
+    lease = f.record.lease
+    assert lease is not None and lease.reason == "expired" and lease.end == lease.start
+    assert count(core.metrics.prefill_missing_kv) == 0  # P did its part: no missing params
+
+
+async def test_each_prefill_attempt_has_its_own_send_time() -> None:
+    """A retried prefill on another worker: its lease counts from its own hop, not the first's."""
+    core, up, clock = make_core(2, lease_duration=30.0,
+                                pools={"prefill_attempts": 2, "retry_base_delay": 0.0})
+    prefill = Prefill(core)
+    f = make_flight(core)
+
+    def slow_failure(call: Call) -> UpstreamStatusError:
+        clock.advance(25.0)
+        return status(503)
+
+    up.script("prefill", slow_failure)
+    before_retry = clock()
+    p, reply, error = await prefill.with_retries(f)
+    assert p is not None and error is None and up.to("prefill") == [P_URLS[0], P_URLS[1]]
+    params, _ = prefill.accept_reply(f, p, reply)
+    assert params == KV_PARAMS and f.record.lease is not None
+    assert f.record.lease.expires == before_retry + 25.0 + 30.0
+
+
+async def test_a_continuation_answered_after_the_lease_is_computed_by_the_decode_worker() -> None:
+    core, up, clock = make_core(1, lease_duration=30.0, pools={"migrate_prefill_tokens": 16})
+    f = make_flight(core)
+    body = {"token_ids": LONG, "sampling_params": {"max_tokens": 5}}
+
+    def too_late(call: Call) -> dict[str, Any]:
+        clock.advance(31.0)
+        return prefill_reply(call.body)
+
+    up.script("prefill", too_late)
+    assert await Prefill(core).continuation(f, body) is body
+    assert core.leases.open_count == 0 and f.record.lease is not None
+    assert f.record.lease.reason == "expired"
+
+
+async def test_a_prefill_answer_after_the_lease_goes_decode_only(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    """P answers after its lease ran out (counted from the hop's send): the proxy sends no decode
+    hop with P's params (P may have freed the KV); the request goes decode-only, and the ledger
+    closes the lease ``expired`` when the answer came, nothing left open."""
+    async def late(body: dict[str, Any], request: Any) -> dict[str, Any]:
+        await asyncio.sleep(1.0)
+        return prefill_reply(body)
+
+    p: Scripted = await scripted_factory(late)
+    d: Scripted = await scripted_factory(lambda b, r: decode_reply(b))
+    client, _ = await proxy_factory([p.url], [d.url], lease_duration=0.5, kv_block_size=4)
+    r = await client.post("/inference/v1/generate", json={"token_ids": list(range(1, 13)),
+                                                           "sampling_params": {"max_tokens": 4}})
+    assert r.status == 200 and r.headers["X-PD-Decode-Only"] == "lease_expired"
+    assert len(p.received) == 1 and len(d.received) == 1
+    assert "kv_transfer_params" not in d.received[0]  # D computes the prompt itself
+    ledger = await (await client.get("/debug/kv-leases")).json()
+    assert ledger["open"] == []
+    (closed,) = ledger["closed"]
+    assert closed["reason"] == "expired" and closed["end"] == closed["start"]
+
+
+async def a_decode_worker_busy_for(seconds: float, scripted_factory: ScriptedFactory,
+                                   proxy_factory: ProxyFactory) -> tuple[Scripted, Scripted, Any]:
+    """One prefill and one decode worker (cap 1 in flight), a 0.5 s lease; the decode worker's
+    first request holds its slot for ``seconds``."""
+    busy = asyncio.Event()
+
+    async def slow_first(body: dict[str, Any], request: Any) -> dict[str, Any]:
+        if not busy.is_set():
+            busy.set()
+            await asyncio.sleep(seconds)
+        return decode_reply(body)
+
+    p: Scripted = await scripted_factory(lambda b, r: prefill_reply(b))
+    d: Scripted = await scripted_factory(slow_first)
+    client, _ = await proxy_factory([p.url], [d.url], lease_duration=0.5, kv_block_size=4,
+                                    pools=PoolSettings.plain(max_inflight_per_worker=1))
+    return p, d, client
+
+
+async def test_a_decode_hop_that_waited_past_the_lease_goes_decode_only(
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
+    """The decode pool is at its cap while the request's lease (0.5 s) runs out: when a slot
+    frees (~1 s), its decode hop carries no params of P's (P may have freed the KV) and the
+    request goes decode-only; the lease is closed ``expired``, nothing left open."""
+    p, d, client = await a_decode_worker_busy_for(1.0, scripted_factory, proxy_factory)
+    body = {"token_ids": list(range(1, 13)), "sampling_params": {"max_tokens": 4}}
+    first = asyncio.ensure_future(client.post("/inference/v1/generate", json=body))
+    for _ in range(200):  # the first request holds the decode slot
+        if d.received:
+            break
+        await asyncio.sleep(0.01)
+    r = await client.post("/inference/v1/generate", json=body)
+    assert r.status == 200 and r.headers["X-PD-Decode-Only"] == "lease_expired"
+    assert (await first).status == 200
+    assert len(p.received) == 2 and len(d.received) == 2
+    assert "kv_transfer_params" in d.received[0] and "kv_transfer_params" not in d.received[1]
+    ledger = await (await client.get("/debug/kv-leases")).json()
+    assert ledger["open"] == []
+    assert sorted(c["reason"] for c in ledger["closed"]) == ["expired", "pulled"]

@@ -4,9 +4,12 @@ reachable worker (vLLM start-up, a pool outage)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from proxy.app import DRAINING
+from aiohttp import web
+
+from proxy.app import DRAINING, SERVING
 from proxy.pools import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, req
 
@@ -65,3 +68,62 @@ async def test_probes_need_no_key(pd_factory: PDFactory) -> None:
     pd = await pd_factory(api_key="k1", pools=PoolSettings.plain(admin_key="adm"))
     assert (await pd.client.get("/livez")).status == 200
     assert (await pd.client.get("/readyz")).status == 200
+
+
+async def until(check: Any, limit: float = 10.0) -> None:
+    """Poll ``check`` (an async predicate) until it holds, within a generous bound."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not await check():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_pool_in_panic_is_unready(proxy_factory: Any, aiohttp_server: Any) -> None:
+    """The only decode worker fails its probes: the pool panics (it may still route what arrives),
+    but nothing passes the probes, so ``/readyz`` says 503 as ``/health`` says 0 available; once it
+    passes them again, 200."""
+    decode_up = {"ok": True}
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200 if decode_up["ok"] else 503)
+
+    async def healthy(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    servers = []
+    for handler in (healthy, health):
+        app = web.Application()
+        app.router.add_get("/health", handler)
+        servers.append(await aiohttp_server(app, host="127.0.0.1"))
+    p, d = (str(s.make_url("")).rstrip("/") for s in servers)
+    client, app = await proxy_factory([p], [d], kv_block_size=16, pools=PoolSettings.plain(
+        active_health=True, health_interval=0.02, health_fail_threshold=1, health_recover_threshold=1,
+        panic_when_all_unhealthy=True))
+    pool = app[SERVING].decode_pool
+    assert pool.panic
+
+    async def readyz() -> tuple[int, Any]:
+        r = await client.get("/readyz")
+        return r.status, await r.json()
+
+    async def decode_available() -> int:
+        body = await (await client.get("/health")).json()
+        return int(body["workers"]["decode"]["available"])
+
+    async def ready() -> bool:
+        return (await readyz())[0] == 200
+
+    await until(ready)
+    decode_up["ok"] = False
+
+    async def unhealthy() -> bool:
+        return not pool.workers[0].healthy
+
+    await until(unhealthy)
+    assert pool.in_panic and pool.candidates()  # panic mode: requests that arrive are still routed
+    assert await readyz() == (503, {"status": "unavailable"})
+    assert await decode_available() == 0
+    decode_up["ok"] = True
+    await until(ready)
+    assert await decode_available() == 1

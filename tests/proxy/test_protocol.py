@@ -7,7 +7,7 @@ import pathlib
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_transfer.handoff import check_prefill_params
@@ -98,6 +98,7 @@ _DECOYS = st.recursive(
     max_leaves=8)
 
 
+@settings(deadline=None)
 @given(rest=st.dictionaries(_DECOY_KEYS.filter(lambda k: k != "usage"), _DECOYS, max_size=4),
        extra=st.dictionaries(_DECOY_KEYS.filter(lambda k: k != "prompt_tokens_details"), _DECOYS,
                              max_size=2),

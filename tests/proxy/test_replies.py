@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.protocol import compact_json
@@ -41,6 +41,7 @@ def test_an_aborted_full_response_has_n_empty_choices_and_the_prompt_counted() -
     assert json.loads(compact_json(body)) == body
 
 
+@settings(deadline=None)
 @given(st.dictionaries(st.text(st.characters(exclude_categories=["Cs"])),
                        st.integers(min_value=-2**200, max_value=2**200) | st.floats() | st.booleans(),
                        max_size=4))

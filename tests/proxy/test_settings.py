@@ -19,6 +19,7 @@ P, D = ("http://127.0.0.1:9101",), ("http://127.0.0.1:9201",)
 @pytest.mark.parametrize(("kw", "message"), [
     ({"upstream_max_connections_per_host": -1}, "must be 0 (no cap) or more"),
     ({"kv_block_size": 0}, "--kv-block-size must be at least 1"),
+    ({"max_model_len": 0}, "--max-model-len must be at least 1"),
     ({"abort_repeat_first": 0.0}, "abort_grace and abort_repeat_first must be above 0"),
     ({"abort_grace": -1.0}, "abort_grace and abort_repeat_first must be above 0"),
     ({"prefill_urls": ()}, "at least one prefill and one decode URL"),

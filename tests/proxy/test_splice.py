@@ -62,7 +62,7 @@ def _one_plain_event(data: bytes) -> bool:
             and b"\r" not in data and DONE_EVENT not in data and b'data: {"error"' not in data)
 
 
-@settings(max_examples=400)
+@settings(deadline=None, max_examples=400)
 @given(st.lists(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6).map(b"".join),
                 min_size=1, max_size=5))
 def test_chunks_are_plain_exactly_when_each_is_one_plain_event(datas: list[bytes]) -> None:
@@ -81,7 +81,7 @@ _MIDDLES = [b"x", b'{"token_ids":[1]}', b"[DONE]", b"\n", b"\r", b'{"error"', b"
             b"data: ", b"\n\n"]
 
 
-@settings(max_examples=600)
+@settings(deadline=None, max_examples=600)
 @example(b"\n", "%x", b"\r\n", b"")  # an LF inside the event: two lines, not one plain event
 @example(b"\r", "%x", b"\r\n", b"")
 @example(b"x", " %x", b"\r\n", b"")

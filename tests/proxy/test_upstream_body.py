@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.protocol import hop_json, parse_worker_json
@@ -20,6 +20,7 @@ _VALUES = st.recursive(
     max_leaves=8)
 
 
+@settings(deadline=None)
 @given(ids=st.lists(st.integers(min_value=0, max_value=2**31)),
        rest=st.dictionaries(st.text().filter(lambda k: k != "token_ids"), _VALUES, max_size=5))
 def test_a_body_with_token_ids_encodes_to_the_same_json_value(ids: list[int], rest: dict[str, Any]) -> None:
@@ -45,6 +46,7 @@ _NESTED = st.recursive(
     max_leaves=8)
 
 
+@settings(deadline=None)
 @given(ids=st.lists(st.integers(min_value=0, max_value=2**31)),
        rest=st.dictionaries(_KEYS.filter(lambda k: k != "token_ids"), _NESTED, max_size=4),
        first=st.booleans(), ascii_only=st.booleans(),
@@ -89,6 +91,7 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@settings(deadline=None)
 @given(value=_WIRE_VALUES)
 def test_a_hop_body_is_read_back_by_json_loads_as_the_same_value(value: Any) -> None:
     # NaN and Infinity too: json.loads (a client's body) accepts them, so a hop must carry them.
@@ -97,6 +100,7 @@ def test_a_hop_body_is_read_back_by_json_loads_as_the_same_value(value: Any) -> 
     assert raw == raw.strip() and b"\n" not in raw
 
 
+@settings(deadline=None)
 @given(value=_WIRE_VALUES, separators=st.sampled_from([(",", ":"), (", ", ": ")]))
 def test_a_workers_json_parses_as_json_loads_parses_it(value: Any, separators: tuple[str, str]) -> None:
     raw = json.dumps(value, separators=separators, ensure_ascii=False).encode()

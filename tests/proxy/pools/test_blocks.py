@@ -5,16 +5,30 @@ override; the bypass threshold is that of the prefill worker chosen."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import pytest
+import yarl
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import generate_latest
 
 from proxy.app import SERVING, build_app
 from proxy.pools import PoolRuntime, PoolSettings
-from proxy.pools.blocks import FALLBACK_BLOCK_SIZE, BlockSizeLearner, BlockSizes, parse_block_size
+from proxy.pools.blocks import (
+    FALLBACK_BLOCK_SIZE,
+    BlockSizeLearner,
+    BlockSizes,
+    ModelLenLearner,
+    ModelLens,
+    parse_block_size,
+    parse_max_model_len,
+)
+from proxy.pools.health import http_fetch
 from proxy.pools.policies import PickContext, PrefixAware
 from proxy.pools.pool import Pool
 from proxy.pools.preflight import handoff_check
@@ -279,3 +293,104 @@ def test_prefix_key_block_comes_from_the_membership_not_the_candidates() -> None
             assert pick_a.url == pick_b.url, family
             compared += 1
     assert compared >= 8
+
+
+# ----------------------------------------------------------------------------- the model length
+
+
+def test_max_model_len_is_read_from_the_models_card() -> None:
+    card = {"id": "m", "object": "model", "max_model_len": 2048}
+    assert parse_max_model_len(json.dumps({"object": "list", "data": [card]})) == 2048
+    two = [card, {**card, "id": "alias", "max_model_len": 4096}]
+    assert parse_max_model_len(json.dumps({"data": two})) == 4096  # the largest: nothing ends early
+    pages: list[object] = [{"data": []}, {"data": [{"id": "m"}]}, {"data": [{"max_model_len": True}]},
+                           {"data": [{"max_model_len": "9"}]}, {"data": [{"max_model_len": 0}]}, [],
+                           {"data": {}}]
+    for page in pages:
+        assert parse_max_model_len(json.dumps(page)) is None
+    with pytest.raises(ValueError):
+        parse_max_model_len("<html>")
+
+
+def test_one_token_left_needs_every_decode_workers_length() -> None:
+    a, b = Worker("http://127.0.0.1:1", "decode"), Worker("http://127.0.0.1:2", "decode")
+    lens = ModelLens()
+    assert not lens.one_token_left(19, [a, b]) and not lens.one_token_left(19, [])
+    a.max_model_len = 20
+    assert not lens.one_token_left(19, [a, b])  # b's is unknown: it may go on past token 1
+    b.max_model_len = 21
+    assert not lens.one_token_left(19, [a, b]) and lens.one_token_left(20, [a, b])
+    assert lens.one_token_left(18, [a]) is False and lens.one_token_left(19, [a])
+    assert ModelLens(20).one_token_left(19, [b]) and not ModelLens(20).one_token_left(18, [a])
+    with pytest.raises(ValueError):
+        ModelLens(0)
+
+
+async def test_model_len_learner_logs_a_refusal_once_and_retries_the_unreachable(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pool = Pool("decode", [f"http://127.0.0.1:{i}" for i in (1, 2, 3, 4)])
+    ok, refused, down, broken = pool.workers
+    fetched: list[str] = []
+
+    async def fetch(w: Worker) -> str:
+        fetched.append(w.url)
+        if w is refused:
+            raise aiohttp.ClientResponseError(aiohttp.RequestInfo(yarl.URL(w.url), "GET", CIMultiDictProxy(
+                CIMultiDict()), yarl.URL(w.url)), (), status=401)
+        if w is down:
+            raise aiohttp.ClientConnectionError("refused")
+        if w is broken:
+            return "not json"
+        return json.dumps({"data": [{"max_model_len": 20}]})
+
+    learner = ModelLenLearner([pool], fetch)
+    with caplog.at_level(logging.WARNING, logger="proxy.pools.blocks"):
+        await learner.learn_once()
+        await learner.learn_once()
+    assert [w.max_model_len for w in pool.workers] == [20, None, None, None]
+    assert sorted(fetched) == sorted([ok.url, refused.url, down.url, broken.url, down.url])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and sum(refused.url in m and "401" in m for m in warned) == 1
+    learner.forget(ok)
+    assert ok.max_model_len is None
+    await learner.learn_once()
+    assert ok.max_model_len == 20
+
+
+async def test_the_models_fetch_sends_the_key_and_is_bounded(aiohttp_server: Any) -> None:
+    seen: list[str | None] = []
+
+    async def models(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"data": [{"max_model_len": 20}], "pad": "x" * int(request.query["n"])})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    async with aiohttp.ClientSession() as session:
+        w = Worker(str(server.make_url("")).rstrip("/"), "decode")
+        small = http_fetch(session, 5.0, "/v1/models?n=10", headers={"Authorization": "Bearer k"},
+                           limit=1000)
+        assert parse_max_model_len(await small(w)) == 20 and seen == ["Bearer k"]
+        large = http_fetch(session, 5.0, "/v1/models?n=100000", limit=1000)
+        with pytest.raises(ValueError, match="over 1000 bytes"):
+            await large(w)
+
+
+@pytest.mark.parametrize("settings", [{}, {"kv_block_size": 16}], ids=["learning-blocks", "block-flag"])
+async def test_model_lengths_are_learned_with_the_workers_key(learning: LearnedStack,
+                                                              settings: dict[str, Any]) -> None:
+    """The proxy reads each worker's ``GET /v1/models`` with the key it sends the workers, with or
+    without ``--kv-block-size``; ``--max-model-len`` overrides (nothing read)."""
+    sims = {"max_model_len": 300, "api_key": "up"}
+    st = await learning(prefill=sims, decode=sims, upstream_api_key="up", **settings)
+    workers = [*st.serving.prefill_pool.workers, *st.serving.decode_pool.workers]
+
+    async def known() -> bool:
+        return [w.max_model_len for w in workers] == [300, 300]
+
+    await eventually(known)
+    assert st.serving.pools.one_token_left(299) and not st.serving.pools.one_token_left(298)
+    flag = await learning(max_model_len=100, **settings)
+    assert not any(isinstance(x, ModelLenLearner) for x in flag.serving.pools.learners)
+    assert flag.serving.pools.one_token_left(99)

@@ -27,7 +27,9 @@ async def test_reused_connection_closed_before_the_answer_is_retried_on_the_one_
     relay = CutRelay(p.url, cut_on=2)
     url = await relay.start()
     try:
+        # block size and model length given: no read of the workers' own crosses the relay
         settings = ProxySettings(prefill_urls=(url,), decode_urls=(d.url,), kv_block_size=16,
+                                 max_model_len=512,
                                  pools=PoolSettings(active_health=False, retry_base_delay=0.0))
         app = build_app(settings)
         client = await aiohttp_client(app, server_kwargs={"handler_cancellation": True})

@@ -9,9 +9,11 @@ from aiohttp import web
 
 from proxy.cli import parse_args
 from proxy.pools.admin import admin_app
+from proxy.pools.breaker import BreakerConfig, CircuitState
 from proxy.pools.membership import ConfigFileSource, Pools, load_config
 from proxy.pools.policies import make_policy
 from proxy.pools.pool import Pool
+from proxy.pools.worker import Outcome
 
 P1, P2, D1, D2 = (f"http://127.0.0.1:{p}" for p in (8101, 8102, 8201, 8202))
 
@@ -47,6 +49,27 @@ def test_config_file_reload_adds_removes_and_keeps_other_sources(tmp_path: Path)
     assert urls(pools, "prefill") == [P1, P2]  # P1 stays: the command line declares it
     assert urls(pools, "decode") == [D1]       # D2 left with the file's decode list
     assert src.loads == 2
+
+
+def test_a_reload_that_drops_and_restores_a_busy_worker_keeps_its_state(tmp_path: Path) -> None:
+    """A workers-file edit removes a decode worker while a request runs on it, the next puts it
+    back: the same worker, with that request still counted and its breaker as it was."""
+    cfg = tmp_path / "workers.toml"
+    pools = Pools([Pool("decode", breaker=BreakerConfig(failure_threshold=1))], policy_factory=make_policy)
+    src = ConfigFileSource(cfg, pools)
+    write(cfg, f'[pools.decode]\nworkers = ["{D1}", "{D2}"]\n', 1)
+    assert src.check()
+    w = pools["decode"].get(D2)
+    assert w is not None
+    w.begin()
+    w.begin()
+    pools["decode"].release(w, Outcome.FAILURE)
+    write(cfg, f'[pools.decode]\nworkers = ["{D1}"]\n', 2)
+    assert src.check() and urls(pools, "decode") == [D1]
+    write(cfg, f'[pools.decode]\nworkers = ["{D1}", "{D2}"]\n', 3)
+    assert src.check()
+    back = pools["decode"].get(D2)
+    assert back is w and back.inflight == 1 and back.circuit is CircuitState.OPEN
 
 
 @pytest.mark.parametrize("text", [

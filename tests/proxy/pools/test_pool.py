@@ -44,6 +44,56 @@ def test_worker_leaving_keeps_its_inflight_count_on_the_object() -> None:
     assert w.inflight == 0 and w.outstanding_tokens == 0
 
 
+@pytest.mark.parametrize("flap", ["k8s", "admin"])
+def test_a_worker_back_while_its_requests_run_keeps_their_count_and_its_breaker(flap: str) -> None:
+    """An EndpointSlice flap (or an admin's DELETE then POST) while requests run on the worker: it
+    comes back as the same worker, its in-flight count and open circuit kept, not a fresh one."""
+    p = Pool("decode", breaker=BreakerConfig(failure_threshold=1), clock=FakeClock())
+    p.replace_source("k8s", [A, B])
+    w = p.get(A)
+    assert w is not None
+    w.begin()
+    w.begin()
+    p.release(w, Outcome.FAILURE)  # the circuit opens
+    assert w.circuit is CircuitState.OPEN and w.inflight == 1
+    if flap == "k8s":
+        p.replace_source("k8s", [B])
+        assert not p.has(A)
+        p.replace_source("k8s", [A, B])
+    else:
+        assert p.remove(A) and not p.has(A)
+        p.add(A, "admin")
+    back = p.get(A)
+    assert back is w and back.inflight == 1 and back.circuit is CircuitState.OPEN
+    assert [x.url for x in p.candidates()] == [B]  # the open circuit still keeps requests off it
+    p.release(w, Outcome.NEUTRAL)
+    assert back.inflight == 0
+
+
+def test_a_departed_worker_is_forgotten_once_its_requests_end() -> None:
+    p = Pool("decode", [A, B])
+    w = p.get(A)
+    assert w is not None
+    w.begin()
+    w.begin()
+    assert p.remove(A)
+    p.release(w, Outcome.SUCCESS)
+    assert len(p._departed) == 1  # one request still runs on it
+    p.release(w, Outcome.SUCCESS)
+    assert p._departed == {}  # drained: nothing kept
+    fresh = p.add(A, "admin")
+    assert fresh is not w and fresh.inflight == 0
+    idle = p.get(B)
+    assert idle is not None and p.remove(B) and p._departed == {}  # nothing ran on it: not kept
+    for i in range(100):  # bounded: workers that come and go leave nothing behind
+        url = f"http://127.0.0.1:{10000 + i}"
+        x = p.add(url, "k8s")
+        x.begin()
+        p.discard(url, "k8s")
+        p.release(x, Outcome.NEUTRAL)
+    assert p._departed == {} and sorted(w.url for w in p) == [A]
+
+
 def test_unavailable_workers_are_never_picked() -> None:
     clock = FakeClock()
     p = Pool("prefill", [A, B, C], policy=RoundRobin(), clock=clock,
