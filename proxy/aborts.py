@@ -110,7 +110,7 @@ class Aborts(Part):
             return
         for index in range(f.request.sampling_params.n):
             chunk = compact_json(abort_stream_chunk(f.record.engine_id, f.request.output_mode, index))
-            buffer.put(data_event(chunk), chunk)
+            buffer.put(data_event(chunk))
         buffer.finish(done=True)
 
     async def broadcast_abort(self, request_ids: list[str]) -> None:

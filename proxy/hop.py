@@ -114,8 +114,7 @@ class HopResponse:
                 return b""
             await conn.wait(read_until(conn.loop, self._deadline, self._read_limit))
 
-    async def pipe(self, sink: Callable[[bytes], bool],
-                   splice: Callable[[bytes], bool] | None = None) -> None:
+    async def pipe(self, sink: Callable[[bytes], bool]) -> None:
         """The rest of the body to ``sink`` as it arrives (``HopConnection.pipe``: called in the
         loop turn the bytes came in, no task woken per read), until it ends or the sink returns
         False. What the sink raises is raised here as a ``SinkError``; the connection's failures
@@ -123,7 +122,7 @@ class HopResponse:
         conn = self._conn
         if conn is None:
             return
-        await conn.pipe(sink, self._deadline, self._read_limit, splice)
+        await conn.pipe(sink, self._deadline, self._read_limit)
         if conn.finished:
             self.close()
 

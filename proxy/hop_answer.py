@@ -175,27 +175,6 @@ def _chunk_size(line: bytes) -> int:
     return int(digits, 16)
 
 
-def whole_chunks(data: bytes) -> int:
-    """How many chunks ``data`` is when it is exactly whole chunks of a chunked body, each a bare
-    hex size line, its data and CRLF, none the last (size 0); 0 when it is anything else (a
-    chunk cut by the read, an extension, the body's end): the parser reads it then."""
-    pos, end, n = 0, len(data), 0
-    while pos < end:
-        nl = data.find(b"\r\n", pos)
-        if nl < 0:
-            return 0
-        line = data[pos:nl]
-        if _HEX_SIZE.fullmatch(line) is None:
-            return 0
-        size = int(line, 16)
-        stop = nl + 2 + size
-        if size == 0 or stop + 2 > end or not data.startswith(b"\r\n", stop):
-            return 0
-        pos = stop + 2
-        n += 1
-    return n
-
-
 class _Answer(asyncio.Protocol):
     """The parsing half of a ``HopConnection``: one answer at a time, its status line and headers
     (``head``) and its body queued (``_body``) as slices of the reads, reading paused while too
@@ -219,9 +198,6 @@ class _Answer(asyncio.Protocol):
         """Head bytes the answer may still send (interim answers and the trailer included)."""
         self._body_left = _UNBOUNDED
         """Body bytes the answer may still send (set from its status: ``_parse_head``)."""
-        self.bounded = True
-        """The answer's body has a limit (all but a stream's 2xx body): its bytes go through the
-        parser, which counts them."""
 
     def begin_answer(self, *, stream: bool) -> None:
         """A new answer is due: its head first; ``stream``: a 2xx body is a stream (taken as it
@@ -388,8 +364,8 @@ class _Answer(asyncio.Protocol):
         if not reusable:
             self._keep_alive = False
         ok = 200 <= status < 300
-        self.bounded = not (ok and self._stream)
-        self._body_left = (self.limits.body if ok else self.limits.error) if self.bounded else _UNBOUNDED
+        bounded = not (ok and self._stream)
+        self._body_left = (self.limits.body if ok else self.limits.error) if bounded else _UNBOUNDED
         if self._state == _LENGTH and self._remaining > self._body_left:
             raise self._too_large(ok)
         self.head = (status, headers)

@@ -18,7 +18,6 @@ from typing import cast
 from urllib.parse import urlsplit
 
 from proxy.hop_answer import (
-    _CHUNK_SIZE,
     _DONE,
     _UNTIL_CLOSE,
     AnswerLimits,
@@ -156,12 +155,6 @@ class HopConnection(_Answer):
         """Set while a caller waits in ``pipe``: given the body bytes as they arrive (``_to_sink``,
         once per loop turn that had reads; no task woken); False ends the piping. Unset by the
         connection when it ends (the sink said stop or raised), and by ``pipe`` when it returns."""
-        self.splice: Callable[[bytes], bool] | None = None
-        """Set with ``sink`` when the caller may take a read as its raw bytes (``pipe``): called
-        from ``data_received`` with a read that starts at a chunk's size line while nothing is
-        unparsed or queued for the sink; True when it took it (it checks that the read is whole
-        chunks: ``hop_answer.whole_chunks``), False to have it parsed and handed to the sink as
-        any other read."""
         self.sink_error: Exception | None = None
         """What the sink raised (``pipe`` raises it as a ``SinkError``)."""
         self._sink_limit: float | None = None
@@ -216,8 +209,6 @@ class HopConnection(_Answer):
         if self._state == _DONE:
             self._keep_alive = False  # bytes nobody asked for: never reuse this connection
             return
-        if self.splice is not None and self._state == _CHUNK_SIZE and self._spliced(data):
-            return
         try:
             self._feed(data)
         except HopProtocolError as e:
@@ -235,24 +226,6 @@ class HopConnection(_Answer):
                 self.loop.call_soon(self._to_sink)
             return
         self._wake()
-
-    def _spliced(self, data: bytes) -> bool:
-        """A read at a chunk's start, nothing unparsed or queued before it: when ``splice`` takes
-        it, done with (the wait for the next read extended as ``_to_sink`` extends it). False:
-        parse it as any other read."""
-        splice = self.splice
-        if splice is None or self._pending or self._body or self.sink is None or self.bounded:
-            return False  # (a bounded body is counted by the parser)
-        try:
-            if not splice(data):
-                return False
-        except Exception as e:  # handed to the caller, which raises it, as the sink's
-            self.sink_error, self._sink_stopped, self.sink = e, True, None
-            self._wake()
-            return True
-        if self._sink_limit is not None:
-            self._timer.extend(read_until(self.loop, self._sink_deadline, self._sink_limit))
-        return True
 
     def _to_sink(self) -> None:
         """What the reads since the last call brought, to the sink (run once per loop turn that had
@@ -347,7 +320,7 @@ class HopConnection(_Answer):
             self._waiter = None
 
     async def pipe(self, sink: Callable[[bytes], bool], deadline: float | None,
-                   read_limit: float | None, splice: Callable[[bytes], bool] | None = None) -> None:
+                   read_limit: float | None) -> None:
         """Hand the body to ``sink`` until it ends, the sink returns False or raises
         (``SinkError``), the connection fails (raised) or a wait for bytes outlasts ``read_limit``
         or passes ``deadline`` (``TimeoutError``). What arrives goes to the sink in the loop turn
@@ -356,14 +329,14 @@ class HopConnection(_Answer):
         self._sink_limit, self._sink_deadline = read_limit, deadline
         self._sink_stopped, self.sink_error = False, None
         self._sink_context = contextvars.copy_context()
-        self.sink, self.splice = sink, splice
+        self.sink = sink
         try:
             self._to_sink()  # what is buffered already (what came with the head)
             while self.sink is not None:
                 await self.wait(read_until(self.loop, deadline, read_limit))
                 self._to_sink()  # what is left when the connection's end woke us, not the sink
         finally:
-            self.sink = self.splice = self._sink_context = None
+            self.sink = self._sink_context = None
         if self.sink_error is not None:
             e, self.sink_error = self.sink_error, None
             raise SinkError(e) from e

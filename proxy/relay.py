@@ -14,7 +14,7 @@ aborted).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -224,16 +224,10 @@ class StreamBuffer:
     and, with a ``ByteBudget``, across the process. Items are raw SSE bytes: one event, or a
     block of whole events (a plain ``sse.Batch``); they are split into events only when they
     must be merged. The writer calls ``sent`` after each write and ``discard`` when it is done.
-
-    ``direct``: set by a writer that can write without waiting: then
-    what the producer puts with ``deferred=True`` while the writer waits in ``take`` with nothing
-    queued is not handed to it (no wake-up, no task switch) but written by ``flush``, which the
-    producer calls once per read; ``direct`` returns False when it cannot write at once (the
-    client lags), and the writer is woken as without it.
     """
 
     __slots__ = ("_budget", "_closed", "_discarded", "_done", "_error", "_loop", "_raw", "_size",
-                 "_waiter", "_writing", "direct", "direct_framed", "max_bytes", "overflowed")
+                 "_waiter", "_writing", "max_bytes", "overflowed")
 
     def __init__(self, max_bytes: int, budget: ByteBudget | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -253,9 +247,6 @@ class StreamBuffer:
         self._budget = budget
         if budget is not None:
             budget.join(self)
-        self.direct: Callable[[bytes], bool] | None = None
-        self.direct_framed: Callable[[bytes], bool] | None = None
-        """As ``direct``, for bytes already framed as the client's chunks (``send_framed``)."""
 
     def held(self) -> int:
         """Bytes held for the client: queued, and taken for a write that has not returned."""
@@ -268,9 +259,8 @@ class StreamBuffer:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def put(self, raw: bytes, data: bytes | None = None, *, deferred: bool = False) -> None:
-        """Queue whole SSE events (``data``, the payload of a single event, is not needed).
-        ``deferred``: ``flush`` follows (see the class's docstring)."""
+    def put(self, raw: bytes) -> None:
+        """Queue whole SSE events and wake the writer."""
         if self._closed or self._discarded:
             return
         self._raw.append(raw)
@@ -281,42 +271,7 @@ class StreamBuffer:
             self._closed = True
         if self._budget is not None:
             self._budget.charge(n)  # may end this stream (or another) for the process's budget
-        if not deferred or self.direct is None or self._closed:
-            self._wake()
-
-    def send(self, raw: bytes, *, now: bool = True) -> None:
-        """``put(raw, deferred=True)`` and ``flush`` in one step for what one read of D's stream
-        completed: written at once through ``direct`` when the writer waits with nothing queued
-        (held by nobody, so neither queued nor charged to the budget), else queued as ``put``
-        queues it (the ``flush`` that follows each read hands it on). ``now`` False: queued only
-        (D's last events, which go out with the stream's end)."""
-        direct = self.direct
-        if now and direct is not None and self._waiter is not None and not self._raw and not self._closed \
-                and not self._discarded and direct(raw):
-            return
-        self.put(raw, deferred=True)
-
-    def send_framed(self, framed: bytes) -> bool:
-        """Whole events already framed as chunks of the client's response, written at once through
-        ``direct_framed`` when ``send`` would have written them at once; False when not (nothing
-        done: the caller sends them unframed)."""
-        direct = self.direct_framed
-        return direct is not None and self._waiter is not None and not self._raw and not self._closed \
-            and direct(framed)  # (``discard`` unsets ``direct_framed``)
-
-    def flush(self) -> None:
-        """What deferred puts queued while the writer waits: written now through ``direct``, or
-        the writer woken to write it."""
-        if self._waiter is None or not self._raw:
-            return  # the writer is awake: it takes what is queued
-        raws = self._raw
-        direct = self.direct
-        if direct is not None and direct(raws[0] if len(raws) == 1 else b"".join(raws)):
-            if self._budget is not None:
-                self._budget.release(self._size)
-            self._raw, self._size = [], 0
-        else:
-            self._wake()
+        self._wake()
 
     def end_for_budget(self) -> None:
         """The process's budget is spent and this stream holds the most: drop what is queued
@@ -348,7 +303,6 @@ class StreamBuffer:
             budget.release(self._writing, doomed=self.overflowed == "total")
             budget.leave(self)
         self._raw, self._size, self._writing = [], 0, 0
-        self.direct = self.direct_framed = None
 
     def finish(self, *, done: bool, error: bytes | None = None) -> None:
         """The producer is finished: ``done`` when ``[DONE]`` was seen; ``error`` an in-band

@@ -14,7 +14,6 @@ without looking at each event; anything else falls back to the event-by-event pa
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 DONE_DATA = b"[DONE]"
@@ -105,39 +104,6 @@ class SSEReader:
         cut = _scan_end(buf)
         self.pending = buf[cut:]
         return Batch(buf[:cut], plain=False)
-
-
-def plain_chunks(framed: bytes) -> int:
-    """How many chunks ``framed`` holds when, read as whole chunks of a chunked HTTP body (bare
-    hex sizes, none the last: the caller checks that ``hop_answer.whole_chunks`` finds as many),
-    each chunk holds exactly one plain event: a single ``data`` line, its end and nothing else
-    (what vLLM writes), none ``[DONE]`` or an error; 0 otherwise. Then the chunks' data is whole
-    events that ``SSEReader.feed_batch`` would find ``plain``, event boundaries at chunk
-    boundaries, and the bytes can go to a client as they are.
-
-    Counted on the framed bytes, no slicing (byte scans, before any walk of the chunks): ``data: ``
-    after each size line gives the count; the framing has two CRs and two LFs a chunk, so no CR in
-    any chunk's data and exactly two LFs each, both at its end (``\\n\\n`` before each chunk's
-    closing CRLF)."""
-    n = framed.count(b"\r\ndata: ")
-    if n and framed.count(b"\r") == 2 * n and framed.count(b"\n") == 4 * n \
-            and framed.count(b"\n\n\r\n") == n and DONE_EVENT not in framed and _ERROR_EVENT not in framed:
-        return n
-    return 0
-
-
-_ONE_PLAIN_CHUNK = re.compile(rb"([0-9A-Fa-f]{1,16})\r\n(data: [^\r\n]*\n\n)\r\n")
-"""One chunk (a bare hex size of at most 16 digits, as the hop's parser takes) whose data is one
-``data`` line and its end."""
-
-
-def one_plain_chunk(framed: bytes) -> bool:
-    """``framed`` is one chunk holding one plain event: what ``plain_chunks`` and
-    ``hop_answer.whole_chunks`` both count as 1, found in one match (the usual read of a paced
-    stream: one vLLM event). False says nothing: ask those two."""
-    m = _ONE_PLAIN_CHUNK.fullmatch(framed)
-    return m is not None and int(m[1], 16) == len(framed) - m.end(1) - 4 \
-        and DONE_EVENT not in framed and _ERROR_EVENT not in framed
 
 
 def _scan_end(buf: bytes) -> int:

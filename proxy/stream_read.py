@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from proxy.core import Part, error_class
@@ -17,11 +16,10 @@ from proxy.errors import UpstreamError, UpstreamProtocolError, UpstreamStatusErr
 from proxy.first_token import Mismatch
 from proxy.flight import Flight
 from proxy.hop import HopResponse
-from proxy.hop_answer import whole_chunks
 from proxy.pools import StreamFollower, Worker
 from proxy.protocol import parse_worker_json
 from proxy.relay import StreamBuffer
-from proxy.sse import DONE_DATA, Batch, SSEReader, data_event, last_data, one_plain_chunk, plain_chunks
+from proxy.sse import DONE_DATA, Batch, SSEReader, data_event, last_data
 
 log = logging.getLogger("pd_proxy")
 
@@ -110,10 +108,9 @@ class DecodeReader(Part):
             series.inflight.dec()
 
     async def _read(self, rd: _Read, resp: HopResponse) -> None:
-        """D's events into the buffer until [DONE], an error, a closed buffer or the end; what
-        each read completed flushed to the client's writer (``StreamBuffer.flush``), but D's last
-        events, which go with the stream's end. What D sends is handled in the loop turn it arrives
-        in, from the hop connection (``Upstream.pipe``): the producer task waits only for the end."""
+        """D's events into the buffer until [DONE], an error, a closed buffer or the end. What D
+        sends is handled in the loop turn it arrives in, from the hop connection
+        (``Upstream.pipe``): the producer task waits only for the end."""
         reader = SSEReader()
         cap = self.settings.slow_reader_max_bytes
         first_filter = rd.f.first_filter
@@ -138,51 +135,9 @@ class DecodeReader(Part):
                 rd.error = self.protocol_error(rd.worker, "sent an SSE event larger than the byte cap")
                 rd.protocol = True
                 return False
-            rd.buffer.flush()
             return True
 
-        try:
-            await self.upstream.pipe("decode", rd.worker.url, resp, on_read, self._splicer(rd, reader))
-        finally:
-            if not rd.done:
-                rd.buffer.flush()
-
-    def _splicer(self, rd: _Read, reader: SSEReader) -> Callable[[bytes], bool]:
-        """The hop connection's ``splice`` for this stream: a read of D's stream that is whole
-        chunks (``hop_answer.whole_chunks``) of plain events (``sse.plain_chunks``), once the
-        first event is read and token 1 taken out, written to the client as D framed it when the
-        client keeps up (``StreamBuffer.send_framed``): not split into events, not framed again,
-        not handed on in the next loop turn. False leaves the read to ``on_read``, as any other
-        (the byte scans first: a read that will not do is not walked chunk by chunk)."""
-        first_filter = rd.f.first_filter
-        buffer = rd.buffer
-
-        def splice(framed: bytes) -> bool:
-            if buffer.direct_framed is None:  # no writer takes framed bytes: not worth the scans
-                return False
-            if rd.first or reader.pending or (first_filter is not None and first_filter.pending):
-                return False
-            if one_plain_chunk(framed):  # the usual read: one event, in one match
-                chunks = 1
-            else:
-                chunks = plain_chunks(framed)  # its scans first: D's last read ([DONE]) is not walked
-                if not chunks or whole_chunks(framed) != chunks:
-                    return False
-            follower = rd.follower
-            runs = None
-            if follower is not None:
-                runs = follower.block_runs(framed, chunks)
-                if runs is None:
-                    return False  # read event by event (text mode, migrated)
-            if not buffer.send_framed(framed):
-                return False
-            if runs:
-                assert follower is not None
-                follower.progress.add_runs(runs)
-            if rd.usage:  # the last event's data (D's usage chunk, when it came alone)
-                rd.last = framed[framed.rfind(b"\r\ndata: ") + 8 : -4]
-            return True
-        return splice
+        await self.upstream.pipe("decode", rd.worker.url, resp, on_read)
 
     def _fast(self, rd: _Read, batch: Batch) -> bool:
         """The hot path: what a read completed goes out as one block, unparsed, when it is plain
@@ -205,7 +160,7 @@ class DecodeReader(Part):
                 if runs is None:
                     return False  # parse event by event (text mode, migrated, odd)
                 follower.progress.add_runs(runs)
-            rd.buffer.send(batch.body, now=not batch.done)  # D's last events go with the stream's end
+            rd.buffer.put(batch.body)
             if rd.usage:
                 rd.last = last_data(batch.body)
         if batch.done:
@@ -258,9 +213,9 @@ class DecodeReader(Part):
             if payload is None:
                 return True  # only tokens the client already has
             if payload is not data:
-                rd.buffer.put(data_event(payload), payload, deferred=True)
+                rd.buffer.put(data_event(payload))
                 return True
-        rd.buffer.put(raw, data, deferred=True)
+        rd.buffer.put(raw)
         return True
 
     def _without_first(self, rd: _Read, data: bytes, raw: bytes) -> tuple[bytes, bytes]:

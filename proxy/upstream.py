@@ -213,9 +213,6 @@ class Upstream:
             self._count_resend(hop, "resent" if ok else "abort_failed")
         return ok
 
-    async def read_json(self, hop: str, worker: str, resp: HopResponse) -> dict[str, Any]:
-        return (await self.read_json_raw(hop, worker, resp))[0]
-
     async def read_json_raw(self, hop: str, worker: str, resp: HopResponse) -> tuple[dict[str, Any], bytes]:
         """The JSON object of a response and its bytes (to forward untouched)."""
         try:
@@ -243,14 +240,13 @@ class Upstream:
         resp = await self.open(hop, worker, body, request_id=request_id, total=total)
         return await self.read_json_raw(hop, worker, resp)
 
-    async def pipe(self, hop: str, worker: str, resp: HopResponse, sink: Callable[[bytes], bool],
-                   splice: Callable[[bytes], bool] | None = None) -> None:
+    async def pipe(self, hop: str, worker: str, resp: HopResponse, sink: Callable[[bytes], bool]) -> None:
         """The body of a streaming response to ``sink`` as it arrives, until it ends or the sink
         returns False (``HopResponse.pipe``: no task woken per read); the hop's failures
         translated (a stall: ``UpstreamTimeout``; a reset: ``UpstreamUnavailable``; broken
         framing: ``UpstreamProtocolError``), the sink's own raised as they are."""
         try:
-            await resp.pipe(sink, splice)
+            await resp.pipe(sink)
         except SinkError as e:
             raise e.error from None
         except TimeoutError:

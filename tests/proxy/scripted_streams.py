@@ -80,22 +80,6 @@ def after_comment(events: list[bytes]) -> list[bytes]:
 SPLITS = {"one_read": one_read, "byte_reads": byte_reads, "after_comment": after_comment}
 
 
-def framed_reads(events: list[bytes]) -> list[bytes]:
-    """One event a read, each framed as its HTTP chunk (a paced decode worker's reads)."""
-    return [b"%x\r\n%b\r\n" % (len(e), e) for e in events]
-
-
-def unframed(framed: bytes) -> bytes:
-    """The data of whole chunks."""
-    out, pos = [], 0
-    while pos < len(framed):
-        nl = framed.index(b"\r\n", pos)
-        size = int(framed[pos:nl], 16)
-        out.append(framed[nl + 2 : nl + 2 + size])
-        pos = nl + 4 + size
-    return b"".join(out)
-
-
 @dataclass
 class Answer:
     """One decode stream: its reads, then ``broken`` raised (a reset) if given."""
@@ -107,9 +91,6 @@ class Answer:
     closed: bool = False
     released: bool = False
     """Given back for keep-alive (read to its end) rather than closed."""
-    framed: bool = False
-    """The reads are chunked bytes (``framed_reads``), as the hop connection offers them to a
-    splice."""
 
     def close(self) -> None:
         self.closed = True
@@ -136,16 +117,12 @@ class ScriptedUpstream:
             raise answer
         return answer
 
-    async def pipe(self, hop: str, worker: str, resp: Answer, sink: Callable[[bytes], bool],
-                   splice: Callable[[bytes], bool] | None = None) -> None:
+    async def pipe(self, hop: str, worker: str, resp: Answer, sink: Callable[[bytes], bool]) -> None:
         """The answer's reads to ``sink`` one by one (as ``Upstream.pipe``), until it says stop;
-        then the scripted failure, if any. A ``framed`` answer's reads are chunked bytes: each is
-        offered to ``splice`` first, and what it declines goes to the sink unframed."""
+        then the scripted failure, if any."""
         for piece in resp.reads:
             resp.taken += 1
-            if resp.framed and splice is not None and splice(piece):
-                continue
-            if not sink(unframed(piece) if resp.framed else piece):
+            if not sink(piece):
                 return
         if resp.broken is not None:
             raise resp.broken

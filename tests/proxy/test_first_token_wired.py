@@ -451,8 +451,8 @@ async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
     pipe = Upstream.pipe
 
     async def one_read(self: Upstream, hop: str, worker: str, resp: Any,
-                       sink: Callable[[bytes], bool], splice: Any = None) -> None:
-        reads: list[bytes] = []  # every read to the sink (none spliced), then as one
+                       sink: Callable[[bytes], bool]) -> None:
+        reads: list[bytes] = []  # every read to the sink, then as one
 
         def kept(chunk: bytes) -> bool:
             reads.append(chunk)

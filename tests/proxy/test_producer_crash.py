@@ -48,11 +48,11 @@ def crash_at_the_first_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def crash_after_the_first_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """The producer reads D's first read of its stream as usual, then raises at the next one
-    (every read goes to the reader's sink: no splice)."""
+    (every read goes to the reader's sink)."""
     pipe = Upstream.pipe
 
     async def crashing(self: Upstream, hop: str, worker: str, resp: HopResponse,
-                       sink: Callable[[bytes], bool], splice: Callable[[bytes], bool] | None = None) -> None:
+                       sink: Callable[[bytes], bool]) -> None:
         reads = 0
 
         def first_only(data: bytes) -> bool:

@@ -77,7 +77,7 @@ async def test_buffer_passes_events_untouched_when_not_lagging() -> None:
     buf = StreamBuffer(max_bytes=10_000)
     datas = [json.dumps(chunk(0, [i], None)).encode() for i in range(3)]
     for d in datas:
-        buf.put(data_event(d), d)
+        buf.put(data_event(d))
     out, finished = await buf.take(merge=False)
     assert out == [data_event(d) for d in datas]
     assert not finished
@@ -87,7 +87,7 @@ async def test_buffer_merges_when_lagging_and_reports_finish() -> None:
     buf = StreamBuffer(max_bytes=10_000)
     for i in range(3):
         d = json.dumps(chunk(0, [i], None, "length" if i == 2 else None)).encode()
-        buf.put(data_event(d), d)
+        buf.put(data_event(d))
     buf.finish(done=True)
     out, finished = await buf.take(merge=True)
     assert finished and buf.ended_with_done
@@ -100,9 +100,9 @@ async def test_buffer_merges_when_lagging_and_reports_finish() -> None:
 async def test_buffer_cap_closes_it() -> None:
     buf = StreamBuffer(max_bytes=100)
     d = json.dumps(chunk(0, list(range(30)), None)).encode()
-    buf.put(data_event(d), d)
+    buf.put(data_event(d))
     assert buf.overflowed and buf.closed
-    buf.put(data_event(d), d)  # ignored once closed
+    buf.put(data_event(d))  # ignored once closed
     out, finished = await buf.take(merge=True)
     assert finished and len(out) == 1
 
@@ -112,7 +112,7 @@ async def test_take_waits_for_data() -> None:
     task = asyncio.create_task(buf.take(merge=False))
     await asyncio.sleep(0)
     assert not task.done()
-    buf.put(b"data: 1\n\n", b"1")
+    buf.put(b"data: 1\n\n")
     out, _ = await asyncio.wait_for(task, 1)
     assert out == [b"data: 1\n\n"]
 
@@ -280,144 +280,12 @@ def test_no_budget_when_total_is_zero() -> None:
     buf.discard()
 
 
-# ---------------------------------------------------------------- writes from the producer (``direct``)
-
-
-async def _parked(buf: StreamBuffer) -> asyncio.Task[tuple[list[bytes], bool]]:
-    """The writer waiting in ``take`` with nothing queued."""
-    task = asyncio.create_task(buf.take(merge=False))
-    await asyncio.sleep(0)
-    assert not task.done()
-    return task
-
-
-class _Client:
-    """A writer's ``direct``: what it wrote (``written``); False, taking nothing, while ``lagging``."""
-
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-        self.lagging = False
-
-    def __call__(self, data: bytes) -> bool:
-        if self.lagging:
-            return False
-        self.written.append(data)
-        return True
-
-
-async def test_a_read_is_written_by_the_producer_while_the_writer_waits() -> None:
-    budget = ByteBudget(10_000)
-    buf = StreamBuffer(10_000, budget)
-    buf.direct = client = _Client()
-    written = client.written
-    waiting = await _parked(buf)
-    buf.put(b"data: 1\n\n", deferred=True)
-    buf.put(b"data: 2\n\n", deferred=True)
-    assert budget.used == 18 and written == []  # held until the read's flush
-    buf.flush()
-    await asyncio.sleep(0)
-    assert written == [b"data: 1\n\ndata: 2\n\n"]  # the read's events in one write
-    assert not waiting.done() and buf.held() == 0 and budget.used == 0  # the writer slept on
-    buf.finish(done=True)
-    assert await asyncio.wait_for(waiting, 1) == ([], True)
-    buf.discard()
-    assert buf.direct is None
-
-
-async def test_a_read_the_producer_cannot_write_wakes_the_writer() -> None:
-    buf = StreamBuffer(10_000)
-    buf.direct = lambda data: False  # the client lags
-    waiting = await _parked(buf)
-    buf.put(b"data: 1\n\n", deferred=True)
+async def test_a_put_past_the_cap_ends_the_stream_and_wakes_the_writer() -> None:
+    buf = StreamBuffer(10)
+    waiting = asyncio.create_task(buf.take(merge=False))
     await asyncio.sleep(0)
     assert not waiting.done()
-    buf.flush()
-    assert await asyncio.wait_for(waiting, 1) == ([b"data: 1\n\n"], False)
-
-
-async def test_puts_wake_the_writer_unless_deferred_to_a_direct_flush() -> None:
-    buf = StreamBuffer(10_000)
-    waiting = await _parked(buf)
-    buf.put(b"data: 1\n\n", deferred=True)  # no ``direct``: nothing defers
-    assert await asyncio.wait_for(waiting, 1) == ([b"data: 1\n\n"], False)
-    buf.sent()
-    buf.direct = lambda data: True
-    waiting = await _parked(buf)
-    buf.put(b"data: 2\n\n")  # not deferred: the writer takes it
-    assert await asyncio.wait_for(waiting, 1) == ([b"data: 2\n\n"], False)
-    buf.put(b"data: 3\n\n", deferred=True)  # the writer is awake (not in ``take``): it is queued
-    buf.flush()
-    assert await buf.take(merge=False) == ([b"data: 3\n\n"], False)
-
-
-async def test_a_send_while_the_writer_waits_is_written_at_once_and_never_held() -> None:
-    budget = ByteBudget(30)
-    buf = StreamBuffer(10_000, budget)
-    other = StreamBuffer(10_000, budget)
-    other.put(b"data: 12345\n\n")  # 13 of the budget's 30 held by another stream
-    buf.direct = client = _Client()
-    written = client.written
-    waiting = await _parked(buf)
-    buf.send(b"data: 1234567890\n\n")  # 18 bytes: past the budget, were they charged
-    assert written == [b"data: 1234567890\n\n"] and buf.held() == 0 and budget.used == 13
-    assert other.overflowed is None and not waiting.done()  # nobody ended, the writer slept on
-    buf.send(b"data: [DONE]\n\n", now=False)  # D's last events: queued for the stream's end
-    assert written == [b"data: 1234567890\n\n"] and buf.held() == 14
-    buf.finish(done=True)
-    assert await asyncio.wait_for(waiting, 1) == ([b"data: [DONE]\n\n"], True)
-    buf.discard()
-    other.discard()
-
-
-async def test_a_send_the_writer_cannot_take_now_is_queued_in_order() -> None:
-    buf = StreamBuffer(10_000)
-    buf.direct = client = _Client()
-    written = client.written
-    client.lagging = True
-    waiting = await _parked(buf)
-    buf.send(b"data: 1\n\n")  # the client lags: queued (the read's flush would wake the writer)
-    assert buf.held() == 9 and not waiting.done()
-    client.lagging = False
-    buf.send(b"data: 2\n\n")  # something is queued: behind it, not around it
-    assert written == []
-    buf.flush()
-    assert written == [b"data: 1\n\ndata: 2\n\n"] and buf.held() == 0
-    buf.finish(done=True)
-    assert await asyncio.wait_for(waiting, 1) == ([], True)
-
-
-async def test_framed_bytes_go_out_only_when_a_send_would_go_out_at_once() -> None:
-    """``send_framed`` writes through ``direct_framed`` (never held, never charged) while the
-    writer waits with nothing queued; otherwise it does nothing and says so (the caller then
-    sends the events unframed): behind queued bytes, while the client lags, once the stream is
-    closed, with no framed writer."""
-    budget = ByteBudget(10)
-    buf = StreamBuffer(10_000, budget)
-    framed = b"9\r\ndata: 1\n\n\r\n"
-    assert not buf.send_framed(framed)  # no framed writer
-    buf.direct, buf.direct_framed = _Client(), (client := _Client())
-    assert not buf.send_framed(framed)  # the writer is not waiting: it would not see it in order
-    waiting = await _parked(buf)
-    assert buf.send_framed(framed) and client.written == [framed]
-    assert buf.held() == 0 and budget.used == 0 and not waiting.done()
-    client.lagging = True
-    assert not buf.send_framed(framed) and client.written == [framed]
-    client.lagging = False
-    buf.put(b"data: 2\n\n", deferred=True)  # queued, its flush to come
-    assert not buf.send_framed(framed) and client.written == [framed]  # not around what is queued
-    buf.flush()
-    buf.finish(done=True)
-    assert not buf.send_framed(framed)
-    await asyncio.wait_for(waiting, 1)
-    buf.discard()
-    assert buf.direct_framed is None
-
-
-async def test_a_deferred_put_past_the_cap_ends_the_stream_at_once() -> None:
-    buf = StreamBuffer(10)
-    buf.direct = lambda data: True
-    waiting = await _parked(buf)
-    buf.put(b"data: 12345678\n\n", deferred=True)
+    buf.put(b"data: 12345678\n\n")
     assert buf.overflowed == "stream"
     _, finished = await asyncio.wait_for(waiting, 1)
     assert finished

@@ -3,7 +3,6 @@ way a stream ends has its ``Status``; the first event is checked; the usage chun
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +16,7 @@ from proxy.first_token_filter import FirstTokenFilter
 from proxy.flight import Flight
 from proxy.pools import Worker
 from proxy.relay import StreamBuffer
-from proxy.sse import SSEReader
-from proxy.stream_read import DecodeReader, Status, _Read
+from proxy.stream_read import DecodeReader, Status
 from tests.proxy.scripted_streams import (
     DONE,
     KV_PARAMS,
@@ -29,12 +27,10 @@ from tests.proxy.scripted_streams import (
     decode_body,
     drain,
     error_event,
-    framed_reads,
     make_core,
     make_flight,
     sample,
     tokens_of,
-    unframed,
 )
 
 Split = Callable[[list[bytes]], list[bytes]]
@@ -191,102 +187,21 @@ async def test_usage_is_noted_from_the_last_chunk(split: Split) -> None:
     assert r.f.completion_tokens == 4
 
 
-class _Writer:
-    """The client's writer on the front, waiting in ``take`` while the producer writes through
-    ``direct`` (events) and ``direct_framed`` (spliced reads): what went each way."""
-
-    def __init__(self, buffer: StreamBuffer) -> None:
-        self.events: list[bytes] = []
-        self.framed: list[bytes] = []
-        self.buffer = buffer
-        buffer.direct, buffer.direct_framed = self._event, self._framed
-
-    def _event(self, data: bytes) -> bool:
-        self.events.append(data)
-        return True
-
-    def _framed(self, framed: bytes) -> bool:
-        self.framed.append(framed)
-        return True
-
-    async def park(self) -> asyncio.Task[tuple[list[bytes], bool]]:
-        task = asyncio.create_task(self.buffer.take(merge=False))
-        await asyncio.sleep(0)
-        return task
-
-
-@pytest.mark.parametrize("usage_alone", [True, False], ids=["usage-read-alone", "usage-with-done"])
-async def test_spliced_reads_are_written_as_they_came_and_usage_is_still_noted(usage_alone: bool) -> None:
-    """D's reads one event each, chunked: the first is read as an event (checked), the next go
-    to the client as they came; D's usage chunk in a read of its own is spliced too and still
-    noted when [DONE] comes; the [DONE] read goes with the stream's end."""
-    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    reads = framed_reads([*EVENTS, chunk(usage=usage), DONE])
-    if not usage_alone:
-        reads[-2:] = [reads[-2] + reads[-1]]
-    r = Reading(Answer(reads, framed=True), usage=True)
-    writer = _Writer(r.buffer)
-    waiting = await writer.park()
-    assert (await r.once())[0] is Status.DONE
-    assert writer.events == [EVENTS[0]]
-    assert writer.framed == (reads[1:-1] if usage_alone else reads[1:3])
-    assert r.f.completion_tokens == 4
-    r.buffer.finish(done=True)  # as the producer does
-    ending, finished = await asyncio.wait_for(waiting, 1)
-    assert finished and tokens_of(b"".join(ending)) == []  # D's last events: no token in them
-    assert tokens_of(unframed(b"".join(writer.framed))) == [2, 3, 4]
-
-
-async def test_a_read_is_not_spliced_while_the_reader_holds_part_of_an_event() -> None:
-    """A read that leaves an event unfinished in the reader: the next read, plain chunks on its
-    own, belongs after those bytes, so it is read as events (completing the odd event, relayed
-    as D sent it); the read after that is spliced again."""
-    reads = framed_reads([*EVENTS, DONE])
-    unfinished = framed_reads([b'data: {"x"'])[0]
-    r = Reading(Answer([reads[0], unfinished, reads[1], reads[2], reads[3]], framed=True))
-    writer = _Writer(r.buffer)
-    await writer.park()
-    assert (await r.once())[0] is Status.DONE
-    assert writer.events == [EVENTS[0], b'data: {"x"' + EVENTS[1]] and writer.framed == [reads[2]]
-
-
-async def test_the_splice_takes_only_reads_whose_chunk_sizes_hold() -> None:
-    """Reads that look like plain chunks by their bytes but are not whole chunks by their size
-    lines (a size that lies, an extension) are left to the parser: never written as they came."""
-    r = Reading(Answer([]))
-    writer = _Writer(r.buffer)
-    await writer.park()
-    rd = _Read(r.f, r.worker, decode_body(False), r.buffer, None)
-    rd.first = False  # D's first event is read
-    splice = r.reader._splicer(rd, SSEReader())
-    event = EVENTS[1]
-    ok = framed_reads([event])[0]
-    for bad in (b"%x\r\n%b\r\n" % (len(event) + 1, event), b"%x\r\n%b\r\n" % (len(event) - 1, event),
-                b"%x;x=1\r\n%b\r\n" % (len(event), event)):
-        assert not splice(bad), bad
-    assert writer.framed == []
-    assert splice(ok) and writer.framed == [ok]
-
-
 def _choice_event(index: int, *tokens: int) -> bytes:
     d = {"request_id": "generate-tokens-r1", "choices": [{"index": index, "token_ids": list(tokens),
                                                           "finish_reason": None}], "output_mode": "tokens"}
     return b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def test_no_read_is_spliced_while_a_choices_token_1_is_still_to_take_out() -> None:
+async def test_token_1_is_taken_out_of_each_choices_first_event_in_a_later_read() -> None:
     """Two choices, P's token 4 first in each: D's first event of choice 1 comes in a later read
-    than choice 0's. Until it has come, reads are read as events (token 1 taken out of it); the
-    reads after it are spliced."""
+    than choice 0's. Token 1 is taken out of both first events; the other events go on as D sent
+    them."""
     events = [_choice_event(0, 4, 5), _choice_event(0, 6), _choice_event(1, 4, 7), _choice_event(1, 9)]
-    reads = framed_reads([*events, DONE])
-    r = Reading(Answer(reads, framed=True))
+    r = Reading(Answer([*events, DONE]))
     r.f.first_filter = FirstTokenFilter([FirstToken(0, 4, None), FirstToken(1, 4, None)])
-    writer = _Writer(r.buffer)
-    await writer.park()
     assert (await r.once())[0] is Status.DONE
-    assert writer.events == [_choice_event(0, 5), events[1], _choice_event(1, 7)]
-    assert writer.framed == [reads[3]]
+    assert await drain(r.buffer) == b"".join([_choice_event(0, 5), events[1], _choice_event(1, 7), events[3]])
 
 
 async def test_usage_is_not_noted_without_done() -> None:
