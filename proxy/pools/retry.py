@@ -1,4 +1,5 @@
-"""Retries where they are safe, with a bounded number of attempts and backoff with full jitter.
+"""When a hop is retried: a bounded number of attempts, backoff with full jitter, and which
+failures are transient (the walk in ``proxy.prefill`` and ``proxy.decode`` retries them where safe):
 
 * prefill hop: after a connect error, a 5xx or a timeout, on another prefill worker — nothing is
   held yet (a prefill that failed holds no KV; one whose reply was lost is freed by its lease).
@@ -7,21 +8,15 @@
 
 4xx answers are the client's fault and protocol errors (a 2xx the proxy cannot use) would repeat,
 so neither is retried here; the serving layer alone sends a prefill 200 without usable
-kv_transfer_params to another prefill worker not tried yet (``Serving._prefill_with_retries``).
+kv_transfer_params to another prefill worker not tried yet.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from proxy.errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
-from proxy.pools.admission import Deadline
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,40 +42,3 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, UpstreamStatusError):
         return exc.upstream_status >= 500
     return isinstance(exc, UpstreamUnavailable | UpstreamTimeout)
-
-
-def retryable_prefill(exc: BaseException) -> bool:
-    return is_transient(exc)
-
-
-def retryable_decode(exc: BaseException, *, first_byte_seen: bool, lease_valid: bool) -> bool:
-    return not first_byte_seen and lease_valid and is_transient(exc)
-
-
-async def with_retries(
-    call: Callable[[int], Awaitable[T]],
-    *,
-    policy: RetryPolicy,
-    retryable: Callable[[BaseException], bool],
-    rng: random.Random,
-    deadline: Deadline | None = None,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    on_retry: Callable[[int, BaseException], None] | None = None,
-) -> T:
-    """Run ``call(attempt)`` until it succeeds, fails for good, runs out of attempts or the
-    deadline leaves no time for the backoff. The caller's ``call`` picks a worker it has not
-    tried (it knows which it tried). The last error propagates."""
-    attempt = 0
-    while True:
-        try:
-            return await call(attempt)
-        except Exception as exc:
-            if attempt + 1 >= policy.attempts or not retryable(exc):
-                raise
-            pause = policy.delay(attempt, rng)
-            if deadline is not None and deadline.remaining() <= pause:
-                raise
-            if on_retry is not None:
-                on_retry(attempt, exc)
-            await sleep(pause)
-            attempt += 1
