@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +57,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from prometheus_client.values import MutexValue
 
 from kv_transfer.ledger import Lease
 from proxy import __version__ as _version
@@ -99,93 +97,6 @@ class _Uncounted:
 _UNCOUNTED = _Uncounted()
 
 
-class _Child:
-    """One labelled series on the hot path: prometheus_client's ``inc``/``observe`` re-check on
-    every call that the object is a series and not a labelled parent (two calls each) and walk a
-    histogram's bounds one by one; ``ProxyMetrics.child`` checked that once, so its series are
-    updated here straight on their values (``observe``: the bucket found by bisection, as
-    ``Histogram.observe`` finds it, for the finite amounts the proxy observes). The same values
-    change, so ``/metrics`` and the multiprocess files see what ``inc``/``observe`` would have
-    written. Counters, histograms and gauges that are not in a ``mostrecent`` mode (``fast``).
-
-    A value held in this process (``MutexValue``: no ``--workers N``) is added to without its
-    lock: the proxy updates and reads its metrics on its event loop's thread alone, and the lock
-    was half the cost of an update (``_LocalChild``). A value in the multiprocess files is
-    written through its own ``inc``, which writes the file."""
-
-    __slots__ = ("_bounds", "_buckets", "_series", "_sum", "_value")
-
-    def __init__(self, series: Any) -> None:
-        self._series = series
-        self._value = getattr(series, "_value", None)  # counters and gauges
-        self._sum = getattr(series, "_sum", None)  # histograms
-        self._buckets = getattr(series, "_buckets", None)
-        self._bounds = getattr(series, "_upper_bounds", None)
-
-    def inc(self, amount: float = 1) -> None:
-        self._value.inc(amount)  # type: ignore[union-attr]
-
-    def dec(self, amount: float = 1) -> None:
-        self._value.inc(-amount)  # type: ignore[union-attr]
-
-    def set(self, value: float) -> None:
-        self._series.set(value)
-
-    def observe(self, amount: float) -> None:
-        self._sum.inc(amount)  # type: ignore[union-attr]
-        self._buckets[bisect_left(self._bounds, amount)].inc(1)  # type: ignore[index, arg-type]
-
-
-class _CounterChild(_Child):
-    __slots__ = ()
-
-    def inc(self, amount: float = 1) -> None:
-        if amount < 0:
-            raise ValueError("Counters can only be incremented by non-negative amounts.")
-        self._value.inc(amount)  # type: ignore[union-attr]
-
-
-class _LocalChild(_Child):
-    """``_Child`` on values held in this process: each ``MutexValue``'s float changed in place."""
-
-    __slots__ = ()
-
-    def inc(self, amount: float = 1) -> None:
-        self._value._value += amount  # type: ignore[union-attr]
-
-    def dec(self, amount: float = 1) -> None:
-        self._value._value -= amount  # type: ignore[union-attr]
-
-    def set(self, value: float) -> None:
-        self._value._value = value  # type: ignore[union-attr]
-
-    def observe(self, amount: float) -> None:
-        self._sum._value += amount  # type: ignore[union-attr]
-        self._buckets[bisect_left(self._bounds, amount)]._value += 1  # type: ignore[index, arg-type]
-
-
-class _LocalCounterChild(_LocalChild):
-    __slots__ = ()
-
-    def inc(self, amount: float = 1) -> None:
-        if amount < 0:
-            raise ValueError("Counters can only be incremented by non-negative amounts.")
-        self._value._value += amount  # type: ignore[union-attr]
-
-
-def fast(metric: Any, series: Any = None) -> Any:
-    """``series`` (``metric.labels(...)``; ``metric`` itself when it has no labels) updated through
-    ``_Child`` when its kind allows (``_LocalChild`` when its values are held in this process)."""
-    if series is None:
-        series = metric
-    local = type(getattr(series, "_value", None) or getattr(series, "_sum", None)) is MutexValue
-    if isinstance(metric, Counter):
-        return _LocalCounterChild(series) if local else _CounterChild(series)
-    if isinstance(metric, Histogram) or (isinstance(metric, Gauge) and not series._is_most_recent):
-        return _LocalChild(series) if local else _Child(series)
-    return series
-
-
 class WorkerCalls:
     """One worker's call series (``ProxyMetrics.calls``): its pool's in-flight gauge (``inflight``:
     up as a call goes out, down when it is over) and its own call counter (``requests``)."""
@@ -202,41 +113,6 @@ STAGES = ("queue", "prefill", "handoff", "decode_first_token", "first_to_second"
 OUTCOMES = ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected", "internal_error")
 """The outcomes of ``pd_proxy_requests_total``. ``internal_error``: the proxy raised what it did not
 expect (a bug): its client got a generic 500, or the proxy's error event in a stream already open."""
-
-
-class HistogramBatch:
-    """Observations of one histogram without labels (or one child), counted here per bucket and
-    added to it in one step per bucket by ``flush``. prometheus_client's ``observe`` is two
-    locked increments and a walk of the bounds per call, several microseconds: a stream's
-    inter-token gaps, one per write, are the hot case. Until ``flush`` the histogram does not
-    show them (a stream flushes as its relay ends, whatever ends it)."""
-
-    __slots__ = ("_bounds", "_counts", "_histogram", "_sum")
-
-    def __init__(self, histogram: Histogram) -> None:
-        self._histogram = histogram
-        self._bounds: list[float] = histogram._upper_bounds
-        self._counts: list[int] | None = None
-        self._sum = 0.0
-
-    def observe(self, amount: float) -> None:
-        """As ``Histogram.observe``: the first bucket whose bound is at least ``amount``."""
-        counts = self._counts
-        if counts is None:
-            counts = self._counts = [0] * len(self._bounds)
-        counts[bisect_left(self._bounds, amount)] += 1
-        self._sum += amount
-
-    def flush(self) -> None:
-        counts = self._counts
-        if counts is None:
-            return
-        buckets = self._histogram._buckets
-        for i, n in enumerate(counts):
-            if n:
-                buckets[i].inc(n)
-        self._histogram._sum.inc(self._sum)
-        self._counts, self._sum = None, 0.0
 
 
 def latency_buckets(longest: float = 0.0) -> tuple[float, ...]:
@@ -274,34 +150,29 @@ class ProxyMetrics:
         self._slow_reader_and_build_metrics(r)
         self.members: Members | None = None
         """Set by the app to its pools' membership: no series is made for a worker outside them."""
-        self._per_worker: dict[int, tuple[MetricWrapperBase, int, int]] = {}
+        self._per_worker: dict[int, tuple[MetricWrapperBase, int, int]] = {
+            id(m): (m, 0, 1) for m in (self.upstream_requests, self.upstream_errors)}
         """Every metric with a ``worker`` label (by id): the positions of ``pool`` and ``worker``."""
-        for m in vars(self).values():
-            if isinstance(m, MetricWrapperBase) and "worker" in m._labelnames:
-                names = list(m._labelnames)
-                self._per_worker[id(m)] = (m, names.index("pool"), names.index("worker"))
 
     def _client_metrics(self, r: CollectorRegistry, latency: tuple[float, ...]) -> None:
         """Requests by outcome and what their clients saw: TTFT, ITL, TPOT, end to end, per stage."""
         self.requests = Counter("pd_proxy_requests", "Generate requests by outcome", ["outcome"],
                                 registry=r)
-        # Observed once or twice per request: updated straight on their values (``fast``).
-        self.ttft = fast(Histogram("pd_proxy_ttft_seconds", "Client-side time to first token",
-                                   buckets=latency, registry=r))
+        self.ttft = Histogram("pd_proxy_ttft_seconds", "Client-side time to first token",
+                              buckets=latency, registry=r)
         self.itl = Histogram("pd_proxy_itl_seconds", "Client-side gap between streamed writes",
                              buckets=_ITL_BUCKETS, registry=r)
-        self.tpot = fast(Histogram("pd_proxy_tpot_seconds",
-                                   "Time per output token after the first (when usage gives the count)",
-                                   buckets=_ITL_BUCKETS, registry=r))
-        self.e2e = fast(Histogram("pd_proxy_e2e_seconds", "Client-side request latency",
-                                  buckets=latency, registry=r))
+        self.tpot = Histogram("pd_proxy_tpot_seconds",
+                              "Time per output token after the first (when usage gives the count)",
+                              buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pd_proxy_e2e_seconds", "Client-side request latency",
+                             buckets=latency, registry=r)
         self.stage = Histogram("pd_proxy_stage_seconds", "Time per stage of the P/D walk", ["stage"],
                                buckets=latency, registry=r)
         # Observed on every request: each stage's series made once, here (``stages[name]``).
-        self.stages: dict[str, Any] = {name: fast(self.stage, self.stage.labels(stage=name))
-                                       for name in STAGES}
-        self.outcomes: dict[str, Any] = {outcome: fast(self.requests, self.requests.labels(outcome=outcome))
-                                         for outcome in OUTCOMES}
+        self.stages: dict[str, Histogram] = {name: self.stage.labels(stage=name) for name in STAGES}
+        self.outcomes: dict[str, Counter] = {outcome: self.requests.labels(outcome=outcome)
+                                             for outcome in OUTCOMES}
         """``pd_proxy_requests_total``'s series by outcome, made once."""
 
     def _upstream_metrics(self, r: CollectorRegistry) -> None:
@@ -332,8 +203,6 @@ class ProxyMetrics:
         self.kv_lease_duration = Histogram("pd_proxy_kv_lease_duration_seconds",
                                            "How long prefill workers held KV",
                                            buckets=lease_durations, registry=r)
-        # Set and observed once per request: updated straight on their values (``fast``).
-        self._leases_open, self._lease_duration = fast(self.kv_leases_open), fast(self.kv_lease_duration)
         self.kv_leases_closed = Counter("pd_proxy_kv_leases_closed", "KV leases closed by reason",
                                         ["reason"], registry=r)
         self.prefill_missing_kv = Counter("pd_proxy_prefill_missing_kv_params",
@@ -361,14 +230,14 @@ class ProxyMetrics:
         self.build_info.labels(version=_version).set(1)
 
     def lease_opened(self, lease: Lease, open_count: int) -> None:
-        self._leases_open.set(open_count)
+        self.kv_leases_open.set(open_count)
 
     def lease_closed(self, lease: Lease, open_count: int) -> None:
         """``kv_transfer.leases``' observer: one lease ended (its duration, its reason)."""
         if lease.duration is not None:
-            self._lease_duration.observe(lease.duration)
+            self.kv_lease_duration.observe(lease.duration)
         self.child(self.kv_leases_closed, lease.reason or "unknown").inc()
-        self._leases_open.set(open_count)
+        self.kv_leases_open.set(open_count)
 
     def watch_stream_budget(self, budget: ByteBudget) -> None:
         """``pd_proxy_slow_reader_buffered_bytes``: what ``budget`` holds, read at scrape time
@@ -384,7 +253,7 @@ class ProxyMetrics:
             if where is not None and self.members is not None and \
                     not self.members(values[where[1]], values[where[2]]):
                 return _UNCOUNTED  # the worker left: its series stay gone (not cached)
-            found = self._children[key] = fast(metric, metric.labels(*values))
+            found = self._children[key] = metric.labels(*values)
         return found
 
     def calls(self, pool: str, worker: str) -> WorkerCalls:

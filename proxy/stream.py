@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import Histogram
 
 from proxy.aborts import Aborts, stream_tail
 from proxy.cleanup import Cleanup
@@ -26,7 +27,6 @@ from proxy.errors import (
     log_unexpected,
 )
 from proxy.flight import Flight
-from proxy.metrics import HistogramBatch
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
 from proxy.relay import StreamBuffer, event_stream, write_bounded
@@ -38,11 +38,11 @@ log = logging.getLogger("pd_proxy")
 
 class _Writes:
     """A stream's writes to its client so far: the first and the last (P's token, when it went
-    first, is both at the start), and the gaps between them (batched into the ITL histogram)."""
+    first, is both at the start); the gaps between them go to the ITL histogram (``itl``)."""
 
     __slots__ = ("first", "itl", "last")
 
-    def __init__(self, first: float | None, itl: HistogramBatch) -> None:
+    def __init__(self, first: float | None, itl: Histogram) -> None:
         self.first = self.last = first
         self.itl = itl
 
@@ -159,11 +159,8 @@ class StreamDecode(Part):
 
     async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
-        w = _Writes(f.timing.first_write, HistogramBatch(self.metrics.itl))  # P's token went first
-        try:
-            last = await self._pump(request, f, resp, buffer, w)
-        finally:
-            w.itl.flush()  # one update per bucket when the relay ends
+        w = _Writes(f.timing.first_write, self.metrics.itl)  # P's token went first
+        last = await self._pump(request, f, resp, buffer, w)
         if buffer.overflowed:
             self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()
             err = StreamOverflow(
