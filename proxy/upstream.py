@@ -35,7 +35,7 @@ from proxy.hop import (
     header_lines,
 )
 from proxy.large_body import PackedTokenIds
-from proxy.pools.health import PROBE_ANSWER_LIMIT, read_capped
+from proxy.pools.capped import PROBE_ANSWER_LIMIT, read_capped
 from proxy.protocol import engine_request_id, hop_json, parse_worker_json, unique_key_end
 
 GENERATE_PATH = "/inference/v1/generate"
