@@ -48,6 +48,7 @@ from proxy.limits import request_body
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
 from proxy.pools import Deadline, NoWorkerAvailable, Outcome, Overloaded, Worker, handoff_check
+from proxy.pools.health import http_fetch
 from proxy.prefill import Prefill
 from proxy.protocol import GenerateRequest, engine_request_id
 from proxy.settings import ProxySettings
@@ -104,6 +105,9 @@ class Serving:
                               timeout=self.settings.pools.preflight_timeout,
                               rewrite=self.core.rewrite_remote_host)
         await self.pools.start(self.upstream.session, check)
+        p = self.settings.pools
+        fetch = http_fetch(self.upstream.session, p.health_timeout)
+        self.pools.spawn(self.core.local_prefill.run(fetch, p.scrape_interval), "decode-local-prefill")
 
     async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
         """One generate call. Errors are raised (``proxy.errors``): the app's error middleware

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -254,6 +254,10 @@ class PoolRuntime:
                                                                        sel.label_selector, sel.port),
                                              api_client)
                 self._tasks.append(loop.create_task(source.run(), name=f"pool-k8s-{sel.pool}"))
+
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` as one more background task of the pools (cancelled by ``stop``)."""
+        self._tasks.append(asyncio.get_running_loop().create_task(work, name=name))
 
     def _health_changed(self, worker: Worker) -> None:
         if not worker.healthy and self.learner is not None:
