@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import socket
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,13 +89,16 @@ async def test_a_failed_pull_recomputed_on_the_decode_worker_trips_the_alarm(
                                        source="external_kv_transfer") > 0, "the hand-off scraped")
             await asyncio.sleep(2.0)  # a few more scrapes
             assert _value(app, "pd_proxy_decode_local_prefill_tokens_total", d) == 0
-            # P's params now name a side-channel port nobody listens on: D's pull fails, D
-            # recomputes the prompt and answers 200 all the same.
+            # P's params now name an engine D never met, behind a side-channel port nobody
+            # listens on: D must handshake anew (NIXL keeps the handshake of an engine id it
+            # met, whatever port later params name), the pull fails, D recomputes the prompt
+            # and answers 200 all the same.
             core = app[SERVING].core
             rewrite = core.rewrite_remote_host
 
             def wrong_port(params: dict[str, Any], worker: str) -> dict[str, Any]:
-                return {**rewrite(params, worker), "remote_port": dead_port}
+                return {**rewrite(params, worker), "remote_port": dead_port,
+                        "remote_engine_id": uuid.uuid4().hex}
 
             monkeypatch.setattr(core, "rewrite_remote_host", wrong_port)
             await generate(200)
