@@ -20,8 +20,8 @@ each key a tenant (``proxy.tenants``); ``/debug/*`` behind the admin key when se
                                           port then answers 404 for ``/admin/*``)
 
 The three ``POST`` calls above the health routes take the lean front (``proxy.lean``): the same
-key check, body limits and error answers as the middlewares, without the router; with ``--front
-own`` (the default) on the proxy's own protocol (``proxy.front``), without aiohttp's server.
+key check, body limits and error answers as the middlewares, without the router. Every request is
+parsed by aiohttp's server (its strict parser).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from proxy.errors import (
     error_middleware,
     json_response,
 )
-from proxy.hop import HopClient
+from proxy.hop import AnswerLimits, HopClient
 from proxy.lean import LeanApplication
 from proxy.limits import BodyLimit, body_middleware
 from proxy.logs import ACCESS_LOG, log_access
@@ -264,7 +264,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     json_serialize=json.dumps)
     hops = HopClient(connect_timeout=settings.connect_timeout,
-                     keepalive=settings.upstream_keepalive_timeout, ssl_context=tls, max_per_host=cap)
+                     keepalive=settings.upstream_keepalive_timeout, ssl_context=tls, max_per_host=cap,
+                     limits=AnswerLimits(head=settings.max_upstream_header_bytes,
+                                         body=settings.max_upstream_body_bytes,
+                                         error=settings.max_upstream_error_bytes))
     metrics = app[METRICS]
 
     def count_resend(hop: str, result: str) -> None:
@@ -391,8 +394,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
                    body_middleware(limit, READ_BODY_PATHS, large_paths=LARGE_BODY_PATHS)]
     # The generate and abort calls take the lean front (``proxy.lean``): the same steps as the
     # middlewares above, in one frame and without the router.
-    app = LeanApplication(limit=limit, front=settings.front == "own", middlewares=middlewares,
-                          client_max_size=settings.max_body_bytes)
+    app = LeanApplication(limit=limit, middlewares=middlewares, client_max_size=settings.max_body_bytes)
     if gate is not None:
         app.set_guard(gate.admit)
     # a lease stays open at most P's lease, or a decode hop's bound while one holds it (Core.decoding)

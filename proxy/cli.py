@@ -46,10 +46,6 @@ def _add_workers_and_listener(p: argparse.ArgumentParser) -> None:
                    help="each serving process freezes its start-up objects and sets the cyclic garbage "
                         "collector's first threshold to N (Python's is 700, which costs 6-9%% of the "
                         "CPU per request under load); 0: Python's own settings")
-    p.add_argument("--front", choices=("own", "aiohttp"), default="own",
-                   help="who serves the generate and abort calls: own, the proxy's own HTTP/1.1 protocol "
-                        "(any other request, and any request not in its plain form, is handed to "
-                        "aiohttp's server with its connection), or aiohttp, aiohttp's server for all")
 
 
 def _add_keys(p: argparse.ArgumentParser) -> None:
@@ -118,6 +114,15 @@ def _add_buffers_blocks_and_logs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-reader-total-bytes", type=int, default=256 * 1024 * 1024,
                    help="bytes held for all streaming clients of a process together; past it the "
                         "stream holding the most is ended (0: no such budget)")
+    p.add_argument("--max-upstream-body-bytes", type=int, default=64 * 1024 * 1024,
+                   help="largest body of a worker's non-stream 2xx answer; past it the hop fails at once "
+                        "(502, the connection to the worker dropped)")
+    p.add_argument("--max-upstream-error-bytes", type=int, default=1024 * 1024,
+                   help="largest body of a worker's error (non-2xx) answer; past it the hop fails at once "
+                        "(502 instead of the worker's answer)")
+    p.add_argument("--max-upstream-header-bytes", type=int, default=64 * 1024,
+                   help="largest head of a worker's answer (status line, headers, trailer); past it the "
+                        "hop fails at once (502)")
     p.add_argument("--kv-block-size", type=int, default=None, metavar="TOKENS",
                    help="override the workers' KV block size for all of them (default: each worker's "
                         "own, read from vllm:cache_config_info on its /metrics; 16 until known)")
@@ -258,8 +263,11 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         upstream_max_connections_per_host=a.upstream_max_connections_per_host,
         lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
         slow_reader_total_bytes=a.slow_reader_total_bytes,
+        max_upstream_body_bytes=a.max_upstream_body_bytes,
+        max_upstream_error_bytes=a.max_upstream_error_bytes,
+        max_upstream_header_bytes=a.max_upstream_header_bytes,
         kv_block_size=a.kv_block_size, log_format=a.log_format, otel=a.otel, workers=a.workers,
-        gc_threshold=a.gc_threshold, front=a.front,
+        gc_threshold=a.gc_threshold,
         slow_reader_timeout=a.slow_reader_timeout, max_body_bytes=a.max_body_bytes,
         max_prompt_tokens=a.max_prompt_tokens,
         body_timeout=a.body_timeout, header_timeout=a.header_timeout,

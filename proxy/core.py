@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from kv_transfer.handoff import (
     RemoteHostRewrite,
@@ -220,67 +220,3 @@ class Part:
             await asyncio.wait({task}, timeout=min(interval, remaining))
             interval = min(2 * interval, self.settings.abort_grace)
 
-
-_T = TypeVar("_T")
-
-
-class HandlerHop:
-    """A hop made in the handler's own task while the front serves the request (the prefill
-    hop, a non-stream decode hop): no task of its own, so ``ended`` stands where its task would
-    for the clean-up and the aborts (``Flight.prefill_task`` / ``decode_task``), given the hop's
-    answer (``answered``) or its error (``failed``) when it ends. While it runs the front calls
-    ``on_gone`` instead of cancelling the handler when the client goes away (or the shutdown's
-    drain ends): the abort is noted and the worker holding the request is aborted again every
-    ``abort_grace`` until the hop ends, as the clean-up aborts a hop's task; the handler then
-    ends as if cancelled (``answered`` and ``failed`` raise ``CancelledError``).
-
-        hop = HandlerHop(part, f, decode=...)
-        try:
-            answer = await the_hop
-        except UpstreamError as e:
-            hop.failed(e)
-            raise
-        except BaseException:
-            hop.ended.cancel()
-            raise
-        finally:
-            hop.close()
-        return hop.answered(answer)
-    """
-
-    __slots__ = ("_decode", "_part", "ended", "f", "front", "gone")
-
-    def __init__(self, part: Part, f: Flight, *, decode: bool) -> None:
-        assert f.front is not None
-        self._part, self.f, self.front, self._decode = part, f, f.front, decode
-        self.ended: asyncio.Future[Any] = part.tracker.loop.create_future()
-        self.gone = False
-        self.front.on_gone = self.on_gone
-
-    def on_gone(self) -> None:
-        self.gone = True
-        part, record = self._part, self.f.record
-        part.core.note_gone(record)
-        if self._decode:
-            worker, limit = record.decode_worker, part.settings.decode_timeout
-        else:
-            worker, limit = record.prefill_worker, part.settings.prefill_timeout
-        part.tracker.spawn(part.abort_until(worker, record.engine_id, self.ended, limit))
-
-    def failed(self, e: BaseException) -> None:
-        """The hop failed with ``e``; ``CancelledError`` when the client had gone."""
-        self.ended.set_exception(e)
-        self.ended.exception()  # retrieved here: not "never retrieved"
-        if self.gone:
-            raise asyncio.CancelledError from None
-
-    def answered(self, answer: _T) -> _T:
-        """The hop answered ``answer`` (returned); ``CancelledError`` when the client had gone."""
-        self.ended.set_result(answer)
-        if self.gone:
-            raise asyncio.CancelledError
-        return answer
-
-    def close(self) -> None:
-        """The hop ended: the front cancels the handler again when the client goes away."""
-        self.front.on_gone = None

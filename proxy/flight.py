@@ -9,7 +9,6 @@ from typing import Any
 
 from proxy.first_token import FirstToken
 from proxy.first_token_filter import FirstTokenFilter
-from proxy.front import FrontRequest
 from proxy.ids import Rewrite
 from proxy.pools import Deadline, PickContext
 from proxy.protocol import GenerateRequest
@@ -95,11 +94,9 @@ class Flight:
     data: dict[str, Any]
     timing: Timing
     prefill_task: asyncio.Future[dict[str, Any]] | None = None
-    """The prefill hop: its task, or (the hop made in the handler's task, ``front`` set) a future
-    given its answer or its error once it ended."""
+    """The prefill hop's task."""
     decode_task: asyncio.Future[Any] | None = None
-    """The decode hop: its task, or (a non-stream hop made in the handler's task, ``front`` set) a
-    future given its answer or its error once it ended."""
+    """The decode hop's task (a stream's: its producer)."""
     release_task: asyncio.Task[None] | None = None
     buffer: StreamBuffer | None = None
     headers_ready: asyncio.Future[None] | None = None
@@ -128,15 +125,11 @@ class Flight:
     """P's first chunk, once built from its reply (None: D's stream is relayed as it is)."""
     first_filter: FirstTokenFilter | None = None
     """Takes token 1 out of D's stream once P's chunk was written."""
-    front: FrontRequest | None = None
-    """The request as the front (``proxy.front``) serves it, None under aiohttp's server: the
-    front calls its ``on_gone`` instead of cancelling the handler, so the prefill hop can run in
-    the handler's own task (``proxy.prefill``)."""
     abandoned: bool = False
     """The handler answered the request's abort without waiting longer for D's answer
     (``Aborts.hop_or_abandon`` gave up after the grace): nothing awaits the decode hop any more
-    (``headers_ready`` of a stream, the hop's task of a non-stream request under aiohttp's
-    server), so the clean-up logs the error of a hop that then crashes (``Cleanup.run``)."""
+    (``headers_ready`` of a stream, the hop's task of a non-stream request), so the clean-up logs
+    the error of a hop that then crashes (``Cleanup.run``)."""
     crashed: bool = False
     """The stream's producer raised what it did not expect (``StreamDecode._crashed``): its client's
     stream ended with the proxy's error event; the request's outcome is ``internal_error``."""

@@ -5,7 +5,6 @@ own bytes with what only P knows spliced in.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -13,7 +12,7 @@ from aiohttp import web
 
 from proxy.aborts import Aborts
 from proxy.cleanup import Cleanup
-from proxy.core import Core, HandlerHop, Part
+from proxy.core import Core, Part
 from proxy.decode import DecodeAttempts, DecodeEngine
 from proxy.errors import (
     UpstreamError,
@@ -40,10 +39,8 @@ class FullDecode(Part):
     async def decode(self, f: Flight, worker: Worker, body: dict[str, Any],
                      request: web.Request) -> web.StreamResponse:
         tries = DecodeAttempts(self.engine, f, worker, body)
-        if f.front is not None:
-            return await self._in_handler(f, worker, tries)
-        # Under aiohttp's server, which cancels the handler when the client goes away: the hop
-        # in a task of its own, which outlives the handler.
+        # aiohttp's server cancels the handler when the client goes away: the hop in a task of
+        # its own, which outlives the handler.
         task = self.tracker.spawn(self._hops(f, tries))
         f.decode_task = task
         if not await self.aborts.hop_or_abandon(f, task):
@@ -54,31 +51,6 @@ class FullDecode(Part):
             self.cleanup.after_decode_error(f, e)
             self.core.set_done(f)
             raise
-        return self._reply(f, worker, reply, raw)
-
-    async def _in_handler(self, f: Flight, worker: Worker, tries: DecodeAttempts) -> web.StreamResponse:
-        """The decode hop in the handler's own task (the front serves the request): no task and
-        no wake-ups through one; ``_Watch`` does around it what the waiter of a hop in its own
-        task (``Aborts.hop_or_abandon``) and the clean-up do."""
-        watch = _Watch(self, f)
-        f.decode_task = watch.ended
-        try:
-            answer = await self._hops(f, tries)
-        except UpstreamError as e:
-            watch.failed(e)
-            if watch.front.replied is not None:
-                return watch.front.replied  # the client has its aborted answer; the clean-up ends the lease
-            self.cleanup.after_decode_error(f, e)
-            self.core.set_done(f)
-            raise
-        except BaseException:
-            watch.ended.cancel()
-            raise
-        finally:
-            watch.close()
-        reply, raw = watch.answered(answer)
-        if watch.front.replied is not None:
-            return watch.front.replied  # aborted, answered at the grace's end: the clean-up ends the lease
         return self._reply(f, worker, reply, raw)
 
     async def _hops(self, f: Flight, tries: DecodeAttempts) -> tuple[dict[str, Any], bytes]:
@@ -108,8 +80,7 @@ class FullDecode(Part):
 
     def _reply(self, f: Flight, worker: Worker, reply: dict[str, Any], raw: bytes) -> web.StreamResponse:
         """D answered: D's bytes go to the client with what only P knows spliced in, then the
-        lease ends (pulled) and the request is accounted. On the front the answer is written
-        before that accounting (``FrontRequest.reply``): the client does not wait for it."""
+        lease ends (pulled) and the request is accounted."""
         f.timing.first_token = self.clock()
         if reply.get("output_mode") != f.request.output_mode:
             self._answered(f)
@@ -125,8 +96,7 @@ class FullDecode(Part):
         now = self.clock()
         headers = dict(f.headers)
         headers["Server-Timing"] = f.timing.header(now)
-        response = f.front.reply(raw, headers) if f.front is not None else \
-            web.Response(body=raw, content_type="application/json", headers=headers)
+        response = web.Response(body=raw, content_type="application/json", headers=headers)
         self._answered(f)
         if f.completion_tokens and f.request.sampling_params.n == 1 and f.timing.first_token is not None \
                 and f.timing.decode_start is not None:
@@ -177,45 +147,3 @@ class FullDecode(Part):
                 changed = True
         return compact_json(reply) if changed else raw
 
-
-class _Watch(HandlerHop):
-    """Around a non-stream decode hop made in the handler's task (``FullDecode._in_handler``),
-    besides what ``HandlerHop`` does when the client goes away: aborted (the abort endpoint, the
-    deadline) and the hop not ended ``abort_grace`` later, the client gets vLLM's aborted answer
-    then (``FrontRequest.reply``, with ``Connection: close``: the handler holds the connection
-    until the hop ends), and the hop goes on, aborted until it ends (``Aborts.abort``). A hop
-    ends by its own limit (``DecodeEngine.limit``: at most ``decode_timeout``), and none is
-    tried again once the request is aborted.
-    """
-
-    __slots__ = ("_full", "_timer")
-
-    def __init__(self, full: FullDecode, f: Flight) -> None:
-        super().__init__(full, f, decode=True)
-        self._full = full
-        self._timer: asyncio.TimerHandle | None = None
-        if f.record.is_aborted:
-            self._on_abort()
-        else:
-            f.record.on_abort.append(self._on_abort)
-
-    def _on_abort(self) -> None:
-        full = self._full
-        self._timer = full.tracker.loop.call_later(full.settings.abort_grace, self._answer_aborted)
-
-    def _answer_aborted(self) -> None:
-        if not self.gone and self.front.replied is None:
-            raw, headers = self._full.aborts.aborted_full(self.f)
-            self.front.keep_alive = False
-            self.front.reply(raw, headers)
-
-    def on_gone(self) -> None:
-        if self.front.replied is None:  # else the client had its aborted answer: D is aborted already
-            super().on_gone()
-
-    def close(self) -> None:
-        super().close()
-        if self._timer is not None:
-            self._timer.cancel()
-        with contextlib.suppress(ValueError):  # already called (and dropped) on abort
-            self.f.record.on_abort.remove(self._on_abort)

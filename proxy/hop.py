@@ -23,9 +23,12 @@ content type, no cookies, redirects, proxies, compression or multipart. What the
 * answers framed by ``Content-Length``, chunked encoding or the connection's end, the body read
   whole or as it arrives, with back-pressure (reading pauses while 1 MiB waits unread). Framing
   is strict: a Content-Length is 1 to 18 ASCII digits (one value), a chunk size 1 to 16 hex
-  digits (extensions ignored), nothing else; anything malformed is a ``HopProtocolError`` and
-  closes the connection. An answer with both Transfer-Encoding and Content-Length is read as
-  chunked and its connection closed after it (RFC 9112 6.3). The connection and its parser are
+  digits (extensions ignored), every line ends with CRLF, a head holds no control character,
+  nothing else; anything malformed is a ``HopProtocolError`` and closes the connection. An answer
+  with both Transfer-Encoding and Content-Length is read as chunked and its connection closed
+  after it (RFC 9112 6.3). Every answer is bounded (``limits``): its head, a non-stream 2xx body,
+  any other status's body; past a limit the parser stops at once (``HopTooLarge``, a
+  ``HopProtocolError``) and the connection is closed. The connection and its parser are
   ``proxy.hop_wire``; the pool, the limits and the answers' reading are here;
 * TLS through the standard library (``ssl=`` context; ``https://`` workers);
 * a connection whose answer was not read to its end is closed, never reused: closing it is what
@@ -44,6 +47,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable
 
+from proxy.hop_answer import AnswerLimits, HopTooLarge
 from proxy.hop_wire import (
     HopConnection,
     HopDisconnected,
@@ -160,8 +164,11 @@ class HopClient:
     def __init__(self, *, connect_timeout: float, keepalive: float,
                  ssl_context: ssl.SSLContext | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
-                 write_timeout: float | None = None, max_per_host: int = 0) -> None:
+                 write_timeout: float | None = None, max_per_host: int = 0,
+                 limits: AnswerLimits | None = None) -> None:
         self.connect_timeout = connect_timeout
+        self.limits = limits if limits is not None else AnswerLimits()
+        """What one answer may hold (head, non-stream body, error body)."""
         self.max_per_host = max_per_host
         """Connections open to one worker at most (connecting, in use and idle; 0: no cap). A hop
         beyond it waits for one to come back to the pool or close, at most the connect timeout."""
@@ -191,12 +198,14 @@ class HopClient:
         return {"in_use": len(self._in_use), "idle": sum(len(v) for v in self._idle.values())}
 
     async def request(self, url: str, path: str, headers: bytes, body: bytes, *,
-                      deadline: float | None, read_limit: float | None = None) -> HopResponse:
+                      deadline: float | None, read_limit: float | None = None,
+                      stream: bool = False) -> HopResponse:
         """POST ``body`` to ``url + path`` with ``headers`` (complete ``Name: value\\r\\n`` lines,
         Host and Content-Length added here). Returns once the status and headers arrived.
 
         ``deadline`` (loop time) bounds the whole exchange, body included; ``read_limit`` each
-        wait for bytes (the headers' included)."""
+        wait for bytes (the headers' included). ``stream``: a 2xx body is taken as it arrives
+        (``HopResponse.pipe``), not bounded by ``limits.body``."""
         if self._closed:
             raise HopDisconnected("the hop client is closed")
         origin = self.origin(url)
@@ -206,7 +215,7 @@ class HopClient:
         message = head + body if len(body) < 65536 else None
         conn = await self._acquire(origin, deadline)
         reused = conn.uses > 0
-        conn.begin()
+        conn.begin(stream=stream)
         try:
             if message is not None:
                 await conn.send(message, deadline, self.write_timeout)
@@ -304,7 +313,7 @@ class HopClient:
             if self._ssl is None:  # the system's CAs, full verification
                 self._ssl = ssl.create_default_context()
             sslctx = self._ssl
-        conn = HopConnection(self.loop, origin)
+        conn = HopConnection(self.loop, origin, self.limits)
         conn.counted = True
         self._open[origin.key] = self._open.get(origin.key, 0) + 1
         asked = limit
@@ -419,5 +428,5 @@ def header_lines(headers: dict[str, str]) -> bytes:
     return b"".join(out)
 
 
-__all__ = ["HopClient", "HopDisconnected", "HopProtocolError", "HopResponse", "HopStale", "Origin",
-           "SinkError", "header_lines", "parse_origin"]
+__all__ = ["AnswerLimits", "HopClient", "HopDisconnected", "HopProtocolError", "HopResponse", "HopStale",
+           "HopTooLarge", "Origin", "SinkError", "header_lines", "parse_origin"]

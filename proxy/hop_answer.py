@@ -5,9 +5,18 @@ the answer's bytes (status line, headers, then a body framed by ``Content-Length
 encoding or the connection's end) that queues the body's bytes for the caller, pausing the
 socket while 1 MiB waits unread. Framing is strict: a status is 3 digits in 100-599 after
 ``HTTP/1.x``, a Content-Length 1 to 18 ASCII digits (one value), a chunk size 1 to 16 hex digits
-(extensions ignored), nothing else; anything malformed is a ``HopProtocolError`` and closes the
-connection. An answer with both Transfer-Encoding and Content-Length is read as chunked and its
-connection not reused after it (RFC 9112 6.3).
+(extensions ignored), every line of the head, of the chunk framing and of the trailer ends with
+CRLF (a CR or LF alone anywhere in them is an error as soon as it arrives), and the head holds no
+control character but HTAB (aiohttp refuses to write one, and RFC 9110 5.5 forbids them);
+anything malformed is a ``HopProtocolError`` and closes the connection. An answer with both
+Transfer-Encoding and Content-Length is read as chunked and its connection not reused after it
+(RFC 9112 6.3).
+
+Every answer is bounded (``AnswerLimits``): its head (interim answers and the trailer count as
+head), and its body, a 2xx body by the request's limit (none for a stream, which the caller
+takes as it arrives), any other by the error limit. A Content-Length over the limit is refused
+at the head, a chunk that would take the body past it at its size line, a body read to the
+connection's end at the read that passes it: the parser never holds more than the limit.
 """
 
 from __future__ import annotations
@@ -16,10 +25,16 @@ import asyncio
 import re
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
-_MAX_HEAD = 64 * 1024
-"""Largest status line + headers accepted from a worker."""
+MAX_HEAD = 64 * 1024
+"""Largest head (status line and headers, interim answers and the trailer included) accepted from a
+worker by default."""
+MAX_BODY = 64 * 1024 * 1024
+"""Largest 2xx body of a non-stream answer accepted by default."""
+MAX_ERROR_BODY = 1024 * 1024
+"""Largest body of an answer that is not 2xx accepted by default."""
 _READ_PAUSE = 1 << 20
 """Body bytes buffered unread before the socket stops being read."""
 
@@ -28,17 +43,57 @@ _MAX_LENGTH_DIGITS = 18
 _MAX_CHUNK_DIGITS = 16
 """Longest chunk size accepted (hex digits, nothing else)."""
 _HEX_SIZE = re.compile(rb"[0-9A-Fa-f]{1,%d}" % _MAX_CHUNK_DIGITS)
+_BAD_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+"""In a head (searched on its own slice): a control character but HTAB, or a CR or LF that is not
+part of a CRLF."""
+_MAX_CHUNK_LINE = 4096
+"""Longest chunk-size or trailer line accepted."""
 _FRAMING = ("content-length", "transfer-encoding")
 
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 
 
 class HopProtocolError(Exception):
-    """The worker broke HTTP/1.1 framing (or closed mid-answer: ``HopDisconnected``)."""
+    """The worker broke HTTP/1.1 framing or an answer's limits (or closed mid-answer:
+    ``HopDisconnected``)."""
 
 
 class HopDisconnected(HopProtocolError, ConnectionError):
     """The connection ended before the answer did."""
+
+
+class HopTooLarge(HopProtocolError):
+    """An answer's head or body passed its limit (``AnswerLimits``): ``part`` says which
+    (``head``, ``body`` or ``error``, the body of an answer that is not 2xx)."""
+
+    def __init__(self, part: str, limit: int) -> None:
+        what = {"head": "a head", "body": "a body", "error": "an error body"}[part]
+        super().__init__(f"{what} larger than {limit} bytes")
+        self.part = part
+        self.limit = limit
+
+
+_UNBOUNDED = 1 << 62
+"""The body budget of a stream's 2xx answer: taken by its caller as it arrives, never held whole."""
+
+
+def _bad_head(found: re.Match[bytes]) -> HopProtocolError:
+    return HopProtocolError("a CR or LF alone in its head" if found[0] in (b"\r", b"\n")
+                            else "a control character in its head")
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerLimits:
+    """What one answer may hold, in bytes: its head (``head``), its body when it is 2xx
+    (``body``; a stream's is not bounded: see ``_Answer.begin_answer``) and when it is not (``error``)."""
+
+    head: int = MAX_HEAD
+    body: int = MAX_BODY
+    error: int = MAX_ERROR_BODY
+
+    def __post_init__(self) -> None:
+        if min(self.head, self.body, self.error) < 1:
+            raise ValueError("the limits of a worker's answer must be at least 1 byte")
 
 
 def _status_line(line: bytes) -> tuple[int, bytes]:
@@ -110,8 +165,10 @@ def _chunk_size(line: bytes) -> int:
     """A chunk-size line's size: 1 to 16 hex digits, optionally followed by chunk extensions
     (``;name[=value]``, whitespace allowed before each ``;``, RFC 9112 7.1.1) that are ignored.
     No sign, no ``0x``, no ``_``, no whitespace elsewhere: anything else is a protocol error."""
-    digits, semi, _ = line.partition(b";")
+    digits, semi, extensions = line.partition(b";")
     if semi:
+        if b"\r" in extensions or b"\n" in extensions:
+            raise HopProtocolError("a CR or LF alone in a chunk line")
         digits = digits.rstrip(b" \t")
     if _HEX_SIZE.fullmatch(digits) is None:  # int(, 16) alone takes signs, "0x", "_" and spaces
         raise HopProtocolError("a malformed chunk size")
@@ -142,10 +199,11 @@ def whole_chunks(data: bytes) -> int:
 class _Answer(asyncio.Protocol):
     """The parsing half of a ``HopConnection``: one answer at a time, its status line and headers
     (``head``) and its body queued (``_body``) as slices of the reads, reading paused while too
-    much of it is queued."""
+    much of it is queued; each answer within ``limits``."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: AnswerLimits | None = None) -> None:
         self.transport: asyncio.Transport | None = None
+        self.limits = limits if limits is not None else AnswerLimits()
         self._pending = b""
         self._state = _DONE
         self._remaining = 0
@@ -155,6 +213,24 @@ class _Answer(asyncio.Protocol):
         self._buffered = 0
         self._reading_paused = False
         self._seen: dict[bytes, tuple[str, str]] = {}
+        self._stream = False
+        """The answer's 2xx body is a stream, taken as it arrives: not bounded (``begin_answer``)."""
+        self._head_left = self.limits.head
+        """Head bytes the answer may still send (interim answers and the trailer included)."""
+        self._body_left = _UNBOUNDED
+        """Body bytes the answer may still send (set from its status: ``_parse_head``)."""
+        self.bounded = True
+        """The answer's body has a limit (all but a stream's 2xx body): its bytes go through the
+        parser, which counts them."""
+
+    def begin_answer(self, *, stream: bool) -> None:
+        """A new answer is due: its head first; ``stream``: a 2xx body is a stream (taken as it
+        arrives by the caller, so not bounded; a body of any other status is)."""
+        self._state = _HEAD
+        self.head = None
+        self._pending = b""
+        self._stream = stream
+        self._head_left = self.limits.head
 
     # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
     # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
@@ -170,13 +246,22 @@ class _Answer(asyncio.Protocol):
             pos = steps[self._state](self, data, pos, end)
 
     def _on_head(self, data: bytes, pos: int, end: int) -> int:
-        """The status line and headers, once all of them are here."""
+        """The status line and headers, once all of them are here; refused as soon as they pass
+        the head's limit or hold what no head may (``_BAD_HEAD``; a CR last may be half a CRLF)."""
         mark = data.find(b"\r\n\r\n", pos)
         if mark < 0:
-            if end - pos > _MAX_HEAD:
-                raise HopProtocolError("headers larger than 64 KiB")
+            if end - pos > self._head_left:
+                raise HopTooLarge("head", self.limits.head)
+            part = data[pos:end - 1] if data[end - 1] == 0x0D else data[pos:]
+            found = _BAD_HEAD.search(part)
+            if found is not None:
+                raise _bad_head(found)
             self._pending = data[pos:]
             return end
+        size = mark + 4 - pos
+        if size > self._head_left:
+            raise HopTooLarge("head", self.limits.head)
+        self._head_left -= size
         self._parse_head(data[pos:mark])
         return mark + 4
 
@@ -191,32 +276,44 @@ class _Answer(asyncio.Protocol):
         return pos + take
 
     def _on_until_close(self, data: bytes, pos: int, end: int) -> int:
-        """A body that ends with the connection: all of it."""
+        """A body that ends with the connection: all of it, within its limit."""
+        n = end - pos
+        if n > self._body_left:
+            raise self._too_large()
+        self._body_left -= n
         self._push(data if pos == 0 else data[pos:])
         return end
 
     def _line_end(self, data: bytes, pos: int, end: int) -> int:
-        """Where the chunk line (size, data's end or trailer) at ``pos`` ends (its CRLF); -1 when
-        it has not all arrived (kept for the next read)."""
-        nl = data.find(b"\r\n", pos)
+        """Where the chunk line (size, data's end or trailer) at ``pos`` ends (the CR of its CRLF);
+        -1 when it has not all arrived (kept for the next read). A CR or LF alone in it is an
+        error as soon as it is here (a CR last in the read may be half a CRLF)."""
+        nl = data.find(b"\n", pos)
         if nl < 0:
-            if end - pos > 4096:
+            if data.find(b"\r", pos, end - 1) >= 0:
+                raise HopProtocolError("a CR or LF alone in a chunk line")
+            if end - pos > _MAX_CHUNK_LINE:
                 raise HopProtocolError("a chunk header longer than 4 KiB")
             self._pending = data[pos:]
-        return nl
+            return -1
+        if nl == pos or data[nl - 1] != 0x0D or data.find(b"\r", pos, nl - 1) >= 0:
+            raise HopProtocolError("a CR or LF alone in a chunk line")
+        return nl - 1
 
     def _on_chunk_size(self, data: bytes, pos: int, end: int) -> int:
         """A chunk's size line. A chunk that follows whole with its CRLF (an SSE event usually
         does) is taken in the same step, and so is every such chunk after it: one call per read
         on the streaming path, not one per event (the chunks queued as ``_push`` queues them, the
-        bytes counted once for the read)."""
+        bytes counted once for the read). A chunk that would take the body past its limit is
+        refused at its size line, before its data is held."""
         body = self._body
         taken = 0
+        left = self._body_left
         try:
             while pos < end:
                 nl = data.find(b"\r\n", pos)  # _line_end inlined: this runs once per streamed event
                 if nl < 0:
-                    self._line_end(data, pos, end)
+                    self._line_end(data, pos, end)  # kept for the next read, or a CR or LF alone
                     return end
                 line = data[pos:nl]
                 # A bare size (no extensions) is the usual line: one match and int, no partition.
@@ -225,6 +322,9 @@ class _Answer(asyncio.Protocol):
                 if size == 0:
                     self._state = _TRAILER
                     return pos
+                left -= size
+                if left < 0:
+                    raise self._too_large()
                 stop = pos + size
                 if data[stop:stop + 2] != b"\r\n":
                     self._state, self._remaining = _CHUNK_DATA, size
@@ -234,6 +334,7 @@ class _Answer(asyncio.Protocol):
                 pos = stop + 2
             return pos
         finally:
+            self._body_left = left
             if taken:
                 self._queued(taken)
 
@@ -248,10 +349,16 @@ class _Answer(asyncio.Protocol):
         return nl + 2
 
     def _on_trailer(self, data: bytes, pos: int, end: int) -> int:
-        """The trailer after the last chunk (its fields ignored), up to its empty line."""
+        """The trailer after the last chunk (its fields ignored), up to its empty line; it counts
+        against the head's limit."""
         nl = self._line_end(data, pos, end)
         if nl < 0:
+            if end - pos > self._head_left:
+                raise HopTooLarge("head", self.limits.head)
             return end
+        self._head_left -= nl + 2 - pos
+        if self._head_left < 0:
+            raise HopTooLarge("head", self.limits.head)
         if nl == pos:
             self._state = _DONE
         return nl + 2
@@ -267,6 +374,9 @@ class _Answer(asyncio.Protocol):
     """The step of each state, in the states' order (``_HEAD`` ... ``_DONE``)."""
 
     def _parse_head(self, head: bytes) -> None:
+        found = _BAD_HEAD.search(head)
+        if found is not None:
+            raise _bad_head(found)
         lines = head.split(b"\r\n")
         status, version = _status_line(lines[0])
         if 100 <= status < 200:
@@ -277,7 +387,18 @@ class _Answer(asyncio.Protocol):
         self._state, self._remaining, reusable = _body_framing(status, headers)
         if not reusable:
             self._keep_alive = False
+        ok = 200 <= status < 300
+        self.bounded = not (ok and self._stream)
+        self._body_left = (self.limits.body if ok else self.limits.error) if self.bounded else _UNBOUNDED
+        if self._state == _LENGTH and self._remaining > self._body_left:
+            raise self._too_large(ok)
         self.head = (status, headers)
+
+    def _too_large(self, ok: bool | None = None) -> HopTooLarge:
+        """The error of a body past its limit (``ok``: a 2xx answer's; None: this answer's)."""
+        if ok is None:
+            ok = self.head is not None and 200 <= self.head[0] < 300
+        return HopTooLarge("body", self.limits.body) if ok else HopTooLarge("error", self.limits.error)
 
     def _push(self, chunk: bytes) -> None:
         self._body.append(chunk)
@@ -291,4 +412,4 @@ class _Answer(asyncio.Protocol):
             self.transport.pause_reading()
 
 
-__all__ = ["HopDisconnected", "HopProtocolError"]
+__all__ = ["AnswerLimits", "HopDisconnected", "HopProtocolError", "HopTooLarge"]

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 from proxy.hop_answer import (
     _CHUNK_SIZE,
     _DONE,
-    _HEAD,
     _UNTIL_CLOSE,
+    AnswerLimits,
     HopDisconnected,
     HopProtocolError,
     _Answer,
@@ -134,8 +134,9 @@ class _ReadTimer:
 class HopConnection(_Answer):
     """One connection: writes requests, parses one answer at a time into a body queue (``_Answer``)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, origin: Origin) -> None:
-        super().__init__()
+    def __init__(self, loop: asyncio.AbstractEventLoop, origin: Origin,
+                 limits: AnswerLimits | None = None) -> None:
+        super().__init__(limits)
         self.loop = loop
         self.origin = origin
         self.closed = False
@@ -184,8 +185,8 @@ class HopConnection(_Answer):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._timer.stop()
-        if self._state == _UNTIL_CLOSE:
-            self._state = _DONE
+        if self._state == _UNTIL_CLOSE and self._exc is None:
+            self._state = _DONE  # the body's end (not when the parser failed it: past its limit)
         elif self._state != _DONE and self._exc is None:
             self._exc = HopDisconnected("the worker closed the connection before its answer ended"
                                         if self.got_bytes else "the worker closed the connection")
@@ -240,8 +241,8 @@ class HopConnection(_Answer):
         it, done with (the wait for the next read extended as ``_to_sink`` extends it). False:
         parse it as any other read."""
         splice = self.splice
-        if splice is None or self._pending or self._body or self.sink is None:
-            return False
+        if splice is None or self._pending or self._body or self.sink is None or self.bounded:
+            return False  # (a bounded body is counted by the parser)
         try:
             if not splice(data):
                 return False
@@ -303,11 +304,11 @@ class HopConnection(_Answer):
         Asked of the kernel (one ``poll``), so it holds at the moment a request would be written."""
         return self._poll is not None and bool(self._poll.poll(0))
 
-    def begin(self) -> None:
-        self._state = _HEAD
-        self.head = None
+    def begin(self, *, stream: bool = False) -> None:
+        """A request goes out: its answer is due (``stream``: a 2xx body is taken as it arrives,
+        not bounded: ``_Answer.begin_answer``)."""
+        self.begin_answer(stream=stream)
         self.got_bytes = False
-        self._pending = b""
         self.uses += 1
 
     async def send(self, data: bytes, deadline: float | None, write_limit: float) -> None:

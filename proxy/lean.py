@@ -14,19 +14,25 @@ gets a match object built once per route (shared and frozen, its match dict empt
 Anything else takes the full path, unchanged: another method on these paths (405 in vLLM's shape,
 from the router), a request with an ``Expect`` header (the router's expect handler), every other
 route and the sub-applications (health, metrics, debug, admin).
+
+Every request is parsed by aiohttp's own (strict) parser; a head it refuses is answered by
+``QuietRequestHandler``.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 from aiohttp import hdrs, web
+from aiohttp.http_exceptions import BadHttpMethod
 
-from proxy.errors import answer_error
-from proxy.front import FRONT_BODY_BYTES, FrontRoute, FrontServer, QuietServer
+from proxy.errors import answer_error, malformed_http_response
 from proxy.limits import BodyLimit
+
+log = logging.getLogger("pd_proxy")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Guard = Callable[[web.Request], None]
@@ -50,28 +56,17 @@ with warnings.catch_warnings():
         """A ``web.Application`` that serves the routes added with ``add_lean_post`` in one frame
         (see the module's docstring); the rest as any application."""
 
-        ATTRS = web.Application.ATTRS | frozenset({"_lean", "_lean_guard", "_lean_limit", "_front"})
+        ATTRS = web.Application.ATTRS | frozenset({"_lean", "_lean_guard", "_lean_limit"})
 
-        def __init__(self, *, limit: BodyLimit, front: bool = True, **kwargs: object) -> None:
-            """``front``: serve the lean routes on the project's own protocol (``proxy.front``),
-            other connections handed to aiohttp's; False: every request on aiohttp's server."""
+        def __init__(self, *, limit: BodyLimit, **kwargs: object) -> None:
             super().__init__(**kwargs)  # type: ignore[arg-type]
             self._lean: dict[str, LeanRoute] = {}
             self._lean_guard: Guard | None = None
             self._lean_limit = limit
-            self._front = front
 
         def _make_handler(self, **kwargs: Any) -> web.Server:
             server = super()._make_handler(**kwargs)
-            if not self._front:
-                return QuietServer(server.request_handler, request_factory=server.request_factory,
-                                   loop=self._loop, handler_cancellation=server.handler_cancellation,
-                                   **server._kwargs)
-            limit = self._lean_limit
-            return FrontServer(self._handle, app=self, guard=self._lean_guard,
-                               routes={path: FrontRoute(route.handler) for path, route in self._lean.items()},
-                               max_body=min(limit.max_bytes, limit.large_bytes, FRONT_BODY_BYTES),
-                               body_timeout=limit.timeout, request_factory=self._make_request,
+            return QuietServer(server.request_handler, request_factory=server.request_factory,
                                loop=self._loop, handler_cancellation=server.handler_cancellation,
                                **server._kwargs)
 
@@ -107,4 +102,31 @@ with warnings.catch_warnings():
                 return answer_error(request, e)
 
 
-__all__ = ["Guard", "LeanApplication", "LeanRoute"]
+class QuietRequestHandler(web.RequestHandler):
+    """aiohttp's request handler, for every connection the app accepts. A request its parser
+    refuses is answered in vLLM's error shape and logged in one line, its class and status:
+    aiohttp logs it at ERROR with the parser's message, which quotes the offending line (an
+    ``Authorization`` header and its key, say), and answers it as plain text that echoes it.
+    Errors of a handler (500) stay aiohttp's (the app's middlewares answer them first)."""
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status != 400:
+            return super().handle_error(request, status, exc, message)
+        # Non-HTTP traffic (a TLS hello, a scanner) is a bad method: DEBUG, as aiohttp logs it.
+        level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.INFO
+        log.log(level, "refused a malformed HTTP request from %s: %s", request.remote,
+                type(exc).__name__ if exc is not None else "no error")
+        if request.writer.output_size > 0:  # as aiohttp: an answer is on its way, the connection is broken
+            raise ConnectionError("an answer was sent already: no error answer can follow")
+        return malformed_http_response(status, exc)
+
+
+class QuietServer(web.Server):
+    """A ``web.Server`` whose connections get ``QuietRequestHandler``."""
+
+    def __call__(self) -> web.RequestHandler:
+        return QuietRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+__all__ = ["Guard", "LeanApplication", "LeanRoute", "QuietRequestHandler", "QuietServer"]

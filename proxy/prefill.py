@@ -13,7 +13,7 @@ from kv_transfer.handoff import (
     check_prefill_params,
     prefill_body,
 )
-from proxy.core import Core, HandlerHop, Part
+from proxy.core import Core, Part
 from proxy.errors import (
     UpstreamError,
     UpstreamProtocolError,
@@ -77,11 +77,8 @@ class Prefill(Part):
                 break  # aborted (client call, deadline) during the backoff or the wait for a worker
             record.prefill_worker = worker
             try:
-                if f.front is not None:
-                    reply: dict[str, Any] = await self._in_handler(f, worker)
-                else:
-                    f.prefill_task = self._send(f, worker)
-                    reply = await outlive(f.prefill_task)
+                f.prefill_task = self._send(f, worker)
+                reply: dict[str, Any] = await outlive(f.prefill_task)
             except UpstreamError as e:
                 last, retry_ok = e, is_transient(e)
             else:
@@ -161,33 +158,11 @@ class Prefill(Part):
             raise
 
     def _send(self, f: Flight, worker: Worker) -> asyncio.Task[dict[str, Any]]:
-        """The prefill hop to ``worker`` in a tracked task (served by aiohttp's server, which
-        cancels the handler when the client goes away: the task outlives it)."""
+        """The prefill hop to ``worker`` in a tracked task: aiohttp's server cancels the handler
+        when the client goes away, and the task outlives it."""
         limit = self._limit(f, worker)
         task: asyncio.Task[dict[str, Any]] = self.tracker.spawn(self.hop(f, worker, limit))
         return task
-
-    async def _in_handler(self, f: Flight, worker: Worker) -> dict[str, Any]:
-        """The prefill hop to ``worker`` in the handler's own task (the front serves the request:
-        no task, no wake-ups through one). A client that goes away meanwhile must not cut the
-        hop (P's answer may name KV it holds): ``core.HandlerHop`` notes the abort, aborts P
-        until the hop ends, and has the handler end (``CancelledError``) once it did. The
-        clean-up then finds what it finds when the hop has a task of its own and ends after the
-        handler: ``prefill_task`` done, with P's answer or the hop's error."""
-        limit = self._limit(f, worker)
-        hop = HandlerHop(self, f, decode=False)
-        f.prefill_task = hop.ended
-        try:
-            reply: dict[str, Any] = await self.hop(f, worker, limit)
-        except UpstreamError as e:
-            hop.failed(e)
-            raise
-        except BaseException:
-            hop.ended.cancel()  # cancelled all the same (the hook was not called: nothing to wait for)
-            raise
-        finally:
-            hop.close()
-        return hop.answered(reply)
 
     async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
         """At ``limit`` P is sent an abort, not cut off: P then answers within ``abort_grace``,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import pydantic_core
 from pydantic import (
@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from proxy.sampling import SamplingParams
-from proxy.validation_errors import VLLMValidationError, format_validation_errors
+from proxy.validation_errors import RequestValidationError, VLLMValidationError, format_validation_errors
 
 OutputMode = Literal["tokens", "text"]
 GENERATE_PREFIX = "generate-tokens-"
@@ -177,6 +177,46 @@ def _jiter_int_digits() -> int:
 _JITER_INT_DIGITS = _jiter_int_digits()
 
 
+_JSON_DECODER = json.JSONDecoder()
+"""What ``json.loads`` runs on a text once it decoded it (no state between calls)."""
+_NOT_PLAIN_FIRST = b"\x00\xef\xfe\xff"
+"""First bytes of a body ``json.detect_encoding`` may take for other than UTF-8 (a BOM or a NUL)."""
+
+
+@overload
+def utf8_json(body: bytes) -> bytes: ...
+@overload
+def utf8_json(body: bytes | bytearray) -> bytes | bytearray: ...
+def utf8_json(body: bytes | bytearray) -> bytes | bytearray:
+    """``body`` as the UTF-8 bytes of the text ``json.loads`` reads in it: ``body`` itself when
+    ``json.detect_encoding`` says plain UTF-8 (a check of its first two bytes, nearly always),
+    else its text decoded as ``json.loads`` decodes it (UTF-16/32 LE/BE, with or without a BOM,
+    or UTF-8 after a BOM; ``"surrogatepass"``) and encoded again without a BOM. So every byte
+    search of a body (the transfer-params scan, the surrogate scan, the known shapes, the token
+    ids' text) sees what it sees in the same body sent as UTF-8, and the hop bodies are UTF-8.
+    A body ``json.loads`` cannot decode raises its ``JSONBodyError``."""
+    if len(body) > 1 and body[1] and body[0] not in _NOT_PLAIN_FIRST:
+        return body
+    encoding = json.detect_encoding(body)
+    if encoding == "utf-8":
+        return body
+    try:
+        text = body.decode(encoding, "surrogatepass")
+    except UnicodeDecodeError:
+        raise JSONBodyError("invalid UTF-8") from None
+    out = text.encode("utf-8", "surrogatepass")
+    if not out or json.detect_encoding(out) != "utf-8":
+        # The text is empty (a BOM alone: not an empty body) or starts with a BOM or a NUL (not
+        # JSON, and its UTF-8 bytes would be taken for another encoding again): the error is
+        # ``json.loads``' own (its decoder's, once it decoded the body).
+        try:
+            _JSON_DECODER.decode(text)
+        except json.JSONDecodeError as e:
+            raise JSONBodyError(e.msg, e.pos, str(e)) from None
+        raise JSONBodyError("Expecting value")  # not reached: such a text is not JSON
+    return out
+
+
 def loads_bounded(body: bytes) -> Any:
     """``json.loads`` for untrusted bodies: every failure (bad JSON, bad UTF-8, nesting that
     exhausts the parser's recursion, integers past Python's digit limit, lone surrogates,
@@ -187,13 +227,15 @@ def loads_bounded(body: bytes) -> Any:
     ``json.loads`` takes with the same value (types, big integers, correctly rounded floats,
     ``-0.0``, ``1e400`` as inf, ``NaN``, ``Infinity``, the last of repeated keys in the first
     one's place); whatever jiter refuses goes to ``json.loads``, so every error, and what only
-    ``json.loads`` takes (a lone surrogate, a UTF-8 BOM, UTF-16/32, integers of more than 4300
-    digits when Python allows them), comes from the same code as before. Two cases jiter would
+    ``json.loads`` takes (a lone surrogate, integers of more than 4300 digits when Python allows
+    them), comes from the same code as before. Two cases jiter would
     take differently go to ``json.loads`` directly: a body that can nest deeper than
     ``MAX_JSON_DEPTH`` (the walk that refuses it is on ``json.loads``'s path), and, under an
     integer digit limit lowered below jiter's cap, a body long enough to hold an integer past it
     (jiter does not apply the limit). jiter's strings are valid UTF-8 (Rust's), so no surrogate
-    needs looking for on its path."""
+    needs looking for on its path. A body in another encoding than UTF-8 is read as UTF-8 first
+    (``utf8_json``), so the surrogate search sees every surrogate."""
+    body = utf8_json(body)
     limit = sys.get_int_max_str_digits()
     if (body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH
             and (limit == 0 or limit >= _JITER_INT_DIGITS or len(body) <= limit)):
@@ -206,6 +248,7 @@ def loads_bounded(body: bytes) -> Any:
 
 def _loads_bounded_stdlib(body: bytes) -> Any:
     """``loads_bounded`` by ``json.loads`` alone: the reference, and every error's source."""
+    body = utf8_json(body)
     try:
         data = json.loads(body)
     except json.JSONDecodeError as e:
@@ -222,15 +265,39 @@ def _loads_bounded_stdlib(body: bytes) -> Any:
     return data
 
 
+def _check_media_type(content_type: str) -> None:
+    media_type = content_type.lower().split(";", maxsplit=1)[0].strip()
+    if media_type != "application/json":
+        raise format_validation_errors(["Unsupported Media Type: Only 'application/json' is allowed"])
+
+
+def _json_invalid(e: JSONBodyError) -> RequestValidationError:
+    return format_validation_errors(
+        [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+          "input": {}, "ctx": {"error": e.reason}}])
+
+
+@overload
+def utf8_request_body(body: bytes, content_type: str) -> bytes: ...
+@overload
+def utf8_request_body(body: bytes | bytearray, content_type: str) -> bytes | bytearray: ...
+def utf8_request_body(body: bytes | bytearray, content_type: str) -> bytes | bytearray:
+    """A generate body as UTF-8 (``utf8_json``), for every check after it; a body ``json.loads``
+    cannot decode raises what ``parse_generate_body`` raises for it (its media type first)."""
+    try:
+        return utf8_json(body)
+    except JSONBodyError as e:
+        _check_media_type(content_type)
+        raise _json_invalid(e) from None
+
+
 def parse_generate_body(body: bytes, content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
     """Parse and validate a generate request body exactly as vLLM's FastAPI route does.
 
     Returns the validated model and the client's JSON object (to forward untouched).
     Raises ``RequestValidationError`` or ``VLLMValidationError``.
     """
-    media_type = content_type.lower().split(";", maxsplit=1)[0].strip()
-    if media_type != "application/json":
-        raise format_validation_errors(["Unsupported Media Type: Only 'application/json' is allowed"])
+    _check_media_type(content_type)
     if not body:
         raise format_validation_errors(
             [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
@@ -238,10 +305,7 @@ def parse_generate_body(body: bytes, content_type: str) -> tuple[GenerateRequest
     try:
         data = loads_bounded(body)
     except JSONBodyError as e:
-        raise format_validation_errors(
-            [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
-              "input": {}, "ctx": {"error": e.reason}}]
-        ) from None
+        raise _json_invalid(e) from None
     if not isinstance(data, dict):
         raise format_validation_errors(
             [{"type": "model_attributes_type", "loc": ("body",),

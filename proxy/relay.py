@@ -1,8 +1,7 @@
 """The stream relay between a decode worker and a (possibly slow) client.
 
 A producer reads the decode worker's SSE stream and puts events into a ``StreamBuffer``; the
-handler takes whatever has queued and writes it (for a stream the front writes, the producer
-writes what each read completed itself while the client keeps up: ``StreamBuffer.direct``).
+handler takes whatever has queued and writes it.
 While the client keeps up there is one read's events per write and their bytes go out
 untouched. When the client lags, everything queued meanwhile goes out as one merged chunk per
 choice (``merge_chunks``): token ids, text and logprobs are concatenated and the last
@@ -20,7 +19,6 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.front import FrontRequest
 from proxy.protocol import compact_json, parse_worker_json
 from proxy.sse import data_event, split_events
 
@@ -39,14 +37,10 @@ def event_stream(request: web.Request, headers: Mapping[str, str], *,
                  headers_with_first_write: bool) -> web.StreamResponse:
     """A client's event stream (200, ``text/event-stream``, ``Cache-Control: no-cache``) with the
     request's own response headers (``headers``). ``headers_with_first_write``: its headers go out
-    with the first write (an ``EventStream``), else at ``prepare`` (a ``web.StreamResponse``). A
-    request the front serves gets a ``FrontStream``, which writes the same bytes on the front's
-    connection itself."""
+    with the first write (an ``EventStream``), else at ``prepare`` (a ``web.StreamResponse``)."""
     out = dict(headers)
     out["Content-Type"] = "text/event-stream; charset=utf-8"
     out["Cache-Control"] = "no-cache"
-    if type(request) is FrontRequest:  # type: ignore[comparison-overlap]
-        return request.stream(out, headers_with_first_write=headers_with_first_write)
     if headers_with_first_write:
         return EventStream(status=200, headers=out)
     return web.StreamResponse(status=200, headers=out)
@@ -231,7 +225,7 @@ class StreamBuffer:
     block of whole events (a plain ``sse.Batch``); they are split into events only when they
     must be merged. The writer calls ``sent`` after each write and ``discard`` when it is done.
 
-    ``direct``: set by a writer that can write without waiting (``FrontStream.write_now``): then
+    ``direct``: set by a writer that can write without waiting: then
     what the producer puts with ``deferred=True`` while the writer waits in ``take`` with nothing
     queued is not handed to it (no wake-up, no task switch) but written by ``flush``, which the
     producer calls once per read; ``direct`` returns False when it cannot write at once (the

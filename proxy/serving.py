@@ -7,9 +7,8 @@ the hand-off (``kv_transfer.handoff``, ``kv_transfer.leases``) and the decode, n
 both through one decode-attempt engine (``proxy.decode``). No upstream hop is cut when the
 client goes away: the decode hops run in tracked tasks that the handler awaits without cancelling
 them (``asyncio.shield``), so when the handler is cancelled the hop goes on and the clean-up
-(``proxy.cleanup``) takes it over; the prefill hop runs in the handler's own task when the front
-serves the request (the front then tells the handler through ``on_gone`` instead of cancelling
-it, ``proxy.prefill``), in a task of its own under aiohttp's server (``state.outlive``). So
+(``proxy.cleanup``) takes it over; the prefill hop runs in a task of its own as well
+(``state.outlive``). So
 whatever a worker holds for the request is freed whatever state the walk was in (see
 ``proxy.state``). Aborts from any source go through ``proxy.aborts``.
 """
@@ -40,7 +39,6 @@ from proxy.errors import (
 )
 from proxy.first_stream import FirstStream
 from proxy.flight import Flight, Timing
-from proxy.front import FrontRequest
 from proxy.full import FullDecode
 from proxy.ids import Rewrite, client_request_id, new_client_id, upstream_id
 from proxy.large_body import LARGE_BODY_BYTES
@@ -147,9 +145,6 @@ class Serving:
         flight = Flight(record, req, data, Timing(t0), deadline=deadline, client_id=client_id,
                         rewrite=Rewrite.for_ids(base_id, client_id), tenant=tenant)
         flight.headers["X-Request-Id"] = client_id
-        served: object = request  # the front's own request type, or aiohttp's
-        if type(served) is FrontRequest:
-            flight.front = served
         flight.trace = self.tracing.start(request.headers, client_id, t0)
         self.table.add(flight)
         outcome, status = "aborted", 499  # 499: the client went away (no response sent)
@@ -168,8 +163,7 @@ class Serving:
             e.headers = flight.headers
             raise
         except (asyncio.CancelledError, ConnectionResetError):
-            # The handler is cancelled (or a write fails) when the client went away; noted already
-            # when the front called ``on_gone`` during the prefill hop (``proxy.prefill``).
+            # The handler is cancelled (or a write fails) when the client went away.
             self.core.note_gone(record)
             raise
         except Exception:  # a bug: the client gets a generic 500 (``errors.answer_error`` logs it)

@@ -9,7 +9,6 @@ from proxy.pools import PoolSettings
 
 PrefillFailurePolicy = Literal["fail", "decode-only"]
 LogFormat = Literal["text", "json"]
-Front = Literal["own", "aiohttp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +78,17 @@ class ProxySettings:
     slow_reader_total_bytes: int = 256 * 1024 * 1024
     """Bytes that may be held for all streaming clients of the process together; past it the
     stream holding the most is ended (as past its own cap). 0: no such budget."""
+    max_upstream_body_bytes: int = 64 * 1024 * 1024
+    """Largest body of a worker's non-stream 2xx answer (a stream's events are bounded by
+    ``slow_reader_max_bytes`` each). 64 MiB holds a non-stream answer of about 48,000 tokens with
+    20 top logprobs each (vLLM writes about 1.3 KiB of JSON per such token); larger ones stream.
+    Past it the hop fails at once as the worker's protocol error (502, connection dropped)."""
+    max_upstream_error_bytes: int = 1024 * 1024
+    """Largest body of a worker's answer that is not 2xx: vLLM's error JSON is a few hundred
+    bytes. Past it the hop fails at once (502 instead of the worker's answer)."""
+    max_upstream_header_bytes: int = 64 * 1024
+    """Largest head of a worker's answer (status line and headers, interim answers and a chunked
+    body's trailer included). Past it the hop fails at once (502)."""
     slow_reader_timeout: float = 30.0
     """A write to a streaming client that does not complete within this many seconds (it stopped
     reading) closes its connection; the decode worker is aborted."""
@@ -119,10 +129,6 @@ class ProxySettings:
     the objects of the requests in flight set off a young collection every few requests, and what
     outlives it is scanned again in the older generations: 6-9% of the CPU per request at 64 at a
     time (``proxy.server.settle_gc``). 0: Python's own collector settings."""
-    front: Front = "own"
-    """Who serves the generate and abort calls: ``own``, the proxy's own protocol on each
-    connection (``proxy.front``; every other request handed to aiohttp's server), or
-    ``aiohttp``, aiohttp's server for everything (the lean front, ``proxy.lean``)."""
     max_prompt_tokens: int = 1 << 20
     """A longer ``token_ids`` is a 400 (param ``token_ids``) before any hop; 0: no limit. Bodies over
     1 MiB are parsed in slices (``proxy.large_body``), so the count is known early."""
@@ -165,6 +171,10 @@ class ProxySettings:
     def __post_init__(self) -> None:
         if self.upstream_max_connections_per_host < 0:
             raise ValueError("--upstream-max-connections-per-host must be 0 (no cap) or more")
+        if min(self.max_upstream_body_bytes, self.max_upstream_error_bytes,
+               self.max_upstream_header_bytes) < 1:
+            raise ValueError("--max-upstream-body-bytes, --max-upstream-error-bytes and "
+                             "--max-upstream-header-bytes must be at least 1")
         if self.kv_block_size is not None and self.kv_block_size < 1:
             raise ValueError("--kv-block-size must be at least 1")
         if not (self.abort_grace > 0 and self.abort_repeat_first > 0):

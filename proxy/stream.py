@@ -1,17 +1,14 @@
 """The streamed decode: D's stream read into a buffer by a producer task (retried before its first
 byte, migrated to another decode worker when it breaks later), and relayed to the client by the
 handler, bounded for slow readers. What D sends is handled in the loop turn it arrives in, from
-the hop connection (the producer waits once an attempt, ``proxy.stream_read``); on the front,
-while the client keeps up, what each read completed is written there too
-(``StreamBuffer.direct``) and the handler's relay wakes only for the stream's end or a lagging
-client.
+the hop connection (the producer waits once an attempt, ``proxy.stream_read``), and the
+handler's relay writes what has queued.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -29,7 +26,6 @@ from proxy.errors import (
     log_unexpected,
 )
 from proxy.flight import Flight
-from proxy.front_write import FrontStream
 from proxy.metrics import HistogramBatch
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
 from proxy.prefill import Prefill
@@ -132,20 +128,6 @@ class StreamDecode(Part):
                 self._second_write(f, now)  # once per stream, only after P's token
         w.last = now
 
-    def _direct(self, f: Flight, w: _Writes, write: Callable[[bytes], bool]) -> Callable[[bytes], bool]:
-        """A buffer's ``direct`` (``write``: ``FrontStream.write_now``) or ``direct_framed``
-        (``write_framed_now``, only without a rewrite) for a stream the front writes: what a
-        read of D's stream completed goes to the client from the producer, while the relay waits
-        (no task switch)."""
-        def direct(data: bytes) -> bool:
-            if f.rewrite is not None:
-                data = f.rewrite.apply(data)
-            if not write(data):
-                return False
-            self._wrote(f, w, self.clock())
-            return True
-        return direct
-
     async def _pump(self, request: web.Request, f: Flight, resp: web.StreamResponse, buffer: StreamBuffer,
                     w: _Writes) -> bytes:
         """The buffer's events to the client until D's stream ends; the events taken with the end
@@ -178,14 +160,9 @@ class StreamDecode(Part):
     async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
         w = _Writes(f.timing.first_write, HistogramBatch(self.metrics.itl))  # P's token went first
-        if type(resp) is FrontStream:
-            buffer.direct = self._direct(f, w, resp.write_now)
-            if f.rewrite is None:  # a rewrite changes the chunks' lengths: framed bytes are D's own
-                buffer.direct_framed = self._direct(f, w, resp.write_framed_now)
         try:
             last = await self._pump(request, f, resp, buffer, w)
         finally:
-            buffer.direct = buffer.direct_framed = None
             w.itl.flush()  # one update per bucket when the relay ends
         if buffer.overflowed:
             self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()

@@ -81,7 +81,7 @@ class DecodeReader(Part):
             try:
                 resp = await self.upstream.open(
                     "decode", worker.url, body, request_id=f.record.base_id, total=None,
-                    sock_read=self.settings.stream_idle_timeout)
+                    sock_read=self.settings.stream_idle_timeout, stream=True)
             except UpstreamError as e:
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
@@ -100,6 +100,7 @@ class DecodeReader(Part):
                 self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url,
                                    error_class(e)).inc()
                 rd.error, rd.exc = e.sse_event(), e
+                rd.protocol = isinstance(e, UpstreamProtocolError)  # broken framing: not migrated
             if rd.kv_failed is not None:
                 return Status.KV_FAILED, rd.error, rd.kv_failed
             return self._ended(rd, resp)
@@ -157,6 +158,8 @@ class DecodeReader(Part):
         buffer = rd.buffer
 
         def splice(framed: bytes) -> bool:
+            if buffer.direct_framed is None:  # no writer takes framed bytes: not worth the scans
+                return False
             if rd.first or reader.pending or (first_filter is not None and first_filter.pending):
                 return False
             if one_plain_chunk(framed):  # the usual read: one event, in one match

@@ -37,8 +37,14 @@ OPEN = Tenant("-", "")
 """The caller when no key is configured."""
 
 
+def key_bytes(key: str) -> bytes:
+    """A key as the bytes it came in: aiohttp decodes a header's bytes that are not UTF-8 to lone
+    surrogates (``surrogateescape``), which give them back; such a key matches no configured key."""
+    return key.encode("utf-8", "surrogateescape")
+
+
 def key_tag(key: str) -> str:
-    return hashlib.sha256(_TAG_CONTEXT + key.encode()).hexdigest()[:12]
+    return hashlib.sha256(_TAG_CONTEXT + key_bytes(key)).hexdigest()[:12]
 
 
 class Tenants:
@@ -50,7 +56,7 @@ class Tenants:
         for name, key in pairs:
             if not key:
                 raise ValueError("an API key is empty")
-            digest = hashlib.sha256(key.encode()).digest()
+            digest = hashlib.sha256(key_bytes(key)).digest()
             if digest in seen:
                 raise ValueError("an API key is given twice")
             seen.add(digest)
@@ -77,7 +83,7 @@ class Tenants:
         scheme, _, param = authorization.partition(" ")
         if scheme.lower() != "bearer":
             return None
-        digest = hashlib.sha256(param.encode()).digest()
+        digest = hashlib.sha256(key_bytes(param)).digest()
         found: Tenant | None = None
         for key_digest, tenant in self._entries:  # all of them: the time does not tell which matched
             if hmac.compare_digest(digest, key_digest):
@@ -102,4 +108,4 @@ def read_key_file(path: Path) -> list[tuple[str | None, str]]:
     return keys
 
 
-__all__ = ["OPEN", "Tenant", "Tenants", "key_tag", "read_key_file"]
+__all__ = ["OPEN", "Tenant", "Tenants", "key_bytes", "key_tag", "read_key_file"]

@@ -30,10 +30,12 @@ from proxy.hop import (
     HopProtocolError,
     HopResponse,
     HopStale,
+    HopTooLarge,
     SinkError,
     header_lines,
 )
 from proxy.large_body import PackedTokenIds
+from proxy.pools.health import PROBE_ANSWER_LIMIT, read_capped
 from proxy.protocol import engine_request_id, hop_json, parse_worker_json, unique_key_end
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -107,9 +109,22 @@ def encode_body(body: dict[str, Any]) -> bytes:
 def _broken(e: BaseException) -> str:
     if isinstance(e, HopDisconnected):
         return "closed the connection"
-    if isinstance(e, HopProtocolError):
-        return f"broke HTTP/1.1 ({e})"
     return type(e).__name__
+
+
+_LIMIT_FLAGS = {"head": "--max-upstream-header-bytes", "body": "--max-upstream-body-bytes",
+                "error": "--max-upstream-error-bytes"}
+
+
+def _failed(hop: str, worker: str, e: BaseException, doing: str) -> UpstreamError:
+    """A hop's transport failure as the proxy's error: an answer that broke HTTP/1.1 or passed a
+    limit is the worker's protocol error (502, not retried: it would repeat); a reset, a refused
+    or lost connection is ``doing`` (``unreachable``, ``connection lost``, ``stream broken``)."""
+    if isinstance(e, HopTooLarge):
+        return UpstreamProtocolError(hop, worker, f"answered {e} ({_LIMIT_FLAGS[e.part]})")
+    if isinstance(e, HopProtocolError) and not isinstance(e, HopDisconnected):
+        return UpstreamProtocolError(hop, worker, f"broke HTTP/1.1 ({e})")
+    return UpstreamUnavailable(hop, worker, f"{doing} ({_broken(e)})")
 
 
 class Upstream:
@@ -141,12 +156,13 @@ class Upstream:
         return timeout
 
     async def open(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
-                   total: float | None, sock_read: float | None = None) -> HopResponse:
+                   total: float | None, sock_read: float | None = None, stream: bool = False) -> HopResponse:
         """POST a generate body and return the response once its headers arrived (status 2xx).
 
         ``total`` bounds the whole exchange (the body's reading included), ``sock_read`` each
-        wait for bytes. The caller owns the response (``close()`` it). Error statuses are read
-        and raised.
+        wait for bytes; ``stream``: a 2xx body is read as it arrives (``pipe``), not bounded as a
+        whole (``HopClient.limits``). The caller owns the response (``close()`` it). Error
+        statuses are read (within the error body's limit) and raised.
 
         A kept-alive connection that ends with no answer byte once the request went out
         (``HopStale``): the worker most likely closed it idle and never read the request, but
@@ -167,23 +183,25 @@ class Upstream:
         try:
             try:
                 resp = await hops.request(worker, GENERATE_PATH, headers, data, deadline=deadline,
-                                          read_limit=sock_read)
+                                          read_limit=sock_read, stream=stream)
             except HopStale:
                 if not await self._abort_stale(hop, worker, request_id, deadline):
                     raise
                 resp = await hops.request(worker, GENERATE_PATH, headers, data, deadline=deadline,
-                                          read_limit=sock_read)
+                                          read_limit=sock_read, stream=stream)
         except HopConnectTimeout as e:
             raise UpstreamTimeout(hop, worker, str(e)) from None
         except TimeoutError:
             raise UpstreamTimeout(hop, worker, "timed out before answering") from None
         except (OSError, HopProtocolError) as e:
-            raise UpstreamUnavailable(hop, worker, f"unreachable ({_broken(e)})") from None
+            raise _failed(hop, worker, e, "unreachable") from None
         if resp.status >= 400:
             try:
                 payload = await resp.read()
-            except (TimeoutError, OSError, HopProtocolError):
+            except (TimeoutError, OSError):  # (a disconnect too)
                 payload = b""
+            except HopProtocolError as e:  # never passed on cut short, or past its limit
+                raise _failed(hop, worker, e, "connection lost") from None
             finally:
                 resp.close()
             raise UpstreamStatusError(hop, worker, resp.status, payload,
@@ -211,7 +229,7 @@ class Upstream:
         except TimeoutError:
             raise UpstreamTimeout(hop, worker, "timed out while answering") from None
         except (OSError, HopProtocolError) as e:
-            raise UpstreamUnavailable(hop, worker, f"connection lost ({_broken(e)})") from None
+            raise _failed(hop, worker, e, "connection lost") from None
         finally:
             resp.close()
         try:
@@ -235,8 +253,8 @@ class Upstream:
                    splice: Callable[[bytes], bool] | None = None) -> None:
         """The body of a streaming response to ``sink`` as it arrives, until it ends or the sink
         returns False (``HopResponse.pipe``: no task woken per read); the hop's failures
-        translated (a stall: ``UpstreamTimeout``; a reset or broken framing:
-        ``UpstreamUnavailable``), the sink's own raised as they are."""
+        translated (a stall: ``UpstreamTimeout``; a reset: ``UpstreamUnavailable``; broken
+        framing: ``UpstreamProtocolError``), the sink's own raised as they are."""
         try:
             await resp.pipe(sink, splice)
         except SinkError as e:
@@ -244,7 +262,7 @@ class Upstream:
         except TimeoutError:
             raise UpstreamTimeout(hop, worker, "stream stalled") from None
         except (OSError, HopProtocolError) as e:
-            raise UpstreamUnavailable(hop, worker, f"stream broken ({_broken(e)})") from None
+            raise _failed(hop, worker, e, "stream broken") from None
 
     async def abort(self, worker: str, request_ids: list[str], *, limit: float) -> bool:
         """Tell a worker to abort ids; True when it answered 200."""
@@ -253,7 +271,7 @@ class Upstream:
                 worker + ABORT_PATH, data=hop_json({"request_ids": request_ids}),
                 headers=self._headers, timeout=self._timeout(limit),
             ) as resp:
-                await resp.read()
+                await read_capped(resp, PROBE_ANSWER_LIMIT)
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
@@ -262,7 +280,7 @@ class Upstream:
         try:
             async with self.session.get(worker + "/health", headers=self._headers,
                                         timeout=self._timeout(limit)) as resp:
-                await resp.read()
+                await read_capped(resp, PROBE_ANSWER_LIMIT)
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False

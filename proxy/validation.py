@@ -2,6 +2,10 @@
 own rules (the prompt's length, no client transfer params, the server-level checks for the pools'
 config). Every error is a ``ClientError`` in vLLM's shape; nothing is held when one is raised.
 
+A body in another encoding than UTF-8 (UTF-16/32, a BOM) is read as UTF-8 first, as vLLM's
+server decodes it (``protocol.utf8_json``): every check after it, byte-level or not, sees the
+body a UTF-8 client would have sent, and the hop bodies are UTF-8.
+
 A body that differs from one that passed only in its token ids and request id is known
 (``proxy.known_bodies``): only the checks of its ids' number and the pools' config run again.
 """
@@ -14,7 +18,7 @@ from kv_transfer.params import client_transfer_params
 from proxy.errors import BadRequest, InvalidRequest
 from proxy.known_bodies import KnownBodies
 from proxy.large_body import PackedTokenIds, parse_large_generate_body, prompt_too_long
-from proxy.protocol import GenerateRequest, parse_generate_body
+from proxy.protocol import GenerateRequest, parse_generate_body, utf8_request_body
 from proxy.settings import ProxySettings
 from proxy.upstream import TokenIds, ids_text
 from proxy.validation_errors import RequestValidationError, VLLMValidationError
@@ -35,6 +39,10 @@ class Validation:
         """``body`` parsed and checked as vLLM would, then by the proxy's own rules. A body that
         differs from one that passed only in its token ids and request id is known
         (``proxy.known_bodies``): only the checks of its ids' number and the pools' config run."""
+        try:
+            body = utf8_request_body(body, content_type)  # before any byte-level check
+        except RequestValidationError as e:
+            raise InvalidRequest.from_protocol(e) from None
         probe = self.known.probe(body, content_type)
         if probe is not None:
             known = self.known.get(probe)
@@ -58,6 +66,7 @@ class Validation:
         """``validate`` for a body over ``LARGE_BODY_BYTES``: its token ids are parsed in slices,
         the loop given back between them (``proxy.large_body``)."""
         try:
+            body = utf8_request_body(body, content_type)  # before any byte-level check
             req, data = await parse_large_generate_body(body, content_type,
                                                         max_tokens=self.settings.max_prompt_tokens or None)
         except RequestValidationError as e:

@@ -7,17 +7,17 @@ between P and D, and between D and the client.
     [PYTHONPATH=TREE] python benchmarks/internals/critical_path.py [--requests N] [--max-tokens M]
                                                                     [--json OUT]
 
-Serves pd-proxy (``--front own``, the default) in this process on loopback in front of two
+Serves pd-proxy (its default settings) in this process on loopback in front of two
 ``pd-sim --zero-latency`` workers, and sends ``--requests`` non-stream requests (256 prompt
 tokens, ``--max-tokens`` output tokens) one after the other from a client subprocess, 2 ms apart
 (the proxy is idle between them, as at one request at a time). The points are taken by wrapping
 the proxy's methods on their classes for the run (``time.perf_counter_ns``, a few hundred
-nanoseconds each): the request's first read (``Front.data_received``), the handler's start
-(``Front._serve``), validation (``Validation.validate``), the walk (``Serving._walk``), each hop's
-request written (``HopConnection.send``) and its answer's first read
-(``HopConnection.data_received``), P's reply accepted (``Prefill.accept_reply``), the decode
-(``Serving._decode``), the answer written (``FrontRequest.reply``, or ``Front._finish`` for a tree
-whose walk returns a ``web.Response``), the connection served (``Front._served``). A point whose
+nanoseconds each): the request's first read (aiohttp's ``RequestHandler.data_received``), the
+handler's start (``RequestHandler._handle_request``), validation (``Validation.validate``), the
+walk (``Serving._walk``), each hop's request written (``HopConnection.send``) and its answer's
+first read (``HopConnection.data_received``), P's reply accepted (``Prefill.accept_reply``), the decode
+(``Serving._decode``), the answer written (``RequestHandler.finish_response``), the request
+served (``RequestHandler._handle_request`` returns). A point whose
 method a tree lacks is left out. The first 100 requests are a warm-up.
 
 Prints, per segment between consecutive points, the median and 90th percentile in microseconds,
@@ -112,11 +112,13 @@ class Marks:
         self._undo.append(lambda: setattr(cls, method, original))
 
     def install(self) -> None:
-        from proxy import front, full, hop_wire, prefill, serving  # noqa: PLC0415
+        from aiohttp.web_protocol import RequestHandler  # noqa: PLC0415
 
-        self.wrap(front.Front, "data_received", "request in",  # a request's first read
-                  when=lambda protocol: protocol.task is None and protocol.head is None)
-        self.wrap(front.Front, "_serve", "handler starts")
+        from proxy import full, hop_wire, prefill, serving  # noqa: PLC0415
+
+        self.wrap(RequestHandler, "data_received", "request in",  # a request's first read
+                  when=lambda protocol: protocol._current_request is None)
+        self.wrap(RequestHandler, "_handle_request", "handler starts", "served")
         self.wrap(serving.Serving, "validate", "validate", "validated")  # a tree before proxy.validation
         if importlib.util.find_spec("proxy.validation") is not None:
             from proxy import validation  # noqa: PLC0415
@@ -128,11 +130,7 @@ class Marks:
         self.wrap(prefill.Prefill, "accept_reply", "P's reply checked", "P's reply accepted")
         self.wrap(serving.Serving, "_decode", "decode")
         self.wrap(full.FullDecode, "_reply", "D's reply handled")
-        if "reply" in front.FrontRequest.__dict__:
-            self.wrap(front.FrontRequest, "reply", None, "answer written")
-        else:
-            self.wrap(front.Front, "_finish", None, "answer written")
-        self.wrap(front.Front, "_served", "served")
+        self.wrap(RequestHandler, "finish_response", None, "answer written")
 
     def uninstall(self) -> None:
         for undo in reversed(self._undo):

@@ -10,9 +10,8 @@ Starts two pd-sim workers (prefill and decode; no simulated delay but ``--itl-ms
 in this process on uvloop and on loopback, in front of both:
 
 - ``pd-proxy``: the app (``proxy.app.build_app``, pd-proxy's default settings, ``--log-level
-  warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it: the generate calls on its own
-  protocol (``--front own``, ``proxy.front``);
-- ``pd-proxy/aiohttp``: the same with ``--front aiohttp`` (every request on aiohttp's server);
+  warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it (every request on aiohttp's
+  server, the generate calls without its router: ``proxy.lean``);
 - ``aiohttp+flat+hops``: ``flat_proxy``'s walk with pd-proxy's hop client, behind aiohttp's server
   (``flat_proxy.aiohttp_app``: a ``web.Application``, the generate route alone, no middleware);
 - ``server+flat+hops``: the same behind aiohttp's low-level server (``web.Server``: no application,
@@ -58,22 +57,20 @@ if _TREE not in sys.path:
 
 from benchmarks.internals import bare_proxy, call_counts, cpu_split, flat_proxy  # noqa: E402
 
-VARIANTS = ("pd-proxy/aiohttp", "pd-proxy", "aiohttp+flat+hops", "server+flat+hops", "flat+hops", "flat",
-            "bare")
-STREAM_VARIANTS = ("pd-proxy/aiohttp", "pd-proxy", "flat+hops", "flat", "bare")
+VARIANTS = ("pd-proxy", "aiohttp+flat+hops", "server+flat+hops", "flat+hops", "flat", "bare")
+STREAM_VARIANTS = ("pd-proxy", "flat+hops", "flat", "bare")
 """Those that relay a stream (the aiohttp shells serve non-stream requests only)."""
 Round = Callable[[], Awaitable[None]]
 
 
 async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str) -> int:
     """Start ``variant`` on a free loopback port (stopped with ``stack``); its port."""
-    if variant in ("pd-proxy", "pd-proxy/aiohttp"):
+    if variant == "pd-proxy":
         from proxy.app import build_app  # noqa: PLC0415
         from proxy.cli import parse_args  # noqa: PLC0415
 
         settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", prefill,
-                               "--decode", decode, "--log-level", "warning",
-                               "--front", "aiohttp" if variant == "pd-proxy/aiohttp" else "own"])
+                               "--decode", decode, "--log-level", "warning"])
         runner = web.AppRunner(build_app(settings))
         await runner.setup()
         stack.push_async_callback(runner.cleanup)

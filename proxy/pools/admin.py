@@ -42,7 +42,8 @@ JOURNAL_KEY = web.AppKey("journal", Journal)
 
 
 def key_digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+    """A header's bytes that are not UTF-8 (lone surrogates from aiohttp) hash as those bytes."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 def key_matches(authorization: str | None, digest: bytes) -> bool:

@@ -50,12 +50,37 @@ async def repeat(interval: float, step: Callable[[], Awaitable[object]]) -> None
         await asyncio.sleep(interval)
 
 
+PROBE_ANSWER_LIMIT = 1024 * 1024
+"""The most of a probe's or an abort's answer read (vLLM's are a few bytes); past it the call fails."""
+METRICS_PAGE_LIMIT = 16 * 1024 * 1024
+"""The most of a worker's ``/metrics`` page read (vLLM's is tens of KiB); past it the scrape fails."""
+
+
+class AnswerTooLarge(aiohttp.ClientPayloadError):
+    """A worker's answer to a control call passed its limit: the call fails, its connection closed."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """``resp``'s body, never holding more than ``limit`` bytes of it (plus aiohttp's read buffer):
+    ``AnswerTooLarge`` past it, the connection closed rather than returned to the pool."""
+    length = resp.content_length
+    if length is None or length <= limit:
+        body = bytearray()
+        while len(body) <= limit:
+            chunk = await resp.content.read(limit + 1 - len(body))
+            if not chunk:
+                return bytes(body)
+            body += chunk
+    resp.close()
+    raise AnswerTooLarge(f"{resp.url.origin()} answered more than {limit} bytes")
+
+
 def http_probe(session: aiohttp.ClientSession, timeout: float, path: str = "/health") -> ProbeFn:
     async def probe(worker: Worker) -> bool:
         try:
             async with session.get(worker.url + path,
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                await resp.read()
+                await read_capped(resp, PROBE_ANSWER_LIMIT)
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
@@ -67,7 +92,7 @@ def http_fetch(session: aiohttp.ClientSession, timeout: float, path: str = "/met
     async def fetch(worker: Worker) -> str:
         async with session.get(worker.url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             resp.raise_for_status()
-            return await resp.text()
+            return (await read_capped(resp, METRICS_PAGE_LIMIT)).decode(resp.charset or "utf-8", "replace")
 
     return fetch
 

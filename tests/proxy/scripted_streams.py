@@ -127,7 +127,7 @@ class ScriptedUpstream:
     opened: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     async def open(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
-                   total: float | None, sock_read: float | None = None) -> Answer:
+                   total: float | None, sock_read: float | None = None, stream: bool = False) -> Answer:
         self.opened.append((worker, body))
         if not self.answers:
             raise AssertionError(f"no answer scripted for a hop to {worker}")

@@ -228,27 +228,24 @@ async def test_disconnect_while_prefilling(pd_factory: PDFactory, stream: bool) 
     assert 'pd_proxy_aborts_total{source="disconnect",state="prefilling"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_disconnect_during_a_long_prefill_aborts_the_prefill_worker(pd_factory: PDFactory, stream: bool,
-                                                                          front: str) -> None:
+async def test_disconnect_during_a_long_prefill_aborts_the_prefill_worker(pd_factory: PDFactory,
+                                                                          stream: bool) -> None:
     """The client goes away while P prefills (60 s): P is aborted (again every ``abort_grace``
     until its hop ends: an abort that comes before P registered the request is lost) and answers,
-    so nothing is held or running anywhere long before the prefill would have ended. Through the
-    front the hop runs in the handler's task and the front tells the handler (``on_gone``);
-    under aiohttp's server the handler is cancelled and the clean-up aborts P."""
+    so nothing is held or running anywhere long before the prefill would have ended (the handler
+    is cancelled and the clean-up aborts P)."""
     pd = await pd_factory(prefill={"zero_latency": False, "prefill_base_ms": 60_000.0,
-                                   "prefill_per_token_ms": 0.0}, abort_grace=0.2, front=front)
+                                   "prefill_per_token_ms": 0.0}, abort_grace=0.2)
     await _disconnect_when(pd, "prefilling", {**req(request_id="dl"), "stream": stream})
     await pd.quiet(limit=20.0)
     metrics = await (await pd.client.get("/metrics")).text()
     assert 'pd_proxy_aborts_total{source="disconnect",state="prefilling"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_an_abort_p_dropped_goes_again_soon_while_p_prefills(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool, front: str) -> None:
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool) -> None:
     """The client's abort reaches P before P registered the request (vLLM drops it), then P
     prefills for 2 s. The abort goes again soon after, not at the next ``abort_grace`` (here
     60 s): P ends the prefill aborted, holding no KV, so D is never sent a release of it."""
@@ -270,7 +267,7 @@ async def test_an_abort_p_dropped_goes_again_soon_while_p_prefills(
         return prefill_reply(body)
 
     p = await scripted_factory(prefill)
-    client, app = await proxy_factory([p.url], [d.url], abort_grace=60.0, front=front)
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=60.0)
     task = asyncio.create_task(client.post("/inference/v1/generate",
                                            json={**req(request_id="pd1"), "stream": stream}))
     await _until(lambda: bool(p.received), "the prefill hop never reached P")
@@ -337,30 +334,25 @@ async def _until(check: Any, what: str, limit: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_an_aborted_nonstream_request_whose_decode_worker_ignores_it_is_answered_after_the_grace(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str) -> None:
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
     """Aborted while D holds its non-stream decode hop, and D ignores the abort: the client gets
     vLLM's aborted answer ``abort_grace`` after the abort, the hop goes on (D is aborted again
-    until it ends), and once D answers the lease closes ``aborted`` and nothing is left. Through
-    the front the hop runs in the handler's own task (no task of its own), which answers with
-    ``Connection: close`` (the handler holds the connection until the hop ends); under aiohttp's
-    server the hop has a task and the handler returns."""
+    until it ends), and once D answers the lease closes ``aborted`` and nothing is left. The hop
+    has a task of its own and the handler returns."""
     released = asyncio.Event()
     p: Scripted = await scripted_factory(lambda body, request: prefill_reply(body))
     d: Scripted = await scripted_factory(_decode_answering_when(released))
-    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, front=front)
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05)
     serving = app[SERVING]
     call = asyncio.create_task(client.post("/inference/v1/generate", json=req(request_id="ig1")))
     await _until(lambda: d.received, "the decode hop never reached D")
-    assert len(serving.tracker) == (0 if front == "own" else 1)  # the hop's task, under aiohttp's server
+    assert len(serving.tracker) == 1  # the hop's task
     assert (await client.post("/abort_requests", json={"request_ids": ["generate-tokens-ig1"]})).status == 200
     r = await asyncio.wait_for(call, 5)
     body = await r.json()
     assert r.status == 200 and body["choices"][0]["finish_reason"] == "abort"
     assert body["choices"][0]["token_ids"] == []
-    if front == "own":
-        assert r.headers["Connection"] == "close"
     await _until(lambda: len(d.aborts) >= 2, "D was not aborted again while its hop went on")
     assert len(serving.table) == 1  # the hop goes on: the request is not forgotten
     released.set()
@@ -372,9 +364,8 @@ async def test_an_aborted_nonstream_request_whose_decode_worker_ignores_it_is_an
     assert 'pd_proxy_requests_total{outcome="aborted"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_an_aborted_nonstream_decode_that_never_ends_is_cut_at_its_limit(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str,
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory,
         caplog: pytest.LogCaptureFixture) -> None:
     """Aborted, answered after the grace, and D never answers: the hop ends at its limit
     (``decode_timeout``), the lease is ``unknown`` (D may or may not have pulled) and nothing is
@@ -382,7 +373,7 @@ async def test_an_aborted_nonstream_decode_that_never_ends_is_cut_at_its_limit(
     released = asyncio.Event()
     p: Scripted = await scripted_factory(lambda body, request: prefill_reply(body))
     d: Scripted = await scripted_factory(_decode_answering_when(released))
-    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, decode_timeout=0.5, front=front)
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, decode_timeout=0.5)
     serving = app[SERVING]
     call = asyncio.create_task(client.post("/inference/v1/generate", json=req(request_id="ig2")))
     await _until(lambda: d.received, "the decode hop never reached D")
@@ -401,17 +392,15 @@ async def test_an_aborted_nonstream_decode_that_never_ends_is_cut_at_its_limit(
     released.set()
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_client_gone_during_a_nonstream_decode_aborts_d_until_it_answers(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str) -> None:
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
     """The client goes away while D holds its non-stream decode hop, and D ignores the aborts: D is
     aborted again until it answers; its answer (it pulled the KV) closes the lease ``aborted`` and
-    nothing is left. Through the front the handler is told (``on_gone``) instead of cancelled,
-    and ends once the hop did."""
+    nothing is left."""
     released = asyncio.Event()
     p: Scripted = await scripted_factory(lambda body, request: prefill_reply(body))
     d: Scripted = await scripted_factory(_decode_answering_when(released))
-    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, front=front)
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05)
     serving = app[SERVING]
 
     async def call() -> None:
@@ -434,23 +423,20 @@ async def test_a_client_gone_during_a_nonstream_decode_aborts_d_until_it_answers
     assert serving.pools.decode.workers[0].inflight == 0
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_disconnect_while_a_finished_prefill_answers_late_frees_its_kv(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool, front: str) -> None:
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool) -> None:
     """The client goes away while the prefill hop waits for P's answer, and P had finished (its
     KV held, the answer late). The client's going must not cut the hop: its answer still reaches
     the proxy, whose clean-up releases the KV through a decode worker (D pulls, P frees), and the
     lease closes as ``aborted``. A cut hop would leave the KV pinned on P, with no params to
     release it by, until P's own lease ends. A stream takes the same hop (P's first token for
-    the client, on by default, changes only its body). The front runs the hop in the handler's
-    own task and, the client gone, tells the handler (``on_gone``) instead of cancelling it;
-    under aiohttp's server (``--front aiohttp``), which cancels the handler, the hop has a task
-    of its own that outlives it (``outlive``)."""
+    the client, on by default, changes only its body). aiohttp's server cancels the handler; the
+    hop has a task of its own that outlives it (``outlive``)."""
     released = asyncio.Event()
     p: Scripted = await scripted_factory(_prefill_answering_when(released))
     d: Scripted = await scripted_factory(_release_answer)
-    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05, front=front)
+    client, app = await proxy_factory([p.url], [d.url], abort_grace=0.05)
     serving = app[SERVING]
 
     async def call() -> None:
@@ -468,8 +454,8 @@ async def test_disconnect_while_a_finished_prefill_answers_late_frees_its_kv(
     while not p.received:  # the prefill hop is with P
         assert loop.time() < deadline, "the prefill hop never reached P"
         await asyncio.sleep(0.01)
-    # the hop's own task under aiohttp's server; none through the front (nothing else runs yet)
-    assert len(serving.tracker) == (0 if front == "own" else 1)
+    # the hop's own task (nothing else runs yet)
+    assert len(serving.tracker) == 1
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -641,7 +627,7 @@ async def test_every_client_stream_has_the_same_headers(pd_factory: PDFactory, h
 
 
 async def aborted_while_it_waits_for(
-        pool: str, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str,
+        pool: str, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory,
         stream: bool) -> tuple[Scripted, Scripted, Any]:
     """A request ("busy") holds the only worker of ``pool`` (each worker's in-flight cap 1);
     another ("vic") comes and waits for one, and is aborted meanwhile; then the worker frees up.
@@ -658,7 +644,7 @@ async def aborted_while_it_waits_for(
 
     p = await scripted_factory(worker("prefill"))
     d = await scripted_factory(worker("decode"))
-    client, app = await proxy_factory([p.url], [d.url], front=front, first_token_from_prefill=False,
+    client, app = await proxy_factory([p.url], [d.url], first_token_from_prefill=False,
                                       pools=PoolSettings.plain(max_inflight_per_worker=1))
     serving = app[SERVING]
     busy = asyncio.ensure_future(client.post("/inference/v1/generate", json=req(request_id="busy")))
@@ -688,14 +674,12 @@ async def aborted_while_it_waits_for(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_request_aborted_while_it_waits_for_a_decode_worker_never_decodes(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str, stream: bool) -> None:
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool) -> None:
     """KV_HELD, every decode worker at its in-flight cap: the request waits for one. Aborted
     meanwhile, it gets vLLM's aborted answer once a worker frees up, and D is sent only the
-    release of P's KV (one token), not the request. Before, the whole decode hop went to D (and,
-    non-stream through the front, D was never sent an abort while it ran)."""
-    _, d, client = await aborted_while_it_waits_for("decode", scripted_factory, proxy_factory, front, stream)
+    release of P's KV (one token), not the request. Before, the whole decode hop went to D."""
+    _, d, client = await aborted_while_it_waits_for("decode", scripted_factory, proxy_factory, stream)
     vic = [b for b in d.received if b["request_id"] == "vic"]
     assert len(vic) == 1 and vic[0]["sampling_params"]["max_tokens"] == 1 and not vic[0].get("stream")
     assert vic[0]["kv_transfer_params"] == KV_PARAMS  # the release: D pulls, P frees
@@ -704,13 +688,12 @@ async def test_a_request_aborted_while_it_waits_for_a_decode_worker_never_decode
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_request_aborted_while_it_waits_for_a_prefill_worker_is_never_prefilled(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str, stream: bool) -> None:
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, stream: bool) -> None:
     """Every prefill worker at its in-flight cap: the request waits for one. Aborted meanwhile,
     it gets vLLM's aborted answer once a worker frees up, and the prefill hop is never sent (P's
     compute goes to requests that will decode). Before, P prefilled it all the same."""
-    p, d, _ = await aborted_while_it_waits_for("prefill", scripted_factory, proxy_factory, front, stream)
+    p, d, _ = await aborted_while_it_waits_for("prefill", scripted_factory, proxy_factory, stream)
     assert [b["request_id"] for b in p.received] == ["busy"]
     assert [b["request_id"] for b in d.received] == ["busy"]
     assert [b["request_id"] for b in d.received] == ["busy"]

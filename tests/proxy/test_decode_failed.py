@@ -47,11 +47,10 @@ def gone_count(serving: Serving) -> float:
     return value or 0.0
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 @pytest.mark.parametrize("mode", ["nonstream", "stream", "stream_ps_token_first"])
 @pytest.mark.parametrize("status", [400, 503])
 async def test_d_fails_the_hop_after_the_client_left_and_ps_kv_is_still_released(
-        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str, mode: str,
+        scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, mode: str,
         status: int) -> None:
     """The client goes away while the decode hop waits for D; then D refuses it (400: it
     registered nothing) or fails it (503). Before, no release was sent: P held the KV until its
@@ -68,7 +67,7 @@ async def test_d_fails_the_hop_after_the_client_left_and_ps_kv_is_still_released
 
     p = await scripted_factory(lambda body, request: prefill_reply(body))
     ds = [await scripted_factory(decode) for _ in range(2 if status == 503 else 1)]
-    client, app = await proxy_factory([p.url], [ds[0].url], front=front, abort_grace=0.05,
+    client, app = await proxy_factory([p.url], [ds[0].url], abort_grace=0.05,
                                       first_token_from_prefill=mode == "stream_ps_token_first")
     serving = app[SERVING]
     for d in ds[1:]:  # the other decode worker joins once the first has the hop

@@ -558,23 +558,16 @@ async def test_an_abort_that_reached_d_before_its_request_is_sent_again_at_ds_he
 def server_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, bytes]]:
     """Every write an aiohttp server of this process hands its transport (one entry per ``write``
     or ``writelines``: one syscall when the socket takes it), in order, with the server it came
-    from (pd-sim's too), and every write of a stream on the proxy's front (``FrontStream``); the
-    test client's own writes are left out."""
+    from (pd-sim's too); the test client's own writes are left out."""
     from aiohttp import http_writer  # noqa: PLC0415
     from aiohttp.web_protocol import RequestHandler  # noqa: PLC0415
 
-    from proxy.front import Front  # noqa: PLC0415
-    from proxy.front_write import FrontStream  # noqa: PLC0415
-
     writes: list[tuple[object, bytes]] = []
     write, writelines = http_writer.StreamWriter._write, http_writer.StreamWriter._writelines
-    send = FrontStream._send
 
     def server_of(protocol: object) -> object | None:
-        """The server whose connection ``protocol`` is (aiohttp's handler, or the proxy's front)."""
-        if isinstance(protocol, RequestHandler):
-            return protocol._manager
-        return protocol.server if isinstance(protocol, Front) else None
+        """The server whose connection ``protocol`` is (an aiohttp request handler's)."""
+        return protocol._manager if isinstance(protocol, RequestHandler) else None
 
     def one(self: Any, chunk: Any) -> None:
         if (server := server_of(self._protocol)) is not None:
@@ -586,18 +579,12 @@ def server_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, bytes]]
             writes.append((server, b"".join(bytes(c) for c in chunks)))
         writelines(self, chunks)
 
-    def streamed(self: FrontStream, data: bytes) -> None:
-        writes.append((server_of(self._front), data))
-        send(self, data)
-
     monkeypatch.setattr(http_writer.StreamWriter, "_write", one)
     monkeypatch.setattr(http_writer.StreamWriter, "_writelines", several)
-    monkeypatch.setattr(FrontStream, "_send", streamed)
     return writes
 
 
-@pytest.mark.parametrize(("body", "last_events"), [(r(), 2), (r(sp={"max_tokens": 1}), 1)],
-                         ids=["decoded", "ends-at-p"])
+@pytest.mark.parametrize(("body", "last_events"), [(r(sp={"max_tokens": 1}), 1)], ids=["ends-at-p"])
 async def test_the_headers_go_with_ps_token_and_the_last_events_with_the_streams_end(
         pd_factory: PDFactory, server_writes: list[tuple[object, bytes]], body: dict[str, Any],
         last_events: int) -> None:

@@ -91,7 +91,8 @@ async def test_each_read_goes_to_the_sink_as_it_arrives_with_one_wait_for_the_wh
 
     async with serving(paced.handler) as (_, url, client):
         loop = asyncio.get_running_loop()
-        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 30, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 30, read_limit=10,
+                                    stream=True)
         sink = Sink(paced)
         monkeypatch.setattr(HopConnection, "wait", counted)
         await resp.pipe(sink)
@@ -104,7 +105,7 @@ async def test_each_read_goes_to_the_sink_as_it_arrives_with_one_wait_for_the_wh
 async def test_a_sink_that_says_stop_gets_nothing_more_and_closing_tells_the_worker() -> None:
     paced = Paced(10)
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         sink = Sink(paced, stop_after=3)
         await resp.pipe(sink)
         assert sink.reads == [event(0), event(1), event(2)]
@@ -117,7 +118,7 @@ async def test_a_sink_that_says_stop_gets_nothing_more_and_closing_tells_the_wor
 async def test_what_the_sink_raises_is_its_own_error_not_the_hops() -> None:
     paced = Paced(10)
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         sink = Sink(paced, fail_at=2)
         with pytest.raises(SinkError) as raised:
             await resp.pipe(sink)
@@ -127,7 +128,7 @@ async def test_what_the_sink_raises_is_its_own_error_not_the_hops() -> None:
 
         # Upstream.pipe raises it as it is; the hop's own failures it translates
         up = Upstream(cast(aiohttp.ClientSession, None), api_key=None, connect_timeout=5, hops=client)
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         with pytest.raises(RuntimeError, match="the sink broke"):
             await up.pipe("decode", url, resp, Sink(paced, fail_at=1))
         resp.close()
@@ -141,7 +142,8 @@ async def test_the_read_limit_bounds_each_wait_for_bytes_not_the_body() -> None:
     async with serving(paced.handler) as (_, url, client):
         up = Upstream(cast(aiohttp.ClientSession, None), api_key=None, connect_timeout=5, hops=client)
         loop = asyncio.get_running_loop()
-        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.5)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.5,
+                                    stream=True)
         sink = Sink(paced)
         with pytest.raises(UpstreamTimeout, match="stream stalled"):
             await up.pipe("decode", url, resp, sink)
@@ -153,7 +155,7 @@ async def test_the_read_limit_bounds_each_wait_for_bytes_not_the_body() -> None:
 async def test_a_connection_lost_mid_body_fails_the_pipe_and_is_not_kept() -> None:
     paced = Paced(3, end="close")  # no last chunk
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         sink = Sink(paced)
         with pytest.raises(HopDisconnected):
             await resp.pipe(sink)
@@ -162,7 +164,7 @@ async def test_a_connection_lost_mid_body_fails_the_pipe_and_is_not_kept() -> No
         assert client.counts() == {"in_use": 0, "idle": 0}
 
         up = Upstream(cast(aiohttp.ClientSession, None), api_key=None, connect_timeout=5, hops=client)
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         with pytest.raises(UpstreamUnavailable, match="stream broken"):
             await up.pipe("decode", url, resp, Sink(paced))
         resp.close()
@@ -171,7 +173,7 @@ async def test_a_connection_lost_mid_body_fails_the_pipe_and_is_not_kept() -> No
 async def test_a_cancelled_pipe_hands_nothing_more_to_its_sink() -> None:
     paced = Paced(10)
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         conn = resp._conn
         assert conn is not None
         got: list[bytes] = []
@@ -201,7 +203,7 @@ async def test_the_sink_runs_in_the_context_of_the_pipes_caller() -> None:
     var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="none")
     paced = Paced(3)
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         await resp.pipe(Sink(paced))
         resp.close()  # read whole: the connection back in the pool, opened in this context
         assert client.counts() == {"in_use": 0, "idle": 1}
@@ -219,7 +221,7 @@ async def test_the_sink_runs_in_the_context_of_the_pipes_caller() -> None:
 
         async def other_request() -> None:
             var.set("other")
-            resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+            resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
             await resp.pipe(sink)
             resp.close()
 
@@ -237,7 +239,7 @@ async def test_what_one_loop_turn_brings_goes_to_the_sink_as_one() -> None:
     loop = asyncio.get_running_loop()
     conn = HopConnection(loop, parse_origin("http://127.0.0.1:9"))
     conn.connection_made(_Transport())  # type: ignore[arg-type]
-    conn.begin()
+    conn.begin(stream=True)
     conn.data_received(HEAD)
     got: list[bytes] = []
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.hop_answer import AnswerLimits, HopTooLarge
 from proxy.hop_wire import HopConnection, HopDisconnected, HopProtocolError, parse_origin
 from tests.proxy.hop_servers import chunked, post, serving, until
 
@@ -158,14 +159,15 @@ Parsed = tuple[int | None, bytes, bool, bool, BaseException | None]
 connection may carry the next request, and the error it stopped at."""
 
 
-def parse(pieces: Iterable[bytes], *, close: bool = False) -> Parsed:
+def parse(pieces: Iterable[bytes], *, close: bool = False, limits: AnswerLimits | None = None,
+          stream: bool = False) -> Parsed:
     """Feed ``pieces`` to a fresh connection (as reads), the body taken after each; ``close``:
     then the worker closes the connection."""
     loop = asyncio.new_event_loop()
     try:
-        conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"))
+        conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"), limits)
         conn.connection_made(_Transport())  # type: ignore[arg-type]
-        conn.begin()
+        conn.begin(stream=stream)
         body = b""
         for piece in pieces:
             conn.data_received(piece)
@@ -269,7 +271,7 @@ def test_a_chunk_line_may_not_grow_past_4_kib_over_many_reads(line: bytes, fails
 def test_headers_may_not_grow_past_64_kib_over_many_reads() -> None:
     head = b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * (70 << 10)
     *_, error = parse([head[i:i + 4096] for i in range(0, len(head), 4096)])
-    assert isinstance(error, HopProtocolError) and "64 KiB" in str(error)
+    assert isinstance(error, HopTooLarge) and error.part == "head" and error.limit == 64 << 10
 
 
 @pytest.mark.parametrize("wire", [
@@ -371,7 +373,7 @@ def test_a_malformed_header_line_is_a_protocol_error(line: bytes) -> None:
     (b"Connection: keep-alive\r\nContent-Length: 2\r\nConnection: close", False),  # the last one
     (b"Content-Length: 2\r\nConnection: Keep-Alive, Close", False),
     (b"X-Content-Length: 9\r\nContent-Length: 2\r\nX-Transfer-Encoding: gzip", True),
-    (b"X-Value: a: b\r\nContent-Length: 2\r\nX-Odd: \xe9 \x00", True),
+    (b"X-Value: a: b\r\nContent-Length: 2\r\nX-Odd: \xe9 \t", True),
 ])
 def test_framing_headers_are_found_whatever_their_case_spacing_and_neighbours(fields: bytes,
                                                                              reusable: bool) -> None:
@@ -424,3 +426,94 @@ def test_the_header_lines_a_connection_remembers_are_bounded() -> None:
             assert 1 <= len(conn._seen) <= 32
     finally:
         loop.close()
+
+
+# -- strict line ends and control characters (a CR or LF alone fails the answer when it arrives)
+
+_STRICT = [
+    b"HTTP/1.1 200 OK\nContent-Length: 2\n\n{}",  # LF-only head
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\r\n{}",
+    b"HTTP/1.1 200 O\rK\r\nContent-Length: 2\r\n\r\n{}",  # a CR alone in the status line
+    b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\rX-Evil: 1\r\nContent-Length: 2\r\n\r\n{}",
+    b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 2\r\n\r\n{}",  # NUL in a value
+    b"HTTP/1.1 200 OK\r\nX-A: a\x7fb\r\nContent-Length: 2\r\n\r\n{}",
+    _CHUNKED + b"2\n{}\n0\n\n",  # LF-only chunk lines
+    _CHUNKED + b"2\r\n{}\n0\r\n\r\n",  # a chunk's data ended by LF alone
+    _CHUNKED + b"2\r\n{}\rx",  # ... by CR alone
+    _CHUNKED + b"2\r\n{}\r\n0\n\n",  # the last chunk's line
+    _CHUNKED + b"2;a\rb\r\n{}\r\n0\r\n\r\n",  # in an extension
+    _CHUNKED + b"2;a\nb\r\n{}\r\n0\r\n\r\n",
+    _CHUNKED + b"2\r\n{}\r\n0\r\nX: 1\n\r\n",  # in the trailer
+    _CHUNKED + b"2\r\n{}\r\n0\r\nX: 1\r\n\n",
+]
+
+
+@pytest.mark.parametrize("wire", _STRICT)
+def test_a_cr_or_lf_alone_or_a_control_character_fails_the_answer_as_it_arrives(wire: bytes) -> None:
+    """The worker keeps its connection open after these bytes: the parser does not wait for a CRLF
+    (or the hop's timeout), whatever the reads' cuts."""
+    for pieces in splits(wire):
+        *_, reusable, error = parse(pieces)
+        assert isinstance(error, HopProtocolError) and not isinstance(error, HopDisconnected), pieces
+        assert not reusable
+
+
+# -- limits: the parser stops at them, holding no more than the limit
+
+_SMALL = AnswerLimits(head=200, body=10, error=5)
+_OVER = [
+    # (wire, the part over its limit, stream)
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n" + b"x" * 11, "body", False),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 999999999999\r\n\r\n" + b"x" * 11, "body", False),
+    (chunked(b"x" * 4, b"y" * 4, b"z" * 4), "body", False),
+    (chunked(b"x" * 11), "body", False),
+    (b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 11, "body", False),  # until the connection's end
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 6\r\n\r\n" + b"x" * 6, "error", False),
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 6\r\n\r\n" + b"x" * 6, "error", True),
+    (chunked(b"x" * 3, b"y" * 3).replace(b"200 OK", b"503 No"), "error", True),
+    (b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 200 + b"\r\n\r\n", "head", False),
+    (b"HTTP/1.1 100 Continue\r\nX-Pad: " + b"p" * 100 + b"\r\n\r\n"
+     b"HTTP/1.1 100 Continue\r\nX-Pad: " + b"p" * 100 + b"\r\n\r\nHTTP/1.1 200 OK\r\n\r\n", "head", False),
+    (chunked(b"x").replace(b"0\r\n\r\n", b"0\r\n" + b"X-T: 1\r\n" * 30 + b"\r\n"), "head", False),
+]
+
+
+@pytest.mark.parametrize(("wire", "part", "stream"), _OVER)
+def test_an_answer_past_its_limit_fails_and_the_parser_never_holds_more(wire: bytes, part: str,
+                                                                        stream: bool) -> None:
+    limit = {"head": _SMALL.head, "body": _SMALL.body, "error": _SMALL.error}[part]
+    for pieces in splits(wire):
+        loop = asyncio.new_event_loop()
+        try:
+            conn = HopConnection(loop, parse_origin("http://127.0.0.1:1"), _SMALL)
+            conn.connection_made(_Transport())  # type: ignore[arg-type]
+            conn.begin(stream=stream)
+            for piece in pieces:
+                conn.data_received(piece)  # nothing taken: the body queued is all it holds
+                assert conn._buffered <= limit and len(conn._pending) <= _SMALL.head, pieces
+                if conn.error is not None:
+                    break
+            assert isinstance(conn.error, HopTooLarge) and conn.error.part == part, pieces
+            assert not conn.reusable
+        finally:
+            loop.close()
+
+
+@pytest.mark.parametrize("wire", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n" + b"x" * 10,
+    chunked(b"x" * 4, b"y" * 6),
+    chunked(b"x" * 10).replace(b"0\r\n\r\n", b"0\r\nX-T: 1\r\n\r\n"),
+])
+def test_an_answer_at_its_limit_is_read_whole(wire: bytes) -> None:
+    for pieces in splits(wire):
+        status, body, finished, _, error = parse(pieces, limits=_SMALL)
+        assert (status, len(body), finished, error) == (200, 10, True, None), pieces
+
+
+def test_a_streams_2xx_body_is_not_bounded_but_its_error_body_is() -> None:
+    """A stream's body is taken as it arrives (``HopResponse.pipe``): its length is not a limit."""
+    wire = chunked(*[b"data: %d\n\n" % i for i in range(10)])
+    assert parse([wire], limits=_SMALL, stream=True)[1:] == (b"".join(b"data: %d\n\n" % i for i in range(10)),
+                                                              True, True, None)
+    error = parse([wire], limits=_SMALL)[-1]
+    assert isinstance(error, HopTooLarge) and error.part == "body"

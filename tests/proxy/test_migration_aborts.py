@@ -61,7 +61,7 @@ def d2_like_vllm(registered: list[str], headers_after: float) -> Any:
 
 
 async def migrating(sim_factory: Any, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory,
-                    front: str, d2_headers_after: float, p_settings: dict[str, Any] | None = None,
+                    d2_headers_after: float, p_settings: dict[str, Any] | None = None,
                     ) -> tuple[Any, Serving, SimWorker, Scripted, list[str]]:
     """P (pd-sim), D1 (pd-sim, its stream reset after 3 tokens) and D2 (``d2_like_vllm``):
     every continuation goes through P."""
@@ -71,7 +71,7 @@ async def migrating(sim_factory: Any, scripted_factory: ScriptedFactory, proxy_f
     registered: list[str] = []
     d2 = await scripted_factory(d2_like_vllm(registered, d2_headers_after))
     client, app = await proxy_factory(
-        [p.url], [d1.url, d2.url], front=front, first_token_from_prefill=False, abort_grace=0.05,
+        [p.url], [d1.url, d2.url], first_token_from_prefill=False, abort_grace=0.05,
         pools=PoolSettings.plain(migrate=True, migrate_prefill_tokens=0, decode_policy="round_robin"))
     return client, app[SERVING], p, d2, registered
 
@@ -105,15 +105,14 @@ async def until(condition: Any, what: str, response: aiohttp.ClientResponse | No
             await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_client_gone_before_d2_registered_the_continuation_leaves_nothing_on_p(
-        sim_factory: Any, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str) -> None:
+        sim_factory: Any, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
     """The client goes away while D2 has not answered the continuation's headers. Before, the
     clean-up took D1's first event for D2's (``Flight.settled`` was not cleared at the
     migration): one abort, lost, then D2 cut off before it registered, and P held the
     continuation's KV until its lease."""
     client, serving, p, d2, registered = await migrating(sim_factory, scripted_factory, proxy_factory,
-                                                         front, d2_headers_after=0.3)
+                                                         d2_headers_after=0.3)
     r = await client.post("/inference/v1/generate",
                           json={**req(request_id="mg1", sp={"max_tokens": 20, "ignore_eos": True}),
                                 "stream": True})
@@ -128,15 +127,14 @@ async def test_a_client_gone_before_d2_registered_the_continuation_leaves_nothin
 
 
 @pytest.mark.parametrize("how", ["abort", "disconnect"])
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_request_aborted_while_its_continuation_is_prefilled_leaves_nothing_on_p(
-        sim_factory: Any, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str,
+        sim_factory: Any, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory,
         how: str) -> None:
     """Aborted (the abort endpoint, or the client's going) while P prefills the continuation:
     the client's stream (if still there) ends, and P holds nothing once the proxy is done (here
     the clean-up cuts the continuation's prefill hop, which P aborts)."""
     client, serving, p, _, _ = await migrating(
-        sim_factory, scripted_factory, proxy_factory, front, d2_headers_after=0.0,
+        sim_factory, scripted_factory, proxy_factory, d2_headers_after=0.0,
         p_settings={"zero_latency": False, "prefill_base_ms": 300.0, "prefill_per_token_ms": 0.0})
     r = await client.post("/inference/v1/generate",
                           json={**req(request_id="mg2", sp={"max_tokens": 20, "ignore_eos": True}),
@@ -156,9 +154,8 @@ async def test_a_request_aborted_while_its_continuation_is_prefilled_leaves_noth
     assert await held_on_p(serving, p) == []
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_continuation_d2_fails_after_the_client_left_is_released_and_the_request_ends(
-        sim_factory: Any, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory, front: str) -> None:
+        sim_factory: Any, scripted_factory: ScriptedFactory, proxy_factory: ProxyFactory) -> None:
     """The client goes away while D2 has not answered the continuation; then D2 answers 503 (it
     registered nothing). The clean-up stops aborting D2 as the hop ends (before, it waited for a
     first event that never came, aborting D2 again and again up to the decode timeout), and the
@@ -174,7 +171,7 @@ async def test_a_continuation_d2_fails_after_the_client_left_is_released_and_the
 
     d2 = await scripted_factory(d2_fails)
     client, app = await proxy_factory(
-        [p.url], [d1.url, d2.url], front=front, first_token_from_prefill=False, abort_grace=0.05,
+        [p.url], [d1.url, d2.url], first_token_from_prefill=False, abort_grace=0.05,
         decode_timeout=60.0,
         pools=PoolSettings.plain(migrate=True, migrate_prefill_tokens=0, decode_policy="round_robin"))
     serving = app[SERVING]

@@ -107,12 +107,10 @@ async def nothing_unretrieved(caplog: pytest.LogCaptureFixture) -> None:
     assert not [rec for rec in caplog.records if "never retrieved" in rec.getMessage()]
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_crash_before_ds_answer_is_a_generic_500(
-        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        front: str) -> None:
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # D never got the request: P frees its KV at the end of its own (short) lease.
-    pd = await pd_factory(front=front, first_token_from_prefill=False, prefill={"lease_seconds": 0.5})
+    pd = await pd_factory(first_token_from_prefill=False, prefill={"lease_seconds": 0.5})
     crash_at_the_first_attempt(monkeypatch)
     with logged(caplog):
         status, raw = await post_stream(pd, req(request_id="crash-500"))
@@ -143,17 +141,15 @@ async def test_a_crash_is_not_charged_to_the_decode_worker(
     await pd.quiet(limit=BOUND)
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_crash_handling_ds_non_stream_answer_is_a_generic_500(
-        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        front: str) -> None:
+        pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """D answered a non-stream request in full and the proxy raises handling the answer: the
     client gets the generic 500, counted as the proxy's own failure, and nothing is left held."""
     def reply(*_: Any, **__: Any) -> Any:
         raise RuntimeError(SECRET)
 
     monkeypatch.setattr(FullDecode, "_reply", reply)
-    pd = await pd_factory(front=front)
+    pd = await pd_factory()
     with logged(caplog):
         r = await asyncio.wait_for(
             pd.client.post("/inference/v1/generate", json=req(request_id="crash-full")), BOUND)
@@ -233,8 +229,7 @@ async def test_a_crash_after_its_client_was_answered_an_abort_is_logged(
             return crashing() if hop == "decode" else post(self, hop, *args, **kwargs)
 
         monkeypatch.setattr(Upstream, "post_generate_raw", decode_crashing)
-    pd = await pd_factory(first_token_from_prefill=False, abort_grace=0.05, prefill={"lease_seconds": 0.5},
-                          front="own" if mode == "stream" else "aiohttp")
+    pd = await pd_factory(first_token_from_prefill=False, abort_grace=0.05, prefill={"lease_seconds": 0.5})
     with logged(caplog):
         call = asyncio.create_task(pd.client.post("/inference/v1/generate",
                                                   json=req(request_id="crash-late", stream=mode == "stream")))

@@ -7,7 +7,6 @@ import asyncio
 from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from proxy.app import METRICS, SERVING, build_app
@@ -80,19 +79,17 @@ async def test_shutdown_counts_its_aborts(sim_factory: SimFactory) -> None:
     assert 'pd_proxy_aborts_total{source="shutdown",state="decoding"} 1.0' in text
 
 
-@pytest.mark.parametrize("front", ["own", "aiohttp"])
 async def test_a_request_still_prefilling_when_the_drain_ends_is_aborted_on_the_prefill_worker(
-        sim_factory: SimFactory, front: str) -> None:
+        sim_factory: SimFactory) -> None:
     """The drain ends while the prefill hop waits for P (a 60-s prefill): the request is ended
-    (the front tells the handler, which runs the hop in its own task; aiohttp's server cancels
-    it, the hop's task outliving it) and counted as a shutdown abort while prefilling, and
-    nothing stays held or running on P or in the proxy (P aborted, or its hop's connection
-    closed with the upstream session as the app stops)."""
+    (aiohttp's server cancels the handler, the hop's task outliving it) and counted as a shutdown
+    abort while prefilling, and nothing stays held or running on P or in the proxy (P aborted,
+    or its hop's connection closed with the upstream session as the app stops)."""
     p = await sim_factory(role="prefill", zero_latency=False, prefill_base_ms=60_000.0,
                           prefill_per_token_ms=0.0)
     d = await sim_factory(role="decode", **SLOW_DECODE)
     app = build_app(ProxySettings(prefill_urls=(p.url,), decode_urls=(d.url,), drain_timeout=0.2,
-                                  pools=PoolSettings.plain(), front=front))  # type: ignore[arg-type]
+                                  pools=PoolSettings.plain()))
     serving, metrics = app[SERVING], app[METRICS]
     runner, url = await start(app, 0.2)
     loop = asyncio.get_running_loop()

@@ -7,8 +7,7 @@ the stream's reader as before. The client's stream is the same either way."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import aiohttp
 import pytest
@@ -19,16 +18,10 @@ from proxy.errors import UpstreamTimeout
 from proxy.hop import SinkError
 from proxy.hop_answer import whole_chunks
 from proxy.hop_wire import HopConnection, parse_origin
-from proxy.pools import PoolSettings
-from proxy.relay import StreamBuffer
 from proxy.sse import DONE_EVENT, SSEReader, one_plain_chunk, plain_chunks
 from proxy.upstream import Upstream
-from tests.fixtures_sim import SimFactory
-from tests.proxy.conftest import PDFactory, req, sse_datas
 from tests.proxy.hop_servers import serving
 from tests.proxy.test_hop_pipe import HEAD, Paced, Sink, chunk, event
-from tests.proxy.test_sim_fields import reference, volatile
-from tests.proxy.test_slow_reader import BIG, SMALL, slow_stream
 
 # -- which reads are whole chunks
 
@@ -168,7 +161,7 @@ async def test_reads_of_whole_chunks_go_to_the_splice_as_they_came_and_the_answe
     way the last chunk still ends the answer: the connection is kept."""
     paced = Paced(12)
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         sink, splice = Sink(paced), Splice(paced, take=take)
         await resp.pipe(sink, splice)
         offered = [framed for framed, _ in splice.reads]
@@ -193,7 +186,7 @@ async def test_a_read_cut_mid_chunk_goes_to_the_sink_and_the_next_whole_ones_to_
     loop = asyncio.get_running_loop()
     conn = HopConnection(loop, parse_origin("http://127.0.0.1:9"))
     conn.connection_made(_Transport())  # type: ignore[arg-type]
-    conn.begin()
+    conn.begin(stream=True)
     conn.data_received(HEAD)
     got: list[tuple[str, bytes]] = []
 
@@ -226,7 +219,7 @@ async def test_a_read_cut_mid_chunk_goes_to_the_sink_and_the_next_whole_ones_to_
 async def test_what_the_splice_raises_is_its_own_error() -> None:
     paced = Paced(10)
     async with serving(paced.handler) as (_, url, client):
-        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=None, read_limit=10, stream=True)
         sink, splice = Sink(paced), Splice(paced, fail=True)
         with pytest.raises(SinkError) as raised:
             await resp.pipe(sink, splice)
@@ -242,98 +235,10 @@ async def test_spliced_reads_move_the_read_limit_on() -> None:
     async with serving(paced.handler) as (_, url, client):
         up = Upstream(cast(aiohttp.ClientSession, None), api_key=None, connect_timeout=5, hops=client)
         loop = asyncio.get_running_loop()
-        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.5)
+        resp = await client.request(url, "/g", b"", b"{}", deadline=loop.time() + 60, read_limit=1.5,
+                                    stream=True)
         sink, splice = Sink(paced), Splice(paced)
         with pytest.raises(UpstreamTimeout, match="stream stalled"):
             await up.pipe("decode", url, resp, sink, splice)
         assert len(sink.reads) + len(splice.reads) == 40 and len(splice.reads) >= 39
         resp.close()
-
-
-# -- through the proxy
-
-
-def _paced(itl_ms: float, **faults: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"zero_latency": False, "itl_ms": itl_ms, "prefill_base_ms": 0,
-                           "prefill_per_token_ms": 0, "transfer_per_block_ms": 0}
-    if faults:
-        out["faults"] = faults
-    return out
-
-
-def _count_spliced(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Reads written through ``send_framed`` (their chunk counts)."""
-    spliced: list[int] = []
-    send_framed: Callable[[StreamBuffer, bytes], bool] = StreamBuffer.send_framed
-
-    def counted(self: StreamBuffer, framed: bytes) -> bool:
-        sent = send_framed(self, framed)
-        if sent:
-            spliced.append(framed.count(b"\r\n") // 2)
-        return sent
-
-    monkeypatch.setattr(StreamBuffer, "send_framed", counted)
-    return spliced
-
-
-@pytest.mark.parametrize("first_from_prefill", [True, False], ids=["p-first", "d-first"])
-@pytest.mark.parametrize("mode", ["tokens", "text"])
-async def test_a_paced_streams_reads_are_spliced_and_the_stream_is_the_aggregated_workers(
-        pd_factory: PDFactory, sim_factory: SimFactory, monkeypatch: pytest.MonkeyPatch,
-        mode: str, first_from_prefill: bool) -> None:
-    """D's events one a read: after the first (read as events: checked, token 1 taken out when
-    P's went first), the reads go to the client as D framed them, and the client's stream is the
-    aggregated worker's, in tokens mode as in text mode."""
-    spliced = _count_spliced(monkeypatch)
-    pd = await pd_factory(decode=_paced(5), first_token_from_prefill=first_from_prefill)
-    body = {**req(token_ids=[65, 66, 67, 68, 69], output_mode=mode, sp={"max_tokens": 12}),
-            "request_id": f"spliced-{mode}"}
-    resp = await pd.client.post("/inference/v1/generate", json={**body, "stream": True})
-    got = sse_datas(await resp.read())
-    _, want = await reference(sim_factory, body, True, {})
-    assert resp.status == 200 and volatile(got) == volatile(want)
-    assert len(spliced) >= 6  # of D's 11 or 12 reads: not the first, perhaps not the last
-    await pd.quiet()
-
-
-async def test_a_stream_that_breaks_after_spliced_reads_migrates_from_where_the_client_is(
-        pd_factory: PDFactory, sim_factory: SimFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """D resets after reads that went out spliced: the continuation's prompt holds the tokens of
-    those reads too (the migration's follower took their ids), so the stream goes on as the
-    aggregated worker's, nothing repeated or lost."""
-    spliced = _count_spliced(monkeypatch)
-    pd = await pd_factory(pools=PoolSettings.plain(migrate=True), n_decode=2,
-                          decode=_paced(5, reset_after_tokens=8))
-    for d in pd.decode[1:]:
-        await d.set_faults(reset_after_tokens=None)
-    body = {**req(token_ids=[65, 66, 67, 68, 69], sp={"max_tokens": 16}), "request_id": "spliced-mig"}
-    for _ in range(2):  # whichever decode worker is picked first, one stream breaks
-        resp = await pd.client.post("/inference/v1/generate", json={**body, "stream": True})
-        got = sse_datas(await resp.read())
-        _, want = await reference(sim_factory, body, True, {})
-        assert resp.status == 200 and volatile(got) == volatile(want)
-    assert len(spliced) >= 4
-    metrics = await (await pd.client.get("/metrics")).text()
-    assert "pd_proxy_migrations_total 1.0" in metrics or "pd_proxy_migrations_total 2.0" in metrics
-    await pd.quiet()
-
-
-async def test_a_client_that_lags_gets_the_rest_queued_and_merged_in_order(
-        pd_factory: PDFactory, sim_factory: SimFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A client that stops reading for a second: the first of D's reads go out spliced; once the
-    transport holds bytes they cannot, and are queued as events (merged for the lagging client,
-    as without the splice); the client gets every token once, in order."""
-    spliced = _count_spliced(monkeypatch)
-    pd = await pd_factory(prefill=BIG, decode={**BIG, **_paced(1)}, server_kwargs=SMALL)
-    body = req(request_id="lag", sp={"max_tokens": 1500, "ignore_eos": True})
-    assert pd.client.port is not None
-    events = sse_datas(await slow_stream(pd.client.host, pd.client.port, body, pause=1.0))
-    agg = await sim_factory(role="aggregated", zero_latency=True, **BIG)
-    r = await agg.session.post(agg.url + "/inference/v1/generate", json={**body, "stream": True})
-    want = sse_datas(await r.read())
-    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == \
-        [t for e in want[:-1] for t in e["choices"][0]["token_ids"]]
-    assert events[-1] == "[DONE]"
-    assert spliced, "the reads before the client lagged should have gone out spliced"
-    assert len(events) < len(want), "a lagging client should have received merged chunks"
-    await pd.quiet(limit=2.0)

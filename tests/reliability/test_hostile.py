@@ -93,7 +93,7 @@ bad_sampling = st.one_of(
 def invalid_generate_body(draw: st.DrawFn) -> bytes:
     """A body that fails the proxy's validation (vLLM's own rules) in one of many ways."""
     kind = draw(st.sampled_from(["tokens", "sampling", "missing", "not_object", "deep", "huge_array",
-                                 "bad_utf8", "not_json", "surrogate", "wide_int", "bad_mode"]))
+                                 "bad_utf8", "not_json", "surrogate", "wide_int", "bad_mode", "transfer"]))
     base: dict[str, Any] = {"token_ids": [260, 262], "sampling_params": {"max_tokens": 2}}
     extra = draw(st.dictionaries(st.sampled_from(["model", "priority", "stream", "cache_salt", "x"]),
                                  json_scalar, max_size=2))
@@ -122,10 +122,30 @@ def invalid_generate_body(draw: st.DrawFn) -> bytes:
         return draw(st.binary(max_size=200).filter(lambda b: not _is_json(b)))
     if kind == "surrogate":
         return b'{"token_ids":[1],"sampling_params":{},"cache_salt":"a\\udc00b"}'
+    if kind == "transfer":  # the proxy's own params from a client: at the top or where vLLM reads them
+        key = draw(st.sampled_from(["kv_transfer_params", "ec_transfer_params"]))
+        params = {"remote_host": "127.0.0.1", "remote_port": 5600, "remote_block_ids": [[1]]}
+        if draw(st.booleans()):
+            return json.dumps({**base, key: params}).encode()
+        return json.dumps({**base, "sampling_params": {"max_tokens": 2,
+                                                        "extra_args": {key: params}}}).encode()
     if kind == "wide_int":
         return b'{"token_ids":[1' + b"7" * draw(st.integers(4_400, 10_000)) + b'],"sampling_params":{}}'
     return json.dumps({**base, "output_mode": draw(st.text(max_size=6).filter(
         lambda m: m not in ("tokens", "text")))}).encode()
+
+
+ENCODINGS = ["utf-8", "utf-8", "utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32",
+             "utf-32-le", "utf-32-be"]
+"""vLLM's server reads a JSON body in any of these (``json.loads``); "utf-16"/"utf-32" write a BOM."""
+
+
+def encoded(body: bytes, encoding: str) -> bytes:
+    """``body`` (UTF-8, lone surrogates allowed) in ``encoding``; a body that is not UTF-8 as it is."""
+    try:
+        return body.decode("utf-8", "surrogatepass").encode(encoding, "surrogatepass")
+    except UnicodeDecodeError:
+        return body
 
 
 def _is_json(b: bytes) -> bool:
@@ -139,14 +159,22 @@ def _is_json(b: bytes) -> bool:
 # ------------------------------------------------------------------ properties
 
 @HYPO
-@given(body=invalid_generate_body(), stream=st.booleans())
+@given(body=invalid_generate_body(), stream=st.booleans(), encoding=st.sampled_from(ENCODINGS))
 # Found by CI: a surrogate as raw UTF-8 bytes passed json.loads ("surrogatepass") and failed
 # only when the hop body was encoded (a 500); now a 400 like its \u-escaped form.
-@example(body=b'{"token_ids":[1],"sampling_params":{},"model":"\xed\xa0\x80"}', stream=False)
-def test_invalid_bodies_get_a_clean_4xx_and_reach_no_worker(live: Live, body: bytes, stream: bool) -> None:
+@example(body=b'{"token_ids":[1],"sampling_params":{},"model":"\xed\xa0\x80"}', stream=False,
+         encoding="utf-8")
+# Found by an attack: transfer params in a UTF-16 body escaped the refusal's byte search and
+# reached the workers; a lone surrogate in one was a 500.
+@example(body=b'{"token_ids":[1],"sampling_params":{},"ec_transfer_params":{"a":1}}', stream=False,
+         encoding="utf-16-le")
+@example(body=b'{"token_ids":[1],"sampling_params":{},"model":"\xed\xa0\x80"}', stream=False,
+         encoding="utf-32")
+def test_invalid_bodies_get_a_clean_4xx_and_reach_no_worker(live: Live, body: bytes, stream: bool,
+                                                            encoding: str) -> None:
     before = live.generate_calls()
     headers = {**AUTH, **({"X-Stream-Hint": "1"} if stream else {})}
-    reply = live.request("POST", GEN, body, headers)
+    reply = live.request("POST", GEN, encoded(body, encoding), headers)
     assert_vllm_error(reply)
     assert live.generate_calls() == before, "an invalid request reached a worker"
 

@@ -7,6 +7,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from proxy import upstream as upstream_mod
+from proxy.pools import health as health_mod
 from proxy.pools.breaker import BreakerConfig, CircuitState
 from proxy.pools.health import (
     HealthChecker,
@@ -183,3 +185,64 @@ async def test_preflight_close_cancels_running_checks() -> None:
     again = pf.start(p, d)  # the pair is checked again later (its state was forgotten)
     assert again is not None
     again.cancel()
+
+
+async def test_control_answers_are_read_only_up_to_their_limit(aiohttp_server: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker answering a probe, a scrape or an abort with an endless body: the call fails
+    once the limit is passed and no more of it is read (a hostile worker cannot fill memory)."""
+    limit = 64 * 1024
+    monkeypatch.setattr(health_mod, "PROBE_ANSWER_LIMIT", limit)
+    monkeypatch.setattr(health_mod, "METRICS_PAGE_LIMIT", limit)
+    monkeypatch.setattr(upstream_mod, "PROBE_ANSWER_LIMIT", limit)
+    sent: dict[str, int] = {}
+    chunk = b"x" * 16384
+    most = 64 * 1024 * 1024
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        sent[request.path] = 0
+        try:
+            while sent[request.path] < most:  # bounded: 64 MiB
+                await resp.write(chunk)
+                sent[request.path] += len(chunk)
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+    async def sized(request: web.Request) -> web.Response:
+        return web.Response(body=b"y" * (limit + 1))
+
+    app = web.Application()
+    app.router.add_get("/health", endless)
+    app.router.add_get("/metrics", endless)
+    app.router.add_post("/abort_requests", endless)
+    app.router.add_get("/sized", sized)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    url = f"http://127.0.0.1:{server.port}"
+    (worker,) = Pool("decode", [url]).workers
+    async with aiohttp.ClientSession() as session:
+        assert await http_probe(session, timeout=30)(worker) is False
+        with pytest.raises(health_mod.AnswerTooLarge):
+            await http_fetch(session, timeout=30)(worker)
+        with pytest.raises(health_mod.AnswerTooLarge):
+            await http_fetch(session, timeout=30, path="/sized")(worker)
+        up = upstream_mod.Upstream(session, api_key=None, connect_timeout=5)
+        assert await up.abort(url, ["generate-tokens-x"], limit=30) is False
+        assert await up.health(url, limit=30) is False
+    # Cut off well before the end (the rest stayed in the socket's buffers or was never sent).
+    assert sent and all(n < most for n in sent.values())
+
+
+async def test_read_capped_reads_a_body_at_the_limit_whole(aiohttp_server: Any) -> None:
+    async def body(request: web.Request) -> web.Response:
+        return web.Response(body=b"z" * int(request.query["n"]))
+
+    app = web.Application()
+    app.router.add_get("/b", body)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    async with aiohttp.ClientSession() as session:
+        for n in (0, 1, 1000, 4096):
+            async with session.get(f"http://127.0.0.1:{server.port}/b?n={n}") as resp:
+                assert await health_mod.read_capped(resp, 4096) == b"z" * n
