@@ -79,7 +79,8 @@ class Core:
 
     def attach(self, upstream: Upstream) -> None:
         self._upstream = upstream
-        upstream.on_decode = self.local_prefill.sent
+        if self.settings.local_prefill_interval > 0:
+            upstream.on_decode = self.local_prefill.sent
 
     @property
     def upstream(self) -> Upstream:

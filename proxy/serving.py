@@ -103,9 +103,9 @@ class Serving:
                               timeout=self.settings.pools.preflight_timeout,
                               rewrite=self.core.rewrite_remote_host)
         await self.pools.start(self.upstream.session, check)
-        p = self.settings.pools
-        fetch = http_fetch(self.upstream.session, p.health_timeout)
-        self.pools.spawn(self.core.local_prefill.run(fetch, p.scrape_interval), "decode-local-prefill")
+        if (interval := self.settings.local_prefill_interval) > 0:
+            fetch = http_fetch(self.upstream.session, self.settings.pools.health_timeout)
+            self.pools.spawn(self.core.local_prefill.run(fetch, interval), "decode-local-prefill")
 
     async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
         """One generate call. Errors are raised (``proxy.errors``): the app's error middleware

@@ -94,6 +94,8 @@ def proxy_metrics() -> dict[str, MetricSpec]:
             frozenset({"pool", "worker"}), {"pool": frozenset({"decode"})}),
         "pd_proxy_decode_local_prefill_tokens_total": MetricSpec(
             frozenset({"pool", "worker"}), {"pool": frozenset({"decode"})}),
+        "pd_proxy_decode_failed_pulls_total": MetricSpec(
+            frozenset({"pool", "worker"}), {"pool": frozenset({"decode"})}),
     }
     for name in ("ttft", "itl", "tpot", "e2e"):
         m.update(_histogram(f"pd_proxy_{name}_seconds"))

@@ -105,6 +105,7 @@ def test_dashboards_cover_every_required_view() -> None:
         "vllm:nixl_num_failed_transfers_total",
         "pd_proxy_first_token_mismatch_total",
         "pd_proxy_decode_local_prefill_tokens_total",
+        "pd_proxy_decode_failed_pulls_total",
     }
     assert required - named == set()
 
@@ -243,17 +244,19 @@ def test_promtool_accepts_scrape_config_and_targets(tmp_path: Path) -> None:
     result = run([PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARNING" not in result.stdout + result.stderr  # both targets files found
-    assert "1 rules found" in result.stdout  # the alert rules file, next to the config
+    assert "2 rules found" in result.stdout  # the alert rules file, next to the config
 
 
 def test_alert_rules_are_loaded_and_name_only_exposed_metrics() -> None:
     config = yaml.safe_load(SCRAPE_CONFIG.read_text())
     assert config["rule_files"] == [ALERT_RULES.name]
     rules = [r for g in yaml.safe_load(ALERT_RULES.read_text())["groups"] for r in g["rules"]]
-    assert {r["alert"] for r in rules} == {"PdProxyDecodeLocalPrefill"}
+    metric = {"PdProxyDecodeLocalPrefill": "pd_proxy_decode_local_prefill_tokens_total",
+              "PdProxyDecodeFailedPulls": "pd_proxy_decode_failed_pulls_total"}
+    assert {r["alert"] for r in rules} == set(metric)
     for rule in rules:
         assert dash.problems(rule["expr"], KNOWN) == [], rule["alert"]
-        assert "pd_proxy_decode_local_prefill_tokens_total" in rule["expr"]
+        assert metric[rule["alert"]] in rule["expr"]
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")

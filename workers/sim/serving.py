@@ -280,12 +280,13 @@ class _Run:
 
     def _count_sources(self) -> None:
         """``vllm:prompt_tokens_by_source_total`` as vLLM 0.32 counts a prompt: local prefix-cache
-        hits first, then the pulled tokens, the rest computed here. A fully pulled prompt computes
-        nothing (the last token vLLM recomputes to sample from counts as cached)."""
+        hits first, then the tokens the pull promised (counted before it runs, so a failed pull
+        recomputed here counts as pulled too), the rest computed here. A fully pulled prompt
+        computes nothing (the last token vLLM recomputes to sample from counts as cached)."""
         n = len(self.prompt)
         hit = min(self.cached_tokens, n)
         external = 0
-        if self.remote is not None and not self.recomputed:
+        if self.remote is not None:
             external = max(0, self._covered() - hit)
         by_source = self.st.metrics.prompt_tokens_by_source
         by_source["local_cache_hit"].inc(hit)

@@ -24,7 +24,8 @@ class Faults:
     from that one, as a real engine's would. Decode-only requests are left alone.
     ``recompute_failed_pulls`` (decode role): a KV pull that fails is computed here instead of
     failing the request (vLLM's ``kv_load_failure_policy: "recompute"``): the answer is 200 and only
-    ``vllm:prompt_tokens_by_source_total{source="local_compute"}`` shows it.
+    ``vllm:nixl_num_failed_transfers_total`` shows it (``vllm:prompt_tokens_by_source_total`` counts
+    the tokens the pull promised as ``external_kv_transfer``, as vLLM 0.32 does).
     """
 
     fail_next: int = 0
