@@ -32,7 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, Final
 
-from deploy.targets import DASHBOARDS_DIR, SCRAPE_CONFIG, Endpoints, write_atomic, write_targets
+from deploy.targets import ALERT_RULES, DASHBOARDS_DIR, SCRAPE_CONFIG, Endpoints, write_atomic, write_targets
 
 HOST: Final = "127.0.0.1"
 DEFAULT_RUN_DIR: Final = Path("run/local")
@@ -261,6 +261,7 @@ def start_prometheus(stack: Stack, binary: str, port: int, run_dir: Path) -> str
     data = base / "data"
     shutil.rmtree(data, ignore_errors=True)  # a fresh TSDB each run
     write_atomic(base / "prometheus.yml", SCRAPE_CONFIG.read_text(encoding="utf-8"))
+    write_atomic(base / "alerts.yml", ALERT_RULES.read_text(encoding="utf-8"))
     write_targets(
         base / "targets",
         Endpoints(proxies=[stack.info["proxy"]], prefill=stack.info["prefill"], decode=stack.info["decode"]),

@@ -328,6 +328,7 @@ def render_compose(s: Settings) -> str:
         "    restart: unless-stopped",
         "    volumes:",
         "      - ../prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro",
+        "      - ../prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro",
         f"      - ./{TARGETS_DIR}:/etc/prometheus/targets:ro",
         "      - prometheus-data:/prometheus",
         "",

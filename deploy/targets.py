@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 DEPLOY_DIR: Final = Path(__file__).resolve().parent
 SCRAPE_CONFIG: Final = DEPLOY_DIR / "prometheus" / "prometheus.yml"
+ALERT_RULES: Final = DEPLOY_DIR / "prometheus" / "alerts.yml"
+"""The alert rules ``SCRAPE_CONFIG`` loads (``rule_files``, next to it)."""
 DASHBOARDS_DIR: Final = DEPLOY_DIR / "grafana" / "dashboards"
 PROXY_TARGETS: Final = "proxy.json"
 WORKER_TARGETS: Final = "workers.json"

@@ -102,6 +102,9 @@ def _add_timeouts(p: argparse.ArgumentParser) -> None:
                         "up to --connect-timeout")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take before they are ended")
+    p.add_argument("--local-prefill-interval", type=float, default=15.0, metavar="S",
+                   help="seconds between two scrapes of each decode worker's /metrics for the "
+                        "local-prefill alarm (hand-offs ignored, KV pulls failed); 0: off")
     p.add_argument("--lease-duration", type=float, default=30.0,
                    help="the prefill workers' kv_lease_duration")
 
@@ -264,7 +267,8 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         connect_timeout=a.connect_timeout, drain_timeout=a.drain_timeout,
         upstream_keepalive_timeout=a.upstream_keepalive_timeout,
         upstream_max_connections_per_host=a.upstream_max_connections_per_host,
-        lease_duration=a.lease_duration, slow_reader_max_bytes=a.slow_reader_max_bytes,
+        lease_duration=a.lease_duration, local_prefill_interval=a.local_prefill_interval,
+        slow_reader_max_bytes=a.slow_reader_max_bytes,
         slow_reader_total_bytes=a.slow_reader_total_bytes,
         max_upstream_body_bytes=a.max_upstream_body_bytes,
         max_upstream_error_bytes=a.max_upstream_error_bytes,

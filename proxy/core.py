@@ -27,6 +27,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.flight import Flight
+from proxy.local_prefill import LocalPrefillAlarm
 from proxy.metrics import ProxyMetrics
 from proxy.pools import BYPASS_HEADER, PoolRuntime, Worker
 from proxy.relay import ByteBudget
@@ -75,9 +76,12 @@ class Core:
         """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""
         self._upstream: Upstream | None = None
         self.rewrite_remote_host = RemoteHostRewrite(enabled=settings.rewrite_remote_host)
+        self.local_prefill = LocalPrefillAlarm(metrics, self.decode_pool, clock)
 
     def attach(self, upstream: Upstream) -> None:
         self._upstream = upstream
+        if self.settings.local_prefill_interval > 0:
+            upstream.on_decode = self.local_prefill.sent
 
     @property
     def upstream(self) -> Upstream:

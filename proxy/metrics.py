@@ -37,6 +37,14 @@ forever. A request still running on the removed worker counts nowhere once the w
 With ``--workers N`` the values live in the multiprocess directory, where nothing can be deleted:
 ``render`` leaves out the series of workers that are not members of this process's pools.
 
+The local-prefill alarm (``proxy.local_prefill``): ``pd_proxy_decode_prompt_tokens_total{pool,worker,source}``
+(each decode worker's ``vllm:prompt_tokens_by_source_total`` as it grew between scrapes),
+``pd_proxy_decode_expected_local_tokens_total{pool,worker}`` (what the proxy's decode hops should
+have made it compute), ``pd_proxy_decode_local_prefill_tokens_total{pool,worker}`` (local
+compute beyond that: a decode worker that ignored the hand-off) and
+``pd_proxy_decode_failed_pulls_total{pool,worker}`` (its ``vllm:nixl_num_failed_transfers_total``
+as it grew: KV pulls that failed).
+
 Slow readers: ``pd_proxy_slow_reader_ended_total{limit}`` counts streams ended because their client
 read too slowly (``stream``: the bytes held for that client passed ``--slow-reader-max-bytes``;
 ``total``: those of all streams of the process passed ``--slow-reader-total-bytes`` and this
@@ -217,6 +225,23 @@ class ProxyMetrics:
         self.suspect_no_transfer = Counter(
             "pd_proxy_suspect_no_transfer",
             "Prompts of at least one KV block whose decode shows no transferred KV", registry=r)
+        # The local-prefill alarm (``proxy.local_prefill``): per decode worker, each scrape.
+        self.decode_prompt_tokens = Counter(
+            "pd_proxy_decode_prompt_tokens",
+            "Decode workers' prompt tokens by source, as their vllm:prompt_tokens_by_source_total grew",
+            ["pool", "worker", "source"], registry=r)
+        self.decode_expected_local = Counter(
+            "pd_proxy_decode_expected_local_tokens",
+            "Prompt tokens the proxy's decode hops should make a decode worker compute itself "
+            "(decode-only prompts, the last token of hand-offs)", ["pool", "worker"], registry=r)
+        self.decode_local_prefill = Counter(
+            "pd_proxy_decode_local_prefill_tokens",
+            "Prompt tokens decode workers computed beyond what the proxy expected (a hand-off ignored)",
+            ["pool", "worker"], registry=r)
+        self.decode_failed_pulls = Counter(
+            "pd_proxy_decode_failed_pulls",
+            "Decode workers' failed KV pulls, as their vllm:nixl_num_failed_transfers_total grew",
+            ["pool", "worker"], registry=r)
 
     def _slow_reader_and_build_metrics(self, r: CollectorRegistry) -> None:
         """Streams ended because their client read too slowly; the build info."""

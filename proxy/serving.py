@@ -46,6 +46,7 @@ from proxy.limits import request_body
 from proxy.logs import ACCESS_LOG, log_access
 from proxy.metrics import ProxyMetrics
 from proxy.pools import Deadline, NoWorkerAvailable, Outcome, Overloaded, Worker, handoff_check
+from proxy.pools.health import http_fetch
 from proxy.prefill import Prefill
 from proxy.protocol import GenerateRequest, engine_request_id
 from proxy.settings import ProxySettings
@@ -104,6 +105,9 @@ class Serving:
         key = self.settings.upstream_api_key
         await self.pools.start(self.upstream.session, check,
                                upstream_headers={"Authorization": f"Bearer {key}"} if key else None)
+        if (interval := self.settings.local_prefill_interval) > 0:
+            fetch = http_fetch(self.upstream.session, self.settings.pools.health_timeout)
+            self.pools.spawn(self.core.local_prefill.run(fetch, interval), "decode-local-prefill")
 
     async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
         """One generate call. Errors are raised (``proxy.errors``): the app's error middleware

@@ -104,6 +104,9 @@ class ProxySettings:
     """Serve ``POST /abort_requests`` WITHOUT checking the API key, as vLLM's --tokens-only
     server does. Unsafe: anyone who can reach the proxy can then abort any request by id
     (ids are often predictable or logged), a denial of service on every tenant."""
+    local_prefill_interval: float = 15.0
+    """Seconds between two scrapes of each decode worker's ``/metrics`` by the local-prefill alarm
+    (``proxy.local_prefill``); 0 turns the alarm off (no scrape, nothing counted)."""
     lease_duration: float = 30.0
     """The prefill workers' ``kv_lease_duration`` (ledger expiry when nothing else closes it)."""
     ledger_recent: int = 512
@@ -179,6 +182,8 @@ class ProxySettings:
                self.max_upstream_header_bytes) < 1:
             raise ValueError("--max-upstream-body-bytes, --max-upstream-error-bytes and "
                              "--max-upstream-header-bytes must be at least 1")
+        if not self.local_prefill_interval >= 0:
+            raise ValueError("--local-prefill-interval must be 0 (off) or more")
         if self.kv_block_size is not None and self.kv_block_size < 1:
             raise ValueError("--kv-block-size must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:

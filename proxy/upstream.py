@@ -35,7 +35,7 @@ from proxy.hop import (
     header_lines,
 )
 from proxy.large_body import PackedTokenIds
-from proxy.pools.health import PROBE_ANSWER_LIMIT, read_capped
+from proxy.pools.capped import PROBE_ANSWER_LIMIT, read_capped
 from proxy.protocol import engine_request_id, hop_json, parse_worker_json, unique_key_end
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -45,6 +45,8 @@ HeaderInjector = Callable[[dict[str, str]], None]
 """Adds headers to a hop (the tracing's ``traceparent``)."""
 ResendCounter = Callable[[str, str], None]
 """Counts a stale kept-alive hop: (hop, ``resent`` or ``abort_failed``)."""
+DecodeObserver = Callable[[str, dict[str, Any]], None]
+"""Told of every decode hop as it goes out: (worker URL, body)."""
 
 
 _IDS_KEY = b'"token_ids"'
@@ -137,6 +139,8 @@ class Upstream:
         self.abort_limit = abort_limit
         """The abort sent before a stale hop goes out again (``open``): at most this long."""
         self._count_resend = count_resend
+        self.on_decode: DecodeObserver | None = None
+        """Told of each decode hop (``proxy.local_prefill``: what D should compute itself)."""
         self._headers = {"Content-Type": "application/json"}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         if api_key:
@@ -167,6 +171,8 @@ class Upstream:
         abort of an id it does not have); counted (``count_resend``). When that abort fails,
         the hop fails as a disconnect.
         """
+        if hop == "decode" and self.on_decode is not None:
+            self.on_decode(worker, body)
         extra = {"X-Request-Id": request_id}
         if self._inject is not None:
             self._inject(extra)

@@ -63,8 +63,9 @@ class Validation:
 
     async def validate_large(self, body: bytes | bytearray,
                              content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
-        """``validate`` for a body over ``LARGE_BODY_BYTES``: its token ids are parsed in slices,
-        the loop given back between them (``proxy.large_body``)."""
+        """``validate`` for a body over ``LARGE_BODY_BYTES``: the same answer, its token ids
+        parsed in slices with the loop given back between them where ``proxy.large_body`` can
+        (else the body is parsed in one go, as ``validate`` parses it)."""
         try:
             body = utf8_request_body(body, content_type)  # before any byte-level check
             req, data = await parse_large_generate_body(body, content_type,
@@ -75,7 +76,7 @@ class Validation:
             raise BadRequest.from_protocol(e) from None
         if type(data["token_ids"]) is PackedTokenIds:
             return self._checked(None, req, data)
-        return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``): as before
+        return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``)
 
     def _checked(self, body: bytes | None, req: GenerateRequest, data: dict[str, Any],
                  ids: bytes | None = None) -> tuple[GenerateRequest, dict[str, Any]]:

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import aiohttp
 
+from proxy.pools.capped import AnswerTooLarge
 from proxy.pools.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,8 @@ class WorkerLearner:
         try:
             value = self.parse(await self.fetch(worker))
             why = "" if value is not None else "none in its answer"
+        except AnswerTooLarge as e:  # not the expected page: read again only after a restart
+            value, why = None, str(e)
         except aiohttp.ClientResponseError as e:
             if e.status >= 500:
                 return  # failing for now: tried again at the next round

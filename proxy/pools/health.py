@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.pools.capped import METRICS_PAGE_LIMIT, PROBE_ANSWER_LIMIT, read_capped
 from proxy.pools.pool import Pool
 from proxy.pools.worker import ScrapedLoad, Worker
 
@@ -48,31 +49,6 @@ async def repeat(interval: float, step: Callable[[], Awaitable[object]]) -> None
         except Exception:
             log.exception("periodic pool task failed")
         await asyncio.sleep(interval)
-
-
-PROBE_ANSWER_LIMIT = 1024 * 1024
-"""The most of a probe's or an abort's answer read (vLLM's are a few bytes); past it the call fails."""
-METRICS_PAGE_LIMIT = 16 * 1024 * 1024
-"""The most of a worker's ``/metrics`` page read (vLLM's is tens of KiB); past it the scrape fails."""
-
-
-class AnswerTooLarge(aiohttp.ClientPayloadError):
-    """A worker's answer to a control call passed its limit: the call fails, its connection closed."""
-
-
-async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """``resp``'s body, never holding more than ``limit`` bytes of it (plus aiohttp's read buffer):
-    ``AnswerTooLarge`` past it, the connection closed rather than returned to the pool."""
-    length = resp.content_length
-    if length is None or length <= limit:
-        body = bytearray()
-        while len(body) <= limit:
-            chunk = await resp.content.read(limit + 1 - len(body))
-            if not chunk:
-                return bytes(body)
-            body += chunk
-    resp.close()
-    raise AnswerTooLarge(f"{resp.url.origin()} answered more than {limit} bytes")
 
 
 def http_probe(session: aiohttp.ClientSession, timeout: float, path: str = "/health") -> ProbeFn:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -295,6 +295,10 @@ class PoolRuntime:
                 pool.on_change.append(_waker(learner))
             self._tasks.append(loop.create_task(learner.run(self.settings.health_interval),
                                                 name=f"pool-learn-{type(learner).__name__}"))
+
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Run ``work`` as one more background task of the pools (cancelled by ``stop``)."""
+        self._tasks.append(asyncio.get_running_loop().create_task(work, name=name))
 
     def _health_changed(self, worker: Worker) -> None:
         if not worker.healthy:

@@ -86,6 +86,16 @@ def proxy_metrics() -> dict[str, MetricSpec]:
         "pd_proxy_slow_reader_buffered_bytes": MetricSpec(frozenset()),
         "pd_proxy_slow_reader_budget_bytes": MetricSpec(frozenset()),
         "pd_proxy_first_token_mismatch_total": MetricSpec(frozenset()),
+        "pd_proxy_decode_prompt_tokens_total": MetricSpec(
+            frozenset({"pool", "worker", "source"}),
+            {"pool": frozenset({"decode"}),
+             "source": frozenset({"local_compute", "local_cache_hit", "external_kv_transfer"})}),
+        "pd_proxy_decode_expected_local_tokens_total": MetricSpec(
+            frozenset({"pool", "worker"}), {"pool": frozenset({"decode"})}),
+        "pd_proxy_decode_local_prefill_tokens_total": MetricSpec(
+            frozenset({"pool", "worker"}), {"pool": frozenset({"decode"})}),
+        "pd_proxy_decode_failed_pulls_total": MetricSpec(
+            frozenset({"pool", "worker"}), {"pool": frozenset({"decode"})}),
     }
     for name in ("ttft", "itl", "tpot", "e2e"):
         m.update(_histogram(f"pd_proxy_{name}_seconds"))

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from deploy.targets import SCRAPE_CONFIG, Endpoints, write_targets
+from deploy.targets import ALERT_RULES, SCRAPE_CONFIG, Endpoints, write_targets
 from tests.deploy import dashboards as dash
 from tests.deploy import metric_catalog as cat
 from tests.deploy.live_scrape import Scrapes, traffic_and_scrape
@@ -104,6 +104,8 @@ def test_dashboards_cover_every_required_view() -> None:
         "vllm:nixl_num_kv_expired_reqs_total",
         "vllm:nixl_num_failed_transfers_total",
         "pd_proxy_first_token_mismatch_total",
+        "pd_proxy_decode_local_prefill_tokens_total",
+        "pd_proxy_decode_failed_pulls_total",
     }
     assert required - named == set()
 
@@ -234,6 +236,7 @@ PROMTOOL = find("promtool")
 def test_promtool_accepts_scrape_config_and_targets(tmp_path: Path) -> None:
     assert PROMTOOL is not None
     shutil.copy(SCRAPE_CONFIG, tmp_path / "prometheus.yml")
+    shutil.copy(ALERT_RULES, tmp_path / ALERT_RULES.name)
     write_targets(
         tmp_path / "targets",
         Endpoints(["http://127.0.0.1:8000"], ["http://127.0.0.1:8100"], ["http://127.0.0.1:8200"]),
@@ -241,6 +244,26 @@ def test_promtool_accepts_scrape_config_and_targets(tmp_path: Path) -> None:
     result = run([PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARNING" not in result.stdout + result.stderr  # both targets files found
+    assert "2 rules found" in result.stdout  # the alert rules file, next to the config
+
+
+def test_alert_rules_are_loaded_and_name_only_exposed_metrics() -> None:
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    assert config["rule_files"] == [ALERT_RULES.name]
+    rules = [r for g in yaml.safe_load(ALERT_RULES.read_text())["groups"] for r in g["rules"]]
+    metric = {"PdProxyDecodeLocalPrefill": "pd_proxy_decode_local_prefill_tokens_total",
+              "PdProxyDecodeFailedPulls": "pd_proxy_decode_failed_pulls_total"}
+    assert {r["alert"] for r in rules} == set(metric)
+    for rule in rules:
+        assert dash.problems(rule["expr"], KNOWN) == [], rule["alert"]
+        assert metric[rule["alert"]] in rule["expr"]
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")
+def test_promtool_accepts_the_alert_rules() -> None:
+    assert PROMTOOL is not None
+    result = run([PROMTOOL, "check", "rules", str(ALERT_RULES)])
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package prometheus)")

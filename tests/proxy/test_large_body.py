@@ -1,6 +1,7 @@
 """Large generate bodies parsed in slices (``proxy.large_body``): the same request, the same hop
 bytes and the same client errors as the one-go parse (vLLM's route), the loop given back between
-slices, and the prompt-length cap checked as the slices go."""
+slices; what the slices cannot decide exactly is parsed in one go; a prompt over the cap refused
+with its count once the rest of the body passed, as the proxy's own check refuses it."""
 
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def outcome(fn: Any) -> Any:
             req.sampling_params.values)
 
 
-async def both(raw: bytes, content_type: str = "application/json", **kw: Any) -> Any:
+async def both(raw: bytes, content_type: str = "application/json", *, sliced: bool | None = None,
+               **kw: Any) -> Any:
+    """The slicer's outcome for ``raw``, which must be the one-go parse's; ``sliced``: whether the
+    ids must come packed (parsed in slices) or as the one-go parse's list."""
     want = outcome(lambda: parse_generate_body(raw, content_type))
     result: Any = None
 
@@ -60,6 +64,8 @@ async def both(raw: bytes, content_type: str = "application/json", **kw: Any) ->
 
     got = outcome(replay)
     assert got == want
+    if sliced is not None:
+        assert kind == "value" and (type(value[1]["token_ids"]) is PackedTokenIds) is sliced
     return got
 
 
@@ -72,7 +78,6 @@ IDS = [300 + (i * 37) % 200 for i in range(60)]
     body(ids_json(IDS, " , "), before='"request_id":"r1",', after=',"stream":true'),
     body(ids_json(IDS), sp='{"max_tokens":4,"stop":["\\u00e9"]}'),  # an escape elsewhere
     body(ids_json(IDS), before='"extra":"caf\u00e9 ]",'),  # non-ASCII and a bracket in a string
-    body(ids_json([*IDS, 1.0, True, 2e2])),  # lax ints, as vLLM takes them
     body(ids_json([0, *IDS, 0])),
     body("[" + " " * 100 + ",".join(map(str, IDS)) + " " * 100 + "]"),  # long runs of blanks
     body("[" + ",".join(map(str, IDS)) + ",  7" + "\n" * 100 + "]"),
@@ -81,7 +86,7 @@ IDS = [300 + (i * 37) % 200 for i in range(60)]
     body("[" + ", ".join(map(str, IDS)) + " " * 100 + ", 5" + " " * 100 + "]"),
 ])
 async def test_valid_bodies_parse_as_in_one_go(raw: bytes) -> None:
-    got = await both(raw)
+    got = await both(raw, sliced=True)
     assert got[0] == "ok"
 
 
@@ -167,30 +172,58 @@ async def test_wrong_media_type_is_refused_as_before() -> None:
     assert got[0] == "invalid" and "Unsupported Media Type" in got[1]
 
 
-async def test_token_ids_that_cannot_be_cut_are_a_400_on_token_ids() -> None:
-    for ids in ([*IDS, "5"], [*IDS, [1]], [*IDS, {"a": 1}]):
-        with pytest.raises(VLLMValidationError) as e:
-            await parse_large_generate_body(body(ids_json(ids)), "application/json", slice_bytes=SLICE)
-        assert e.value.parameter == "token_ids" and "flat array of integers" in str(e.value)
-    with pytest.raises(VLLMValidationError) as e:
-        await parse_large_generate_body(body(ids_json([*IDS, 2**64])), "application/json", slice_bytes=SLICE)
-    assert e.value.parameter == "token_ids"
+@pytest.mark.parametrize("raw", [
+    body(ids_json([*IDS, "5"])),  # numeric strings, lax ints and ids past 2**63, as vLLM takes them
+    body(ids_json([*IDS, 1.0, True, 2e2])),
+    body(ids_json([*IDS, 2**63, 2**64])),
+    body("[" + ",".join(map(str, IDS)) + ',"\\u0035"]'),
+    # the array is not the body's own token_ids, even with a JSON error after it
+    ('{"x\\"token_ids":' + ids_json(IDS) + ',"token_ids":[1],"sampling_params":{}}').encode(),
+    ('{"\\u0078\\"token_ids":' + ids_json(IDS) + ',"token_ids":[1],"sampling_params":{}}').encode(),
+    ('{"token_ids":' + ids_json(IDS) + ',"token_ids":[1],"sampling_params":{}}').encode(),  # the last counts
+])
+async def test_ids_the_slices_do_not_take_are_read_in_one_go(raw: bytes) -> None:
+    await both(raw, sliced=False)
 
 
-async def test_prompt_cap_is_checked_as_the_slices_go() -> None:
+@pytest.mark.parametrize("raw", [
+    body(ids_json([*IDS, [1]])),  # not flat: vLLM's validation errors, in its order
+    body(ids_json([*IDS, {"a": 1}]), sp='{"temperature":5}'),
+    body(ids_json([*IDS, "x"]), before='"request_id":5,'),
+    body(ids_json([*IDS, "5"]), after=',"x":}'),  # the JSON error after the array
+    body(ids_json([*IDS, 2**64]), after=',"x":}'),
+    body(ids_json([1]), after=',"x":{"token_ids":' + ids_json(IDS) + '},"y":}'),  # nested, then an error
+    ('{"x\\"token_ids":' + ids_json(IDS) + ',"token_ids":[1],"sampling_params":{},}').encode(),
+])
+async def test_errors_the_slices_do_not_take_are_the_one_go_parse_s(raw: bytes) -> None:
+    got = await both(raw, max_tokens=len(IDS) - 1)
+    assert got[0] in ("invalid", "bad")
+
+
+async def test_a_prompt_over_the_cap_is_refused_with_its_count_once_the_rest_passed() -> None:
     raw = body(ids_json(IDS))
     req, _ = await parse_large_generate_body(raw, "application/json", slice_bytes=SLICE, max_tokens=len(IDS))
-    assert len(req.token_ids) == len(IDS)
-    broken = body("[" + ",".join(map(str, IDS)) + "," + "1 " * 50 + "]")  # a JSON error past the cap
+    assert len(req.token_ids) == len(IDS) and type(req.token_ids) is PackedTokenIds  # type: ignore[comparison-overlap]
     with pytest.raises(VLLMValidationError) as e:
-        await parse_large_generate_body(broken, "application/json", slice_bytes=SLICE,
-                                        max_tokens=len(IDS) - 1)
-    assert e.value.parameter == "token_ids" and f"at most {len(IDS) - 1} tokens" in str(e.value)
+        await parse_large_generate_body(raw, "application/json", slice_bytes=SLICE, max_tokens=len(IDS) - 1)
+    assert e.value.parameter == "token_ids"
+    assert str(e.value).startswith(
+        f"token_ids must have at most {len(IDS) - 1} tokens (this server's limit), got {len(IDS)}.")
+    # Another error of the body comes first, as in the one-go parse: a JSON error past the cap, a
+    # model error anywhere.
+    for broken in (body("[" + ",".join(map(str, IDS)) + "," + "1 " * 50 + "]"),
+                   body(ids_json(IDS), after=',"x":}'),
+                   body(ids_json(IDS), sp='{"temperature":5}'),
+                   body(ids_json(IDS), after=',"output_mode":"text"', sp='{"detokenize":false}')):
+        got = await both(broken, max_tokens=len(IDS) - 1)
+        assert got[0] in ("invalid", "bad") and "at most" not in got[1]
 
 
-async def test_the_loop_runs_other_work_between_slices() -> None:
+@pytest.mark.parametrize("max_tokens", [None, 10])
+async def test_the_loop_runs_other_work_between_slices(max_tokens: int | None) -> None:
     """A large array is parsed in many steps: another task gets the loop between them (a body
-    parsed in one go gives it no turn at all until the parse is over)."""
+    parsed in one go gives it no turn at all until the parse is over), a prompt over the cap
+    too (counted to its end, then refused)."""
     raw = body(ids_json(IDS * 20))
     turns = 0
     stop = False
@@ -204,7 +237,10 @@ async def test_the_loop_runs_other_work_between_slices() -> None:
     task = asyncio.get_running_loop().create_task(other())
     await asyncio.sleep(0)
     start = turns
-    await parse_large_generate_body(raw, "application/json", slice_bytes=256)
+    try:
+        await parse_large_generate_body(raw, "application/json", slice_bytes=256, max_tokens=max_tokens)
+    except VLLMValidationError:
+        assert max_tokens is not None
     during = turns - start
     stop = True
     await task

@@ -57,7 +57,9 @@ async def test_a_head_aiohttps_parser_refuses_is_a_400_and_reaches_no_worker(
     error = json.loads(payload)["error"]
     assert error["code"] == 400 and error["message"].startswith("malformed HTTP request")
     assert p.received == [] and d.received == []
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    # (the pools' background learners may warn about these test workers: not the request's doing)
+    assert not [r for r in caplog.records
+                if r.levelno >= logging.WARNING and not r.name.startswith("proxy.pools")], caplog.text
     ours = [r for r in caplog.records if r.name == "pd_proxy"]
     assert len(ours) == 1 and ours[0].levelno == logging.INFO, caplog.text
     assert ours[0].getMessage().startswith("refused a malformed HTTP request")

@@ -107,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
         "the one the prefill worker generated (the rest follows from it)",
     )
     f.add_argument(
+        "--recompute-failed-pulls",
+        action="store_true",
+        help="decode role: a failed KV pull is computed locally instead of failing the request "
+        "(vLLM's kv_load_failure_policy recompute)",
+    )
+    f.add_argument(
         "--exit-after-requests",
         type=int,
         default=None,
@@ -128,6 +134,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         chunk_delay_ms=args.chunk_delay_ms,
         refuse_kv_pulls=args.refuse_kv_pulls,
         first_token_mismatch=args.first_token_mismatch,
+        recompute_failed_pulls=args.recompute_failed_pulls,
         exit_after_requests=args.exit_after_requests,
     )
     return SimSettings(

@@ -151,6 +151,16 @@ class SimMetrics:
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r
         ).labels(**lv)
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*labels, "source"],
+            registry=r,
+        )
+        self.prompt_tokens_by_source = {
+            source: by_source.labels(source=source, **lv)
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
         ).labels(**lv)

@@ -69,6 +69,8 @@ class _Run:
         self.freed_remote = False
         self.lease: Lease | None = None
         self.cached_tokens = 0
+        self.recomputed = False
+        """The pull failed and this decode worker computed the prompt itself (``recompute_failed_pulls``)."""
         self.created = int(time.time())
         self.max_tokens = 0
         self.text_mode = req.output_mode == "text"
@@ -256,7 +258,13 @@ class _Run:
         st.metrics.prefix_hits.inc(self.cached_tokens)
         if self.remote is not None:
             inflight.state = "pulling"
-            ok = await self._pull()
+            try:
+                ok = await self._pull()
+            except _KvLoadFailed:
+                if not st.faults.recompute_failed_pulls:
+                    raise
+                self.recomputed = True  # vLLM's kv_load_failure_policy "recompute": silently
+                ok = not inflight.aborted
             if not ok:
                 return False
         if not s.zero_latency:
@@ -265,14 +273,28 @@ class _Run:
             if delay > 0 and not await clock.sleep_until_exact(inflight, start + delay):
                 return False
         st.metrics.prompt_tokens.inc(len(self.prompt))
+        self._count_sources()
         st.metrics.prefill_time.observe(clock.now() - t_prefill)
         inflight.state = "decoding"
         return True
 
-    def remote_tail_tokens(self) -> int:
-        """Prompt tokens a decode worker computes itself after pulling the KV: those the pulled
-        blocks do not cover, at least the last one (vLLM treats pulled tokens as computed, and a
-        fully loaded prompt recomputes its last token to sample the next)."""
+    def _count_sources(self) -> None:
+        """``vllm:prompt_tokens_by_source_total`` as vLLM 0.32 counts a prompt: local prefix-cache
+        hits first, then the tokens the pull promised (counted before it runs, so a failed pull
+        recomputed here counts as pulled too), the rest computed here. A fully pulled prompt
+        computes nothing (the last token vLLM recomputes to sample from counts as cached)."""
+        n = len(self.prompt)
+        hit = min(self.cached_tokens, n)
+        external = 0
+        if self.remote is not None:
+            external = max(0, self._covered() - hit)
+        by_source = self.st.metrics.prompt_tokens_by_source
+        by_source["local_cache_hit"].inc(hit)
+        by_source["external_kv_transfer"].inc(external)
+        by_source["local_compute"].inc(n - hit - external)
+
+    def _covered(self) -> int:
+        """Prompt tokens the pulled blocks cover."""
         remote = self.remote or {}
         groups = remote.get("remote_block_ids")
         nblocks = sum(len(g) for g in groups if isinstance(g, list)) if isinstance(groups, list) else 0
@@ -280,7 +302,13 @@ class _Run:
         num_tokens = remote.get("remote_num_tokens")
         if isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
             covered = min(covered, max(num_tokens, 0))
-        return max(len(self.prompt) - covered, 1)
+        return covered
+
+    def remote_tail_tokens(self) -> int:
+        """Prompt tokens a decode worker computes itself after pulling the KV: those the pulled
+        blocks do not cover, at least the last one (vLLM treats pulled tokens as computed, and a
+        fully loaded prompt recomputes its last token to sample the next)."""
+        return max(len(self.prompt) - self._covered(), 1)
 
     def prefill_delay(self) -> float:
         """Seconds of compute before the first token (the queue and, for a decode worker, the
@@ -288,7 +316,7 @@ class _Run:
         A decode worker whose KV was pulled: no prefill, ``--remote-prefill-step-ms`` + per token
         of the tail the blocks did not cover."""
         s = self.settings
-        if self.remote is not None:
+        if self.remote is not None and not self.recomputed:
             ms = s.remote_prefill_step_ms + s.prefill_per_token_ms * self.remote_tail_tokens()
         else:
             ms = s.prefill_base_ms + s.prefill_per_token_ms * (len(self.prompt) - self.cached_tokens)

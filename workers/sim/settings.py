@@ -22,6 +22,10 @@ class Faults:
     prefill worker's KV (``do_remote_prefill``) generate another first token than the one the
     prefill worker generated for it (and the aggregated worker would): the later tokens follow
     from that one, as a real engine's would. Decode-only requests are left alone.
+    ``recompute_failed_pulls`` (decode role): a KV pull that fails is computed here instead of
+    failing the request (vLLM's ``kv_load_failure_policy: "recompute"``): the answer is 200 and only
+    ``vllm:nixl_num_failed_transfers_total`` shows it (``vllm:prompt_tokens_by_source_total`` counts
+    the tokens the pull promised as ``external_kv_transfer``, as vLLM 0.32 does).
     """
 
     fail_next: int = 0
@@ -34,6 +38,7 @@ class Faults:
     chunk_delay_ms: float = 0.0
     refuse_kv_pulls: bool = False
     first_token_mismatch: bool = False
+    recompute_failed_pulls: bool = False
     exit_after_requests: int | None = None
 
     def to_dict(self) -> dict[str, Any]:

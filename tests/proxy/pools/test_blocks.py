@@ -28,6 +28,7 @@ from proxy.pools.blocks import (
     parse_block_size,
     parse_max_model_len,
 )
+from proxy.pools.capped import AnswerTooLarge
 from proxy.pools.health import http_fetch
 from proxy.pools.policies import PickContext, PrefixAware
 from proxy.pools.pool import Pool
@@ -373,7 +374,7 @@ async def test_the_models_fetch_sends_the_key_and_is_bounded(aiohttp_server: Any
                            limit=1000)
         assert parse_max_model_len(await small(w)) == 20 and seen == ["Bearer k"]
         large = http_fetch(session, 5.0, "/v1/models?n=100000", limit=1000)
-        with pytest.raises(ValueError, match="over 1000 bytes"):
+        with pytest.raises(AnswerTooLarge, match="more than 1000 bytes"):
             await large(w)
 
 

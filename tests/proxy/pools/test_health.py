@@ -8,6 +8,7 @@ import pytest
 from aiohttp import web
 
 from proxy import upstream as upstream_mod
+from proxy.pools import capped
 from proxy.pools import health as health_mod
 from proxy.pools.breaker import BreakerConfig, CircuitState
 from proxy.pools.health import (
@@ -224,9 +225,9 @@ async def test_control_answers_are_read_only_up_to_their_limit(aiohttp_server: A
     (worker,) = Pool("decode", [url]).workers
     async with aiohttp.ClientSession() as session:
         assert await http_probe(session, timeout=30)(worker) is False
-        with pytest.raises(health_mod.AnswerTooLarge):
+        with pytest.raises(capped.AnswerTooLarge):
             await http_fetch(session, timeout=30)(worker)
-        with pytest.raises(health_mod.AnswerTooLarge):
+        with pytest.raises(capped.AnswerTooLarge):
             await http_fetch(session, timeout=30, path="/sized")(worker)
         up = upstream_mod.Upstream(session, api_key=None, connect_timeout=5)
         assert await up.abort(url, ["generate-tokens-x"], limit=30) is False
@@ -245,4 +246,4 @@ async def test_read_capped_reads_a_body_at_the_limit_whole(aiohttp_server: Any) 
     async with aiohttp.ClientSession() as session:
         for n in (0, 1, 1000, 4096):
             async with session.get(f"http://127.0.0.1:{server.port}/b?n={n}") as resp:
-                assert await health_mod.read_capped(resp, 4096) == b"z" * n
+                assert await capped.read_capped(resp, 4096) == b"z" * n
