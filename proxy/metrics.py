@@ -159,7 +159,9 @@ class ProxyMetrics:
         self.members: Members | None = None
         """Set by the app to its pools' membership: no series is made for a worker outside them."""
         self._per_worker: dict[int, tuple[MetricWrapperBase, int, int]] = {
-            id(m): (m, 0, 1) for m in (self.upstream_requests, self.upstream_errors)}
+            id(m): (m, 0, 1) for m in (self.upstream_requests, self.upstream_errors,
+                                       self.decode_prompt_tokens, self.decode_expected_local,
+                                       self.decode_local_prefill, self.decode_failed_pulls)}
         """Every metric with a ``worker`` label (by id): the positions of ``pool`` and ``worker``."""
 
     def _client_metrics(self, r: CollectorRegistry, latency: tuple[float, ...]) -> None:
