@@ -57,7 +57,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, Final
@@ -426,7 +426,6 @@ class Config:
     router_args: tuple[str, ...] = ()
     sim_cmd: str = SIM_CMD
     plots: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def rounds_at(self, concurrency: int) -> int:
         return self.rounds[self.concurrencies.index(concurrency)]
@@ -833,6 +832,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("real_routers: interrupted: every process started here was stopped", file=sys.stderr)
         return 130
+    except RuntimeError as exc:  # the workers did not start or answer (the launcher's LaunchError too)
+        print(f"real_routers: {exc}; every process started here was stopped", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     paths = write_outputs(cfg, result, raw)

@@ -316,3 +316,14 @@ def test_a_target_that_cannot_start_is_left_out_and_nothing_is_left_running(
     assert (out / "pd-proxy.log").is_file()
     assert _live_children() == []
 
+
+
+def test_workers_that_do_not_start_end_the_run_with_a_message_and_nothing_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = rr.main(["--start-workers", "sim", "--sim-cmd", "{python} -c 'raise SystemExit(3)' {port} {role}",
+                    "--out", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "exited with code 3 before it was ready" in err and "Traceback" not in err
+    assert _live_children() == []
