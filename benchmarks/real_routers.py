@@ -688,6 +688,8 @@ async def run(cfg: Config, stack: Stack) -> tuple[dict[str, Any], dict[int, Coun
     }
     await start_workers(cfg, stack)
     meta["prefill"], meta["decode"] = stack.prefill, stack.decode
+    if stack.cluster is not None:
+        meta["workers_startup_s"] = stack.cluster.startup_seconds
     targets = await start_targets(cfg, stack)
     names = list(targets)
     baseline = baseline_of(names)
