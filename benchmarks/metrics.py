@@ -5,6 +5,9 @@
 - Per-token ITL (``itl_token``): each chunk after the first contributes its gap divided by its token
   count, once per token (tokens of the first chunk contribute nothing).
 - TPOT: (E2E - TTFT) / (output tokens - 1), for requests with at least two output tokens.
+- Second-token gap (``second_token_gap``, the hand-off gap): from the first token-bearing chunk to
+  the second. With pd-proxy's first token from P the second waits for D's KV pull: the TTFT win
+  is paid here, so the summary prints it beside TTFT.
 - E2E (``e2el``): time from sending the request to the end of the answer (``data: [DONE]`` or body end).
 - request/output/total-token throughput: completed requests, their output tokens, their prompt plus
   output tokens, each divided by the run's duration (first send to last answer).
@@ -70,6 +73,12 @@ def token_itls(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> lis
         if k > 0:
             out.extend([(chunk_times[i] - chunk_times[i - 1]) / k] * k)
     return out
+
+
+def second_token_gaps(records: Iterable[RequestRecord]) -> list[float]:
+    """The wait from the first token-bearing chunk to the second, per completed stream that has two."""
+    return [r.chunk_times_s[1] - r.chunk_times_s[0]
+            for r in records if r.success and len(r.chunk_times_s) >= 2]  # fmt: skip
 
 
 def tpot(e2e: float | None, ttft: float | None, output_tokens: int) -> float | None:
@@ -282,6 +291,7 @@ def compute_metrics(
         out["goodput_slos_ms"] = dict(goodput_ms)
     for m in metrics:
         out.update(stats_keys(m, stats(per_metric[m], percentiles), percentiles))
+    out.update(stats_keys("second_token_gap", stats(second_token_gaps(ok), percentiles), percentiles))
     if cancellation:
         out.update(cancel_metrics(records, percentiles))
     # Per-hop breakdown reported by pd-proxy (already milliseconds).

@@ -54,6 +54,27 @@ def plot_cdfs(groups: Mapping[str, Sequence[RequestRecord]], path: str | Path) -
     return out
 
 
+def plot_metric_cdfs(
+    panels: Mapping[str, Mapping[str, Sequence[float]]], path: str | Path, title: str = ""
+) -> Path:
+    """One CDF panel per metric (values already in ms), one line per target in each."""
+    fig = _figure((4.2 * max(len(panels), 1), 4.0))
+    axes = fig.subplots(1, max(len(panels), 1), squeeze=False)[0]
+    for ax, (name, groups) in zip(axes, panels.items(), strict=False):
+        for label, values in groups.items():
+            _cdf(ax, [v / 1000.0 for v in values], label)
+        ax.set(title=name, xlabel="ms", ylabel="fraction")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    return out
+
+
 def plot_sweep(
     loads: Sequence[float], datas: Sequence[Mapping[str, Any]], load_name: str, path: str | Path
 ) -> Path:

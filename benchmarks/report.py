@@ -21,6 +21,7 @@ METRIC_TITLES: Final = {
     "client_queue_time": "Client queue",
     "e2el_including_client_queue": "E2E + queue",
 }
+SECOND_TOKEN_GAP_TITLE: Final = "  2nd-token gap"  # noqa: S105 (a row title)
 # Keys whose ratio target/baseline the compare mode reports.
 COMPARE_KEYS: Final = (
     "median_ttft_ms",
@@ -133,6 +134,11 @@ def summary_table(data: dict[str, Any], title: str = "pd-bench result") -> str:
         row("Outputs not of the asked length:", data.get("num_output_len_mismatch"))
     pct = [percentile_word(p) for p in data.get("percentiles", [])]
     names = [(METRIC_TITLES[m], m) for m in data.get("percentile_metrics") or LATENCY_METRICS]
+    if data.get("median_second_token_gap_ms") is not None:
+        # Beside TTFT: with the first token from P the second waits for the KV pull, and the
+        # TTFT win is paid here.
+        at = next((i + 1 for i, (_, m) in enumerate(names) if m == "ttft"), 0)
+        names.insert(at, (SECOND_TOKEN_GAP_TITLE, "second_token_gap"))
     for hop in data.get("hops") or []:
         names.append((f"  hop {hop}", f"hop_{hop}"))
     if data.get("hops"):

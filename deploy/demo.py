@@ -39,7 +39,7 @@ from benchmarks import (
     run_compare,
     summary_text,
 )
-from benchmarks.metrics import stats
+from benchmarks.metrics import second_token_gaps, stats
 from deploy import local
 from deploy.targets import DASHBOARDS_DIR, SCRAPE_CONFIG
 
@@ -125,8 +125,7 @@ class FirstTokenSide:
 
 def second_token_gaps_ms(records: Sequence[RequestRecord]) -> list[float]:
     """The client's wait from its first token-bearing chunk to its second, per completed stream."""
-    return [(r.chunk_times_s[1] - r.chunk_times_s[0]) * 1000.0
-            for r in records if r.success and len(r.chunk_times_s) >= 2]  # fmt: skip
+    return [gap * 1000.0 for gap in second_token_gaps(records)]
 
 
 def first_token_side(setting: str, result: BenchResult) -> FirstTokenSide:

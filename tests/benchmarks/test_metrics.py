@@ -13,6 +13,7 @@ from benchmarks.metrics import (
     chunk_itls,
     compute_metrics,
     parse_goodput,
+    second_token_gaps,
     stats,
     token_itls,
     tpot,
@@ -170,3 +171,35 @@ def test_first_to_second_is_a_known_hop_and_ttft_ends_at_the_prefill_token() -> 
     # the columns stay aligned: every row's first number ends where the "mean" header ends
     mean_end = rows[0].index("mean") + len("mean")
     assert all(line[mean_end - 1] != " " and line[mean_end] == " " for line in rows[1:]), rows
+
+
+def test_the_second_tokens_gap_is_the_hand_off_the_client_waits_for() -> None:
+    # A: first chunk at 100 ms, second at 130; B: 200 -> 220; C failed and D has one chunk: no gap
+    assert second_token_gaps(RECORDS) == pytest.approx([0.03, 0.02])
+    m = compute_metrics([*RECORDS, P_FIRST], 1.0)
+    # P_FIRST: P's token at 55 ms, D's next at 205 ms: the TTFT win is paid in this gap
+    assert m["median_second_token_gap_ms"] == pytest.approx(30.0)
+    assert m["p99_second_token_gap_ms"] == pytest.approx(np.percentile([30.0, 20.0, 150.0], 99))
+    assert m["mean_second_token_gap_ms"] == pytest.approx((30.0 + 20.0 + 150.0) / 3)
+
+
+def test_the_summary_prints_the_second_tokens_gap_beside_ttft() -> None:
+    m = compute_metrics([A, B, P_FIRST], 1.0)
+    text = summary_table({**m, "percentiles": [50.0, 99.0]})
+    lines = text.splitlines()
+    ttft = next(i for i, line in enumerate(lines) if line.startswith("TTFT "))
+    gap = lines[ttft + 1].split()
+    assert gap[:2] == ["2nd-token", "gap"]
+    mean, median, _std, p50, p99 = (float(v) for v in gap[2:])
+    assert median == pytest.approx(30.0) and p50 == pytest.approx(30.0)
+    assert p99 == pytest.approx(np.percentile([30.0, 20.0, 150.0], 99), abs=0.01)
+    assert mean == pytest.approx(200.0 / 3, abs=0.01)
+    # the columns stay aligned with the header's
+    mean_end = lines[ttft - 1].index("mean") + len("mean")
+    assert lines[ttft + 1][mean_end - 1] != " " and lines[ttft + 1][mean_end] == " "
+
+
+def test_without_a_second_token_the_summary_has_no_gap_row() -> None:
+    m = compute_metrics([D], 1.0)  # one chunk only (a non-stream answer looks the same)
+    assert m["median_second_token_gap_ms"] is None
+    assert "2nd-token gap" not in summary_table({**m, "percentiles": [50.0, 99.0]})

@@ -37,7 +37,7 @@ GOLDEN_KEYS = {
     "failures", "num_output_len_mismatch", "server_timing_requests", "hops",
     "client_cpu_seconds", "client_cpu_utilization", "percentile_metrics",
 }  # fmt: skip
-for _m in ("ttft", "tpot", "itl", "itl_token", "e2el"):
+for _m in ("ttft", "tpot", "itl", "itl_token", "e2el", "second_token_gap"):
     GOLDEN_KEYS |= {f"{s}_{_m}_ms" for s in ("mean", "median", "std", "p50", "p90", "p95", "p99")}
 VLLM_KEYS = {
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",

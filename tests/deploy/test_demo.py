@@ -32,6 +32,10 @@ def test_demo_sends_one_request_benchmarks_and_stops_everything(tmp_path: Path) 
     assert "KV crossed P->D over NIXL: yes" in text
     assert "Successful requests:                      4" in text
     assert "Failed requests:                          0" in text
+    # the summary puts the hand-off gap beside TTFT: the second token waits for the KV pull
+    summary = text.split("first token from the prefill worker, on vs off", 1)[0]
+    gap = next(line.split() for line in summary.splitlines() if line.startswith("  2nd-token gap"))
+    assert len(gap) == 2 + 3 + 4 and all(float(v) >= 0 for v in gap[2:])  # mean median std p50..p99
     printed = dict(
         line.split(":", 1) for line in text.splitlines() if ":" in line and not line.startswith(" ")
     )
@@ -48,6 +52,8 @@ def test_demo_sends_one_request_benchmarks_and_stops_everything(tmp_path: Path) 
             if line.startswith("  ")}  # fmt: skip
     assert rows["first token from P"] == ["3/3", "0/3"]  # P's token went first on every stream with it on
     assert rows["failed"] == ["0", "0"]
+    for q in ("p50", "p99"):
+        assert all(float(v) >= 0 for v in rows[f"2nd-token gap {q}"])
     assert rows["first_to_second p50"][1] == "-"  # no stream of the off proxy has the stage
     assert f"{demo.MISMATCH_COUNT} (on): 0" in section
     assert (tmp_path / "run" / "logs" / "pd-proxy-first-token-off.log").is_file()
