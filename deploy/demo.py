@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +46,11 @@ from deploy.targets import DASHBOARDS_DIR, SCRAPE_CONFIG
 
 XFER_COUNT: Final = "vllm:nixl_xfer_time_seconds_count"
 MISMATCH_COUNT: Final = "pd_proxy_first_token_mismatch_total"
+LOCAL_PREFILL: Final = "pd_proxy_decode_local_prefill_tokens_total"
+FAILED_PULLS: Final = "pd_proxy_decode_failed_pulls_total"
+PROMPT_TOKENS_SEEN: Final = "pd_proxy_decode_prompt_tokens_total"
+ALARM_INTERVAL: Final = 2.0
+"""The demo proxy's --local-prefill-interval: its alarm has scraped D after the benchmark."""
 PROMPT_TOKENS: Final = 200
 MAX_TOKENS: Final = 16
 FIRST_TOKEN_REQUESTS: Final = 12
@@ -176,6 +182,19 @@ def first_token_text(on: FirstTokenSide, off: FirstTokenSide, mismatches: float 
     return "\n".join(lines)
 
 
+def alarm_text(proxy_url: str) -> str:
+    """The local-prefill alarm's two counters once the proxy has scraped the decode worker after the
+    benchmark (two of its intervals): both 0, with D's prompt tokens seen, when every hand-off's KV
+    arrived."""
+    time.sleep(2 * ALARM_INTERVAL + 0.5)
+    seen, local_prefill, failed_pulls = (metric_sum(proxy_url, name)
+                                         for name in (PROMPT_TOKENS_SEEN, LOCAL_PREFILL, FAILED_PULLS))
+    verdict = ("ok, D pulled every prompt's KV" if seen > 0 and local_prefill == 0 == failed_pulls
+               else "ALARM" if seen > 0 else "not scraped yet")
+    return (f"decode worker prefilled itself? {LOCAL_PREFILL} {local_prefill:g}, "
+            f"{FAILED_PULLS} {failed_pulls:g}, of {seen:g} prompt tokens seen on D ({verdict})")
+
+
 def compare_first_token(stack: local.Stack, args: argparse.Namespace, out: IO[str]) -> int:
     """A second pd-proxy with the feature off in front of the same workers; the same streams through
     both in pairs (each stream to both at once, one pair at a time), each proxy with its own
@@ -243,8 +262,10 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
                 local.start_sim_workers(stack, 1, 1, run_dir, tokens_only=False)
             else:
                 local.start_vllm_workers(stack, args, run_dir)
-            stack.info["proxy"] = local.start_proxy(stack, local.free_port(), run_dir,
-                                                    ["--first-token-from-prefill", "on"])  # the default
+            stack.info["proxy"] = local.start_proxy(
+                stack, local.free_port(), run_dir,
+                ["--first-token-from-prefill", "on",  # the default
+                 "--local-prefill-interval", str(ALARM_INTERVAL)])
             print(f"demo: prefill {stack.info['prefill'][0]}  decode {stack.info['decode'][0]}  "
                   f"pd-proxy {stack.info['proxy']}", file=out, flush=True)  # fmt: skip
             crossed = show_request(stack, out)
@@ -256,6 +277,7 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
                 err=sys.stderr,
             )
             print(summary_text(result), file=out, flush=True)
+            print(alarm_text(stack.info["proxy"]), file=out, flush=True)
             failed = int(result.data.get("failed", 0))
             if args.first_token_requests > 0:
                 failed += compare_first_token(stack, args, out)

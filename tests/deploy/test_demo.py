@@ -36,6 +36,10 @@ def test_demo_sends_one_request_benchmarks_and_stops_everything(tmp_path: Path) 
     summary = text.split("first token from the prefill worker, on vs off", 1)[0]
     gap = next(line.split() for line in summary.splitlines() if line.startswith("  2nd-token gap"))
     assert len(gap) == 2 + 3 + 4 and all(float(v) >= 0 for v in gap[2:])  # mean median std p50..p99
+    # the local-prefill alarm scraped D after the benchmark and found every prompt's KV pulled
+    alarm = next(line for line in summary.splitlines() if line.startswith("decode worker prefilled"))
+    assert f"{demo.LOCAL_PREFILL} 0, {demo.FAILED_PULLS} 0, of " in alarm and alarm.endswith(
+        "prompt tokens seen on D (ok, D pulled every prompt's KV)"), alarm
     printed = dict(
         line.split(":", 1) for line in text.splitlines() if ":" in line and not line.startswith(" ")
     )
