@@ -39,12 +39,13 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.metrics import MULTIPROC_DIR_ENV, ProxyMetrics
 from proxy.pools.health import FetchFn, repeat
@@ -72,42 +73,22 @@ def expected_local(body: Mapping[str, Any]) -> int:
     return min(n, HANDOFF_TAIL) if "kv_transfer_params" in body else n
 
 
-def _samples(text: str, name: str) -> Iterator[tuple[str, float]]:
-    """(labels, value) of each finite sample of the counter ``name`` on a ``/metrics`` page. Only
-    those lines are read (a vLLM page is ~65 kB, which prometheus_client's parser holds the event
-    loop ~20 ms for)."""
-    key, at = "\n" + name + "{", 0
-    text = "\n" + text
-    while (at := text.find(key, at)) >= 0:
-        end = text.find("\n", at + 1)
-        line = text[at + 1:end] if end >= 0 else text[at + 1:]
-        at += 1
-        close = line.rfind("}")
-        if close < 0:
-            continue
-        try:
-            value = float(line[close + 1:].split()[0])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(value):
-            yield line[len(name) + 1:close], value
-
-
 def parse_decode_counters(text: str) -> dict[str, float] | None:
     """A decode worker's ``vllm:prompt_tokens_by_source_total`` by source and its
     ``vllm:nixl_num_failed_transfers_total`` (key :data:`FAILED`), each summed over the worker's
-    engines; a counter the page lacks is left out, None when it has neither. A label value's quote
-    is escaped in the exposition format, so ``source="`` starts that label."""
+    engines (finite values only); a counter the page lacks is left out, None when it has neither.
+    ``ValueError`` when the page is not the exposition format."""
     found: dict[str, float] = {}
-    for labels, value in _samples(text, PROMPT_BY_SOURCE):
-        start = labels.find('source="')
-        if start < 0:
-            continue
-        source = labels[start + 8:labels.find('"', start + 8)]
-        if source in SOURCES:
-            found[source] = found.get(source, 0.0) + value
-    for _, value in _samples(text, FAILED_TRANSFERS):
-        found[FAILED] = found.get(FAILED, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not math.isfinite(sample.value):
+                continue
+            if sample.name == PROMPT_BY_SOURCE:
+                source = sample.labels.get("source")
+                if source in SOURCES:
+                    found[source] = found.get(source, 0.0) + sample.value
+            elif sample.name == FAILED_TRANSFERS:
+                found[FAILED] = found.get(FAILED, 0.0) + sample.value
     return found or None
 
 

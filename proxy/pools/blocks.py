@@ -148,7 +148,7 @@ class WorkerLearner:
             value, why = None, f"its answer was {e.status}"
         except (aiohttp.ClientError, TimeoutError, OSError):
             return  # unreachable for now: tried again at the next round
-        except ValueError as e:  # not the expected page (too large, not UTF-8, not JSON)
+        except ValueError as e:  # not the expected page (not JSON)
             value, why = None, str(e) or type(e).__name__
         if value is None:
             self._silent.add((worker.pool, worker.url))

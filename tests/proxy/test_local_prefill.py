@@ -22,7 +22,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.pools import PoolSettings
 from proxy.settings import ProxySettings
 from tests.proxy.conftest import PDFactory, ProxyFactory, req
-from tests.traces import TRACE_DIR
+from tests.traces import TRACE_DIR, load_trace
 
 D = "http://127.0.0.1:9"
 
@@ -68,7 +68,7 @@ def test_expected_local_is_the_last_token_of_a_handoff_and_the_whole_prompt_with
 
 
 def test_parses_the_real_decode_workers_counters() -> None:
-    text = (TRACE_DIR / "metrics-pd-decode.txt").read_text()
+    text = load_trace(TRACE_DIR / "metrics-pd-decode.txt").response("main").body.decode()
     assert parse_decode_counters(text) == src(local=0.0, hit=512.0, ext=2086.0, failed=1.0)
     assert parse_decode_counters("# TYPE vllm:num_requests_running gauge\n") is None
     two = ('vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 3.0\n'
