@@ -188,7 +188,8 @@ def find_router(explicit: str | None) -> str | None:
     return shutil.which("vllm-router")
 
 
-def _render(template: str, **values: Any) -> list[str]:
+def render_argv(template: str, **values: Any) -> list[str]:
+    """A command template (``{python}`` and ``values`` filled in) as an argv."""
     return shlex.split(template.format(python=sys.executable, **values))
 
 
@@ -196,7 +197,7 @@ async def start_sim_stack(cfg: Settings, procs: Processes) -> Stack:
     urls: dict[str, str] = {}
     for role, blocks in (("prefill", cfg.prefill_blocks), ("decode", 4096)):
         port = free_port()
-        argv = _render(DEFAULT_SIM_CMD, port=port, role=role, lease=cfg.lease_s, blocks=blocks)
+        argv = render_argv(DEFAULT_SIM_CMD, port=port, role=role, lease=cfg.lease_s, blocks=blocks)
         proc = procs.start(f"sim-{role}", argv)
         urls[role] = f"http://127.0.0.1:{port}"
         await wait_healthy(urls[role], proc, f"pd-sim {role}", procs.log_dir / f"sim-{role}.log")
@@ -240,7 +241,7 @@ async def start_routers(cfg: Settings, stack: Stack, procs: Processes) -> None:
         else:
             continue
         port = free_port()
-        argv = _render(template, port=port, prefill=stack.prefill, decode=stack.decode, **values)
+        argv = render_argv(template, port=port, prefill=stack.prefill, decode=stack.decode, **values)
         proc = procs.start(name, argv)
         url = f"http://127.0.0.1:{port}"
         try:

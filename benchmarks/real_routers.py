@@ -49,7 +49,6 @@ import os
 import platform
 import random
 import secrets
-import shlex
 import signal
 import statistics
 import subprocess
@@ -64,7 +63,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from benchmarks.cancel_bench import find_router
+from benchmarks.cancel_bench import find_router, render_argv
 from benchmarks.client import ClientOptions, new_session, send_request
 from benchmarks.compare_routers import error_kind
 from benchmarks.datasets import RequestSpec
@@ -536,10 +535,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 # Processes.
 
 
-def _render(template: str, **values: Any) -> list[str]:
-    return shlex.split(template.format(python=sys.executable, **values))
-
-
 class Stack:
     """The processes of a run: pd-sim workers or a launcher cluster, and the routers. ``stop`` ends
     every one of them (idempotent)."""
@@ -587,7 +582,7 @@ async def start_workers(cfg: Config, stack: Stack) -> None:
     room = max(512, cfg.input_len + cfg.output_len)
     for role in ("prefill", "decode"):
         port = free_port()
-        proc = stack.start(f"sim-{role}", _render(cfg.sim_cmd, port=port, role=role, max_model_len=room))
+        proc = stack.start(f"sim-{role}", render_argv(cfg.sim_cmd, port=port, role=role, max_model_len=room))
         url = f"http://127.0.0.1:{port}"
         await wait_ready(url, proc, 30.0)
         setattr(stack, role, url)
@@ -595,11 +590,11 @@ async def start_workers(cfg: Config, stack: Stack) -> None:
 
 def target_argv(cfg: Config, name: str, port: int, stack: Stack, router: str | None) -> list[str]:
     if name == VLLM_ROUTER:
-        argv = _render(ROUTER_CMD, router_bin=router, port=port, prefill=stack.prefill, decode=stack.decode,
-                       aux_port=free_port())
+        argv = render_argv(ROUTER_CMD, router_bin=router, port=port, prefill=stack.prefill,
+                           decode=stack.decode, aux_port=free_port())
         return [*argv, *cfg.router_args]
     first = "off" if name == PD_PROXY_OFF else "on"
-    argv = _render(PD_PROXY_CMD, port=port, prefill=stack.prefill, decode=stack.decode, first_token=first)
+    argv = render_argv(PD_PROXY_CMD, port=port, prefill=stack.prefill, decode=stack.decode, first_token=first)
     return [*argv, *cfg.pd_proxy_args]
 
 
