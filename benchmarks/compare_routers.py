@@ -10,7 +10,7 @@ the same closed-loop load through three targets:
   hop with the returned params; docs/vllm.md, section 3). No proxy: the best any proxy can do.
 * ``pd-proxy``: this project's proxy (``pd-proxy --prefill URL --decode URL --port P``), once per
   ``--pd-proxy-workers`` count (default 1 and 2): ``pd-proxy`` is one process, ``pd-proxy-w2`` is
-  ``--workers 2`` (two processes on one port, ``proxy/multiproc.py``).
+  ``--workers 2`` (two processes on one port, ``proxy/http/multiproc.py``).
 * ``vllm-router``: the vLLM project's Rust router in P/D mode, installed into its own virtual
   environment by ``benchmarks/router_env.sh``.
 

@@ -51,7 +51,7 @@ def prefill_body(data: Mapping[str, Any], base_id: str, *, stream: bool,
     """The prefill hop for a client request ``data`` (parsed and checked). ``stream`` is the
     client's: vLLM drops prompt logprobs on streams, so P does not compute them; ``keep_stop``
     False drops stop strings (a prefill pool that does not detokenize). ``first_token``: P's token
-    goes to the client (``proxy.first_token``), so P samples it as the client's request would:
+    goes to the client (``proxy.sse.first_token``), so P samples it as the client's request would:
     the client's ``output_mode`` (its text) and ``min_tokens`` capped at 1 (vLLM then masks EOS
     and the stop token ids at token 1, as the decode worker does)."""
     body = dict(data)

@@ -22,7 +22,7 @@ from kv_transfer.ledger import CloseReason, KVLeaseLedger, Lease
 
 
 class Holder(Protocol):
-    """A request as the leases see it (``proxy.state.RequestRecord``)."""
+    """A request as the leases see it (``proxy.observe.state.RequestRecord``)."""
 
     @property
     def engine_id(self) -> str: ...

@@ -1,7 +1,7 @@
 """pd-proxy: one vLLM-compatible endpoint in front of disaggregated prefill/decode pools.
 
 Public API: ``build_app`` (an ``aiohttp.web.Application``) and ``ProxySettings``. They are
-re-exported lazily so that ``proxy.protocol`` (the wire models shared with pd-sim and pd-bench)
+re-exported lazily so that ``proxy.wire.protocol`` (the wire models shared with pd-sim and pd-bench)
 stays importable without pulling in the server.
 """
 
@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 __all__ = ["ProxySettings", "__version__", "build_app"]
 
-_LAZY = {"build_app": "proxy.app", "ProxySettings": "proxy.settings"}
+_LAZY = {"build_app": "proxy.http.app", "ProxySettings": "proxy.config.settings"}
 
 
 def __getattr__(name: str) -> object:

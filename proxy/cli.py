@@ -11,14 +11,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from proxy.config_file import CONFIG_FLAG, HelpFormatter, with_config_file
-from proxy.logs import EscapingFormatter
-from proxy.multiproc import available_cpus
+from proxy.config.config_file import CONFIG_FLAG, HelpFormatter, with_config_file
+from proxy.config.logs import EscapingFormatter
+from proxy.config.settings import ProxySettings
+from proxy.config.tenants import Tenants, read_key_file
+from proxy.http.multiproc import available_cpus
+from proxy.http.server import serve
+from proxy.observe.tracing import otel_installed
 from proxy.pools import add_pool_arguments, normalize_url, pool_settings_from_args
-from proxy.server import serve
-from proxy.settings import ProxySettings
-from proxy.tenants import Tenants, read_key_file
-from proxy.tracing import otel_installed
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def _add_workers_and_listener(p: argparse.ArgumentParser) -> None:
                    help="N processes serving the port (SO_REUSEPORT), or auto: one per CPU available "
                         "(affinity, capped by a cgroup CPU quota). Admin changes reach every process; "
                         "limits (in-flight, queues, per-worker caps, buffers) are PER PROCESS; see "
-                        "proxy/multiproc.py")
+                        "proxy/http/multiproc.py")
     p.add_argument("--gc-threshold", type=int, default=20_000, metavar="N",
                    help="each serving process freezes its start-up objects and sets the cyclic garbage "
                         "collector's first threshold to N (Python's is 700, which costs 6-9%% of the "
@@ -349,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     warn_if_unguarded(settings)
     log_processes(settings, why)
     if settings.workers > 1:
-        from proxy.multiproc import run_workers  # noqa: PLC0415
+        from proxy.http.multiproc import run_workers  # noqa: PLC0415
 
         raise SystemExit(run_workers(settings, settings.workers))
     serve(settings)

@@ -104,3 +104,39 @@ def test_the_graph_sees_lazy_and_type_only_imports(tmp_path: Path) -> None:
     (pkg / "b.py").write_text("from typing import TYPE_CHECKING\n"
                               "if TYPE_CHECKING:\n    from proxy.a import f\n")
     assert cycles(graph(tmp_path)) == [["proxy.a", "proxy.b"]]
+
+
+# proxy/'s packages from the bottom up: a module may import its own package and the ones before it,
+# never one after it. ``proxy.cli`` (the entry point) sits on top.
+LAYERS = ("wire", "upstream", "pools", "fleet", "config", "sse", "observe", "walk", "stream", "http", "cli")
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "proxy" or len(parts) < 2:
+        return None
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else None
+
+
+def upward_imports(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, d) for m, deps in g.items() for d in deps
+                  if (lm := layer_of(m)) is not None and (ld := layer_of(d)) is not None and ld > lm)
+
+
+def test_every_proxy_module_sits_in_a_layer() -> None:
+    assert [m for m in graph() if m.startswith("proxy.") and layer_of(m) is None] == []
+
+
+def test_no_layer_imports_one_above_it() -> None:
+    assert upward_imports(graph()) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    g = {"proxy.wire.a": {"proxy.http.b"}, "proxy.http.b": {"proxy.wire.a"}, "proxy.cli": {"proxy.http.b"}}
+    assert upward_imports(g) == [("proxy.wire.a", "proxy.http.b")]
+
+
+def test_no_folder_of_the_proxy_holds_more_than_twelve_modules() -> None:
+    crowded = {str(d.relative_to(ROOT)): n for d in [ROOT / "proxy", *(ROOT / "proxy").rglob("*/")]
+               if d.is_dir() and (n := len(list(d.glob("*.py")))) > 12}
+    assert crowded == {}

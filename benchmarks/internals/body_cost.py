@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kv_transfer.handoff import decode_body, prefill_body
-from proxy.protocol import parse_worker_json
-from proxy.settings import ProxySettings
-from proxy.upstream import encode_body
-from proxy.validation import Validation
+from proxy.config.settings import ProxySettings
+from proxy.upstream.client import encode_body
+from proxy.walk.validation import Validation
+from proxy.wire.protocol import parse_worker_json
 
 _MAX_CALLS = 100_000
 

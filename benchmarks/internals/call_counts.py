@@ -278,8 +278,8 @@ async def loaded_proxy(count: int, stream: bool, tree: str, proxy_args: Sequence
     64 at a time, returning once they and their clean-up are done. At most ``rounds`` rounds."""
     from aiohttp import web  # noqa: PLC0415
 
-    from proxy.app import build_app  # noqa: PLC0415
     from proxy.cli import parse_args  # noqa: PLC0415
+    from proxy.http.app import build_app  # noqa: PLC0415
 
     sims = [_start_sim(role, tree, itl_ms) for role in ("prefill", "decode")]
     runner: web.AppRunner | None = None

@@ -139,7 +139,7 @@ async def main(args: argparse.Namespace) -> None:
     async with loaded_proxy(args.requests, args.stream, _TREE, rounds=args.rounds) as one_round:
         if pinned is not None:
             os.sched_setaffinity(0, pinned[1])
-        # as pd-proxy's start-up settles it (proxy.server.settle_gc, --gc-threshold's default), done
+        # as pd-proxy's start-up settles it (proxy.http.server.settle_gc, --gc-threshold's default), done
         # here so that any tree measured gets the same setting
         gc.collect()
         gc.freeze()

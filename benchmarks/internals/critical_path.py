@@ -114,14 +114,16 @@ class Marks:
     def install(self) -> None:
         from aiohttp.web_protocol import RequestHandler  # noqa: PLC0415
 
-        from proxy import full, hop_wire, prefill, serving  # noqa: PLC0415
+        from proxy.http import serving  # noqa: PLC0415
+        from proxy.upstream import hop_wire  # noqa: PLC0415
+        from proxy.walk import full, prefill  # noqa: PLC0415
 
         self.wrap(RequestHandler, "data_received", "request in",  # a request's first read
                   when=lambda protocol: protocol._current_request is None)
         self.wrap(RequestHandler, "_handle_request", "handler starts", "served")
-        self.wrap(serving.Serving, "validate", "validate", "validated")  # a tree before proxy.validation
-        if importlib.util.find_spec("proxy.validation") is not None:
-            from proxy import validation  # noqa: PLC0415
+        self.wrap(serving.Serving, "validate", "validate", "validated")  # a tree before proxy.walk.validation
+        if importlib.util.find_spec("proxy.walk.validation") is not None:
+            from proxy.walk import validation  # noqa: PLC0415
 
             self.wrap(validation.Validation, "validate", "validate", "validated")
         self.wrap(serving.Serving, "_walk", "walk")
@@ -192,8 +194,8 @@ def summary(segments: dict[str, list[float]]) -> dict[str, Any]:
 async def run(requests: int, max_tokens: int) -> dict[str, Any]:
     from aiohttp import web  # noqa: PLC0415
 
-    from proxy.app import build_app  # noqa: PLC0415
     from proxy.cli import parse_args  # noqa: PLC0415
+    from proxy.http.app import build_app  # noqa: PLC0415
 
     marks = Marks()
     sims = [_start_sim(role, _TREE) for role in ("prefill", "decode")]

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import aiohttp
 from aiohttp import web
 
-from proxy.app import build_app
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
 from workers.sim import SimSettings
 from workers.sim import build_app as sim_app
 

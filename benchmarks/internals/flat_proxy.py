@@ -18,7 +18,7 @@ the middleware's checks (auth, limits, error answers), the hops' own tasks (``st
 ``asyncio.shield``), tracing's no-op spans, and error handling: a failure leaves the request
 unanswered. With ``--hop-client bare`` (the default) the hops go through ``bare_proxy``'s
 kept-alive connections; with ``--hop-client pd-proxy``, through pd-proxy's own client
-(``proxy.upstream.Upstream``: ``HopClient``, its stale check, deadlines and parsing).
+(``proxy.upstream.client.Upstream``: ``HopClient``, its stale check, deadlines and parsing).
 
 A stream request is relayed as ``bare_proxy`` relays it (the pick, the bodies and the lease as
 above, D's bytes as they come; no first token from P): enough for ``compare_routers``' readiness
@@ -44,15 +44,15 @@ from aiohttp import web
 from benchmarks.internals.bare_proxy import _Client, _Pool, _post
 from kv_transfer.handoff import check_prefill_params, decode_body, prefill_body
 from proxy.cli import parse_args
-from proxy.flight import Flight, Timing
-from proxy.ids import Rewrite, client_request_id, upstream_id
-from proxy.metrics import ProxyMetrics
+from proxy.config.tenants import OPEN
+from proxy.http.serving import Serving
+from proxy.observe.metrics import ProxyMetrics
+from proxy.observe.state import Phase, RequestRecord
 from proxy.pools import Outcome
-from proxy.protocol import engine_request_id, parse_worker_json
-from proxy.serving import Serving
-from proxy.state import Phase, RequestRecord
-from proxy.tenants import OPEN
-from proxy.upstream import Upstream, encode_body
+from proxy.upstream.client import Upstream, encode_body
+from proxy.walk.flight import Flight, Timing
+from proxy.wire.ids import Rewrite, client_request_id, upstream_id
+from proxy.wire.protocol import engine_request_id, parse_worker_json
 
 HOP_CLIENTS = ("bare", "pd-proxy")
 Hop = Callable[[str, str, dict[str, Any], str], Awaitable[tuple[dict[str, Any], bytes]]]

@@ -8,10 +8,10 @@ What does an upstream hop cost pd-proxy in CPU, and what would a cheaper client 
 then, in this process, makes ``--calls`` sequential non-stream generate calls per client and
 round, on one kept-alive connection each:
 
-* ``upstream``: ``proxy.upstream.Upstream.post_generate_raw`` as ``proxy.app`` sets it up (the
-  generate hops go through ``proxy.hop.HopClient``; the reply parsed to a dict and kept as bytes);
+* ``upstream``: ``proxy.upstream.client.Upstream.post_generate_raw`` as ``proxy.http.app`` sets it up (the
+  generate hops go through ``proxy.upstream.hop.HopClient``; the reply parsed to a dict and kept as bytes);
 * ``aiohttp``: the same call through ``aiohttp.ClientSession`` (pooled ``TCPConnector``, a
-  ``ClientTimeout`` per call), as pd-proxy made its hops before ``proxy.hop``;
+  ``ClientTimeout`` per call), as pd-proxy made its hops before ``proxy.upstream.hop``;
 * ``minimal``: a bare HTTP/1.1 client over ``asyncio`` streams (request bytes by hand,
   Content-Length or chunked body) that serialises the same body and parses the same reply.
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.upstream import Upstream
+from proxy.upstream.client import Upstream
 
 GENERATE = "/inference/v1/generate"
 _MAX_CALLS = 100_000

@@ -7,7 +7,7 @@ pd-proxy's own could save on the generate call.
 Each mode serves ``POST /inference/v1/generate`` in a server subprocess (uvloop, loopback) with
 the same fixed answer (a 32-token JSON reply, ``Content-Length``), and nothing else: no hop, no
 validation. ``full``: an aiohttp ``web.Application`` with the route (router, ``web.Request``,
-``web.Response``); ``lean``: pd-proxy's front (``proxy.lean.LeanApplication`` with its
+``web.Response``); ``lean``: pd-proxy's front (``proxy.http.lean.LeanApplication`` with its
 ``BodyLimit``, the body read under the limit); ``bare``: an ``asyncio.Protocol`` that finds the
 head's end and ``Content-Length`` and writes the answer (one write), the least an HTTP/1.1 server
 can do. A client subprocess (uvloop, ``--concurrency`` kept-alive connections, a 256-token
@@ -56,8 +56,8 @@ def aiohttp_app(mode: str) -> Any:
         app = web.Application()
         app.router.add_post(PATH, handler)
         return app
-    from proxy.lean import LeanApplication  # noqa: PLC0415
-    from proxy.limits import BodyLimit  # noqa: PLC0415
+    from proxy.http.lean import LeanApplication  # noqa: PLC0415
+    from proxy.http.limits import BodyLimit  # noqa: PLC0415
 
     lean = LeanApplication(limit=BodyLimit(1 << 24, 30.0))
     lean.add_lean_post(PATH, handler)

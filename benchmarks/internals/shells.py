@@ -9,14 +9,14 @@ components in ``bare_proxy``'s shells, with either hop client, or behind aiohttp
 Starts two pd-sim workers (prefill and decode; no simulated delay but ``--itl-ms``) and serves,
 in this process on uvloop and on loopback, in front of both:
 
-- ``pd-proxy``: the app (``proxy.app.build_app``, pd-proxy's default settings, ``--log-level
+- ``pd-proxy``: the app (``proxy.http.app.build_app``, pd-proxy's default settings, ``--log-level
   warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it (every request on aiohttp's
-  server, the generate calls without its router: ``proxy.lean``);
+  server, the generate calls without its router: ``proxy.http.lean``);
 - ``aiohttp+flat+hops``: ``flat_proxy``'s walk with pd-proxy's hop client, behind aiohttp's server
   (``flat_proxy.aiohttp_app``: a ``web.Application``, the generate route alone, no middleware);
 - ``server+flat+hops``: the same behind aiohttp's low-level server (``web.Server``: no application,
   no router, the handler called for every request);
-- ``flat+hops``: ``flat_proxy`` with pd-proxy's hop client (``proxy.upstream.Upstream``);
+- ``flat+hops``: ``flat_proxy`` with pd-proxy's hop client (``proxy.upstream.client.Upstream``);
 - ``flat``: ``flat_proxy`` with ``bare_proxy``'s hop client;
 - ``bare``: ``bare_proxy``, the two hops and nothing else.
 
@@ -66,8 +66,8 @@ Round = Callable[[], Awaitable[None]]
 async def _serve(stack: AsyncExitStack, variant: str, prefill: str, decode: str) -> int:
     """Start ``variant`` on a free loopback port (stopped with ``stack``); its port."""
     if variant == "pd-proxy":
-        from proxy.app import build_app  # noqa: PLC0415
         from proxy.cli import parse_args  # noqa: PLC0415
+        from proxy.http.app import build_app  # noqa: PLC0415
 
         settings = parse_args(["--host", "127.0.0.1", "--port", "0", "--prefill", prefill,
                                "--decode", decode, "--log-level", "warning"])

@@ -1,4 +1,4 @@
-"""Pools that survive: membership, routing policies, health, admission, retries, migration.
+"""Worker choice: the workers, routing policies, admission, circuit breakers, stream migration.
 
 Public API re-exported here; the modules behind it are private by convention.
 """
@@ -10,13 +10,9 @@ from proxy.pools.migration import StreamFollower, migration_blocker
 from proxy.pools.options import PoolSettings, add_pool_arguments, pool_settings_from_args
 from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
 from proxy.pools.pool import LoadWeights, Pool, normalize_url
-from proxy.pools.preflight import handoff_check
-from proxy.pools.retry import is_transient
-from proxy.pools.runtime import BYPASS_HEADER, PoolRuntime
 from proxy.pools.worker import Outcome, ScrapedLoad, Worker
 
 __all__ = [
-    "BYPASS_HEADER",
     "DEADLINE_HEADER",
     "POLICY_NAMES",
     "Admission",
@@ -32,16 +28,13 @@ __all__ = [
     "PickContext",
     "Policy",
     "Pool",
-    "PoolRuntime",
     "PoolSettings",
     "ScrapedLoad",
     "StreamFollower",
     "WaitQueue",
     "Worker",
     "add_pool_arguments",
-    "handoff_check",
     "hop_budget",
-    "is_transient",
     "make_policy",
     "migration_blocker",
     "normalize_url",

@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from proxy.errors import InvalidRequest
 from proxy.pools.errors import DeadlineExceeded, Overloaded
+from proxy.wire.errors import InvalidRequest
 
 DEADLINE_HEADER = "X-PD-Deadline-Ms"
 

@@ -19,7 +19,7 @@ hop (a correct answer, a little work wasted) instead of silently skipping it.
 Each worker's model length is learned alike (:class:`ModelLenLearner`), from vLLM's
 ``GET /v1/models`` (each card's ``max_model_len``, behind the workers' API key), whether
 ``--kv-block-size`` is set or not; ``--max-model-len`` overrides it. A prompt that leaves room for
-one token only on every decode worker ends at the prefill worker's token (``proxy.first_stream``).
+one token only on every decode worker ends at the prefill worker's token (``proxy.stream.first_stream``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import aiohttp
 
-from proxy.pools.capped import AnswerTooLarge
 from proxy.pools.worker import Worker
+from proxy.upstream.capped import AnswerTooLarge
 
 log = logging.getLogger(__name__)
 

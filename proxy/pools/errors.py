@@ -1,4 +1,4 @@
-"""Errors of the pools layer, in the proxy's one error tree (``proxy.errors.ProxyError``).
+"""Errors of the pools layer, in the proxy's one error tree (``proxy.wire.errors.ProxyError``).
 
 ``ProxyError``
 ├── ``Overloaded``          the admission queue is full or the wait timed out: 429 + ``Retry-After``
@@ -12,7 +12,7 @@ import math
 
 from aiohttp import web
 
-from proxy.errors import ProxyError
+from proxy.wire.errors import ProxyError
 
 
 class _RetryAfterError(ProxyError):

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.protocol import parse_stream_chunk, stream_json
+from proxy.wire.protocol import parse_stream_chunk, stream_json
 
 MAX_REWIND = 64
 """At most this many trailing tokens are rewound (beyond it the seam risks the garbage delta; it

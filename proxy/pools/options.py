@@ -79,8 +79,8 @@ class PoolSettings:
     """Serve the admin API on its own listener (``admin_host``:``admin_port``) instead of the main
     port, which then answers 404 for ``/admin/*``. None: on the main port."""
     admin_journal: Path | None = None
-    """``--workers N``: the run's shared journal of admin changes (``proxy.pools.journal``), made
-    by ``proxy.multiproc``; None: changes stay in this process."""
+    """``--workers N``: the run's shared journal of admin changes (``proxy.fleet.journal``), made
+    by ``proxy.http.multiproc``; None: changes stay in this process."""
     k8s: tuple[K8sSelector, ...] = ()
     kubeconfig: str | None = None
 

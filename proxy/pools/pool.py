@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit, urlunsplit
 
-from proxy.hop import parse_origin
 from proxy.pools.admission import WaitQueue
 from proxy.pools.breaker import BreakerConfig, CircuitBreaker
 from proxy.pools.errors import NoWorkerAvailable
 from proxy.pools.policies import LeastLoaded, PickContext, Policy
 from proxy.pools.worker import Outcome, Worker
+from proxy.upstream.hop import parse_origin
 
 STATIC_SOURCE = "static"
 _NOTHING: Final[frozenset[int]] = frozenset()

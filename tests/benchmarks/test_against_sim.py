@@ -25,8 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import BenchConfig, DatasetConfig, arun_benchmark, demo_config, run_benchmark, summary_text
-from proxy.app import build_app
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
 
 SimFactory = Callable[..., Awaitable[Any]]
 

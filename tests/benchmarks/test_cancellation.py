@@ -27,8 +27,8 @@ from benchmarks.kvprobe import (
     sim_state_holdings,
 )
 from benchmarks.metrics import compute_metrics
-from proxy.app import build_app
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
 from tests.benchmarks.scripted import SEEN, Script, ScriptFn, Seen, make_app, stream_of
 
 ServerFactory = Callable[..., Awaitable[TestServer]]

@@ -22,8 +22,8 @@ from benchmarks.loadgen import ramp_up_offsets, ramp_up_rates
 from benchmarks.metrics import peak_concurrency, peak_output_tokens_per_s
 from benchmarks.records import RequestRecord
 from benchmarks.runner import RampUp, TargetNotReady, vllm_result_filename
-from proxy.app import build_app
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
 from tests.benchmarks.scripted import SEEN, Script, echo_stream, make_app
 
 ServerFactory = Callable[..., Awaitable[TestServer]]

@@ -294,8 +294,8 @@ def worker_names_used() -> set[str]:
 async def sim_scrapes(sim_factory: SimFactory) -> AsyncIterator[Scrapes]:
     """pd-proxy (in-process, real sockets) in front of a pd-sim prefill and decode worker, after
     scripted traffic; the scrapes of all three."""
-    from proxy.app import build_app  # noqa: PLC0415
-    from proxy.settings import ProxySettings  # noqa: PLC0415
+    from proxy.config.settings import ProxySettings  # noqa: PLC0415
+    from proxy.http.app import build_app  # noqa: PLC0415
 
     p = await sim_factory(role="prefill", zero_latency=True)
     d = await sim_factory(role="decode", zero_latency=True)

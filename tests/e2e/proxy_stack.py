@@ -8,9 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.app import build_app
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
 from workers.launcher import Cluster
 
 E2E_CONNECT_TIMEOUT = 30.0

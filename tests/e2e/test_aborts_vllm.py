@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import SERVING
+from proxy.http.app import SERVING
 from tests.e2e.proxy_stack import run_proxy
 from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers.launcher import Cluster

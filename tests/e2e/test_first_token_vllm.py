@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import SERVING
+from proxy.http.app import SERVING
 from tests.e2e.proxy_stack import run_proxy
 from tests.e2e.test_aborts_vllm import prompt
 from tests.e2e.test_proxy_vllm import MAX_TOKENS, call, prompts

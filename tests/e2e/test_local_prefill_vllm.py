@@ -1,4 +1,4 @@
-"""The local-prefill alarm on real vLLM (``proxy.local_prefill``), on the session's workers:
+"""The local-prefill alarm on real vLLM (``proxy.observe.local_prefill``), on the session's workers:
 
 - healthy hand-offs through the real P/D pair leave both counters at 0;
 - a decode pool made of the aggregated worker (no KV connector: it ignores P's
@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import METRICS, SERVING
+from proxy.http.app import METRICS, SERVING
 from proxy.pools import PoolSettings
 from tests.e2e.proxy_stack import run_proxy
 from workers.launcher import Cluster

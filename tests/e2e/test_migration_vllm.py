@@ -19,9 +19,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import SERVING, build_app
+from proxy.config.settings import ProxySettings
+from proxy.http.app import SERVING, build_app
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
 from tests.e2e.proxy_stack import E2E_CONNECT_TIMEOUT
 from tests.fixtures_vllm import vllm_connector
 from workers.launcher import Cluster

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import SERVING
+from proxy.http.app import SERVING
 from tests.e2e.proxy_stack import run_proxy
 from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers.launcher import Cluster

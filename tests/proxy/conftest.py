@@ -12,10 +12,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app import SERVING, build_app
+from proxy.config.settings import ProxySettings
+from proxy.http.app import SERVING, build_app
+from proxy.http.serving import Serving
 from proxy.pools import PoolSettings
-from proxy.serving import Serving
-from proxy.settings import ProxySettings
 from tests.fixtures_sim import SimWorker
 from tests.proxy.scripted import scripted_factory  # noqa: F401  (fixture)
 

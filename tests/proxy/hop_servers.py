@@ -9,7 +9,7 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from proxy.hop import HopClient
+from proxy.upstream.hop import HopClient
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 

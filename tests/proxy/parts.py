@@ -1,6 +1,6 @@
-"""The parts of the request walk (``proxy.core.Part``) driven directly: a ``Core`` built from
+"""The parts of the request walk (``proxy.walk.core.Part``) driven directly: a ``Core`` built from
 settings on a fake clock, an upstream that records every call and answers what the test scripts,
-and a request (``proxy.flight.Flight``) as the walk makes it. No socket is opened."""
+and a request (``proxy.walk.flight.Flight``) as the walk makes it. No socket is opened."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kv_transfer.handoff import decode_body
-from proxy.aborts import Aborts
-from proxy.cleanup import Cleanup
-from proxy.core import Core
-from proxy.decode import DecodeEngine
-from proxy.flight import Flight, Timing
-from proxy.full import FullDecode
-from proxy.metrics import ProxyMetrics
+from proxy.config.settings import ProxySettings
+from proxy.observe.metrics import ProxyMetrics
+from proxy.observe.state import Phase, RequestRecord
 from proxy.pools import PoolSettings, Worker
-from proxy.prefill import Prefill
-from proxy.protocol import compact_json, engine_request_id, parse_generate_body
-from proxy.settings import ProxySettings
-from proxy.state import Phase, RequestRecord
-from proxy.upstream import Upstream
+from proxy.upstream.client import Upstream
+from proxy.walk.aborts import Aborts
+from proxy.walk.cleanup import Cleanup
+from proxy.walk.core import Core
+from proxy.walk.decode import DecodeEngine
+from proxy.walk.flight import Flight, Timing
+from proxy.walk.full import FullDecode
+from proxy.walk.prefill import Prefill
+from proxy.wire.protocol import compact_json, engine_request_id, parse_generate_body
 from tests.proxy.pools.helpers import FakeClock
 from tests.proxy.scripted import KV_PARAMS, prefill_reply
 
@@ -63,7 +63,7 @@ def decode_reply(body: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 @dataclass
 class FakeUpstream:
-    """``proxy.upstream.Upstream`` as the parts use it (generate hops, aborts), no network."""
+    """``proxy.upstream.client.Upstream`` as the parts use it (generate hops, aborts), no network."""
 
     calls: list[Call] = field(default_factory=list)
     aborts: list[tuple[str, list[str]]] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """The streamed decode's parts on their own: a ``Core`` whose upstream is scripted in process (each
 decode stream is a list of reads, every split the test wants, and how it ends), a streamed flight,
-and the events a vLLM decode worker sends. No sockets: what ``proxy.stream_read`` and
-``proxy.stream`` do with each answer is all that is tested.
+and the events a vLLM decode worker sends. No sockets: what ``proxy.stream.read`` and
+``proxy.stream.answer`` do with each answer is all that is tested.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from proxy.core import Core
-from proxy.errors import UpstreamError
-from proxy.flight import Flight, Timing
-from proxy.metrics import ProxyMetrics
+from proxy.config.settings import ProxySettings
+from proxy.observe.metrics import ProxyMetrics
+from proxy.observe.state import RequestRecord
 from proxy.pools import PoolSettings
-from proxy.protocol import engine_request_id, parse_generate_body
-from proxy.relay import StreamBuffer
-from proxy.settings import ProxySettings
-from proxy.state import RequestRecord
-from proxy.upstream import Upstream
+from proxy.sse.relay import StreamBuffer
+from proxy.upstream.client import Upstream
+from proxy.walk.core import Core
+from proxy.walk.flight import Flight, Timing
+from proxy.wire.errors import UpstreamError
+from proxy.wire.protocol import engine_request_id, parse_generate_body
 
 BASE_ID = "r1"
 PROMPT = [260, 262, 264]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from proxy.app import SERVING
+from proxy.http.app import SERVING
 from proxy.pools import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req, sse_datas
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, prefill_reply
@@ -605,7 +605,7 @@ async def test_requests_table_and_debug_views(pd_factory: PDFactory) -> None:
 
 @pytest.mark.parametrize("how", ["first_token_from_p", "opened_at_d", "aborted_before_any_token"])
 async def test_every_client_stream_has_the_same_headers(pd_factory: PDFactory, how: str) -> None:
-    # One constructor for a client's event stream (proxy.relay.event_stream): the stream opened with
+    # One constructor for a client's event stream (proxy.sse.relay.event_stream): the stream opened with
     # P's token, the one opened when D answers, and the one of a request aborted before any token.
     if how == "aborted_before_any_token":
         pd = await pd_factory(prefill=SLOW_PREFILL)

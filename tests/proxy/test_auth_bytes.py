@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
+from proxy.config.tenants import Tenants
 from proxy.pools import PoolSettings
-from proxy.tenants import Tenants
 from tests.proxy.conftest import ProxyFactory
 
 BAD_KEYS = [b"Bearer \xff\xfe", b"Bearer k1\x80", b"bEaReR \xc3\x28", b"\xff\xfe"]

@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 from proxy.cli import parse_args
-from proxy.large_body import LARGE_BODY_BYTES
+from proxy.config.settings import ProxySettings
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
+from proxy.wire.large_body import LARGE_BODY_BYTES
 from tests.proxy.conftest import PDFactory, req
 
 URLS = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]

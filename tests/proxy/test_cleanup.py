@@ -1,4 +1,4 @@
-"""proxy.cleanup: whatever a worker still holds for a request the walk did not finish is freed;
+"""proxy.walk.cleanup: whatever a worker still holds for a request the walk did not finish is freed;
 P's KV is released through a one-token decode (retried while P still holds it), and each lease
 ends with what the proxy knows of it."""
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from proxy.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
-from proxy.flight import Flight
-from proxy.state import Phase
+from proxy.observe.state import Phase
+from proxy.walk.flight import Flight
+from proxy.wire.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from tests.proxy.parts import (
     D_URLS,
     P_URLS,

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from proxy import cli
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
 
 WORKERS = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
 KEY = "client-key-Wq93"

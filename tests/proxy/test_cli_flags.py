@@ -26,8 +26,8 @@ def test_worker_flags_repeated_or_space_separated_keep_every_url(argv: list[str]
 
 
 def test_repeated_worker_flags_reach_the_pools() -> None:
-    from proxy.metrics import ProxyMetrics  # noqa: PLC0415
-    from proxy.serving import Serving  # noqa: PLC0415
+    from proxy.http.serving import Serving  # noqa: PLC0415
+    from proxy.observe.metrics import ProxyMetrics  # noqa: PLC0415
 
     serving = Serving(parse_args(["--prefill", P1, "--prefill", P2, "--decode", D1, "--decode", D2]),
                       ProxyMetrics())
@@ -76,8 +76,8 @@ def test_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_max_model_len_reaches_the_pools() -> None:
-    from proxy.metrics import ProxyMetrics  # noqa: PLC0415
-    from proxy.serving import Serving  # noqa: PLC0415
+    from proxy.http.serving import Serving  # noqa: PLC0415
+    from proxy.observe.metrics import ProxyMetrics  # noqa: PLC0415
 
     s = parse_args(["--prefill", P1, "--decode", D1, "--max-model-len", "4096"])
     assert s.max_model_len == 4096 and parse_args(["--prefill", P1, "--decode", D1]).max_model_len is None

@@ -1,4 +1,4 @@
-"""proxy.config_file: ``--config FILE`` (YAML, keys the long flag names, as ``vllm serve --config``):
+"""proxy.config.config_file: ``--config FILE`` (YAML, keys the long flag names, as ``vllm serve --config``):
 flags win over the file, a bad file is a clear error, secrets are never read from it."""
 
 from __future__ import annotations

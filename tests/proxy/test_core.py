@@ -1,4 +1,4 @@
-"""proxy.core: what every part of the walk shares (counting a worker call, the queue limit, the
+"""proxy.walk.core: what every part of the walk shares (counting a worker call, the queue limit, the
 KV lease, decode-only, done, aborts, usage), on a Core built from settings."""
 
 from __future__ import annotations
@@ -8,16 +8,17 @@ from typing import Any
 
 import pytest
 
-from proxy.core import error_class
-from proxy.errors import (
+from proxy.fleet import BYPASS_HEADER
+from proxy.observe.state import Phase
+from proxy.pools import Deadline
+from proxy.walk.core import error_class
+from proxy.wire.errors import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from proxy.pools import BYPASS_HEADER, Deadline
-from proxy.state import Phase
 from tests.proxy.parts import P_URLS, count, hold, make_core, make_flight, worker
 
 

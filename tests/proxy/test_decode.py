@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from proxy.decode import DecodeAttempts
-from proxy.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout
 from proxy.pools import Outcome
+from proxy.walk.decode import DecodeAttempts
+from proxy.wire.errors import UpstreamError, UpstreamStatusError, UpstreamTimeout
 
 KV_BODY: dict[str, Any] = {"token_ids": [1], "kv_transfer_params": {"remote_host": "p"}}
 ONLY_BODY: dict[str, Any] = {"token_ids": [1]}

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.app import SERVING
-from proxy.serving import Serving
+from proxy.http.app import SERVING
+from proxy.http.serving import Serving
 from tests.proxy.conftest import ProxyFactory, req
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
 

@@ -1,4 +1,4 @@
-"""proxy.diagnostics: ``GET /debug/runtime`` counts what a long run watches for leaks (requests,
+"""proxy.observe.diagnostics: ``GET /debug/runtime`` counts what a long run watches for leaks (requests,
 background tasks, KV leases, upstream connections, Python objects), back to nothing once the proxy
 is idle. (Behind the admin key: ``tests/reliability/test_security.py``.)"""
 
@@ -9,7 +9,7 @@ import gc
 import os
 from typing import Any
 
-from proxy.diagnostics import connector_counts, rss_bytes
+from proxy.observe.diagnostics import connector_counts, rss_bytes
 from tests.proxy.conftest import PDFactory, req
 
 

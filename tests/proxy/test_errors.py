@@ -1,4 +1,4 @@
-"""proxy.errors: every error leaves in vLLM's shape with its status, a worker's 4xx reaches the
+"""proxy.wire.errors: every error leaves in vLLM's shape with its status, a worker's 4xx reaches the
 client unchanged, and an unexpected exception is a generic 500 whose log never quotes it.
 (Against a running proxy, every route: ``tests/reliability/test_hostile.py``.)"""
 
@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.errors import (
+from proxy.wire.errors import (
     ON_ERROR,
     BadRequest,
     ProxyError,

@@ -1,4 +1,4 @@
-"""proxy.first_token: P's first token as vLLM would stream it, and D's stream without it.
+"""proxy.sse.first_token: P's first token as vLLM would stream it, and D's stream without it.
 
 The byte-exact cases are vLLM 0.32's recorded streams (``tests/data/traces``): for every stream whose
 first chunk of each choice holds one token, that chunk is rebuilt from a non-stream reply (P's own
@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from proxy.first_token import (
+from proxy.sse.events import data_event
+from proxy.sse.first_token import (
     SEED_BOUND,
     FirstToken,
     Mismatch,
@@ -31,8 +32,7 @@ from proxy.first_token import (
     usage_event,
     visible_text,
 )
-from proxy.first_token_filter import FirstTokenFilter
-from proxy.sse import data_event
+from proxy.sse.first_token_filter import FirstTokenFilter
 from tests.traces import Block, Trace, load_trace, trace_files
 
 # -- the traces -----------------------------------------------------------------------------------

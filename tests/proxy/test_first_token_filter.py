@@ -1,4 +1,4 @@
-"""proxy.first_token_filter: D's stream without its first token (the client has it from P).
+"""proxy.sse.first_token_filter: D's stream without its first token (the client has it from P).
 
 D's token 1 is taken out of merged chunks of any layout (ids, logprobs, text cut by characters in
 any JSON spelling), the rest kept byte for byte; a token or text that is not P's is a Mismatch. The
@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.first_token import (
+from proxy.sse.first_token import (
     FirstToken,
     Mismatch,
     visible_text,
 )
-from proxy.first_token_filter import FirstTokenFilter, drop_first_token
+from proxy.sse.first_token_filter import FirstTokenFilter, drop_first_token
 from tests.proxy.test_first_token import stream_cases
 
 # -- D's first token out --------------------------------------------------------------------------

@@ -445,8 +445,8 @@ async def test_a_read_of_many_events_loses_token_1_and_goes_on_as_a_block(
     is read event by event to take token 1 out; in tokens mode the rest of the read goes out as
     one block (text mode reads on event by event), and the client's stream is still the
     aggregated worker's."""
-    from proxy.stream_read import DecodeReader  # noqa: PLC0415
-    from proxy.upstream import Upstream  # noqa: PLC0415
+    from proxy.stream.read import DecodeReader  # noqa: PLC0415
+    from proxy.upstream.client import Upstream  # noqa: PLC0415
 
     pipe = Upstream.pipe
 

@@ -1,11 +1,11 @@
-"""proxy.flight: a request's timing (what the access line and ``Server-Timing`` report) and what
+"""proxy.walk.flight: a request's timing (what the access line and ``Server-Timing`` report) and what
 each request keeps to itself."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.flight import Flight, Timing
+from proxy.walk.flight import Flight, Timing
 from tests.proxy.parts import make_core, make_flight
 
 

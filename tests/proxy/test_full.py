@@ -1,6 +1,6 @@
-"""proxy.full: the non-stream decode. D's reply goes to the client as D's own bytes with what only
+"""proxy.walk.full: the non-stream decode. D's reply goes to the client as D's own bytes with what only
 P knows spliced in; the lease ends when D answered; a failed decode is retried (through
-``proxy.decode``) or raised after the clean-up took over P's KV."""
+``proxy.walk.decode``) or raised after the clean-up took over P's KV."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from proxy.errors import UpstreamProtocolError, UpstreamStatusError
-from proxy.flight import Flight
-from proxy.pools import BYPASS_HEADER
-from proxy.protocol import compact_json
-from proxy.state import Phase
+from proxy.fleet import BYPASS_HEADER
+from proxy.observe.state import Phase
+from proxy.walk.flight import Flight
+from proxy.wire.errors import UpstreamProtocolError, UpstreamStatusError
+from proxy.wire.protocol import compact_json
 from tests.proxy.parts import (
     D_URLS,
     P_URLS,

@@ -1,4 +1,4 @@
-"""The generate hops' HTTP/1.1 client (``proxy.hop``) against scripted servers on loopback:
+"""The generate hops' HTTP/1.1 client (``proxy.upstream.hop``) against scripted servers on loopback:
 keep-alive reuse, kept-alive connections the worker closed (polled before reuse; never sent twice
 silently), the connection cap per worker, timeouts (reads and writes), back-pressure, closing and
 cancellation. The framing of answers and the parser: ``test_hop_wire``."""
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from proxy import hop
-from proxy.hop import HopConnectTimeout, HopDisconnected, HopStale, header_lines, parse_origin
+from proxy.upstream import hop
+from proxy.upstream.hop import HopConnectTimeout, HopDisconnected, HopStale, header_lines, parse_origin
 from tests.proxy.hop_servers import BIG_BODY, chunked, head_only, ok, post, serving, until
 
 

@@ -12,10 +12,10 @@ from typing import cast
 import aiohttp
 import pytest
 
-from proxy.errors import UpstreamTimeout, UpstreamUnavailable
-from proxy.hop import HopDisconnected, SinkError
-from proxy.hop_wire import HopConnection, parse_origin
-from proxy.upstream import Upstream
+from proxy.upstream.client import Upstream
+from proxy.upstream.hop import HopDisconnected, SinkError
+from proxy.upstream.hop_wire import HopConnection, parse_origin
+from proxy.wire.errors import UpstreamTimeout, UpstreamUnavailable
 from tests.proxy.hop_servers import serving, until
 
 HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n"

@@ -1,4 +1,4 @@
-"""One hop connection's answer parser (``proxy.hop_wire``): strict framing through the client
+"""One hop connection's answer parser (``proxy.upstream.hop_wire``): strict framing through the client
 against scripted servers, and the parser alone, fed byte by byte and in odd splits."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.hop_answer import AnswerLimits, HopTooLarge
-from proxy.hop_wire import HopConnection, HopDisconnected, HopProtocolError, parse_origin
+from proxy.upstream.hop_answer import AnswerLimits, HopTooLarge
+from proxy.upstream.hop_wire import HopConnection, HopDisconnected, HopProtocolError, parse_origin
 from tests.proxy.hop_servers import chunked, post, serving, until
 
 _CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"

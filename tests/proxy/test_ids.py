@@ -1,4 +1,4 @@
-"""proxy.ids: which request ids the proxy carries, namespacing, and the id put back for the client."""
+"""proxy.wire.ids: which request ids the proxy carries, namespacing, and the id put back for the client."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.errors import BadRequest
-from proxy.ids import MAX_ID_CHARS, Rewrite, abortable_id, client_request_id, is_valid_id, upstream_id
+from proxy.wire.errors import BadRequest
+from proxy.wire.ids import MAX_ID_CHARS, Rewrite, abortable_id, client_request_id, is_valid_id, upstream_id
 
 
 def test_header_wins_and_empty_counts_as_none() -> None:

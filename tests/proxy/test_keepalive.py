@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy.app import SERVING, build_app
 from proxy.cli import parse_args
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
+from proxy.http.app import SERVING, build_app
 
 VLLM_DEFAULT_KEEP_ALIVE = 5.0
 

@@ -1,4 +1,4 @@
-"""proxy.known_bodies: a body that differs from one that passed only in its token ids (and its
+"""proxy.wire.known_bodies: a body that differs from one that passed only in its token ids (and its
 request id) skips the parse and the model validation, and gets what the full path would give:
 the same model and parse, or, when it does not pass, the full path's own error. What it shares
 with the requests before it is never changed by them."""
@@ -11,13 +11,13 @@ from typing import Any, cast
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.app import SERVING
-from proxy.errors import ClientError
-from proxy.known_bodies import KnownBodies, cut
-from proxy.protocol import GenerateRequest
-from proxy.settings import ProxySettings
-from proxy.upstream import TokenIds
-from proxy.validation import Validation
+from proxy.config.settings import ProxySettings
+from proxy.http.app import SERVING
+from proxy.walk.validation import Validation
+from proxy.wire.errors import ClientError
+from proxy.wire.known_bodies import KnownBodies, cut
+from proxy.wire.protocol import GenerateRequest
+from proxy.wire.token_ids import TokenIds
 from tests.proxy.conftest import ProxyFactory
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, prefill_reply
 

@@ -1,4 +1,4 @@
-"""Large generate bodies parsed in slices (``proxy.large_body``): the same request, the same hop
+"""Large generate bodies parsed in slices (``proxy.wire.large_body``): the same request, the same hop
 bytes and the same client errors as the one-go parse (vLLM's route), the loop given back between
 slices; what the slices cannot decide exactly is parsed in one go; a prompt over the cap refused
 with its count once the rest of the body passed, as the proxy's own check refuses it."""
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from proxy.large_body import PackedTokenIds, parse_large_generate_body
-from proxy.protocol import parse_generate_body
-from proxy.upstream import TokenIds, encode_body, ids_text
-from proxy.validation_errors import RequestValidationError, VLLMValidationError
+from proxy.wire.large_body import PackedTokenIds, parse_large_generate_body
+from proxy.wire.protocol import parse_generate_body
+from proxy.wire.token_ids import TokenIds, encode_body, ids_text
+from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError
 
 SLICE = 16  # bytes of array text per slice: every body below is cut in many slices
 

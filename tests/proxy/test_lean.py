@@ -1,4 +1,4 @@
-"""proxy.lean: the generate and abort calls skip the router and the middleware chain, and answer
+"""proxy.http.lean: the generate and abort calls skip the router and the middleware chain, and answer
 exactly as the full path does (keys before bodies, body limits, 404/405 and every error in vLLM's
 shape). Disconnects on the lean path: ``test_aborts.py`` (every test there goes through it)."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from proxy.app import DRAINING, SERVING
-from proxy.lean import LeanApplication
+from proxy.http.app import DRAINING, SERVING
+from proxy.http.lean import LeanApplication
 from tests.proxy.conftest import PDFactory, req
 
 LEAN = ("/inference/v1/generate", "/inference/v1/abort_requests", "/abort_requests")

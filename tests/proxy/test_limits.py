@@ -1,4 +1,4 @@
-"""proxy.limits: a body over the limit is refused before it is read, a body that does not arrive
+"""proxy.http.limits: a body over the limit is refused before it is read, a body that does not arrive
 in time is a 408, and a large generate body is read without a final copy. (Against a running
 proxy, raw sockets: ``tests/reliability/test_hostile.py``.)"""
 
@@ -11,8 +11,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy.errors import error_middleware
-from proxy.limits import BodyLimit, body_middleware, request_body
+from proxy.http.limits import BodyLimit, body_middleware, request_body
+from proxy.wire.errors import error_middleware
 
 MAX, LARGE = 1000, 100
 

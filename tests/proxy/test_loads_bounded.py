@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy import protocol
-from proxy.protocol import MAX_JSON_DEPTH, JSONBodyError, loads_bounded, parse_generate_body
+from proxy.wire import protocol
+from proxy.wire.protocol import MAX_JSON_DEPTH, JSONBodyError, loads_bounded, parse_generate_body
 
 
 def same(a: Any, b: Any) -> bool:

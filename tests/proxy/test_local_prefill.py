@@ -1,4 +1,4 @@
-"""The local-prefill alarm (``proxy.local_prefill``): its accounting of both signals (local
+"""The local-prefill alarm (``proxy.observe.local_prefill``): its accounting of both signals (local
 compute beyond the expectation, failed KV pulls), and pd-sim behind the proxy."""
 
 from __future__ import annotations
@@ -9,18 +9,18 @@ from typing import Any
 
 import pytest
 
-from proxy.app import METRICS, SERVING
 from proxy.cli import parse_args
-from proxy.local_prefill import (
+from proxy.config.settings import ProxySettings
+from proxy.http.app import METRICS, SERVING
+from proxy.observe.local_prefill import (
     FAILED,
     WARN_EVERY,
     LocalPrefillAlarm,
     expected_local,
     parse_decode_counters,
 )
-from proxy.metrics import ProxyMetrics
+from proxy.observe.metrics import ProxyMetrics
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
 from tests.proxy.conftest import PDFactory, ProxyFactory, req
 from tests.traces import TRACE_DIR, load_trace
 

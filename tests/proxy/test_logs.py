@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.cli import parse_args
-from proxy.logs import ACCESS_LOG, configure_access_log, log_access
+from proxy.config.logs import ACCESS_LOG, configure_access_log, log_access
 from tests.proxy.conftest import PDFactory, req
 from tests.proxy.test_aborts import SLOW_DECODE, _disconnect_when
 

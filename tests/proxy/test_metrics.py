@@ -11,7 +11,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import __version__
-from proxy.metrics import ProxyMetrics
+from proxy.observe.metrics import ProxyMetrics
 from proxy.pools import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, ProxyFactory, req
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, SSEBytes, prefill_reply
@@ -26,7 +26,7 @@ AGREED = [
     "pd_proxy_abort_fanout", "pd_proxy_kv_leases_open", "pd_proxy_kv_lease_duration_seconds",
     "pd_proxy_kv_leases_closed", "pd_proxy_prefill_missing_kv_params", "pd_proxy_decode_only",
     "pd_proxy_build_info", "pd_proxy_suspect_no_transfer",
-    # the pools' (proxy.pools.runtime.PoolMetrics)
+    # the pools' (proxy.fleet.runtime.PoolMetrics)
     "pd_proxy_circuit_state", "pd_proxy_retries", "pd_proxy_migrations", "pd_proxy_queue_rejections",
 ]
 TIMING = re.compile(r"^queue;dur=[0-9.]+, prefill;dur=[0-9.]+, handoff;dur=[0-9.]+, "
@@ -401,7 +401,7 @@ async def test_latency_buckets_cover_every_timeout_the_proxy_allows(
     """A request that runs as long as the timeouts let it lands in a finite bucket (vLLM's request-latency
     buckets reach 7680 s), not in +Inf beside every other slow one: the old buckets stopped at 60 s."""
     client, app = await proxy_factory(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], **settings)
-    from proxy.app import METRICS  # noqa: PLC0415
+    from proxy.http.app import METRICS  # noqa: PLC0415
 
     metrics = app[METRICS]
     metrics.ttft.observe(longest)

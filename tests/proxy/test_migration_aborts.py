@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import SERVING
+from proxy.http.app import SERVING
+from proxy.http.serving import Serving
 from proxy.pools import PoolSettings
-from proxy.serving import Serving
 from tests.fixtures_sim import SimWorker
 from tests.proxy.conftest import PDFactory, ProxyFactory, req
 from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply

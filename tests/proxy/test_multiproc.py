@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.multiproc import Supervisor
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
+from proxy.http.multiproc import Supervisor
 
 GEN = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"

@@ -1,4 +1,4 @@
-"""proxy.prefill: the prefill hop (picked, retried on another worker after a backoff, judged),
+"""proxy.walk.prefill: the prefill hop (picked, retried on another worker after a backoff, judged),
 P's reply accepted under a KV lease, and a migrated stream's continuation; on a Core built from
 settings and a recording upstream."""
 
@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from kv_transfer.handoff import PREFILL_REQUEST
-from proxy.errors import UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from proxy.observe.state import Phase
 from proxy.pools import CircuitState, DeadlineExceeded, NoWorkerAvailable, Outcome, PoolSettings, Worker
 from proxy.pools.admission import Deadline
-from proxy.prefill import Prefill
-from proxy.state import Phase
+from proxy.walk.prefill import Prefill
+from proxy.wire.errors import UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from tests.proxy.conftest import ProxyFactory
 from tests.proxy.parts import (
     P_URLS,

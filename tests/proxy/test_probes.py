@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.app import DRAINING, SERVING
+from proxy.http.app import DRAINING, SERVING
 from proxy.pools import PoolSettings
 from tests.proxy.conftest import PD, PDFactory, req
 

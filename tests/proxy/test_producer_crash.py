@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from proxy.errors import ProxyError
-from proxy.full import FullDecode
-from proxy.hop import HopResponse
+from proxy.observe.state import Phase
 from proxy.pools import PoolSettings
 from proxy.pools.breaker import CircuitState
-from proxy.state import Phase
-from proxy.stream_read import DecodeReader
-from proxy.upstream import Upstream
+from proxy.stream.read import DecodeReader
+from proxy.upstream.client import Upstream
+from proxy.upstream.hop import HopResponse
+from proxy.walk.full import FullDecode
+from proxy.wire.errors import ProxyError
 from tests.proxy.conftest import PD, PDFactory, req, sse_datas
 
 SECRET = "secret prompt text"

@@ -1,4 +1,4 @@
-"""proxy.protocol against the referee: what vLLM's own code answers for each body."""
+"""proxy.wire.protocol against the referee: what vLLM's own code answers for each body."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_transfer.handoff import check_prefill_params
-from proxy.protocol import parse_generate_body, splice_null_key
-from proxy.replies import error_body
-from proxy.validation_errors import RequestValidationError, VLLMValidationError
+from proxy.wire.protocol import parse_generate_body, splice_null_key
+from proxy.wire.replies import error_body
+from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError
 from tests.traces import TRACE_DIR
 
 CASES: list[dict[str, Any]] = json.loads(

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.pools.migration import StreamProgress, token_id_runs
-from proxy.relay import ByteBudget, StreamBuffer, merge_chunks
-from proxy.sse import data_event
+from proxy.sse.events import data_event
+from proxy.sse.relay import ByteBudget, StreamBuffer, merge_chunks
 
 
 def chunk(index: int, toks: list[int], text: str | None, finish: str | None = None,

@@ -1,4 +1,4 @@
-"""The bodies the proxy writes in vLLM's shapes (``proxy.replies``): the error object and the
+"""The bodies the proxy writes in vLLM's shapes (``proxy.wire.replies``): the error object and the
 answers for an aborted request, keys in vLLM's order (clients see the bytes a vLLM server sends)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from proxy.protocol import compact_json
-from proxy.replies import abort_full_response, abort_stream_chunk, error_body
+from proxy.wire.protocol import compact_json
+from proxy.wire.replies import abort_full_response, abort_stream_chunk, error_body
 
 
 def test_the_error_object() -> None:

@@ -1,4 +1,4 @@
-"""vLLM's ``SamplingParams`` checks (``proxy.sampling``), as ``GenerateRequest`` runs them: which
+"""vLLM's ``SamplingParams`` checks (``proxy.wire.sampling``), as ``GenerateRequest`` runs them: which
 check speaks first when several fail (vLLM's order), the values kept, and the greedy-sampling rule
 with vLLM's raise of a tiny temperature. The messages as a whole are held against vLLM's own code
 by ``test_protocol`` (the referee)."""
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from proxy.sampling import SamplingParams
-from proxy.validation_errors import VLLMValidationError
+from proxy.wire.sampling import SamplingParams
+from proxy.wire.validation_errors import VLLMValidationError
 
 _ADAPTER: TypeAdapter[SamplingParams] = TypeAdapter(SamplingParams)
 

@@ -1,4 +1,4 @@
-"""proxy.server: one server process, its settings handed to aiohttp (the listener's TLS, the
+"""proxy.http.server: one server process, its settings handed to aiohttp (the listener's TLS, the
 header timer, the drain) and to the shared socket of ``--workers N``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from proxy.cli import parse_args
-from proxy.server import serve
+from proxy.http.server import serve
 
 
 def test_cli_wires_listening_tls(monkeypatch: pytest.MonkeyPatch, certs: dict[str, Path]) -> None:

@@ -1,4 +1,4 @@
-"""proxy.serving: the walk's own decisions, on ``Serving`` with a recording upstream. After the
+"""proxy.http.serving: the walk's own decisions, on ``Serving`` with a recording upstream. After the
 prefill hop: a 4xx from P is the client's answer; a failure is named (``prefill_error``,
 ``prefill_timeout``, ``missing_kv_params``) and fails the request or runs it decode-only, as
 ``--prefill-failure`` says; a short prompt skips P. (The whole generate call against workers:
@@ -13,13 +13,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from proxy.errors import UpstreamError, UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout
-from proxy.metrics import ProxyMetrics
-from proxy.pools import BYPASS_HEADER, PoolSettings
-from proxy.serving import Serving
-from proxy.settings import ProxySettings
-from proxy.state import Phase
-from proxy.upstream import Upstream
+from proxy.config.settings import ProxySettings
+from proxy.fleet import BYPASS_HEADER
+from proxy.http.serving import Serving
+from proxy.observe.metrics import ProxyMetrics
+from proxy.observe.state import Phase
+from proxy.pools import PoolSettings
+from proxy.upstream.client import Upstream
+from proxy.wire.errors import UpstreamError, UpstreamProtocolError, UpstreamStatusError, UpstreamTimeout
 from tests.proxy.parts import D_URLS, P_URLS, Call, FakeUpstream, count, make_flight
 from tests.proxy.pools.helpers import FakeClock
 from tests.proxy.scripted import KV_PARAMS, prefill_reply

@@ -1,4 +1,4 @@
-"""proxy.settings: what the settings refuse on their own, and the longest a request may take
+"""proxy.config.settings: what the settings refuse on their own, and the longest a request may take
 under them (the histograms' buckets cover it). (Flags that fill them: ``test_cli_flags.py``;
 the bounds' defaults: ``test_bounds.py``; client keys as tenants: ``test_tenants.py``.)"""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from proxy.config.settings import ProxySettings
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
 
 P, D = ("http://127.0.0.1:9101",), ("http://127.0.0.1:9201",)
 

@@ -3,9 +3,9 @@
 The shortcuts: the encoding check (``protocol.utf8_json``: a body is searched as UTF-8 bytes
 only once it is), pydantic-core's parser before ``json.loads`` and the nesting/surrogate scan
 before the walk (``protocol.loads_bounded``), the byte search before the transfer-params walk
-(``kv_transfer.params``), the known body shapes (``proxy.known_bodies``), the token ids' text
+(``kv_transfer.params``), the known body shapes (``proxy.wire.known_bodies``), the token ids' text
 forwarded as the client wrote it (``upstream.ids_span``), and the large-body slicer
-(``proxy.large_body``). Each is compared with a reference that has none of them: ``json.loads``
+(``proxy.wire.large_body``). Each is compared with a reference that has none of them: ``json.loads``
 of the body, the full walk for nesting and lone surrogates, pydantic's model, a walk for transfer
 keys at every depth, and the server checks. Generated bodies: valid generate requests and near
 misses, in UTF-8 (with or without a BOM), UTF-16 and UTF-32 (LE/BE, with or without a BOM), with
@@ -27,15 +27,15 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from kv_transfer.params import TRANSFER_KEYS
-from proxy import validation as validation_module
-from proxy.errors import BadRequest, ClientError, InvalidRequest
-from proxy.large_body import PackedTokenIds, parse_large_generate_body
-from proxy.protocol import MAX_JSON_DEPTH, GenerateRequest, JSONBodyError, _check_nesting_and_text
-from proxy.sampling import SamplingParams
-from proxy.settings import ProxySettings
-from proxy.upstream import encode_body
-from proxy.validation import Validation
-from proxy.validation_errors import RequestValidationError, VLLMValidationError, format_validation_errors
+from proxy.config.settings import ProxySettings
+from proxy.upstream.client import encode_body
+from proxy.walk import validation as validation_module
+from proxy.walk.validation import Validation
+from proxy.wire.errors import BadRequest, ClientError, InvalidRequest
+from proxy.wire.large_body import PackedTokenIds, parse_large_generate_body
+from proxy.wire.protocol import MAX_JSON_DEPTH, GenerateRequest, JSONBodyError, _check_nesting_and_text
+from proxy.wire.sampling import SamplingParams
+from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError, format_validation_errors
 
 JSON = "application/json"
 HYPO = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,9 +9,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy.app import METRICS, SERVING, build_app
+from proxy.config.settings import ProxySettings
+from proxy.http.app import METRICS, SERVING, build_app
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
 from tests.fixtures_sim import SimFactory
 from tests.proxy.conftest import req, sse_datas
 

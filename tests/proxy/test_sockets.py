@@ -1,4 +1,4 @@
-"""proxy.sockets: the listening socket every ``--workers`` child binds to the same port."""
+"""proxy.http.sockets: the listening socket every ``--workers`` child binds to the same port."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from proxy.sockets import reuseport_socket
+from proxy.http.sockets import reuseport_socket
 
 
 def test_reuseport_sockets_share_one_port() -> None:

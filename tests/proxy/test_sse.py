@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.sse import DONE_DATA, DONE_EVENT, Batch, SSEReader, last_data, split_events
+from proxy.sse.events import DONE_DATA, DONE_EVENT, Batch, SSEReader, last_data, split_events
 
 STREAM = (
     b'data: {"choices":[{"text":"\xc3\xa9","token_ids":[1]}]}\n\n'

@@ -1,4 +1,4 @@
-"""proxy.state: a request's record (its phase, who holds it, its abort), the table of requests in
+"""proxy.observe.state: a request's record (its phase, who holds it, its abort), the table of requests in
 flight (several may share an id, as vLLM allows) and the app's background tasks."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from proxy.observe.state import Phase, RequestRecord, RequestTable, TaskTracker, outlive
 from proxy.pools import Worker
-from proxy.state import Phase, RequestRecord, RequestTable, TaskTracker, outlive
 
 P = Worker("http://127.0.0.1:9101", "prefill")
 D = Worker("http://127.0.0.1:9201", "decode")

@@ -12,16 +12,17 @@ from typing import Any, cast
 import pytest
 from aiohttp import web
 
-from proxy.aborts import Aborts
-from proxy.cleanup import Cleanup
-from proxy.core import Core
-from proxy.decode import DecodeEngine
-from proxy.errors import UpstreamError, UpstreamUnavailable
-from proxy.flight import Flight
-from proxy.pools import BYPASS_HEADER, Outcome, PoolSettings, Worker
-from proxy.prefill import Prefill
-from proxy.relay import StreamBuffer
-from proxy.stream import StreamDecode
+from proxy.fleet import BYPASS_HEADER
+from proxy.pools import Outcome, PoolSettings, Worker
+from proxy.sse.relay import StreamBuffer
+from proxy.stream.answer import StreamDecode
+from proxy.walk.aborts import Aborts
+from proxy.walk.cleanup import Cleanup
+from proxy.walk.core import Core
+from proxy.walk.decode import DecodeEngine
+from proxy.walk.flight import Flight
+from proxy.walk.prefill import Prefill
+from proxy.wire.errors import UpstreamError, UpstreamUnavailable
 from tests.proxy.scripted_streams import (
     BASE_ID,
     DONE,

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from proxy.core import Core
-from proxy.errors import UpstreamStatusError, UpstreamUnavailable
-from proxy.first_token import FirstToken
-from proxy.first_token_filter import FirstTokenFilter
-from proxy.flight import Flight
 from proxy.pools import Worker
-from proxy.relay import StreamBuffer
-from proxy.stream_read import DecodeReader, Status
+from proxy.sse.first_token import FirstToken
+from proxy.sse.first_token_filter import FirstTokenFilter
+from proxy.sse.relay import StreamBuffer
+from proxy.stream.read import DecodeReader, Status
+from proxy.walk.core import Core
+from proxy.walk.flight import Flight
+from proxy.wire.errors import UpstreamStatusError, UpstreamUnavailable
 from tests.proxy.scripted_streams import (
     DONE,
     KV_PARAMS,

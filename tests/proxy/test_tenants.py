@@ -1,4 +1,4 @@
-"""proxy.tenants: keys to tenants, constant-time identification, key files, and the CLI's sources."""
+"""proxy.config.tenants: keys to tenants, constant-time identification, key files, and the CLI's sources."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.cli import parse_args
-from proxy.tenants import OPEN, Tenants, key_tag, read_key_file
+from proxy.config.tenants import OPEN, Tenants, key_tag, read_key_file
 
 
 def test_identify() -> None:

@@ -1,4 +1,4 @@
-"""proxy.tls: the listening side's context and the context toward the workers (verification never
+"""proxy.http.tls: the listening side's context and the context toward the workers (verification never
 off; a key needs its certificate). (HTTPS end to end, both ways: ``tests/reliability/test_security.py``.)"""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.tls import server_context, upstream_context
+from proxy.http.tls import server_context, upstream_context
 
 
 def test_upstream_context_rules(certs: dict[str, Path]) -> None:

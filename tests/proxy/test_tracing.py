@@ -1,4 +1,4 @@
-"""OpenTelemetry spans per hop (``proxy.tracing``), against pd-sim workers with the SDK's in-memory
+"""OpenTelemetry spans per hop (``proxy.observe.tracing``), against pd-sim workers with the SDK's in-memory
 exporter: span names, parents and attributes, the ``traceparent`` each worker received, failures,
 a client that goes away, and the disabled mode (nothing created, nothing sent)."""
 
@@ -20,11 +20,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import proxy.cli
-import proxy.tracing
-from proxy.app import SERVING, build_app
+import proxy.observe.tracing
+from proxy.config.settings import ProxySettings
+from proxy.http.app import SERVING, build_app
+from proxy.observe.tracing import NOOP_HOP, NOOP_TRACE, REQUEST_SPAN, Tracing, TracingUnavailable
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
-from proxy.tracing import NOOP_HOP, NOOP_TRACE, REQUEST_SPAN, Tracing, TracingUnavailable
 from tests.fixtures_sim import SimFactory, SimWorker
 from tests.proxy.conftest import req
 
@@ -244,7 +244,7 @@ async def test_disabled_creates_no_span_and_sends_no_traceparent(traced: TracedF
 
 
 def test_otel_asked_without_the_packages_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy.tracing, "otel_installed", lambda: False)
+    monkeypatch.setattr(proxy.observe.tracing, "otel_installed", lambda: False)
     with pytest.raises(TracingUnavailable, match=r"pd-proxy\[otel\]"):
         Tracing.create(True)
     assert not Tracing.create(False).enabled  # off needs nothing

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.protocol import hop_json, parse_worker_json
-from proxy.upstream import TokenIds, encode_body, ids_text
+from proxy.wire.protocol import hop_json, parse_worker_json
+from proxy.wire.token_ids import TokenIds, encode_body, ids_text
 
 _VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(),

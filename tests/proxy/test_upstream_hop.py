@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.errors import UpstreamTimeout, UpstreamUnavailable
-from proxy.upstream import ABORT_PATH, Upstream
+from proxy.upstream.client import ABORT_PATH, Upstream
+from proxy.wire.errors import UpstreamTimeout, UpstreamUnavailable
 from tests.proxy.hop_servers import BIG_BODY, Handler, Server, head_only, ok, serving
 
 Event = tuple[str, Any]

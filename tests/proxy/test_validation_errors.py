@@ -1,4 +1,4 @@
-"""vLLM's wording of validation errors (``proxy.validation_errors``): the count, the first ten and
+"""vLLM's wording of validation errors (``proxy.wire.validation_errors``): the count, the first ten and
 the rest counted, ``param`` from the first error's location without pydantic's internal segments,
 long inputs summarised, addresses and paths kept out of the message. The whole 400s are held
 against vLLM's own code by ``test_protocol`` (the referee)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.validation_errors import (
+from proxy.wire.validation_errors import (
     RequestValidationError,
     VLLMValidationError,
     clean_loc_for_param,

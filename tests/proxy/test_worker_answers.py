@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from proxy.app import SERVING
-from proxy.hop_wire import HopConnection
+from proxy.http.app import SERVING
 from proxy.pools import PoolSettings
 from proxy.pools.breaker import CircuitState
+from proxy.upstream.hop_wire import HopConnection
 from tests.proxy.conftest import ProxyFactory, req, sse_datas
 from tests.proxy.hop_servers import Server, chunked, until
 from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply

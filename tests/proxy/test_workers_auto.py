@@ -12,7 +12,7 @@ import pytest
 
 import proxy.cli as cli
 from proxy.cli import main, parse_args
-from proxy.multiproc import CpuCount, available_cpus, cgroup_cpu_quota, parse_cpu_quota
+from proxy.http.multiproc import CpuCount, available_cpus, cgroup_cpu_quota, parse_cpu_quota
 
 WORKERS = ["--prefill", "http://127.0.0.1:8101", "--decode", "http://127.0.0.1:8201"]
 
@@ -153,10 +153,10 @@ def started(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen["run_workers"] = workers
         return 0
 
-    import proxy.multiproc  # noqa: PLC0415
+    import proxy.http.multiproc  # noqa: PLC0415
 
     monkeypatch.setattr(cli, "serve", serve)
-    monkeypatch.setattr(proxy.multiproc, "run_workers", run_workers)
+    monkeypatch.setattr(proxy.http.multiproc, "run_workers", run_workers)
     return seen
 
 

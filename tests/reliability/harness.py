@@ -27,9 +27,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy.app import SERVING, build_app
-from proxy.serving import Serving
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
+from proxy.http.app import SERVING, build_app
+from proxy.http.serving import Serving
 from workers.sim import Faults, SimSettings
 from workers.sim import build_app as build_sim_app
 

@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import build_app
-from proxy.settings import ProxySettings
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
 from tests.fixtures_sim import SimProcess
 from tests.reliability.harness import GENERATE, serve, sse_events, start_world
 

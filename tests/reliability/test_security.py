@@ -17,11 +17,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import build_app
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
+from proxy.http.tls import server_context
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
-from proxy.tls import server_context
-from proxy.upstream import Upstream
+from proxy.upstream.client import Upstream
 from tests.reliability.harness import GENERATE, start_sim, start_world, world
 from tests.reliability.harness import serve as serve_app
 from workers.sim import SimSettings
@@ -55,7 +55,7 @@ async def test_client_key_is_checked_in_constant_time(monkeypatch: pytest.Monkey
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(hmac, "compare_digest", spy)  # what proxy.app calls
+    monkeypatch.setattr(hmac, "compare_digest", spy)  # what proxy.http.app calls
     w = await start_world(api_key=KEY)
     try:
         async with w.session.post(w.url + GENERATE, json=req(),
@@ -77,7 +77,7 @@ async def test_admin_api_has_its_own_key_checked_in_constant_time(monkeypatch: p
         calls.append(1)
         return real(a, b)
 
-    monkeypatch.setattr(hmac, "compare_digest", spy)  # what proxy.pools.admin calls
+    monkeypatch.setattr(hmac, "compare_digest", spy)  # what proxy.fleet.admin calls
     w = await start_world(api_key=KEY, pools=PoolSettings(admin_key=ADMIN_KEY))
     try:
         for auth, want in ((None, 401), (KEY, 401), ("x" + ADMIN_KEY, 401), (ADMIN_KEY, 200)):
@@ -369,7 +369,7 @@ async def test_raw_header_bytes_in_a_request_id_are_a_400_not_a_500() -> None:
 
 
 def test_text_access_lines_escape_what_they_print() -> None:
-    from proxy.logs import EscapingFormatter, format_access  # noqa: PLC0415
+    from proxy.config.logs import EscapingFormatter, format_access  # noqa: PLC0415
 
     line = format_access({"request_id": "x\r\noutcome=ok", "worker": "http://p:1", "n": 3}, "text")
     assert "\n" not in line and "\r" not in line
@@ -454,7 +454,7 @@ async def test_unknown_id_broadcast_is_namespaced_to_the_caller(monkeypatch: pyt
             if len(sent) == 2:
                 break
             await asyncio.sleep(0.01)
-    from proxy.tenants import key_tag  # noqa: PLC0415
+    from proxy.config.tenants import key_tag  # noqa: PLC0415
 
     tag = key_tag(TENANT_A)
     # Deduplicated; only ids that can be generate ids; the caller's namespace; one call per worker.

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks.internals.body_cost import client_body, main, measure, worker_reply
-from proxy.upstream import ids_text
+from proxy.wire.token_ids import ids_text
 
 
 def test_the_two_bodies_take_the_forwarded_and_the_encoded_path() -> None:

@@ -19,7 +19,7 @@ async def test_only_the_measured_requests_are_counted_each_once(stream: bool) ->
     report = await measure(4, stream, TREE)
     calls = report["calls_per_request"]
     assert report["requests"] == 4 and report["stream"] is stream
-    assert calls["proxy/core.py:set_done"] == 1.0  # each request ends once, and only the measured ones
+    assert calls["proxy/walk/core.py:set_done"] == 1.0  # each request ends once, and only the measured ones
     assert report["tasks_per_request"] >= 1.0  # at least aiohttp's handler task per request
     assert sum(calls.values()) > 100
     # the loop's counts: each hop waits on a future; the prefill hop arms its abort timer
@@ -34,7 +34,7 @@ def test_diff_prints_the_totals_and_the_largest_changes(
     # a: a run written before the loop counts existed (no timers key, no sources)
     a = {"tasks_per_request": 3.0, "calls_per_request": {"m.py:f": 10.0, "m.py:g": 2.0}}
     b = {"tasks_per_request": 3.0, "timers_per_request": 1.0,
-         "sources_per_request": {"call_at": {"proxy/hop_wire.py:wait": 1.0}},
+         "sources_per_request": {"call_at": {"proxy/upstream/hop_wire.py:wait": 1.0}},
          "calls_per_request": {"m.py:f": 4.0, "m.py:h": 1.0}}
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))
@@ -43,7 +43,7 @@ def test_diff_prints_the_totals_and_the_largest_changes(
     assert out[:6] == ["calls per request: 12.0 -> 5.0", "tasks per request: 3.00 -> 3.00",
                        "futures per request: - -> -", "timers per request: - -> 1.00",
                        "handles per request: - -> -", "objects per request: - -> -"]
-    assert out[6].split() == ["call_at:", "+1.00", "0.00", "->", "1.00", "proxy/hop_wire.py:wait"]
+    assert out[6].split() == ["call_at:", "+1.00", "0.00", "->", "1.00", "proxy/upstream/hop_wire.py:wait"]
     assert out[7].split() == ["-6.00", "10.00", "->", "4.00", "m.py:f"]
     assert {line.split()[-1] for line in out[8:]} == {"m.py:g", "m.py:h"}
 
@@ -51,5 +51,5 @@ def test_diff_prints_the_totals_and_the_largest_changes(
 def test_a_venv_inside_the_tree_is_named_as_site_packages_not_as_the_tree() -> None:
     venv = "/t/.venv/lib/python3.11/site-packages/aiohttp/web.py"
     assert _key(venv, "f", "/t") == "aiohttp/web.py:f"
-    assert _key("/t/proxy/core.py", "call", "/t") == "proxy/core.py:call"
+    assert _key("/t/proxy/core.py", "call", "/t") == "proxy/walk/core.py:call"
     assert _key("~", "<built-in method len>", "/t") == "~:<built-in method len>"

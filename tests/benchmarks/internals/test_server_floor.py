@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from benchmarks.internals import server_floor
-from proxy.lean import LeanApplication
+from proxy.http.lean import LeanApplication
 
 
 class _Transport:

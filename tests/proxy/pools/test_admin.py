@@ -15,15 +15,15 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import ADMIN_LISTENER, build_app
 from proxy.cli import parse_args
-from proxy.metrics import ProxyMetrics
+from proxy.config.settings import ProxySettings
+from proxy.fleet.admin import admin_app
+from proxy.fleet.membership import ConfigFileSource, Pools
+from proxy.http.app import ADMIN_LISTENER, build_app
+from proxy.observe.metrics import ProxyMetrics
 from proxy.pools import PoolSettings
-from proxy.pools.admin import admin_app
-from proxy.pools.membership import ConfigFileSource, Pools
 from proxy.pools.policies import make_policy
 from proxy.pools.pool import Pool, normalize_url, redact_url
-from proxy.settings import ProxySettings
 from tests.proxy.conftest import req
 from tests.proxy.pools import test_serving_sim
 from tests.proxy.pools.test_serving_sim import StackFactory, eventually

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from proxy.errors import InvalidRequest
 from proxy.pools.admission import Admission, Deadline, hop_budget
 from proxy.pools.errors import DeadlineExceeded, Overloaded
+from proxy.wire.errors import InvalidRequest
 from tests.proxy.pools.helpers import FakeClock
 
 

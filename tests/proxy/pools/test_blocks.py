@@ -17,8 +17,12 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import generate_latest
 
-from proxy.app import SERVING, build_app
-from proxy.pools import PoolRuntime, PoolSettings
+from proxy.config.settings import ProxySettings
+from proxy.fleet import PoolRuntime
+from proxy.fleet.health import http_fetch
+from proxy.fleet.preflight import handoff_check
+from proxy.http.app import SERVING, build_app
+from proxy.pools import PoolSettings
 from proxy.pools.blocks import (
     FALLBACK_BLOCK_SIZE,
     BlockSizeLearner,
@@ -28,13 +32,10 @@ from proxy.pools.blocks import (
     parse_block_size,
     parse_max_model_len,
 )
-from proxy.pools.capped import AnswerTooLarge
-from proxy.pools.health import http_fetch
 from proxy.pools.policies import PickContext, PrefixAware
 from proxy.pools.pool import Pool
-from proxy.pools.preflight import handoff_check
 from proxy.pools.worker import Worker
-from proxy.settings import ProxySettings
+from proxy.upstream.capped import AnswerTooLarge
 from tests.proxy.conftest import ProxyFactory
 from tests.proxy.pools.test_serving_sim import BYPASS, Stack, eventually, upstream_counts
 from tests.proxy.scripted import KV_PARAMS, Scripted, ScriptedFactory, prefill_reply

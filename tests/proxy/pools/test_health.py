@@ -7,11 +7,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy import upstream as upstream_mod
-from proxy.pools import capped
-from proxy.pools import health as health_mod
-from proxy.pools.breaker import BreakerConfig, CircuitState
-from proxy.pools.health import (
+from proxy.fleet import health as health_mod
+from proxy.fleet.health import (
     HealthChecker,
     LoadScraper,
     PairState,
@@ -20,8 +17,11 @@ from proxy.pools.health import (
     http_probe,
     parse_load,
 )
+from proxy.pools.breaker import BreakerConfig, CircuitState
 from proxy.pools.pool import Pool
 from proxy.pools.worker import Outcome, Worker
+from proxy.upstream import capped
+from proxy.upstream import client as upstream_mod
 from tests.proxy.pools.helpers import FakeClock
 from tests.traces import TRACE_DIR, load_trace
 

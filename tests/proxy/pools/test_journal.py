@@ -1,4 +1,4 @@
-"""proxy.pools.journal: admin changes shared by the processes of ``--workers N`` through one
+"""proxy.fleet.journal: admin changes shared by the processes of ``--workers N`` through one
 append-only file, applied by every process in the same order (two "processes" in one test
 process; two apps sharing a journal: ``test_admin.py``)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.pools.journal import FileJournal, change
-from proxy.pools.membership import Pools
+from proxy.fleet.journal import FileJournal, change
+from proxy.fleet.membership import Pools
 from proxy.pools.policies import make_policy
 from proxy.pools.pool import Pool
 
@@ -102,7 +102,7 @@ def test_a_poll_applies_a_bounded_slice_a_caller_everything(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A burst of changes is spread over several polls (the event loop is never held long); a
     process about to record a change first applies all of them."""
-    monkeypatch.setattr("proxy.pools.journal.READ_LIMIT", 256)
+    monkeypatch.setattr("proxy.fleet.journal.READ_LIMIT", 256)
     a, ja, b, jb = two_processes(tmp_path)
     added = [f"http://127.0.0.1:{9000 + i}" for i in range(20)]  # ~70 bytes a line
     with ja.changing() as record:

@@ -13,10 +13,10 @@ import pytest
 from aiohttp import web
 from kubernetes_asyncio import client
 
-from proxy.pools.k8s import EndpointSliceSource, SliceSelector, slice_urls
-from proxy.pools.membership import Pools
+from proxy.fleet.k8s import EndpointSliceSource, SliceSelector, slice_urls
+from proxy.fleet.membership import Pools
+from proxy.fleet.retry import RetryPolicy
 from proxy.pools.pool import Pool
-from proxy.pools.retry import RetryPolicy
 
 DATA = json.loads((Path(__file__).parent / "data" / "endpointslices.json").read_text())
 SELECTOR = "kubernetes.io/service-name=vllm-decode"

@@ -10,8 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.app import SERVING, build_app
 from proxy.cli import parse_args
+from proxy.http.app import SERVING, build_app
 
 PROMPT = [260 + (i * 7) % 200 for i in range(40)]
 

@@ -2,7 +2,7 @@
 any response byte, is sent again on a new connection to the same worker, also with a single
 prefill worker, but only after the worker answered an abort of the request's id (it may have
 read the request: any copy it runs is ended), and the resend is counted
-(``pd_proxy_upstream_resends_total``). ``Upstream.open`` does it over ``proxy.hop``. The worker
+(``pd_proxy_upstream_resends_total``). ``Upstream.open`` does it over ``proxy.upstream.hop``. The worker
 most likely closed an idle connection: not its failure, so no retry, no upstream error, nothing
 toward its circuit."""
 
@@ -12,9 +12,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import SERVING, build_app
+from proxy.config.settings import ProxySettings
+from proxy.http.app import SERVING, build_app
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
 from tests.proxy.pools.helpers import CutRelay
 
 PROMPT = [260 + (i * 7) % 200 for i in range(40)]

@@ -10,9 +10,9 @@ import asyncio
 import json
 from typing import Any
 
-from proxy.app import SERVING, build_app
+from proxy.config.settings import ProxySettings
+from proxy.http.app import SERVING, build_app
 from proxy.pools import PoolSettings
-from proxy.settings import ProxySettings
 
 N_REQUESTS = 48
 CONCURRENCY = 8

@@ -8,9 +8,9 @@ import pytest
 from aiohttp import web
 
 from proxy.cli import parse_args
-from proxy.pools.admin import admin_app
+from proxy.fleet.admin import admin_app
+from proxy.fleet.membership import ConfigFileSource, Pools, load_config
 from proxy.pools.breaker import BreakerConfig, CircuitState
-from proxy.pools.membership import ConfigFileSource, Pools, load_config
 from proxy.pools.policies import make_policy
 from proxy.pools.pool import Pool
 from proxy.pools.worker import Outcome

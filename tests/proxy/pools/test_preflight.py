@@ -6,10 +6,10 @@ from typing import Any
 
 import aiohttp
 
-from proxy.pools.health import PairState, Preflight
+from proxy.fleet.health import PairState, Preflight
+from proxy.fleet.preflight import handoff_check
 from proxy.pools.pool import Pool
-from proxy.pools.preflight import handoff_check
-from proxy.upstream import Upstream
+from proxy.upstream.client import Upstream
 
 
 async def test_handoff_preflight_against_pd_sim(sim_factory: Any) -> None:

@@ -4,13 +4,13 @@ import random
 
 import pytest
 
-from proxy.errors import (
+from proxy.fleet.retry import RetryPolicy, is_transient
+from proxy.wire.errors import (
     UpstreamProtocolError,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from proxy.pools.retry import RetryPolicy, is_transient
 
 
 def status(code: int) -> UpstreamStatusError:

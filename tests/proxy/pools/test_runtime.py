@@ -8,9 +8,9 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
+from proxy.fleet.runtime import PoolRuntime
 from proxy.pools.breaker import CircuitState
 from proxy.pools.options import PoolSettings
-from proxy.pools.runtime import PoolRuntime
 from proxy.pools.worker import Outcome
 from tests.proxy.pools.helpers import FakeClock
 from tests.proxy.pools.test_options import parse
@@ -107,8 +107,8 @@ def test_plain_settings_turn_recovery_off() -> None:
 
 def test_one_block_size_setting_for_bypass_prefix_and_suspect_counter() -> None:
     from proxy.cli import parse_args  # noqa: PLC0415
-    from proxy.metrics import ProxyMetrics  # noqa: PLC0415
-    from proxy.serving import Serving  # noqa: PLC0415
+    from proxy.http.serving import Serving  # noqa: PLC0415
+    from proxy.observe.metrics import ProxyMetrics  # noqa: PLC0415
 
     default = Serving(parse_args(["--prefill", P, "--decode", D]), ProxyMetrics())
     assert default.settings.kv_block_size is None  # each worker's own, from its /metrics

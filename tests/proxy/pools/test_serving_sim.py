@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.app import build_app
+from proxy.config.settings import ProxySettings
+from proxy.fleet.health import HealthChecker, http_probe
+from proxy.http.app import build_app
 from proxy.pools import PoolSettings
 from proxy.pools.breaker import CircuitState
-from proxy.pools.health import HealthChecker, http_probe
-from proxy.settings import ProxySettings
 from tests.proxy.conftest import PD
 from workers.sim import SimSettings
 from workers.sim import build_app as sim_app

@@ -1,0 +1,1 @@
+"""Settings: the command line, the config file, tenants (API keys) and logging."""

@@ -1,0 +1,64 @@
+"""One pd-proxy server process: the app on its event loop until SIGTERM/SIGINT.
+
+``pd-proxy`` (``proxy.cli``) runs one; ``--workers N`` (``proxy.http.multiproc``) runs one per child
+process on a shared socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from proxy.config.logs import configure_access_log
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
+from proxy.http.tls import server_context
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed, else the default loop."""
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def settle_gc(threshold: int) -> Callable[[web.Application], Awaitable[None]]:
+    """The last start-up hook of a serving process: what start-up built (the app, its pools, the
+    imported modules) is frozen out of the cyclic collector's scans, and a young collection runs
+    every ``threshold`` net container allocations instead of Python's 700. The objects of the
+    requests in flight (hundreds each) otherwise set off a young collection every few requests
+    under load, the survivors of which are scanned again by the older generations; freed by
+    reference counting, nearly all of them never need the collector. Cyclic garbage is still
+    collected, in fewer, larger passes. ``threshold`` 0: nothing changed."""
+    async def settle(app: web.Application) -> None:
+        if threshold > 0:
+            gc.collect()
+            gc.freeze()
+            _, older, oldest = gc.get_threshold()
+            gc.set_threshold(threshold, older, oldest)
+    return settle
+
+
+def serve(settings: ProxySettings, sock: socket.socket | None = None) -> None:
+    """Run one server process until SIGTERM/SIGINT, on ``sock`` when given (``--workers``)."""
+    configure_access_log(settings.log_format)
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    where: dict[str, Any] = {"sock": sock} if sock is not None else \
+        {"host": settings.host, "port": settings.port}
+    ssl_context = server_context(settings.tls_cert_file, settings.tls_key_file) \
+        if settings.tls_cert_file else None
+    app = build_app(settings)
+    app.on_startup.append(settle_gc(settings.gc_threshold))
+    web.run_app(app, **where, ssl_context=ssl_context,
+                keepalive_timeout=settings.header_timeout,
+                shutdown_timeout=settings.drain_timeout, handler_cancellation=True,
+                access_log=None, loop=loop)

@@ -1,0 +1,226 @@
+"""What every part of the request walk shares, and the request's transitions that several parts
+make: counting a worker call, ending the KV lease, going decode-only, noting an abort, done.
+
+``Core`` holds the app's state for serving (settings, metrics, clock, pools, KV leases, the
+request table, background tasks, the upstream client); each part of the walk (``proxy.walk.prefill``,
+``proxy.walk.decode``, ``proxy.walk.full``, ``proxy.stream.answer``, ``proxy.stream.read``,
+``proxy.walk.aborts``,
+``proxy.walk.cleanup``) is a ``Part`` over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kv_transfer.handoff import (
+    RemoteHostRewrite,
+)
+from kv_transfer.leases import RequestLeases
+from kv_transfer.ledger import CloseReason
+from proxy.config.settings import ProxySettings
+from proxy.fleet import BYPASS_HEADER, PoolRuntime
+from proxy.observe.local_prefill import LocalPrefillAlarm
+from proxy.observe.metrics import ProxyMetrics
+from proxy.observe.state import Phase, RequestRecord, RequestTable, TaskTracker
+from proxy.observe.tracing import DISABLED as TRACING_DISABLED
+from proxy.observe.tracing import NOOP_HOP, Hop, Tracing
+from proxy.pools import Worker
+from proxy.sse.relay import ByteBudget
+from proxy.upstream.client import Upstream
+from proxy.walk.flight import Flight
+from proxy.wire.errors import (
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+log = logging.getLogger("pd_proxy")
+
+
+def error_class(e: UpstreamError) -> str:
+    """The ``error`` label of ``pd_proxy_upstream_errors_total``."""
+    if isinstance(e, UpstreamTimeout):
+        return "timeout"
+    if isinstance(e, UpstreamUnavailable):
+        return "connect"
+    if isinstance(e, UpstreamStatusError):
+        return "http_4xx" if e.passthrough else "http_5xx"
+    return "protocol"
+
+
+class Core:
+    def __init__(self, settings: ProxySettings, metrics: ProxyMetrics,
+                 clock: Callable[[], float] = time.monotonic, *,
+                 tracing: Tracing = TRACING_DISABLED) -> None:
+        self.tracing = tracing
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.leases = RequestLeases(lease_duration=settings.lease_duration,
+                                    keep_closed=settings.ledger_recent, clock=clock, observer=metrics)
+        self.pools = PoolRuntime(settings.pools, settings.prefill_urls, settings.decode_urls,
+                                 block_size=settings.kv_block_size, max_model_len=settings.max_model_len,
+                                 registry=metrics.registry, clock=clock)
+        self.prefill_pool = self.pools.prefill
+        self.decode_pool = self.pools.decode
+        self.pools.pools.forget_workers_in(metrics)  # a removed worker's series go with it
+        self.table: RequestTable[Flight] = RequestTable()
+        self.stream_budget = ByteBudget(settings.slow_reader_total_bytes)
+        """Bytes buffered for streaming clients, all streams of this process (``relay.ByteBudget``)."""
+        metrics.watch_stream_budget(self.stream_budget)
+        self.tracker = TaskTracker()
+        self.draining = False
+        """Set at shutdown: requests ended from then on count as ``source="shutdown"``."""
+        self._upstream: Upstream | None = None
+        self.rewrite_remote_host = RemoteHostRewrite(enabled=settings.rewrite_remote_host)
+        self.local_prefill = LocalPrefillAlarm(metrics, self.decode_pool, clock)
+
+    def attach(self, upstream: Upstream) -> None:
+        self._upstream = upstream
+        if self.settings.local_prefill_interval > 0:
+            upstream.on_decode = self.local_prefill.sent
+
+    @property
+    def upstream(self) -> Upstream:
+        if self._upstream is None:
+            raise RuntimeError("the app has not started (no upstream session)")
+        return self._upstream
+
+    async def call(self, worker: Worker, coro: Any, hop: Hop = NOOP_HOP) -> Any:
+        """Count one call to ``worker`` (its in-flight count is the pool's: ``Pool.acquire``);
+        ``hop`` is its span (``proxy.observe.tracing``), current while the call runs."""
+        series = self.metrics.calls(worker.pool, worker.url)
+        series.inflight.inc()
+        series.requests.inc()
+        try:
+            with hop:
+                return await coro
+        except UpstreamError as e:
+            self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, error_class(e)).inc()
+            raise
+        finally:
+            series.inflight.dec()
+
+    def queue_limit(self, f: Flight) -> float:
+        """How long a pick may wait for a worker with room: the queue timeout, or less when
+        the request's deadline comes first."""
+        limit = self.pools.settings.queue_timeout
+        return limit if f.deadline is None else min(limit, max(0.0, f.deadline.remaining()))
+
+    def lease_valid(self, f: Flight) -> bool:
+        return self.leases.valid(f.record)
+
+    def decoding(self, f: Flight) -> None:
+        """A decode hop with the request's KV goes out: its lease ends with what the hop tells
+        (``RequestLeases.decoding``), within the longest a decode hop may take."""
+        self.leases.decoding(f.record, self.settings.longest_decode_hop())
+
+    def close_lease(self, f: Flight, reason: CloseReason) -> None:
+        self.leases.close(f.record, reason)
+
+    def decode_only(self, f: Flight, reason: str) -> None:
+        """From here on the request runs on a decode worker alone: counted (once per request),
+        named in the ``X-PD-Decode-Only`` header, and a KV lease still open ends as ``unknown``
+        (no decode hop of this request will pull those blocks; P frees them at its own lease's
+        end), so a decode-only hop's first event never closes it as ``pulled``."""
+        if BYPASS_HEADER not in f.headers:
+            self.metrics.child(self.metrics.decode_only, reason).inc()
+            f.headers[BYPASS_HEADER] = reason
+        self.close_lease(f, "unknown")
+        f.record.kv_params = None
+
+    def set_done(self, f: Flight) -> None:
+        f.record.phase = Phase.DONE
+        if f.force_end is not None:
+            f.force_end.cancel()
+            f.force_end = None
+
+    def note_abort(self, record: RequestRecord, source: str) -> bool:
+        if not record.mark_aborted(source):
+            return False
+        self.metrics.child(self.metrics.aborts, source, record.phase.value).inc()
+        return True
+
+    def note_gone(self, record: RequestRecord) -> None:
+        """The client went away (or the shutdown ended its request): its abort, counted once
+        (the request counted as aborted)."""
+        if self.note_abort(record, "shutdown" if self.draining else "disconnect"):
+            self.metrics.outcomes["aborted"].inc()
+
+    def expire_leases(self) -> int:
+        return self.leases.expire()
+
+    def note_usage(self, f: Flight, usage: object) -> None:
+        """Keep D's completion token count; count a long prompt whose decode shows no KV
+        transfer (the prefill advertised no blocks, or D reports zero cached tokens)."""
+        if not isinstance(usage, dict):
+            return
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int):
+            f.completion_tokens = completion
+        prompt = usage.get("prompt_tokens")
+        if not isinstance(prompt, int) or f.kv_blocks is None or "X-PD-Decode-Only" in f.headers \
+                or f.record.is_aborted:
+            return
+        if prompt < self.pools.blocks.pair(f.record.prefill_worker, f.record.decode_worker):
+            return  # shorter than one KV block of the pair that served it
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if f.kv_blocks == 0 or cached == 0:
+            self.metrics.suspect_no_transfer.inc()
+
+
+class Part:
+    """One part of the walk, over the shared ``Core`` (its state under short names)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.settings = core.settings
+        self.metrics = core.metrics
+        self.clock = core.clock
+        self.pools = core.pools
+        self.prefill_pool = core.prefill_pool
+        self.decode_pool = core.decode_pool
+        self.leases = core.leases
+        self.table = core.table
+        self.tracker = core.tracker
+
+    @property
+    def upstream(self) -> Upstream:
+        upstream = self.core._upstream  # read directly: one property call per hop, not two
+        return upstream if upstream is not None else self.core.upstream
+
+    @property
+    def draining(self) -> bool:
+        return self.core.draining
+
+    async def send_abort(self, worker: Worker, engine_id: str) -> bool:
+        """One abort of ``engine_id`` to ``worker`` (counted by pool and result)."""
+        ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
+        self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
+        return ok
+
+    async def abort_until(self, worker: Worker | None, engine_id: str, task: asyncio.Future[Any],
+                          limit: float) -> None:
+        """Send abort to ``worker`` and repeat it until ``task`` is done: an abort that reaches
+        vLLM before it registered the request is lost, and a worker may register it any moment
+        after (a decode hop sent just before the abort, a worker slow to take requests up). The
+        first repeats come soon, ``abort_repeat_first`` after the abort, then at twice the
+        interval each time up to ``abort_grace``: a worker that registers the request late and
+        runs it fast is aborted while it runs, not answered in full before the next repeat."""
+        deadline = self.clock() + limit
+        interval = min(self.settings.abort_repeat_first, self.settings.abort_grace)
+        while not task.done():
+            if worker is not None:
+                await self.send_abort(worker, engine_id)
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                break
+            await asyncio.wait({task}, timeout=min(interval, remaining))
+            interval = min(2 * interval, self.settings.abort_grace)
+

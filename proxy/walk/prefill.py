@@ -1,0 +1,299 @@
+"""The prefill hop: pick a prefill worker, send the hop (retried on another worker after a
+transient failure), accept P's reply (the KV is then held under a lease); and the prefill of a
+migrated stream's continuation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from kv_transfer.handoff import (
+    check_prefill_params,
+    prefill_body,
+)
+from proxy.fleet import is_transient
+from proxy.observe.state import Phase, outlive
+from proxy.pools import (
+    DeadlineExceeded,
+    NoWorkerAvailable,
+    Outcome,
+    Overloaded,
+    PickContext,
+    Worker,
+    hop_budget,
+)
+from proxy.walk.core import Core, Part
+from proxy.walk.flight import Flight
+from proxy.wire.errors import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+)
+
+log = logging.getLogger("pd_proxy")
+
+
+class Prefill(Part):
+    def __init__(self, core: Core) -> None:
+        super().__init__(core)
+        self._well_formed: object = None
+        """The last ``kv_transfer_params`` found well formed: a reply's are asked three times (the
+        hop's outcome, the retry, the hand-off), checked once. Held here, so never another's id."""
+
+    def _params_problem(self, params: object) -> str | None:
+        """``check_prefill_params``, once per reply's params."""
+        if params is self._well_formed and params is not None:
+            return None
+        reason = check_prefill_params(params)
+        if reason is None:
+            self._well_formed = params
+        return reason
+
+    async def with_retries(
+            self, f: Flight) -> tuple[Worker | None, dict[str, Any], UpstreamError | None]:
+        """The prefill hop, retried on another prefill worker after a connect error, a 5xx or a
+        timeout (nothing is held then). Returns the worker, its reply and the last error; no
+        worker and no error when no prefill worker is available and the bypass may take it."""
+        record, rt = f.record, self.pools
+        ctx = PickContext(token_ids=f.ctx.token_ids, session_id=f.ctx.session_id)
+        tried: list[Worker] = []
+        last: UpstreamError | None = None
+        for attempt in range(rt.prefill_retry.attempts):
+            try:
+                worker = await self._pick(f, ctx, tried)
+            except NoWorkerAvailable:
+                if rt.settings.bypass_when_prefill_unavailable:
+                    # None left (their circuits opened, e.g. on the failure being retried): the
+                    # request holds nothing usable, so the decode worker computes the prompt.
+                    record.prefill_worker = None
+                    return None, {}, None
+                if last is not None:
+                    break  # none left: the last error stands
+                raise
+            if worker is None:
+                break  # aborted (client call, deadline) during the backoff or the wait for a worker
+            record.prefill_worker = worker
+            try:
+                f.prefill_task = self._send(f, worker)
+                reply: dict[str, Any] = await outlive(f.prefill_task)
+            except UpstreamError as e:
+                last, retry_ok = e, is_transient(e)
+            else:
+                unusable = self._unusable(f, worker, reply, tried,
+                                          last_attempt=attempt + 1 >= rt.prefill_retry.attempts)
+                if unusable is None:
+                    return worker, reply, None  # _walk checks it (and applies --prefill-failure)
+                if not unusable:
+                    record.prefill_worker = None  # none left to try: decode-only
+                    return None, {}, None
+                last, retry_ok = UpstreamProtocolError("prefill", worker.url, unusable), True
+            tried.append(worker)
+            if not retry_ok or not await self._backoff(f, attempt, last):
+                break
+        return record.prefill_worker, {}, last
+
+    def _unusable(self, f: Flight, worker: Worker, reply: dict[str, Any], tried: list[Worker], *,
+                  last_attempt: bool) -> str | None:
+        """A 200 from P. None: the walk takes it (usable params, or nothing better to do). An
+        unusable 200 (no usable ``kv_transfer_params``) holds nothing the proxy can free (no params
+        to pull with; P frees the blocks at its lease's end), so another prefill worker may take
+        the request: why, or "" when none is left (the decode worker then computes the prompt,
+        as when none is available)."""
+        reason = self._params_problem(reply.get("kv_transfer_params"))
+        if reason is None or f.record.is_aborted or self.note_worker_abort(f, reply) or last_attempt:
+            return None  # the usual case: no pass over the pool for the untried workers
+        bypass = self.pools.settings.bypass_when_prefill_unavailable
+        untried = [w for w in self.prefill_pool.admissible() if w is not worker and w not in tried]
+        if not (untried or bypass):
+            return None
+        self.metrics.prefill_missing_kv.inc()
+        return reason if untried else ""
+
+    async def _backoff(self, f: Flight, attempt: int, last: UpstreamError) -> bool:
+        """Before the next prefill attempt: False when there is none (aborted, attempts spent, or
+        the deadline comes before the pause ends)."""
+        rt = self.pools
+        if f.record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts:
+            return False
+        pause = rt.prefill_retry.delay(attempt, rt.rng)
+        if f.deadline is not None and f.deadline.remaining() <= pause:
+            return False
+        rt.count_retry("prefill")
+        log.warning("request %s: retrying prefill after %s", f.record.engine_id, last.message)
+        await asyncio.sleep(pause)
+        return True
+
+    async def _pick(self, f: Flight, ctx: PickContext, tried: list[Worker]) -> Worker | None:
+        """A prefill worker not tried yet (when every admitted one failed once, any of them again:
+        the failure may pass), never one whose pairs all failed the preflight or one whose KV
+        block the prompt does not fill (another block size). Raises ``NoWorkerAvailable``. None
+        when the request is aborted, before the pick or while it waited for a worker (given back:
+        nothing is prefilled for a request nobody will decode)."""
+        if f.record.is_aborted:
+            return None
+        left_out = [*self.pairless(), *self.pools.prefill_too_short(len(ctx.token_ids))]
+        try:
+            worker = await self.prefill_pool.acquire(ctx, exclude=[*tried, *left_out],
+                                                     limit=self.core.queue_limit(f))
+        except NoWorkerAvailable:
+            if not tried:
+                raise
+            worker = await self.prefill_pool.acquire(ctx, exclude=left_out, limit=self.core.queue_limit(f))
+        if f.record.is_aborted:
+            self.prefill_pool.release(worker, Outcome.NEUTRAL)
+            return None
+        return worker
+
+    def _limit(self, f: Flight, worker: Worker) -> float:
+        """The prefill hop's time limit: its share of the request's deadline (``worker`` given
+        back when none is left)."""
+        try:
+            return hop_budget(f.deadline, "prefill", self.settings.prefill_timeout,
+                              self.pools.settings.deadline_prefill_share)
+        except DeadlineExceeded:
+            self.prefill_pool.release(worker, Outcome.NEUTRAL)
+            raise
+
+    def _send(self, f: Flight, worker: Worker) -> asyncio.Task[dict[str, Any]]:
+        """The prefill hop to ``worker`` in a tracked task: aiohttp's server cancels the handler
+        when the client goes away, and the task outlives it."""
+        limit = self._limit(f, worker)
+        task: asyncio.Task[dict[str, Any]] = self.tracker.spawn(self.hop(f, worker, limit))
+        return task
+
+    async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
+        """At ``limit`` P is sent an abort, not cut off: P then answers within ``abort_grace``,
+        either aborted (a timeout, as before) or finished with its KV, which the walk takes (a
+        cut connection would leave that KV held on P until its lease ends, with no params for
+        the proxy to release it with)."""
+        body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,
+                            keep_stop=not self.settings.prefill_tokens_only, first_token=f.first_token)
+        outcome = Outcome.NEUTRAL
+        late, aborted = self._abort_at(limit, f, worker)
+        timed_out = False
+        f.prefill_sent = self.clock()  # P may start its KV lease once it has the request
+        try:
+            reply: dict[str, Any] = (await self.core.call(worker, self.upstream.post_generate_raw(
+                "prefill", worker.url, body, request_id=f.record.base_id,
+                total=limit + self.settings.abort_grace), f.trace.hop("prefill", worker)))[0]
+            # A reply without usable KV params is P's failure; one with them is judged at the
+            # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
+            # every pull, which only the decode hops see.
+            if self._params_problem(reply.get("kv_transfer_params")) is not None:
+                # P's failure, unless the request's own abort or deadline cut it short: a
+                # client's abort, or a hop limit its deadline made shorter than P's own.
+                cut_short = f.record.is_aborted or (bool(aborted) and limit < self.settings.prefill_timeout)
+                outcome = Outcome.NEUTRAL if cut_short else Outcome.FAILURE
+                timed_out = bool(aborted) and not f.record.is_aborted
+        except UpstreamStatusError as e:
+            outcome = Outcome.NEUTRAL if e.passthrough else Outcome.FAILURE
+            raise
+        except UpstreamError:
+            outcome = Outcome.FAILURE
+            raise
+        finally:
+            late.cancel()
+            self.prefill_pool.release(worker, outcome)
+        if timed_out:
+            raise UpstreamTimeout("prefill", worker.url, "timed out before answering")
+        return reply
+
+    def _abort_at(self, limit: float, f: Flight,
+                  worker: Worker) -> tuple[asyncio.TimerHandle, list[asyncio.Task[bool]]]:
+        """In ``limit`` seconds ``worker`` is sent an abort for the request (P then answers at
+        once: aborted, or finished with its KV); the timer, to cancel when P answered in time,
+        and the abort's task once sent (empty before)."""
+        aborted: list[asyncio.Task[bool]] = []
+        late = self.tracker.loop.call_later(
+            limit, lambda: aborted.append(self.tracker.spawn(self.send_abort(worker, f.record.engine_id))))
+        return late, aborted
+
+    def pairless(self) -> list[Worker]:
+        """With the preflight on: prefill workers whose every pair with the decode pool failed it
+        (their KV could reach no decode worker), left out of prefill picks."""
+        preflight = self.pools.preflight
+        if preflight.check is None:
+            return []
+        decoders = self.decode_pool.admissible()
+        return [p for p in self.prefill_pool.admissible() if preflight.all_failed(p, decoders)]
+
+    def accept_reply(self, f: Flight, prefill: Worker,
+                              reply: dict[str, Any]) -> tuple[dict[str, Any] | None, UpstreamError | None]:
+        """Check a 200 prefill reply; on success the KV is held (state KV_HELD, lease open). No
+        params and no error: the lease ran out before P's answer came (closed as ``expired``)."""
+        record = f.record
+        params = reply.get("kv_transfer_params")
+        reason = self._params_problem(params)
+        if reason is None and isinstance(params, dict):
+            record.phase = Phase.KV_HELD
+            params = self.core.rewrite_remote_host(params, prefill.url)
+            f.kv_blocks = self.leases.hold(record, prefill.url, params, sent=f.prefill_sent)
+        self.note_worker_abort(f, reply)
+        if reason is not None:
+            if not record.is_aborted:
+                self.metrics.prefill_missing_kv.inc()
+            return None, UpstreamProtocolError("prefill", prefill.url, reason)
+        return record.kv_params, None
+
+    def note_worker_abort(self, f: Flight, reply: dict[str, Any]) -> bool:
+        """P ended the request as aborted, and not at this proxy's call: the client's abort went
+        to the workers another way (it reached another ``--workers`` process, or this one
+        before the request, and was broadcast). The client asked for it, so the request is
+        aborted here too, and the client gets vLLM's aborted answer, not an error."""
+        choices = reply.get("choices")
+        finish = choices[0].get("finish_reason") if isinstance(choices, list) and choices and \
+            isinstance(choices[0], dict) else None
+        if finish != "abort":
+            return False
+        self.core.note_abort(f.record, "worker")
+        return True
+
+    async def continuation(self, f: Flight, body: dict[str, Any]) -> dict[str, Any]:
+        """A long continuation's prompt goes through a prefill worker (its KV then handed to the
+        decode worker, under a lease); a short one, or one whose prefill fails, is computed by
+        the decode worker itself."""
+        rt, record = self.pools, f.record
+        if len(body["token_ids"]) < rt.settings.migrate_prefill_tokens or record.is_aborted:
+            return body
+        try:
+            p = await self.prefill_pool.acquire(PickContext(token_ids=body["token_ids"]), limit=0.0)
+        except (NoWorkerAvailable, Overloaded):
+            return body
+        limit = self.settings.prefill_timeout if f.deadline is None else \
+            min(self.settings.prefill_timeout, max(0.0, f.deadline.remaining()))
+        outcome = Outcome.FAILURE
+        # As the request's own prefill hop (``hop``): at ``limit`` P is sent an abort, not cut
+        # off, so KV it finished with is taken rather than left on P until its lease ends.
+        late, aborted = self._abort_at(limit, f, p)
+        sent = self.clock()  # P may start its KV lease once it has the request
+        try:
+            reply = await self.core.call(p, self.upstream.post_generate(
+                "prefill", p.url, prefill_body(body, record.base_id, stream=f.request.is_stream,
+                             keep_stop=not self.settings.prefill_tokens_only),
+                request_id=record.base_id, total=limit + self.settings.abort_grace),
+                f.trace.hop("prefill", p))
+            params = reply.get("kv_transfer_params")
+            if check_prefill_params(params) is not None or not isinstance(params, dict):
+                params = None
+            # aborted at a limit the request's deadline made shorter than P's own: not P's fault
+            outcome = Outcome.SUCCESS if params is not None or not aborted else \
+                Outcome.NEUTRAL if limit < self.settings.prefill_timeout else Outcome.FAILURE
+        except UpstreamError as e:
+            log.warning("request %s: continuation prefill failed: %s", record.engine_id, e.message)
+            return body
+        finally:
+            late.cancel()
+            self.prefill_pool.release(p, outcome)
+        if params is None:
+            if aborted:
+                log.warning("request %s: continuation prefill timed out on %s", record.engine_id, p.url)
+            return body
+        params = self.core.rewrite_remote_host(params, p.url)
+        record.prefill_worker = p
+        self.leases.hold(record, p.url, params, sent=sent)
+        if record.kv_params is None:
+            return body  # P's lease ran out before its answer came: D computes the continuation
+        return {**body, "kv_transfer_params": params}

@@ -1,0 +1,124 @@
+"""A generate body parsed and checked: as vLLM would (``proxy.wire.protocol``), then by the proxy's
+own rules (the prompt's length, no client transfer params, the server-level checks for the pools'
+config). Every error is a ``ClientError`` in vLLM's shape; nothing is held when one is raised.
+
+A body in another encoding than UTF-8 (UTF-16/32, a BOM) is read as UTF-8 first, as vLLM's
+server decodes it (``protocol.utf8_json``): every check after it, byte-level or not, sees the
+body a UTF-8 client would have sent, and the hop bodies are UTF-8.
+
+A body that differs from one that passed only in its token ids and request id is known
+(``proxy.wire.known_bodies``): only the checks of its ids' number and the pools' config run again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from kv_transfer.params import client_transfer_params
+from proxy.config.settings import ProxySettings
+from proxy.wire.errors import BadRequest, InvalidRequest
+from proxy.wire.known_bodies import KnownBodies
+from proxy.wire.large_body import PackedTokenIds, parse_large_generate_body, prompt_too_long
+from proxy.wire.protocol import GenerateRequest, parse_generate_body, utf8_request_body
+from proxy.wire.token_ids import TokenIds, ids_text
+from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError
+
+_WALK_DATA: Final = b"transfer_params"
+"""Given to ``client_transfer_params`` as the body: it then walks the parsed data (small: the
+packed token ids are not walked) instead of searching the raw bytes first."""
+
+
+class Validation:
+    """The checks of one proxy's settings, and the bodies it validated before."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.known = KnownBodies()
+
+    def validate(self, body: bytes, content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
+        """``body`` parsed and checked as vLLM would, then by the proxy's own rules. A body that
+        differs from one that passed only in its token ids and request id is known
+        (``proxy.wire.known_bodies``): only the checks of its ids' number and the pools' config run."""
+        try:
+            body = utf8_request_body(body, content_type)  # before any byte-level check
+        except RequestValidationError as e:
+            raise InvalidRequest.from_protocol(e) from None
+        probe = self.known.probe(body, content_type)
+        if probe is not None:
+            known = self.known.get(probe)
+            if known is not None:
+                req, data = known
+                self._prompt_fits(req)
+                return self._server_checks(req, data)
+        try:
+            req, data = parse_generate_body(body, content_type)
+        except RequestValidationError as e:
+            raise InvalidRequest.from_protocol(e) from None
+        except VLLMValidationError as e:
+            raise BadRequest.from_protocol(e) from None
+        req, data = self._checked(body, req, data, None if probe is None else probe[1])
+        if probe is not None:
+            self.known.add(probe, req, data)
+        return req, data
+
+    async def validate_large(self, body: bytes | bytearray,
+                             content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
+        """``validate`` for a body over ``LARGE_BODY_BYTES``: the same answer, its token ids
+        parsed in slices with the loop given back between them where ``proxy.wire.large_body`` can
+        (else the body is parsed in one go, as ``validate`` parses it)."""
+        try:
+            body = utf8_request_body(body, content_type)  # before any byte-level check
+            req, data = await parse_large_generate_body(body, content_type,
+                                                        max_tokens=self.settings.max_prompt_tokens or None)
+        except RequestValidationError as e:
+            raise InvalidRequest.from_protocol(e) from None
+        except VLLMValidationError as e:
+            raise BadRequest.from_protocol(e) from None
+        if type(data["token_ids"]) is PackedTokenIds:
+            return self._checked(None, req, data)
+        return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``)
+
+    def _checked(self, body: bytes | None, req: GenerateRequest, data: dict[str, Any],
+                 ids: bytes | None = None) -> tuple[GenerateRequest, dict[str, Any]]:
+        """The proxy's own checks of a parsed body. ``body`` None: the ids are packed already
+        (``PackedTokenIds``, which carry their own text). ``ids``: their text, found already."""
+        self._prompt_fits(req)
+        # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
+        # hop (kv_transfer.params). A top-level null names nothing and passes.
+        where = client_transfer_params(body if body is not None else _WALK_DATA, data)
+        if where is not None:
+            raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
+                             "remove it from the request.", param=where)
+        if body is not None:  # not encoded again
+            data["token_ids"] = TokenIds(data["token_ids"], ids if ids is not None else ids_text(body))
+        return self._server_checks(req, data)
+
+    def _prompt_fits(self, req: GenerateRequest) -> None:
+        limit = self.settings.max_prompt_tokens
+        if limit and len(req.token_ids) > limit:
+            raise BadRequest.from_protocol(prompt_too_long(limit, len(req.token_ids)))
+
+    def _server_checks(self, req: GenerateRequest,
+                       data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
+        s = self.settings
+        sp = req.sampling_params
+        # The server-level checks of vLLM's serve_tokens, in its order, for the pools' config.
+        if s.max_num_seqs is not None and sp.n > s.max_num_seqs:
+            raise BadRequest(
+                f"sampling_params.n must be at most the server's max_num_seqs ({s.max_num_seqs}), "
+                f"got {sp.n}."
+            )
+        if req.is_stream and sp.get("prompt_logprob_token_ids") is not None:
+            raise BadRequest("prompt_logprob_token_ids are not available when stream=true.")
+        if s.decode_tokens_only and sp.stop:
+            raise BadRequest(
+                "stop strings are not supported on a --tokens-only server because detokenization "
+                "is disabled. Check stop strings on the coordinator, or use stop_token_ids."
+            )
+        if s.decode_tokens_only and req.output_mode != "tokens":
+            raise BadRequest(
+                f"output_mode={req.output_mode!r} requires a tokenizer, but this server does not "
+                "load one (--tokens-only or --skip-tokenizer-init). Send the request to a server "
+                "that loads a tokenizer, or use output_mode='tokens'."
+            )
+        return req, data
