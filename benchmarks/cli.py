@@ -128,7 +128,9 @@ def _vllm_options(p: argparse.ArgumentParser, url_multi: bool) -> None:
                             "(the full generate URL works too).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--endpoint", default=GENERATE_PATH, help="API endpoint.")
+    p.add_argument("--endpoint", default=GENERATE_PATH,
+                   help="API endpoint: the generate path, or /v1/chat/completions or /v1/completions "
+                        "(vLLM's openai-chat and openai bench backends).")
     p.add_argument("--header", metavar="KEY=VALUE", nargs="*",
                    help="Key-value pairs (e.g, --header x-additional-info=0.3.3) for headers to be "
                         "passed with each request; pd-bench's own headers (request id, key) override them.")

@@ -44,6 +44,12 @@ from benchmarks.records import (
 from benchmarks.sse import SSEDecoder
 
 GENERATE_PATH: Final = "/inference/v1/generate"
+CHAT_PATH: Final = "/v1/chat/completions"
+COMPLETIONS_PATH: Final = "/v1/completions"
+OPENAI_PATHS: Final = (CHAT_PATH, COMPLETIONS_PATH)
+"""The OpenAI endpoints, with the meaning of vLLM's ``openai-chat`` and ``openai`` bench backends:
+text in (a completions prompt as its token ids), ``stream_options.include_usage``, TTFT and ITL
+from the events that carry text, output tokens from ``usage.completion_tokens``."""
 ABORT_PATH: Final = "/inference/v1/abort_requests"
 CANCEL_MODES: Final = ("disconnect", "abort")
 PHASE_BEFORE_FIRST_TOKEN: Final = "before_first_token"  # noqa: S105 (a phase name)
@@ -152,9 +158,39 @@ def strip_engine_prefix(request_id: str) -> str:
     return request_id.removeprefix(ENGINE_ID_PREFIX)
 
 
+def is_openai(opts: ClientOptions) -> bool:
+    return opts.endpoint_path in OPENAI_PATHS
+
+
+def prompt_text(ids: list[int]) -> str:
+    """A chat message standing for the prompt ``ids``: one ASCII letter per token id (one token
+    each on a byte-level tokenizer such as pd-sim's; a BPE tokenizer may merge letters)."""
+    return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def openai_body(spec: RequestSpec, opts: ClientOptions) -> dict[str, Any]:
+    """vLLM's ``openai-chat`` / ``openai`` bench request: greedy, ``max_tokens`` the output length
+    (exact with ``ignore_eos``), usage in the stream."""
+    body: dict[str, Any] = {}
+    if opts.endpoint_path == CHAT_PATH:
+        body["messages"] = [{"role": "user", "content": prompt_text(spec.prompt)}]
+        body["max_completion_tokens"] = spec.output_len
+    else:
+        body["prompt"] = spec.prompt
+        body["max_tokens"] = spec.output_len
+    body.update(temperature=0.0, ignore_eos=opts.ignore_eos, stream=opts.stream)
+    if opts.stream:
+        body["stream_options"] = {"include_usage": True}
+    if opts.cache_salt:
+        body["cache_salt"] = opts.cache_salt
+    return body
+
+
 def build_body(spec: RequestSpec, request_id: str, opts: ClientOptions) -> dict[str, Any]:
     """The generate request for ``spec``: greedy, tokens in, ``max_tokens`` the output length
-    (exact with ``ignore_eos``)."""
+    (exact with ``ignore_eos``); on an OpenAI endpoint, :func:`openai_body`."""
+    if is_openai(opts):
+        return openai_body(spec, opts)
     return {
         "request_id": request_id,
         "token_ids": spec.prompt,
@@ -508,6 +544,8 @@ def _handle_event(data: str, opts: ClientOptions, record: RequestRecord, t: floa
     if "error" in obj:
         record.fail(FAIL_ERROR_EVENT, _describe_error(obj["error"]))
         return False
+    if is_openai(opts):
+        return _handle_openai_event(obj, opts, record, t)
     mode = obj.get("output_mode")
     if mode != opts.output_mode:
         record.fail(FAIL_OUTPUT_MODE, f"asked output_mode {opts.output_mode!r}, echo was {mode!r}")
@@ -533,6 +571,46 @@ def _handle_event(data: str, opts: ClientOptions, record: RequestRecord, t: floa
     return True
 
 
+def _openai_text(choice: dict[str, Any], opts: ClientOptions) -> str:
+    if opts.endpoint_path == CHAT_PATH:
+        key = "delta" if opts.stream else "message"
+        part = choice.get(key)
+        text = part.get("content") if isinstance(part, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _usage_tokens(obj: dict[str, Any]) -> int | None:
+    usage = obj.get("usage")
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _handle_openai_event(obj: dict[str, Any], opts: ClientOptions, record: RequestRecord, t: float) -> bool:
+    """One OpenAI chunk: an event with text is one chunk (TTFT at the first, ITL between them, as
+    vLLM's bench); the count of output tokens is the usage chunk's ``completion_tokens``."""
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        record.fail(FAIL_INVALID, "event without a choices list")
+        return False
+    n = _usage_tokens(obj)
+    if n is not None:
+        record.output_tokens = n
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            continue
+        if _openai_text(choice, opts):
+            if record.ttft_s is None:
+                record.ttft_s = t
+            record.chunk_times_s.append(t)
+            record.chunk_tokens.append(1)
+        reason = choice.get("finish_reason")
+        if reason is not None:
+            record.finish_reason = str(reason)
+    return True
+
+
 def _handle_json(raw: bytes, opts: ClientOptions, record: RequestRecord, start: float, end: float) -> None:
     try:
         obj = json.loads(raw)
@@ -544,6 +622,9 @@ def _handle_json(raw: bytes, opts: ClientOptions, record: RequestRecord, start: 
         return
     if "error" in obj:
         record.fail(FAIL_ERROR_EVENT, _describe_error(obj["error"]))
+        return
+    if is_openai(opts):
+        _handle_openai_json(obj, opts, record, start, end)
         return
     if obj.get("output_mode") != opts.output_mode:
         record.fail(
@@ -562,6 +643,25 @@ def _handle_json(raw: bytes, opts: ClientOptions, record: RequestRecord, start: 
         # The whole answer arrives at once: one chunk, so no ITL and no TTFT of its own.
         record.chunk_times_s.append(end - start)
         record.chunk_tokens.append(record.output_tokens)
+
+
+def _handle_openai_json(
+    obj: dict[str, Any], opts: ClientOptions, record: RequestRecord, start: float, end: float
+) -> None:
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        record.fail(FAIL_INVALID, "response without choices")
+        return
+    n = _usage_tokens(obj)
+    if n is None:
+        record.fail(FAIL_INVALID, "response without usage.completion_tokens")
+        return
+    record.output_tokens = n
+    reason = choices[0].get("finish_reason")
+    record.finish_reason = None if reason is None else str(reason)
+    if n:
+        record.chunk_times_s.append(end - start)
+        record.chunk_tokens.append(n)
 
 
 def _describe_error(err: object) -> str:

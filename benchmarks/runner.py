@@ -21,6 +21,7 @@ import aiohttp
 from benchmarks.cancel import CancelConfig, cancel_plans, ttft_penalty
 from benchmarks.client import (
     GENERATE_PATH,
+    OPENAI_PATHS,
     CancelPlan,
     ClientOptions,
     endpoint,
@@ -163,6 +164,12 @@ class BenchConfig:
             raise ConfigError("ready check timeout must be >= 0")
         if not self.endpoint_path.startswith("/"):
             raise ConfigError(f"endpoint must be a path starting with /: {self.endpoint_path!r}")
+        if self.endpoint_path in OPENAI_PATHS and self.two_hop is not None:
+            raise ConfigError("--two-hop sends generate requests; it does not go with an OpenAI --endpoint")
+        if self.endpoint_path in OPENAI_PATHS and self.cancel is not None and self.cancel.mode == "abort":
+            raise ConfigError(
+                "cancel mode abort names generate request ids; use disconnect on an OpenAI --endpoint"
+            )
         if not re.fullmatch(r"[A-Za-z0-9._:-]*", self.request_id_prefix):
             raise ConfigError("request id prefix may hold letters, digits and . _ : - only")
         if self.two_hop is not None and any(

@@ -17,6 +17,14 @@ from .admin import kv_free, kv_heartbeat, kv_pull, sim_faults, sim_state
 from .engine import KvPool, LeaseTable, Scheduler
 from .errors import InternalError, SimError
 from .metrics import SimMetrics
+from .openai import (
+    chat_completions,
+    chat_derender,
+    chat_render,
+    completions,
+    completions_derender,
+    completions_render,
+)
 from .serving import abort_requests, generate
 from .settings import SimSettings
 from .state import SIM, SimState, error_response, json_response, request_id_header
@@ -150,6 +158,12 @@ def build_app(settings: SimSettings | None = None) -> web.Application:
     app.router.add_post("/inference/v1/abort_requests", abort_requests)
     if settings.tokens_only:
         app.router.add_post("/abort_requests", abort_requests)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions/render", chat_render)
+    app.router.add_post("/v1/completions/render", completions_render)
+    app.router.add_post("/v1/chat/completions/derender", chat_derender)
+    app.router.add_post("/v1/completions/derender", completions_derender)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
