@@ -366,3 +366,60 @@ def build_dataset(cfg: DatasetConfig) -> list[RequestSpec]:
 
 def total_prompt_tokens(specs: Iterable[RequestSpec]) -> int:
     return sum(len(s.prompt) for s in specs)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """One multi-turn conversation: turn k's prompt is turn k-1's prompt + its answer + ``users[k]``,
+    turn 0's is ``system + users[0]``. The answers are known only once each turn is done."""
+
+    index: int
+    system: list[int]
+    users: list[list[int]]
+    output_len: int
+
+
+def multi_turn_dataset(
+    num_conversations: int,
+    turns: int,
+    user_len: int,
+    output_len: int,
+    *,
+    system_len: int = 0,
+    seed: int = 0,
+    vocab_min: int = DEFAULT_VOCAB_MIN,
+    vocab_max: int = DEFAULT_VOCAB_MAX,
+) -> list[Conversation]:
+    """``num_conversations`` conversations of ``turns`` turns, ``user_len`` new user tokens a turn,
+    all after one shared system prompt of ``system_len`` tokens (0: none)."""
+    if num_conversations < 1 or turns < 1 or user_len < 1 or output_len < 1 or system_len < 0:
+        raise DatasetError("multi-turn needs conversations, turns, user and output lengths >= 1, system >= 0")
+    if vocab_min < 0 or vocab_max < vocab_min:
+        raise DatasetError("need 0 <= vocab_min <= vocab_max")
+    rng = random.Random(f"{seed}:multi-turn")
+
+    def toks(n: int) -> list[int]:
+        return [rng.randint(vocab_min, vocab_max) for _ in range(n)]
+
+    system = toks(system_len)
+    return [
+        Conversation(i, system, [toks(user_len) for _ in range(turns)], output_len)
+        for i in range(num_conversations)
+    ]
+
+
+def interleaved_turns(conversations: Sequence[Conversation]) -> list[tuple[int, int]]:
+    """(conversation, turn) in the order they are issued when nothing waits: every conversation's
+    turn 0, then every conversation's turn 1, and so on."""
+    most = max((len(c.users) for c in conversations), default=0)
+    return [(c.index, t) for t in range(most) for c in conversations if t < len(c.users)]
+
+
+def next_turn_prompt(previous_prompt: list[int] | None, answer: Sequence[int], conv: Conversation,
+                     turn: int) -> list[int]:
+    """Turn ``turn``'s prompt from the previous turn's prompt and its actual answer."""
+    if turn == 0:
+        return conv.system + conv.users[0]
+    if previous_prompt is None:
+        raise DatasetError("a later turn needs the previous turn's prompt")
+    return previous_prompt + list(answer) + conv.users[turn]

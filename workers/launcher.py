@@ -7,7 +7,9 @@ CLI::
     pd-workers down [--state-file F]
     pd-workers status [--state-file F]
 
-``up`` gives every worker its own free HTTP port and (P/D roles) NIXL side-channel port, starts them all
+``up`` gives every worker its own free HTTP port and (P/D roles) NIXL side-channel port, and every
+prefill worker a KV-event PUB port and replay port (``--kv-events-config``; ``kv_events`` in the JSON,
+in the order of ``prefill``), starts them all
 (each in its own process group: vLLM spawns an engine process and a worker process under the API
 server), waits until each answers ``GET /health`` (bounded by ``--startup-timeout``), prints the URLs
 as one JSON object on stdout and writes the same object to the state file. It then stays in the
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -60,6 +63,7 @@ from kv_transfer.config import (
     with_inherited,
     worker_env,
 )
+from kv_transfer.kv_events import KvEventsConfig
 
 STATE_VERSION: Final = 1
 DEFAULT_STATE_FILE: Final = Path("run/pd-workers.json")
@@ -102,7 +106,10 @@ class ClusterSettings:
     dtype: str | None = None
     """None: ``float32`` on CPU, vLLM's default on CUDA."""
     max_model_len: int | None = None
-    """None: 512 on CPU, vLLM's default on CUDA."""
+    """None: 512 on CPU, vLLM's default on CUDA. Longer than a :mod:`workers.model` build's context:
+    a copy of the build with that context is made next to it (``<model>-ctx<N>``) and served."""
+    kv_events: bool = True
+    """Prefill workers publish their KV-cache events (a PUB and a replay port each, on ``host``)."""
     enforce_eager: bool | None = None
     """None: on for CPU (starts in half the time), vLLM's default on CUDA."""
     extra_args: tuple[str, ...] = ()
@@ -136,6 +143,8 @@ class Worker:
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     """Only the variables the launcher added to the inherited environment."""
+    kv_events: dict[str, str] | None = None
+    """Prefill workers: where their KV events are published (``endpoint``, ``replay_endpoint``, ``topic``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +296,55 @@ def _served_model_name(settings: ClusterSettings) -> str | None:
     return None
 
 
-def serve_command(settings: ClusterSettings, vllm_bin: Path, role: WorkerRole, http_port: int) -> list[str]:
+def kv_events_config(host: str, pub_port: int, replay_port: int) -> tuple[KvEventsConfig, dict[str, str]]:
+    """vLLM's ``--kv-events-config`` for a worker publishing on ``host``, and where to subscribe.
+
+    vLLM binds the PUB endpoint only when it holds ``*`` or ``::`` (else it connects), so an IPv4
+    address is given in its IPv6-mapped form, which binds that address only.
+    """
+    addr = f"[{host}]" if ":" in host else host
+    pub = f"tcp://{addr}:{pub_port}" if ":" in host else f"tcp://[::ffff:{host}]:{pub_port}"
+    config = KvEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=pub,
+        replay_endpoint=f"tcp://{addr}:{replay_port}",
+    )
+    return config, {
+        "endpoint": f"tcp://{addr}:{pub_port}",
+        "replay_endpoint": config.replay_endpoint or "",
+        "topic": config.topic,
+    }
+
+
+def context_model(model: Path, max_model_len: int | None) -> Path:
+    """The model folder to serve for ``max_model_len``: ``model`` itself, or, when it is a
+    :mod:`workers.model` build with a shorter context, a build with that context next to it
+    (made now if missing; the build is local and deterministic)."""
+    if max_model_len is None:
+        return model
+    try:
+        manifest = json.loads((model / TINY_MODEL_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return model
+    if not isinstance(manifest, dict) or "recipe_version" not in manifest:
+        return model
+    from workers import model as tiny  # noqa: PLC0415 (numpy, tokenizers: only for this)
+
+    if max_model_len <= tiny.max_position_of(manifest):
+        return model
+    variant = model.parent / f"{model.name}-ctx{max_model_len}"
+    tiny.build_model(variant, max_position=max_model_len)
+    return variant
+
+
+def serve_command(
+    settings: ClusterSettings,
+    vllm_bin: Path,
+    role: WorkerRole,
+    http_port: int,
+    kv_events: KvEventsConfig | None = None,
+) -> list[str]:
     """The ``vllm serve`` command line of one worker."""
     cpu = settings.device == "cpu"
     cmd = [
@@ -314,6 +371,8 @@ def serve_command(settings: ClusterSettings, vllm_bin: Path, role: WorkerRole, h
     kv = kv_transfer_config(role, device=settings.device, lease_seconds=settings.lease_seconds)
     if kv is not None:
         cmd += kv.cli_args()
+    if kv_events is not None:
+        cmd += ["--kv-events-config", kv_events.to_json()]
     cmd += settings.extra_args
     return cmd
 
@@ -404,6 +463,7 @@ class Cluster:
             "prefill": self.prefill_urls,
             "decode": self.decode_urls,
             "aggregated": self.aggregated_urls,
+            "kv_events": [w.kv_events for w in self.workers if w.role == "prefill"],
             "ready": True,
             "startup_seconds": round(self.startup_seconds, 1),
             "workers": [asdict(w) for w in self.workers],
@@ -472,8 +532,10 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
                 f"{settings.state_file} names {len(live)} running worker(s); run `pd-workers down` first"
             )
     vllm_bin = resolve_vllm_bin(settings.vllm_bin)
+    settings = dataclasses.replace(settings, model=context_model(settings.model, settings.max_model_len))
     plan = list(_plan(settings))
     n_ports = sum(1 if role == "aggregated" else 2 for role, _ in plan)
+    n_ports += 2 * sum(1 for role, _ in plan if role == "prefill" and settings.kv_events)
     ports = iter(free_ports(n_ports, settings.host))
     cores = settings.cpu_cores or _available_cores()
     settings.log_dir.mkdir(parents=True, exist_ok=True)
@@ -503,7 +565,10 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
             # Nothing can (or should) be fetched from a model hub; no usage reporting.
             for key, value in (("HF_HUB_OFFLINE", "1"), ("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1")):
                 env.setdefault(key, value)
-            cmd = serve_command(settings, vllm_bin, role, http_port)
+            events, events_where = None, None
+            if role == "prefill" and settings.kv_events:
+                events, events_where = kv_events_config(settings.host, next(ports), next(ports))
+            cmd = serve_command(settings, vllm_bin, role, http_port, events)
             log_path = settings.log_dir / f"{role}-{index}.log"
             with log_path.open("wb") as log:
                 proc = subprocess.Popen(
@@ -528,6 +593,7 @@ def start_cluster(settings: ClusterSettings) -> Cluster:
                     log=str(log_path.absolute()),
                     command=cmd,
                     env=added,
+                    kv_events=events_where,
                 )
             )
         if settings.state_file is not None:
@@ -653,7 +719,15 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_NIXL_PROGRESS_DELAY_US}; 0: NIXL's busy poll, a core per worker)",
     )
     up.add_argument("--dtype")
-    up.add_argument("--max-model-len", type=int)
+    up.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length (CPU default 512); longer than a `workers.model` build's: a copy of the "
+        "build with that context is made next to it (<model>-ctx<N>) and served",
+    )
+    up.add_argument(
+        "--no-kv-events", action="store_true", help="prefill workers publish no KV-cache events"
+    )
     up.add_argument(
         "--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)"
     )
@@ -691,6 +765,7 @@ def _up(args: argparse.Namespace) -> int:
         nixl_progress_delay_us=args.nixl_progress_delay_us,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        kv_events=not args.no_kv_events,
         extra_args=tuple(args.vllm_arg),
         startup_timeout=args.startup_timeout,
     )

@@ -20,7 +20,12 @@ A finished build ends by writing ``pd-model.json`` (the recipe version and the S
 a later build into the same folder that finds it, and finds every file with its recorded hash, does
 nothing.
 
-CLI: ``python -m workers.model build --out DIR [--force]`` and ``python -m workers.model check --out DIR``.
+``--max-position N`` builds the same model with a longer (or shorter) context: only
+``max_position_embeddings`` and ``model_max_length`` change (the rotary embedding has no table), and
+the manifest records ``max_position`` (left out at the default, so the default build is unchanged).
+
+CLI: ``python -m workers.model build --out DIR [--force] [--max-position N]`` and
+``python -m workers.model check --out DIR``.
 """
 
 from __future__ import annotations
@@ -158,7 +163,7 @@ def _weights() -> dict[str, np.ndarray[Any, np.dtype[np.float32]]]:
     return tensors
 
 
-def _config() -> dict[str, Any]:
+def _config(max_position: int = MAX_POSITION) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
@@ -171,7 +176,7 @@ def _config() -> dict[str, Any]:
         "hidden_size": HIDDEN_SIZE,
         "initializer_range": INIT_STD,
         "intermediate_size": INTERMEDIATE_SIZE,
-        "max_position_embeddings": MAX_POSITION,
+        "max_position_embeddings": max_position,
         "mlp_bias": False,
         "model_type": "llama",
         "num_attention_heads": NUM_HEADS,
@@ -191,14 +196,14 @@ def _generation_config() -> dict[str, Any]:
     return {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(max_position: int = MAX_POSITION) -> dict[str, Any]:
     return {
         "add_prefix_space": False,
         "bos_token": BOS,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "eos_token": EOS,
-        "model_max_length": MAX_POSITION,
+        "model_max_length": max_position,
         "pad_token": PAD,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
@@ -212,15 +217,15 @@ def _json_bytes(obj: object) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _file_bytes() -> dict[str, bytes]:
+def _file_bytes(max_position: int = MAX_POSITION) -> dict[str, bytes]:
     """Every file of the model folder, by name (the manifest excepted)."""
     return {
-        "config.json": _json_bytes(_config()),
+        "config.json": _json_bytes(_config(max_position)),
         "generation_config.json": _json_bytes(_generation_config()),
         "model.safetensors": save_safetensors(_weights(), metadata={"format": "pt"}),
         "special_tokens_map.json": _json_bytes(_special_tokens_map()),
         "tokenizer.json": _train_tokenizer_json().encode(),
-        "tokenizer_config.json": _json_bytes(_tokenizer_config()),
+        "tokenizer_config.json": _json_bytes(_tokenizer_config(max_position)),
     }
 
 
@@ -237,10 +242,18 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def is_complete(out: Path) -> bool:
-    """True when ``out`` holds a finished build of this recipe with every file matching its recorded hash."""
+def max_position_of(manifest: dict[str, Any]) -> int:
+    value = manifest.get("max_position", MAX_POSITION)
+    return value if isinstance(value, int) else MAX_POSITION
+
+
+def is_complete(out: Path, max_position: int = MAX_POSITION) -> bool:
+    """True when ``out`` holds a finished build of this recipe (and context length) with every file
+    matching its recorded hash."""
     manifest = read_manifest(out)
     if manifest is None or manifest.get("recipe_version") != RECIPE_VERSION:
+        return False
+    if max_position_of(manifest) != max_position:
         return False
     hashes = manifest.get("sha256")
     if not isinstance(hashes, dict) or set(hashes) != set(FILES):
@@ -262,21 +275,29 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def build_model(out: Path | str, *, force: bool = False) -> BuildResult:
+def build_model(out: Path | str, *, force: bool = False, max_position: int = MAX_POSITION) -> BuildResult:
     """Build the tiny Llama into ``out`` unless a complete build is already there (or ``force``)."""
+    if max_position < 1:
+        raise ValueError(f"max_position must be positive, got {max_position}")
     out = Path(out)
-    if not force and is_complete(out):
+    if not force and is_complete(out, max_position):
         manifest = read_manifest(out)
         assert manifest is not None
         return BuildResult(out=out, built=False, sha256=dict(manifest["sha256"]))
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     hashes: dict[str, str] = {}
-    for name, data in _file_bytes().items():
+    for name, data in _file_bytes(max_position).items():
         _write_atomic(out / name, data)
         hashes[name] = hashlib.sha256(data).hexdigest()
-    manifest = {"recipe_version": RECIPE_VERSION, "served_model_name": SERVED_MODEL_NAME, "sha256": hashes}
-    _write_atomic(out / MANIFEST_NAME, _json_bytes(manifest))
+    written: dict[str, Any] = {
+        "recipe_version": RECIPE_VERSION,
+        "served_model_name": SERVED_MODEL_NAME,
+        "sha256": hashes,
+    }
+    if max_position != MAX_POSITION:
+        written["max_position"] = max_position
+    _write_atomic(out / MANIFEST_NAME, _json_bytes(written))
     return BuildResult(out=out, built=True, sha256=hashes)
 
 
@@ -286,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     build = sub.add_parser("build", help="build the model folder (skipped when complete)")
     build.add_argument("--out", type=Path, required=True, help="model folder, e.g. .cache/tiny-llama")
     build.add_argument("--force", action="store_true", help="rebuild even when a complete build is there")
+    build.add_argument("--max-position", type=int, default=MAX_POSITION, help="context length (tokens)")
     check = sub.add_parser("check", help="exit 0 when the folder holds a complete build, 1 otherwise")
     check.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -293,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ok = is_complete(args.out)
         print(f"{args.out}: {'complete' if ok else 'missing or incomplete'}")
         return 0 if ok else 1
-    result = build_model(args.out, force=args.force)
+    result = build_model(args.out, force=args.force, max_position=args.max_position)
     if result.built:
         print(f"built {SERVED_MODEL_NAME} into {result.out}")
     else:

@@ -20,6 +20,7 @@ import pytest
 
 from kv_transfer.config import NIXL_PROGRESS_DIR
 from workers import launcher
+from workers import model as tiny
 from workers.launcher import ClusterSettings, LaunchError, start_cluster
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
@@ -353,3 +354,76 @@ def test_vllm_bin_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 def test_missing_model_folder_is_a_clear_error(fake_env: dict[str, Path]) -> None:
     with pytest.raises(LaunchError, match="does not exist"):
         start_cluster(_settings(fake_env, model=fake_env["tmp"] / "nope"))
+
+
+def test_prefill_workers_publish_kv_events_on_their_own_loopback_ports(fake_env: dict[str, Path]) -> None:
+    state_file = fake_env["tmp"] / "state.json"
+    settings = _settings(fake_env, prefill=2, decode=1, aggregated=1, state_file=state_file)
+    with start_cluster(settings) as cluster:
+        records = _records(fake_env)
+        described = cluster.describe()
+        where = described["kv_events"]
+        assert len(where) == 2
+        ports = {w.http_port for w in cluster.workers} | {
+            w.side_channel_port for w in cluster.workers if w.side_channel_port is not None
+        }
+        prefill = [w for w in cluster.workers if w.role == "prefill"]
+        for w, listed in zip(prefill, where, strict=True):
+            config = json.loads(_arg(records[w.http_port]["argv"], "--kv-events-config") or "")
+            pub_port = int(config["endpoint"].rsplit(":", 1)[1])
+            replay_port = int(config["replay_endpoint"].rsplit(":", 1)[1])
+            # vLLM binds the PUB endpoint only in this form; it is the IPv4 loopback only.
+            assert config == {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://[::ffff:127.0.0.1]:{pub_port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                "buffer_steps": 10000,
+                "hwm": 100000,
+                "max_queue_size": 100000,
+                "topic": "",
+            }
+            assert listed == {
+                "endpoint": f"tcp://127.0.0.1:{pub_port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                "topic": "",
+            }
+            assert pub_port not in ports and replay_port not in ports
+            ports |= {pub_port, replay_port}
+        assert len(ports) == 7 + 4
+        for w in cluster.workers:
+            if w.role != "prefill":
+                assert "--kv-events-config" not in records[w.http_port]["argv"]
+        state = json.loads(state_file.read_text())
+        assert state["kv_events"] == where
+        assert [w.kv_events for w in launcher.read_state(state_file) if w.role == "prefill"] == where
+
+
+def test_kv_events_can_be_turned_off(fake_env: dict[str, Path]) -> None:
+    with start_cluster(_settings(fake_env, prefill=1, decode=1, kv_events=False)) as cluster:
+        assert cluster.describe()["kv_events"] == [None]  # still one entry per prefill worker
+        assert all("--kv-events-config" not in r["argv"] for r in _records(fake_env).values())
+
+
+def test_max_model_len_beyond_the_tiny_models_context_serves_a_longer_context_copy(
+    fake_env: dict[str, Path],
+) -> None:
+    built = fake_env["tmp"] / "tiny"
+    tiny.build_model(built)
+    assert launcher.context_model(built, None) == built
+    assert launcher.context_model(built, tiny.MAX_POSITION) == built
+    assert launcher.context_model(fake_env["model"], 100_000) == fake_env["model"]  # not a build: as is
+    with start_cluster(_settings(fake_env, model=built, prefill=1, decode=0, max_model_len=4096)) as cluster:
+        variant = built.parent / "tiny-ctx4096"
+        assert cluster.model_dir == variant and cluster.describe()["model"] == str(variant)
+        (record,) = _records(fake_env).values()
+        assert record["argv"][1] == str(variant) and _arg(record["argv"], "--max-model-len") == "4096"
+        assert _arg(record["argv"], "--served-model-name") == "tiny-llama"
+    config = json.loads((variant / "config.json").read_text())
+    assert config["max_position_embeddings"] == 4096
+    assert json.loads((variant / "tokenizer_config.json").read_text())["model_max_length"] == 4096
+    assert tiny.is_complete(variant, 4096) and not tiny.is_complete(variant)
+    base, longer = tiny.read_manifest(built), tiny.read_manifest(variant)
+    assert base is not None and longer is not None and "max_position" not in base
+    for name in ("model.safetensors", "tokenizer.json"):  # same weights and tokenizer
+        assert base["sha256"][name] == longer["sha256"][name]

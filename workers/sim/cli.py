@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from .server import build_app
+from kv_transfer.kv_events import KvEventsConfig, KvEventsError
+
+from .server import KV_EVENTS, build_app
 from .settings import ROLES, Faults, SimSettings
 
 
@@ -50,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=4096)
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+        "\"replay_endpoint\": \"tcp://*:5558\"}': publish the prefix cache's KV events "
+        "(port 0 picks a free one; the bound endpoints are printed on stdout)",
+    )
     t = p.add_argument_group("timing")
     t.add_argument("--zero-latency", action="store_true", help="no simulated delays at all")
     t.add_argument("--prefill-base-ms", type=float, default=5.0)
@@ -137,7 +146,12 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         recompute_failed_pulls=args.recompute_failed_pulls,
         exit_after_requests=args.exit_after_requests,
     )
+    try:
+        kv_events = KvEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
+    except KvEventsError as e:
+        raise ValueError(str(e)) from None
     return SimSettings(
+        kv_events=kv_events,
         role=args.role,
         enable_scale_out=not args.tokens_only and not args.no_scale_out,
         tokens_only=args.tokens_only,
@@ -180,12 +194,15 @@ async def serve(settings: SimSettings, host: str, port: int) -> None:
         if isinstance(sock_addr, tuple):
             bound = int(sock_addr[1])
             break
-    print(
-        json.dumps(
-            {"event": "listening", "url": f"http://{host}:{bound}", "port": bound, "role": settings.role}
-        ),
-        flush=True,
-    )
+    listening = {"event": "listening", "url": f"http://{host}:{bound}", "port": bound, "role": settings.role}
+    publisher = app.get(KV_EVENTS)
+    if publisher is not None:
+        listening["kv_events"] = {
+            "endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+            "topic": publisher.config.topic,
+        }
+    print(json.dumps(listening), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -208,9 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvloop  # noqa: PLC0415
     except ImportError:  # pragma: no cover
-        asyncio.run(serve(settings, args.host, args.port))
+        run = asyncio.run
     else:
-        uvloop.run(serve(settings, args.host, args.port))
+        run = uvloop.run
+    try:
+        run(serve(settings, args.host, args.port))
+    except KvEventsError as e:  # the KV-event sockets could not be opened
+        print(f"pd-sim: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kv_transfer.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
 from .metrics import SimMetrics
 from .model import fold_all
 
@@ -25,10 +27,23 @@ class KvPool:
     """Block allocator with vLLM-style prefix caching.
 
     Block 0 is reserved (vLLM's null block). Full blocks are keyed by a chained hash of their
-    tokens; a freed block keeps its hash (so a later prompt can hit it) until it is reused.
+    tokens; a freed block keeps its hash (so a later prompt can hit it) until it is reused, the
+    least recently freed first, a request's last block before its first (as vLLM frees them).
+
+    With ``on_events``, every change of the set of cached hashes is reported as vLLM 0.32's KV
+    events, one batch per call that changed it: ``BlockStored`` for each run of consecutive blocks
+    of a prompt that entered the cache, ``BlockRemoved`` for each hash that left it (its block
+    reused), ``AllBlocksCleared`` on :meth:`reset`. Replaying the events gives exactly
+    :meth:`cached_hashes`. Hashes go out as 8 big-endian bytes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, on_change: Callable[[float], None]) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        on_change: Callable[[float], None],
+        on_events: Callable[[list[KVEvent]], None] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.capacity = num_blocks - 1
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
@@ -36,6 +51,8 @@ class KvPool:
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         self._on_change = on_change
+        self.on_events = on_events
+        self._events: list[KVEvent] = []
 
     @property
     def used(self) -> int:
@@ -47,6 +64,24 @@ class KvPool:
 
     def _notify(self) -> None:
         self._on_change(self.usage)
+        if self._events and self.on_events is not None:
+            events, self._events = self._events, []
+            self.on_events(events)
+        self._events.clear()
+
+    def cached_hashes(self) -> set[bytes]:
+        """The hashes a prompt can hit now, as the KV events name them."""
+        return {event_hash(h) for h in self._by_hash}
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every hash, unless a block is in use (then False)."""
+        if self._ref:
+            return False
+        self._by_hash.clear()
+        self._hash_of.clear()
+        self._events.append(AllBlocksCleared())
+        self._notify()
+        return True
 
     def block_hashes(self, tokens: Sequence[int], salt: str | None) -> list[int]:
         bs = self.block_size
@@ -84,6 +119,7 @@ class KvPool:
             self._free.pop(b, None)
             self._ref[b] = self._ref.get(b, 0) + 1
         blocks = list(hits)
+        stored: list[int] = []  # indexes of the blocks whose hash entered the cache
         for i in range(len(hits), total):
             b = self._take_fresh()
             if i < len(hashes):
@@ -91,15 +127,48 @@ class KvPool:
                 if old is None:
                     self._by_hash[hashes[i]] = b
                     self._hash_of[b] = hashes[i]
+                    stored.append(i)
             blocks.append(b)
+        self._stored_events(tokens, hashes, stored, salt)
         self._notify()
         return blocks, len(hits) * bs
+
+    def _stored_events(self, tokens: Sequence[int], hashes: list[int], stored: list[int],
+                       salt: str | None) -> None:
+        if self.on_events is None:
+            return
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._events.append(
+                BlockStored(
+                    block_hashes=[event_hash(hashes[i]) for i in run],
+                    parent_block_hash=event_hash(hashes[first - 1]) if first > 0 else None,
+                    token_ids=list(tokens[first * bs : (last + 1) * bs]),
+                    block_size=bs,
+                    lora_id=None,
+                    medium=MEDIUM_GPU,
+                    lora_name=None,
+                    # vLLM publishes the cache salt as the first block's extra key.
+                    extra_keys=[(salt,) if salt and i == 0 else None for i in run] if salt else None,
+                    group_idx=0,
+                )
+            )
 
     def _take_fresh(self) -> int:
         b, _ = self._free.popitem(last=False)
         old = self._hash_of.pop(b, None)
         if old is not None and self._by_hash.get(old) == b:
             del self._by_hash[old]
+            if self.on_events is not None:
+                self._events.append(BlockRemoved(block_hashes=[event_hash(old)], medium=MEDIUM_GPU,
+                                                 group_idx=0))
         self._ref[b] = 1
         return b
 
@@ -111,7 +180,7 @@ class KvPool:
         return b
 
     def free(self, blocks: Sequence[int]) -> None:
-        for b in blocks:
+        for b in reversed(blocks):
             n = self._ref.get(b, 0) - 1
             if n > 0:
                 self._ref[b] = n
@@ -119,6 +188,11 @@ class KvPool:
                 del self._ref[b]
                 self._free[b] = None
         self._notify()
+
+
+def event_hash(h: int) -> bytes:
+    """A pool hash as the KV events carry it."""
+    return h.to_bytes(8, "big")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .admin import kv_free, kv_heartbeat, kv_pull, sim_faults, sim_state
 from .engine import KvPool, LeaseTable, Scheduler
 from .errors import InternalError, SimError
+from .kv_events import SimKvEventPublisher
 from .metrics import SimMetrics
 from .openai import (
     chat_completions,
@@ -33,6 +34,7 @@ from .tokenizer import ByteTokenizer
 log = logging.getLogger("pd_sim")
 
 GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+KV_EVENTS = web.AppKey("pd_sim_kv_events", SimKvEventPublisher)
 
 
 def _api_key_ok(request: web.Request, api_key: str) -> bool:
@@ -120,6 +122,31 @@ async def models(request: web.Request) -> web.Response:
     )
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's ``POST /reset_prefix_cache``: 200 once the cache is empty, 400 while blocks are in use."""
+    if not request.app[SIM].pool.reset():
+        return json_response({"error": "prefix cache not reset: blocks are in use"}, 400)
+    return web.Response(status=200)
+
+
+async def _kv_events(app: web.Application) -> AsyncIterator[None]:
+    """The KV-event publisher (``--kv-events-config``), open while the app runs."""
+    st = app[SIM]
+    config = st.settings.kv_events
+    if config is None or not config.publishes:
+        yield
+        return
+    publisher = SimKvEventPublisher(config)
+    publisher.start()
+    app[KV_EVENTS] = publisher
+    st.pool.on_events = publisher.publish
+    try:
+        yield
+    finally:
+        st.pool.on_events = None
+        await publisher.aclose()
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     """Nothing to start; at shutdown: stop lease timers and background notifications, close the
     side-channel client session."""
@@ -173,5 +200,7 @@ def build_app(settings: SimSettings | None = None) -> web.Application:
     app.router.add_post("/sim/kv/pull", kv_pull)
     app.router.add_post("/sim/kv/free", kv_free)
     app.router.add_post("/sim/kv/heartbeat", kv_heartbeat)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(_kv_events)
     return app

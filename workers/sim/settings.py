@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kv_transfer.kv_events import KvEventsConfig
+
 Role = Literal["prefill", "decode", "aggregated"]
 
 ROLES: tuple[Role, ...] = ("prefill", "decode", "aggregated")
@@ -109,6 +111,8 @@ class SimSettings:
     kv_port: int | None = None
     engine_id: str | None = None
     allow_exit: bool = False
+    kv_events: KvEventsConfig | None = None
+    """vLLM's ``--kv-events-config``: publish the prefix cache's KV events over ZMQ."""
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
