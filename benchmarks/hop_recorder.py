@@ -18,6 +18,10 @@ recorder on the host shares), then, in ms after ``arrived``: ``body_read_ms`` (t
 chunk read from the upstream, in order), ``done_ms``; ``chunk_text`` (the answer's body as text,
 up to ``--max-text`` characters) keeps the stream's events for the reader.
 
+``--summarize P.jsonl D.jsonl`` prints, from the files of a recorder in front of a prefill worker
+and one in front of a decode worker, when each decode hop went after its prefill hop's answer and
+the side calls (anything but generate) per second to each worker (``hop_pairs``, ``side_calls``).
+
 On start it prints one JSON line, ``{"event": "listening", "url": ..., "upstream": ...}``.
 Each request is bounded by ``--timeout`` (s). Records are kept in memory only until written.
 """
@@ -28,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +52,7 @@ REDACTED: Final = frozenset({"authorization", "proxy-authorization"})
 AUTO_HEADERS: Final = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 """aiohttp's client adds these when absent: skipped, so that only the router's own go upstream."""
 DEFAULT_MAX_TEXT: Final = 1 << 20
+GENERATE_PATH: Final = "/inference/v1/generate"
 
 
 def redact(headers: Mapping[str, str]) -> list[list[str]]:
@@ -184,6 +190,70 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def _prompt(record: Mapping[str, Any]) -> tuple[int, ...] | None:
+    body = record.get("body")
+    if record.get("path") != GENERATE_PATH or not isinstance(body, dict):
+        return None
+    ids = body.get("token_ids")
+    return tuple(ids) if isinstance(ids, list) else None
+
+
+def hop_pairs(prefill: Sequence[Mapping[str, Any]],
+              decode: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each decode hop with the prefill hop of the same prompt (the last one before it), and when
+    it went (ms): ``d_after_p_last_ms`` (D's request arrived after P's last answer byte),
+    ``p_answer_ms`` (P's last byte after P's request), ``d_first_chunk_ms`` / ``d_last_chunk_ms``
+    (after D's request). Decode hops without a prefill hop (decode-only) are left out."""
+    by_prompt: dict[tuple[int, ...], list[Mapping[str, Any]]] = {}
+    for p in prefill:
+        key = _prompt(p)
+        if key is not None and p.get("chunks"):
+            by_prompt.setdefault(key, []).append(p)
+    out: list[dict[str, Any]] = []
+    for d in decode:
+        key = _prompt(d)
+        before = [p for p in by_prompt.get(key, []) if p["arrived"] <= d["arrived"]] if key else []
+        if not before or not d.get("chunks"):
+            continue
+        p = max(before, key=lambda r: r["arrived"])
+        p_last = p["arrived"] + p["chunks"][-1][0] / 1000.0
+        out.append({
+            "arrived": d["arrived"],
+            "p_answer_ms": p["chunks"][-1][0],
+            "d_after_p_last_ms": round((d["arrived"] - p_last) * 1000.0, 3),
+            "d_first_chunk_ms": d["chunks"][0][0],
+            "d_last_chunk_ms": d["chunks"][-1][0],
+        })
+    return out
+
+
+def side_calls(records: Sequence[Mapping[str, Any]], start: float, end: float) -> dict[str, float]:
+    """Calls other than generate per second, by ``METHOD path``, that arrived in [start, end)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if start <= r["arrived"] < end and r.get("path") != GENERATE_PATH:
+            name = f"{r['method']} {str(r['path']).split('?')[0]}"
+            counts[name] = counts.get(name, 0) + 1
+    span = max(end - start, 1e-9)
+    return {k: counts[k] / span for k in sorted(counts)}
+
+
+def summary(prefill: Sequence[Mapping[str, Any]], decode: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Median and largest of each ``hop_pairs`` figure, and each worker's side calls per second
+    over the span of both files."""
+    pairs = hop_pairs(prefill, decode)
+    out: dict[str, Any] = {"pairs": len(pairs)}
+    for name in ("p_answer_ms", "d_after_p_last_ms", "d_first_chunk_ms", "d_last_chunk_ms"):
+        xs = [p[name] for p in pairs]
+        out[name] = {"p50": statistics.median(xs), "max": max(xs)} if xs else None
+    times = [r["arrived"] for r in (*prefill, *decode)]
+    if times:
+        start, end = min(times), max(times)
+        out["side_calls_per_s"] = {"prefill": side_calls(prefill, start, end),
+                                   "decode": side_calls(decode, start, end)}
+    return out
+
+
 async def serve(host: str, port: int, upstream: str, out: Path, *, timeout_s: float, max_text: int,
                 stop: asyncio.Event) -> None:
     with out.open("a") as fh:
@@ -204,14 +274,21 @@ async def serve(host: str, port: int, upstream: str, out: Path, *, timeout_s: fl
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.hop_recorder",
                                 description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--listen", type=int, required=True, help="port (0: the OS picks; printed)")
+    p.add_argument("--listen", type=int, help="port (0: the OS picks; printed)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--upstream", required=True, help="the worker's base URL")
-    p.add_argument("--out", type=Path, required=True, help="JSON lines file (appended to)")
+    p.add_argument("--upstream", help="the worker's base URL")
+    p.add_argument("--out", type=Path, help="JSON lines file (appended to)")
+    p.add_argument("--summarize", nargs=2, type=Path, metavar=("PREFILL.jsonl", "DECODE.jsonl"),
+                   help="instead of serving: print the hop timings and side calls of two record files")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--max-text", type=int, default=DEFAULT_MAX_TEXT,
                    help="characters of each answer's body kept in chunk_text")
     a = p.parse_args(argv)
+    if a.summarize:
+        print(json.dumps(summary(read_records(a.summarize[0]), read_records(a.summarize[1])), indent=1))
+        return 0
+    if a.listen is None or a.upstream is None or a.out is None:
+        p.error("--listen, --upstream and --out are required (or --summarize)")
 
     async def run() -> None:
         import signal  # noqa: PLC0415

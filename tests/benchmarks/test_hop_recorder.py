@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from benchmarks.hop_recorder import build_app, read_records
+from benchmarks.hop_recorder import build_app, hop_pairs, read_records, side_calls
 from benchmarks.sim_stack import free_port
 
 GENERATE = "/inference/v1/generate"
@@ -164,3 +164,29 @@ async def test_a_client_gone_mid_stream_closes_the_hop_and_is_recorded(
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("the worker still runs the request 10 s after its client went")
+
+
+def hop(path: str, arrived: float, prompt: list[int] | None, chunks: list[list[float]],
+        method: str = "POST") -> dict[str, Any]:
+    body = None if prompt is None else {"token_ids": prompt}
+    return {"method": method, "path": path, "arrived": arrived, "body": body, "chunks": chunks}
+
+
+def test_hop_pairs_matches_each_decode_hop_to_its_prompts_last_prefill_hop() -> None:
+    p = [hop(GENERATE, 100.0, [5, 6], [[200.0, 10]]),       # a first try of prompt [5, 6]
+         hop(GENERATE, 101.0, [5, 6], [[300.0, 10]]),       # its retry: last byte at 101.3
+         hop(GENERATE, 100.0, [7], [[50.0, 10]]),
+         hop("/health", 100.5, None, [])]
+    d = [hop(GENERATE, 101.302, [5, 6], [[20.0, 5], [90.0, 5]]),
+         hop(GENERATE, 100.1, [9], [[1.0, 5]])]             # decode-only: no prefill hop
+    (pair,) = hop_pairs(p, d)
+    assert pair["p_answer_ms"] == 300.0
+    assert pair["d_after_p_last_ms"] == pytest.approx(2.0, abs=1e-3)
+    assert (pair["d_first_chunk_ms"], pair["d_last_chunk_ms"]) == (20.0, 90.0)
+
+
+def test_side_calls_counts_what_is_not_a_generate_hop_per_second() -> None:
+    recs = [hop("/health", 10.0 + i, None, [], "GET") for i in range(4)]
+    recs += [hop("/metrics?x=1", 11.0, None, [], "GET"), hop(GENERATE, 11.0, [3], []),
+             hop("/health", 20.0, None, [], "GET")]  # outside the window
+    assert side_calls(recs, 10.0, 14.0) == {"GET /health": 1.0, "GET /metrics": 0.25}
