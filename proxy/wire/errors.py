@@ -1,19 +1,6 @@
-"""The proxy's one exception tree, mapped once to vLLM's error JSON and an HTTP status.
-
-``ProxyError``
-├── ``ClientError``            the request is wrong (400), nothing was sent anywhere
-│   ├── ``InvalidRequest``     FastAPI-style validation failure (``type: "Bad Request"``)
-│   └── ``BadRequest``         vLLM's own checks (``type: "BadRequestError"``)
-│   ├── ``PayloadTooLarge``    the body passed ``--max-body-bytes`` (413, never read further)
-│   └── ``BodyTimeout``        the body did not arrive within ``--body-timeout`` (408)
-├── ``Unauthorized``           missing/wrong API key: 401 ``{"error":"Unauthorized"}`` as vLLM
-└── ``UpstreamError``          a worker failed; names the hop ("prefill"/"decode") and the worker
-    ├── ``UpstreamStatusError``   the worker answered an error status (4xx passes through unchanged,
-    │                             5xx becomes a 502)
-    ├── ``UpstreamUnavailable``   transport failure: 502
-    ├── ``UpstreamTimeout``       no answer in time: 504
-    └── ``UpstreamProtocolError`` a 2xx reply the proxy cannot use (bad JSON, no KV params,
-                                  wrong ``output_mode`` echo, stream ended early): 502
+"""The proxy's one exception tree (``ProxyError``), mapped once to vLLM's error JSON and an HTTP
+status by ``error_middleware``: ``ClientError`` (the request is wrong, nothing was sent),
+``UpstreamError`` (a worker failed: its 4xx passes through, else 502/504), and a few others.
 """
 
 from __future__ import annotations
@@ -89,7 +76,7 @@ class BadRequest(ClientError):
 
 class PayloadTooLarge(ClientError):
     status = 413
-    err_type = HTTPStatus(413).phrase  # vLLM's HTTPException handler: the status phrase
+    err_type = HTTPStatus(413).phrase
 
 
 class BodyTimeout(ClientError):
@@ -103,8 +90,7 @@ class BodyTimeout(ClientError):
 
 
 class HTTPBadRequest(ClientError):
-    """A 400 as vLLM's ``HTTPException`` handler writes it (the status phrase as ``type``): the
-    abort endpoint's."""
+    """The abort endpoint's 400, as vLLM's ``HTTPException`` handler writes it."""
 
     err_type = HTTPStatus(400).phrase
 
@@ -207,17 +193,12 @@ class StreamOverflow(ProxyError):
     err_type = "ServiceUnavailableError"
 
 
-# --------------------------------------------------------------------------------------------
-# The one place where anything a handler raises becomes a response
-
 log = logging.getLogger("pd_proxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def http_exception_response(exc: web.HTTPException) -> web.StreamResponse:
-    """aiohttp's own HTTP errors as vLLM (FastAPI/starlette) answers them: an unknown path or
-    method is starlette's ``{"detail": ...}``; anything else vLLM's error JSON with the status
-    phrase as ``type`` (its ``http_exception_handler``)."""
+    """aiohttp's own HTTP errors as vLLM (FastAPI/starlette) answers them."""
     if exc.status in (404, 405):
         resp = json_response({"detail": HTTPStatus(exc.status).phrase}, exc.status)
         if exc.status == 405 and "Allow" in exc.headers:
@@ -229,9 +210,8 @@ def http_exception_response(exc: web.HTTPException) -> web.StreamResponse:
 
 
 def malformed_http_response(status: int, exc: BaseException | None) -> web.Response:
-    """A request aiohttp's parser refused (a malformed head, a bad chunk): vLLM's error shape,
-    naming the parser's error class only, never its message (it quotes the request's bytes,
-    which may hold a key); the connection is closed after it, as aiohttp does."""
+    """A request aiohttp's parser refused, in vLLM's shape: the parser's error class only, never
+    its message (it quotes the request's bytes, which may hold a key)."""
     what = f" ({type(exc).__name__})" if exc is not None else ""
     body = error_body(f"malformed HTTP request{what}", HTTPStatus(status).phrase, status)
     resp = json_response(body, status)
@@ -241,23 +221,18 @@ def malformed_http_response(status: int, exc: BaseException | None) -> web.Respo
 
 ErrorHook = Callable[[web.Request, "ProxyError"], None]
 ON_ERROR: web.AppKey[ErrorHook] = web.AppKey("on_error")
-"""App key: called with every ``ProxyError`` a handler raised, before it is answered (the app
-counts failed generate calls there)."""
+"""App key: called with every ``ProxyError`` a handler raised, before it is answered."""
 
 
 def log_unexpected(e: BaseException, doing: str) -> None:
-    """An error nobody expected, logged with its type and frames (code locations) but not its
-    message: messages can quote request values."""
+    """Log an unexpected error's type and frames, never its message (it can quote request values)."""
     log.error("unexpected %s while %s\n%s", type(e).__name__, doing,
               "".join(traceback.format_tb(e.__traceback__)).rstrip())
 
 
 def answer_error(request: web.Request, e: Exception) -> web.StreamResponse:
-    """What a handler's exception becomes: every error in vLLM's shape (``ProxyError``s counted
-    through the app's ``ON_ERROR`` hook), an unexpected exception a logged (method, path and type
-    only: never the body) generic 500, not aiohttp's text. Re-raises what is not an error answer:
-    an ``HTTPException`` under 400 (a redirect) and ``ConnectionResetError``. The error middleware
-    and the lean front of the generate and abort calls (``proxy.http.lean``) both answer through it."""
+    """A handler's exception in vLLM's shape (anything unexpected: a logged, generic 500).
+    Re-raises an ``HTTPException`` under 400 and ``ConnectionResetError``."""
     if isinstance(e, ProxyError):
         on_error = request.app.get(ON_ERROR)
         if on_error is not None:
@@ -275,8 +250,7 @@ def answer_error(request: web.Request, e: Exception) -> web.StreamResponse:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Outermost middleware: every error leaves in vLLM's shape (``answer_error``). Handlers and
-    the walk raise; this is where errors become answers (and are counted). Cancellation passes."""
+    """Outermost middleware: every error leaves in vLLM's shape (``answer_error``)."""
     try:
         return await handler(request)
     except Exception as e:

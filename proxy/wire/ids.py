@@ -1,16 +1,6 @@
-"""Request ids: what a client may name a request, and the id the workers know it by.
-
-vLLM takes any string as a request id (the ``X-Request-Id`` header, else the body's
-``request_id``). The proxy puts the id in worker requests, log lines, metrics exemplars and abort
-fan-outs, so it accepts only ids that are safe in all of them: 1 to ``MAX_ID_CHARS`` characters
-(letters, digits and ``-_.:@+=/``; no spaces, quotes, control characters or
-non-ASCII). Anything else is a 400 before any hop, never a 500 and never a forged log line.
-
-With several tenants (``proxy.config.tenants``), the workers know a request as ``<tag>~<id>``: the
-tenant's tag, then the client's id (``~`` is not a client character, so a namespaced id never
-equals a client's). Two tenants may use the same id at once, and an abort (or its broadcast to
-every worker) built from one tenant's id can only reach that tenant's requests. Responses are
-written with the client's own id (``Rewrite``), as a single vLLM server would.
+"""Request ids: only ids safe in worker requests, logs, exemplars and aborts are accepted (else a
+400). With several tenants the workers know a request as ``<tag>~<id>`` (``~`` is not a client
+character, so tenants never reach each other's requests); clients see their own id (``Rewrite``).
 """
 
 from __future__ import annotations
@@ -33,9 +23,7 @@ def is_valid_id(value: str) -> bool:
 
 
 def client_request_id(header: str | None, body_id: str | None) -> str | None:
-    """The client's id for a generate call (header first, as vLLM), checked; ``None`` when the
-    client named none (an empty id counts as none). Raises ``BadRequest`` (400) for an id the
-    proxy will not carry."""
+    """The client's id (header first, as vLLM), or ``None``; ``BadRequest`` for an unsafe id."""
     if header:
         value, where = header, "X-Request-Id"
     elif body_id:
@@ -50,8 +38,7 @@ def client_request_id(header: str | None, body_id: str | None) -> str | None:
 
 
 def new_client_id() -> str:
-    """A request's id when the client named none: 128 random bits in hex, as ``uuid4().hex``
-    (unguessable: an id is what an abort names) without building a ``UUID`` (3.1 -> 0.9 us)."""
+    """A request's id when the client named none: unguessable, since an abort names it."""
     return os.urandom(16).hex()
 
 
@@ -61,9 +48,8 @@ def upstream_id(tag: str, client_id: str) -> str:
 
 
 def abortable_id(engine_id: str) -> str | None:
-    """The client part of an id named in an abort call, when it can be a vLLM generate id of
-    this proxy (``generate-tokens-`` and a valid id); ``None`` for anything else (vLLM accepts
-    such ids and aborts nothing: neither does the proxy, and it sends them nowhere)."""
+    """The client part of an id named in an abort call, or ``None`` when it cannot be a generate
+    id of this proxy (sent nowhere: vLLM aborts nothing for it either)."""
     if not engine_id.startswith(GENERATE_PREFIX):
         return None
     rest = engine_id[len(GENERATE_PREFIX):]
@@ -72,8 +58,8 @@ def abortable_id(engine_id: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Rewrite:
-    """Replace the namespaced engine id with the client's in bytes sent to the client (every
-    place a worker writes the id is the JSON string ``"generate-tokens-<id>"``)."""
+    """Replace the namespaced engine id (always the JSON string ``"generate-tokens-<id>"``) with the
+    client's in bytes sent to the client."""
 
     upstream: bytes
     client: bytes

@@ -1,38 +1,11 @@
-"""Generate bodies validated before, known again by their bytes: the parse and the model
-validation skipped for a body that differs from one that passed only in its prompt's token ids
-(and its ``request_id``).
+"""Generate bodies that differ from one that passed validation only in their top-level
+``token_ids`` (and a plain-string ``request_id``) reuse its parse and model, those values replaced.
 
-Clients send the same request shape again and again: the same sampling parameters, output mode
-and stream flag around a new prompt. A body is cut at the value of its top-level ``token_ids``
-(and of a top-level ``request_id`` written as a plain string); what is left, with the content type,
-is the key. A body whose key is known is one whose JSON differs from a body that passed every
-check only in those values, so it passes the same checks: its parse is the known body's parse with
-those two values replaced, and its model the known model with the same two fields replaced. So
-``get`` answers with copies of the known ones (the token ids parsed from their own text, by the
-JSON parser), and the checks that depend on the ids (their number) are the caller's, run for every
-body.
-
-What makes the replacement exact:
-
-* a key is cut only where its one occurrence in the body is that top-level key: the body has no
-  ``\\u`` escape and the key's quoted name once (``protocol.unique_key_end``: a quote inside a
-  JSON string is escaped, so no other text of the body can be it), and the known body's parse
-  has that top-level key (``token_ids`` is required; ``request_id`` is checked when it is added);
-* a value is cut only when it is of a form whose every instance passes where the known one did:
-  ``token_ids`` an array of digits, commas and spaces that the JSON parser reads as one or more
-  integers (non-negative, none a float, a string or a bool: ``list[int]``, at least one, its
-  validator's ``min >= 0``), ``request_id`` a string of printable ASCII without a quote or a
-  backslash (``str``; no escape, no surrogate, nothing for the body checks to refuse);
-* nothing else in the body differs (the rest of its bytes are the key), so its depth, its other
-  keys and values, the client transfer-parameter check, the cross-field checks (``output_mode``
-  and ``detokenize``, ``SamplingParams``) give what they gave.
-
-Only successes are kept: an error is always answered by the full path, byte for byte vLLM's. The
-known parses are shared by the requests that hit them, read-only: the walk copies a body before it
-changes one (``kv_transfer.handoff``, the first-token seed, migration); each request gets its own
-top-level dict and model. Bounded: ``size`` keys of at most ``max_key`` bytes (all dropped when
-a new one finds them full), each kept without the ids it came with; a body over ``max_key`` once
-cut is never kept.
+Exact because: a key is cut only where its one occurrence is the top-level key
+(``protocol.unique_key_end``); a value is cut only in a form every instance of which passes
+(ids: digits, commas and spaces parsing to one or more ints; request id: printable ASCII without
+quote or backslash); every other byte is the cache key. Only successes are kept; known parses are
+shared read-only (callers copy before changing a body). Bounded by ``size`` and ``max_key``.
 """
 
 from __future__ import annotations
@@ -48,8 +21,7 @@ from proxy.wire.token_ids import TokenIds, ids_span
 _WS: Final = rb"[ \t\n\r]*"  # JSON's whitespace
 _RID_KEY: Final = b'"request_id"'
 _IDS_CHARS: Final = b"0123456789, "
-"""What the array may hold (the JSON parser says if it is an array of integers): checked by
-deleting them (``bytes.translate``, 0.5 ms at 1 MiB; a regex took 3.9)."""
+"""What the array may hold (the JSON parser then says if it is an array of integers)."""
 _RID_AT: Final = re.compile(_WS + b":" + _WS + rb'("[\x20\x21\x23-\x5b\x5d-\x7e]*")')
 """After the key: a string of printable ASCII without a quote or a backslash."""
 
@@ -85,10 +57,8 @@ _RESTING_EVERY = 16
 
 
 class KnownBodies:
-    """The validated parses of recent bodies, by their keys (``cut``). Clients whose bodies
-    differ in more than their ids (a seed or a length per request) would pay for the cut and
-    gain nothing: after ``size`` misses in a row only one body in ``_RESTING_EVERY`` is cut (and
-    kept when it passes), until one of them is known again."""
+    """The validated parses of recent bodies, by their keys (``cut``); after ``size`` misses in a
+    row only one body in ``_RESTING_EVERY`` is cut, until one is known again."""
 
     def __init__(self, size: int = 256, max_key: int = 4096) -> None:
         self.size, self.max_key = size, max_key
@@ -109,9 +79,7 @@ class KnownBodies:
         return cut(body, content_type)
 
     def get(self, probe: Probe) -> tuple[GenerateRequest, dict[str, Any]] | None:
-        """The model and parse of the body ``probe`` was cut from (``parse_generate_body``'s, with
-        ``data["token_ids"]`` a ``TokenIds`` carrying the body's own text), or None when its key
-        is not known or its ids are not what they must be (the full path answers it)."""
+        """``parse_generate_body``'s answer for the body ``probe`` was cut from, or None."""
         key, ids_text, rid_text = probe
         known = self._known.get(key)
         if known is None:
@@ -141,8 +109,7 @@ class KnownBodies:
             return  # the one "request_id" of the text is not the top-level key's
         known = self._known
         if len(known) >= self.size and key not in known:
-            known.clear()  # shapes come back in one request each: cheaper than an order kept
-        # Kept without the ids (each hit brings its own): an entry's size is its key's order.
+            known.clear()
         kept = req.__copy__()
         kept.__dict__["token_ids"] = []
         template = dict(data)

@@ -1,32 +1,5 @@
-"""Large generate bodies, parsed without stalling the event loop for the other streams.
-
-``json.loads`` and pydantic's validation run in C/Rust without a break: a 16 MiB body of prompt
-token ids held the loop for 300-900 ms on an idle 2-core VM (every stream of the process stood
-still), and the list of a million ``int`` objects it made cost more when collected and freed. A body
-over ``LARGE_BODY_BYTES`` whose bulk is its top-level ``token_ids`` array, written as plain ids, is
-parsed here instead:
-
-* the array's text is found with byte searches (no regex pass over the body), and cut out: the
-  rest of the body (everything else, normally a few hundred bytes) is parsed and validated as
-  usual, with a random placeholder string in its place, which must come out as the body's own
-  ``token_ids`` (not a nested key, a key spelled with escapes or ending in ``"token_ids``, or a
-  key written again later);
-* the array's text is parsed in slices of about ``SLICE_BYTES``, cut at commas, the loop given
-  back between slices (about 0.25 ms of CPU each for ids written as 3-digit numbers). A slice
-  must be written only with digits, commas and JSON's blanks, and read by pydantic-core's parser
-  as ints below 2**63; a long run with no comma (blanks around one value) is one value;
-* the ids are kept packed (``PackedTokenIds``: an ``array('q')`` and the array's text, which the
-  hop bodies carry as it came), so no million-object list is made, traversed by the collector or
-  freed at once, and no ids are encoded again;
-* a prompt longer than ``max_tokens`` (``--max-prompt-tokens``) is counted to its end without
-  being kept, and refused once the rest of the body passed vLLM's model: the 400 the proxy's own
-  check gives it after the one-go parse, with the same count.
-
-Whatever this path is not certain to answer as the one-go parse does (any JSON error, any
-validation error, an array it cannot slice, ids as strings, floats or of 2**63 and more, an empty
-array, a body whose own ``token_ids`` it did not find) is decided by ``protocol.parse_generate_body``
-on the whole body, in one go: every answer, accept or refuse, is that parse's.
-"""
+"""Large generate bodies parsed without stalling the loop: ``token_ids`` read in slices and kept
+packed. Anything this path cannot answer exactly as ``protocol.parse_generate_body`` goes to it."""
 
 from __future__ import annotations
 
@@ -55,8 +28,7 @@ Buffer = bytes | bytearray
 
 
 class PackedTokenIds(Sequence[int]):
-    """A large prompt's token ids: packed machine ints, and the array's JSON text as the client
-    wrote it (``json``, spliced into the hop bodies as ``upstream.TokenIds`` is). Never mutated."""
+    """A large prompt's token ids, packed, with the client's text of the array. Never mutated."""
 
     __slots__ = ("_ids", "_text")
 
@@ -80,8 +52,7 @@ class PackedTokenIds(Sequence[int]):
         return iter(self._ids)
 
     def json(self) -> bytes | memoryview:
-        """The array's text (a view of the client's body: nothing is copied until a hop body is
-        made of it)."""
+        """The array's text (a view of the client's body)."""
         return self._text
 
     def __repr__(self) -> str:
@@ -98,10 +69,8 @@ def prompt_too_long(limit: int, count: int) -> VLLMValidationError:
 async def parse_large_generate_body(
         body: Buffer, content_type: str, *, max_tokens: int | None = None,
         slice_bytes: int = SLICE_BYTES) -> tuple[GenerateRequest, dict[str, Any]]:
-    """``protocol.parse_generate_body`` for a large body, yielding to the loop between slices
-    where it can (see the module); the same request or error in every case. ``max_tokens``: a
-    longer prompt of a body that passes vLLM's model is refused as the proxy's own check refuses
-    it (``prompt_too_long``, with its count)."""
+    """``protocol.parse_generate_body`` for a large body, yielding between slices: the same
+    request or error in every case; a prompt over ``max_tokens`` gets ``prompt_too_long``."""
     sliced = await _sliced(body, content_type, max_tokens, slice_bytes)
     if sliced is None:
         return parse_generate_body(bytes(body), content_type)  # decided in one go
@@ -136,9 +105,8 @@ async def _sliced(body: Buffer, content_type: str, max_tokens: int | None,
 
 
 def _ids_span(body: Buffer) -> tuple[int, int] | None:
-    """``(start, end)`` of the largest ``"token_ids": [ ... ]`` array (``body[start] == b"["``,
-    ``body[end - 1] == b"]"``, the first ``]`` after the ``[``) among the first few; None when
-    there is none. Only a candidate: ``_parse_rest`` checks that it is the body's own."""
+    """``(start, end)`` of the largest ``"token_ids": [...]`` array among the first few, or None.
+    Only a candidate: ``_parse_rest`` checks that it is the body's own."""
     best: tuple[int, int] | None = None
     at = body.find(_IDS_KEY)
     seen = 0
@@ -163,10 +131,7 @@ def _ids_span(body: Buffer) -> tuple[int, int] | None:
 
 
 def _parse_rest(body: Buffer, start: int, end: int) -> dict[str, Any] | None:
-    """The body with a placeholder string in place of ``body[start:end]``, parsed (it is small):
-    its object, when it parsed and the placeholder is the value of its top-level ``token_ids``
-    (so that ``body[start:end]`` is that value's text); else None. The placeholder is a fresh
-    random string the client cannot have written."""
+    """The body parsed with a random placeholder for ``body[start:end]``, if it is ``token_ids``."""
     sentinel = b'"pd-token-ids-' + secrets.token_hex(16).encode() + b'"'
     try:
         rest_data = loads_bounded(bytes(body[:start] + sentinel + body[end:]))
@@ -186,9 +151,7 @@ class _Ids:
 
 
 async def _read_ids(body: Buffer, lo: int, hi: int, slice_bytes: int, max_tokens: int | None) -> _Ids | None:
-    """The array's text between its brackets (``body[lo:hi]``), read slice by slice, the loop
-    given back between them; None unless it is a non-empty array of ints in [0, 2**63) written
-    with digits, commas and blanks."""
+    """The ids of ``body[lo:hi]`` read slice by slice; None unless plain ints in [0, 2**63)."""
     ids = _Ids()
     a = lo
     while True:
@@ -213,8 +176,6 @@ def _next_cut(body: Buffer, a: int, hi: int, slice_bytes: int) -> int:
     slice longer than twice ``slice_bytes`` holds no comma."""
     cut = body.find(b",", a + slice_bytes, hi) if a + slice_bytes < hi else -1
     if (cut if cut >= 0 else hi) - a > 2 * slice_bytes:
-        # No comma for a long way after this slice: end it at its own last comma, so that the
-        # long run becomes a piece of its own, with no comma at all.
         back = body.rfind(b",", a, a + slice_bytes)
         if back >= 0:
             cut = back
@@ -222,14 +183,11 @@ def _next_cut(body: Buffer, a: int, hi: int, slice_bytes: int) -> int:
 
 
 def _slice_ids(piece: Buffer, slice_bytes: int, *, whole: bool) -> array[int] | None:
-    """The ids of one slice (the values between two cuts at commas, ``whole``: the array's whole
-    text), packed; None unless they are ints in [0, 2**63) in valid JSON."""
+    """The ids of one slice, packed; None unless ints in [0, 2**63) in valid JSON."""
     if piece.translate(None, _PLAIN):
         return None
     if len(piece) > 2 * slice_bytes:
-        # No comma in it (see the cuts): blanks around one value, or an error. Only the value is
-        # parsed; ``bytes.split`` skips the blanks (``strip`` is ten times slower) and, the piece
-        # being plain, splits only at JSON's blanks.
+        # No comma in it: blanks around one value, or an error.
         parts = piece.split(None, 1)
         if len(parts) > 1:
             return None
@@ -243,9 +201,7 @@ def _slice_ids(piece: Buffer, slice_bytes: int, *, whole: bool) -> array[int] | 
 
 
 def _validated_rest(rest_data: dict[str, Any]) -> GenerateRequest | None:
-    """The request validated by vLLM's model with one id in place of the array (whose ids, once
-    read, are non-empty ints >= 0, which the model takes whatever the rest holds); None when it
-    fails."""
+    """The request validated with ``[0]`` for the ids (valid ids pass whatever the rest holds)."""
     rest_data["token_ids"] = [0]
     try:
         return GenerateRequest.model_validate(rest_data)

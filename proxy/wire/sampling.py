@@ -1,7 +1,4 @@
-"""vLLM's ``SamplingParams`` as the proxy validates them: the same pydantic schema shape as vLLM's
-msgspec class (``is-instance | typed-dict`` union) and the same checks as its ``__post_init__`` /
-``_verify_args``, in the same order with the same messages (a ``VLLMValidationError``: a 400
-``BadRequestError``). Used by ``protocol.GenerateRequest``."""
+"""vLLM's ``SamplingParams`` checks, in vLLM's order with its messages (``VLLMValidationError``)."""
 
 from __future__ import annotations
 
@@ -19,11 +16,8 @@ _MAX_N_SEQUENCES = 16384
 
 
 class SamplingParams:
-    """The sampling parameters of a request, validated like vLLM's msgspec ``SamplingParams``
-    (same pydantic schema shape: ``is-instance | typed-dict`` union, then ``_verify_args``).
-
-    ``values`` holds the validated values of the keys the client sent (plus nothing else).
-    """
+    """A request's sampling parameters, validated as vLLM's msgspec ``SamplingParams``; ``values``
+    holds only the keys the client sent."""
 
     __slots__ = ("values",)
 

@@ -1,5 +1,4 @@
-"""A prompt's token ids as they travel: their JSON text found in the client's body, made once, and
-spliced into both hop bodies."""
+"""A prompt's token ids as they travel: their JSON text made once, spliced into both hop bodies."""
 
 from __future__ import annotations
 
@@ -16,10 +15,8 @@ _IDS_OPEN = re.compile(rb"\s*:\s*\[")
 
 
 def ids_span(body: bytes) -> tuple[int, int] | None:
-    """Where the text of the one ``token_ids`` key's array is in a JSON body: from its ``[`` to
-    past the first ``]`` after it (the whole array when it is flat), or None when the key cannot
-    be told apart for certain (``protocol.unique_key_end``) or no array follows it. In a body
-    whose parse has that key at the top level, it is the top-level array."""
+    """``[`` to past the first ``]`` of the one ``token_ids`` key's array, or None when the key
+    cannot be told apart for certain (``protocol.unique_key_end``) or no array follows it."""
     end = unique_key_end(body, _IDS_KEY)
     found = _IDS_OPEN.match(body, end) if end is not None else None
     if found is None:
@@ -29,18 +26,14 @@ def ids_span(body: bytes) -> tuple[int, int] | None:
 
 
 def ids_text(body: bytes) -> bytes | None:
-    """The JSON text of the top-level ``token_ids`` array in a request body that parsed and
-    validated (so that key exists and holds a flat array), or None (``ids_span``)."""
+    """The text of the top-level ``token_ids`` array of a validated body, or None."""
     span = ids_span(body)
     return body[span[0]:span[1]] if span is not None else None
 
 
 class TokenIds(list[int]):
-    """A request's prompt token ids, their JSON text made once: the prefill and the decode hop
-    bodies both carry them (with ``json.dumps``, encoding 128 ids took about as long as the rest
-    of a hop's client-side work; 4,096 ids took about 190 us). ``text``: the client's own text of the
-    array (``ids_text``), forwarded as it came, so that nothing is encoded at all. Never
-    mutated once made (migration builds new lists)."""
+    """A prompt's token ids with their JSON text made once (or the client's own ``text``) for both
+    hop bodies. Never mutated once made."""
 
     __slots__ = ("_json",)
 
@@ -55,13 +48,11 @@ class TokenIds(list[int]):
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
-    """A hop body as JSON, ``TokenIds`` (or ``large_body.PackedTokenIds``) spliced in from their
-    cached text."""
+    """A hop body as JSON, ``TokenIds`` or ``PackedTokenIds`` spliced in from their cached text."""
     ids: TokenIds | PackedTokenIds | None = body.get("token_ids")
     kind = type(ids)
     if ids is None or (kind is not TokenIds and kind is not PackedTokenIds):
         return hop_json(body)
     rest = dict(body)
     del rest["token_ids"]
-    # One join: ``a + b + c`` copies a large array's text once per ``+`` (17 ms at 16 MiB).
     return b"".join((hop_json(rest)[:-1], b',"token_ids":' if rest else b'"token_ids":', ids.json(), b"}"))

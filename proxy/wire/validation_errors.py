@@ -1,7 +1,5 @@
-"""vLLM's validation errors: the two exceptions a request's validation raises, and vLLM's wording
-of pydantic's errors (``vllm/entrypoints/serve/exception_handling``) into the message and
-``param`` of the 400 it answers. ``proxy.wire.errors`` maps both to HTTP. Imports nothing of the
-project (shared by ``protocol``, ``sampling`` and ``large_body``)."""
+"""vLLM's two validation exceptions, and its wording of pydantic's errors into a 400's message
+and ``param``. Imports nothing of the project."""
 
 from __future__ import annotations
 
@@ -103,9 +101,8 @@ def sanitize_message(message: str) -> str:
 
 
 def format_validation_errors(errors: list[Any], *, total: int | None = None) -> RequestValidationError:
-    """Build the 400 that vLLM's ``validation_exception_handler`` would send for ``errors``
-    (FastAPI-style dicts whose ``loc`` starts with ``"body"``, or plain strings). ``total``: how
-    many errors there were when ``errors`` holds only the first of them."""
+    """The 400 vLLM's ``validation_exception_handler`` sends for ``errors``; ``total``: how many
+    there were when ``errors`` holds only the first."""
     param: str | None = None
     if errors:
         first = errors[0]
