@@ -1,5 +1,4 @@
-"""A worker's answer to a control call (probe, abort, scrape, model length) read up to a bound:
-a broken or hostile worker cannot make the proxy hold more than the bound."""
+"""A worker's answer to a control call read up to a bound, whatever the worker sends."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ class AnswerTooLarge(aiohttp.ClientPayloadError):
 
 
 async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """``resp``'s body, never holding more than ``limit`` bytes of it (plus aiohttp's read buffer):
-    ``AnswerTooLarge`` past it, the connection closed rather than returned to the pool."""
+    """``resp``'s body up to ``limit`` bytes, else ``AnswerTooLarge`` (the connection closed)."""
     length = resp.content_length
     if length is None or length <= limit:
         body = bytearray()

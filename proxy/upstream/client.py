@@ -1,9 +1,6 @@
-"""The transport seam: every byte the proxy exchanges with a worker goes through ``Upstream``.
-
-The generate hops go through ``proxy.upstream.hop.HopClient`` (a lean HTTP/1.1 keep-alive pool, see
-there why); aborts and health probes through one pooled ``aiohttp.ClientSession``. Both are
-created and closed by the app's ``cleanup_ctx``. A timeout on every call, and transport errors
-translated once into the ``proxy.wire.errors.UpstreamError`` tree, naming the hop and the worker.
+"""The transport seam: every byte the proxy exchanges with a worker goes through ``Upstream``
+(generate hops on ``hop.HopClient``, control calls on one aiohttp session), with a timeout on
+every call and transport errors translated once into ``UpstreamError``s naming hop and worker.
 """
 
 from __future__ import annotations
@@ -59,9 +56,8 @@ _LIMIT_FLAGS = {"head": "--max-upstream-header-bytes", "body": "--max-upstream-b
 
 
 def _failed(hop: str, worker: str, e: BaseException, doing: str) -> UpstreamError:
-    """A hop's transport failure as the proxy's error: an answer that broke HTTP/1.1 or passed a
-    limit is the worker's protocol error (502, not retried: it would repeat); a reset, a refused
-    or lost connection is ``doing`` (``unreachable``, ``connection lost``, ``stream broken``)."""
+    """A hop's transport failure as the proxy's error: broken HTTP/1.1 or a passed limit is the
+    worker's protocol error (502, not retried); a reset or lost connection is ``doing``."""
     if isinstance(e, HopTooLarge):
         return UpstreamProtocolError(hop, worker, f"answered {e} ({_LIMIT_FLAGS[e.part]})")
     if isinstance(e, HopProtocolError) and not isinstance(e, HopDisconnected):
@@ -82,7 +78,7 @@ class Upstream:
         """The abort sent before a stale hop goes out again (``open``): at most this long."""
         self._count_resend = count_resend
         self.on_decode: DecodeObserver | None = None
-        """Told of each decode hop (``proxy.observe.local_prefill``: what D should compute itself)."""
+        """Told of each decode hop (what D should compute itself)."""
         self._headers = {"Content-Type": "application/json"}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         if api_key:
@@ -90,7 +86,6 @@ class Upstream:
         self._hop_headers = header_lines({**self._headers, "User-Agent": f"pd-proxy/{__version__}"})
 
     def _timeout(self, total: float) -> aiohttp.ClientTimeout:
-        # ClientTimeout is immutable: build each one once (a handful per process).
         timeout = self._timeouts.get(total)
         if timeout is None:
             timeout = self._timeouts[total] = aiohttp.ClientTimeout(
@@ -99,19 +94,12 @@ class Upstream:
 
     async def open(self, hop: str, worker: str, body: dict[str, Any], *, request_id: str,
                    total: float | None, sock_read: float | None = None, stream: bool = False) -> HopResponse:
-        """POST a generate body and return the response once its headers arrived (status 2xx).
+        """POST a generate body; the response once its 2xx head arrived (the caller ``close()``s
+        it). ``total`` bounds the exchange, ``sock_read`` each wait for bytes. Error statuses are
+        read (within the error limit) and raised.
 
-        ``total`` bounds the whole exchange (the body's reading included), ``sock_read`` each
-        wait for bytes; ``stream``: a 2xx body is read as it arrives (``pipe``), not bounded as a
-        whole (``HopClient.limits``). The caller owns the response (``close()`` it). Error
-        statuses are read (within the error body's limit) and raised.
-
-        A kept-alive connection that ends with no answer byte once the request went out
-        (``HopStale``): the worker most likely closed it idle and never read the request, but
-        it may have. The request goes out once more, on another connection, only after the
-        worker answered an abort of its id (any copy it read is ended, and vLLM ignores the
-        abort of an id it does not have); counted (``count_resend``). When that abort fails,
-        the hop fails as a disconnect.
+        A ``HopStale`` hop is sent once more only after the worker answered an abort of its id (so
+        any copy it read is ended); when that abort fails, the hop fails as a disconnect.
         """
         if hop == "decode" and self.on_decode is not None:
             self.on_decode(worker, body)
@@ -190,9 +178,7 @@ class Upstream:
 
     async def pipe(self, hop: str, worker: str, resp: HopResponse, sink: Callable[[bytes], bool]) -> None:
         """The body of a streaming response to ``sink`` as it arrives, until it ends or the sink
-        returns False (``HopResponse.pipe``: no task woken per read); the hop's failures
-        translated (a stall: ``UpstreamTimeout``; a reset: ``UpstreamUnavailable``; broken
-        framing: ``UpstreamProtocolError``), the sink's own raised as they are."""
+        returns False; the hop's failures translated, the sink's own raised as they are."""
         try:
             await resp.pipe(sink)
         except SinkError as e:

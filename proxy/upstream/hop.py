@@ -1,41 +1,6 @@
-"""The HTTP/1.1 client of the generate hops: one keep-alive pool per process, lean per call.
-
-Every generate call the proxy makes (the prefill hop, the decode hop, stream or not) goes through
-``HopClient``; the low-volume control calls (aborts, health probes, metrics scrapes) stay on
-aiohttp's ``ClientSession``. Why not aiohttp here too: ``python -m benchmarks.internals.hop_cost`` measured
-its client at about 150 µs of CPU per sequential hop against about 55 µs for a bare HTTP/1.1
-exchange with the same JSON work, and every request makes two hops: on a warm run that was a
-third of the proxy's CPU per request. The hops need little of a general client: one method, one
-content type, no cookies, redirects, proxies, compression or multipart. What they do need is here:
-
-* a keep-alive pool per worker (``scheme://host:port``), idle connections dropped after
-  ``keepalive`` seconds (under vLLM's 5 s) and at the first sign the worker closed them; a
-  pooled socket is polled just before reuse (readable means EOF, a reset or stray bytes: closed,
-  never written to). A POST is never sent twice here: a reused connection that ends with no
-  answer byte once the request went out raises ``HopStale`` (the worker most likely closed it
-  idle, but it may have read the request; ``Upstream`` sends it again only after aborting it);
-* at most ``max_per_host`` connections open per worker (connecting, in use, idle); a hop beyond
-  waits for one to come back or close, at most the connect timeout;
-* a connect timeout (``HopConnectTimeout``; a connect whose timeout the process itself overslept,
-  its event loop stalled well past it, is tried once more: the kernel may have connected it
-  meanwhile), a deadline for the whole exchange, a limit on each wait for bytes and one on
-  each wait for the worker to take request bytes (``write_timeout``, no progress);
-* answers framed by ``Content-Length``, chunked encoding or the connection's end, the body read
-  whole or as it arrives, with back-pressure (reading pauses while 1 MiB waits unread). Framing
-  is strict: a Content-Length is 1 to 18 ASCII digits (one value), a chunk size 1 to 16 hex
-  digits (extensions ignored), every line ends with CRLF, a head holds no control character,
-  nothing else; anything malformed is a ``HopProtocolError`` and closes the connection. An answer
-  with both Transfer-Encoding and Content-Length is read as chunked and its connection closed
-  after it (RFC 9112 6.3). Every answer is bounded (``limits``): its head, a non-stream 2xx body,
-  any other status's body; past a limit the parser stops at once (``HopTooLarge``, a
-  ``HopProtocolError``) and the connection is closed. The connection and its parser are
-  ``proxy.upstream.hop_wire``; the pool, the limits and the answers' reading are here;
-* TLS through the standard library (``ssl=`` context; ``https://`` workers);
-* a connection whose answer was not read to its end is closed, never reused: closing it is what
-  tells vLLM the caller left.
-
-Errors are the standard ones (``OSError``, ``TimeoutError``, ``HopProtocolError``); ``Upstream``
-turns them into the proxy's error tree.
+"""The HTTP/1.1 client of the generate hops: a keep-alive pool per worker, capped at
+``max_per_host``. A POST is never sent twice here (``HopStale``); a connection whose answer was
+not read to its end is closed, never reused: that is what tells vLLM the caller left.
 """
 
 from __future__ import annotations
@@ -62,14 +27,11 @@ from proxy.upstream.hop_wire import (
 LINGER = 1.0
 """How long a released answer's connection waits for the end of its framing."""
 _MAX_ORIGINS = 4096
-"""Cached URL parses (workers come and go through the admin API; the cache is bounded)."""
 
 
 class HopStale(HopDisconnected):
-    """A kept-alive connection ended before any byte of the answer, after (some of) the request
-    was written to it. Most likely the worker had closed it idle and never read the request, but
-    it may have read it: the client does not send it again by itself (``Upstream`` does, once the
-    worker aborted any copy it read)."""
+    """A kept-alive connection ended before any answer byte, after the request went out. The
+    worker may have read it: only ``Upstream`` sends it again, once any copy was aborted."""
 
 
 class HopConnectTimeout(TimeoutError):
@@ -77,15 +39,12 @@ class HopConnectTimeout(TimeoutError):
 
 
 _STALL = 0.25
-"""How far past a connect's timeout the loop must first notice it for the connect to be tried
-again: the process stood still (a loaded host, a throttled container), not the worker."""
+"""How far past a connect's timeout a stalled loop must notice it for the connect to be retried."""
 
 
 class HopResponse:
-    """An answer whose status line and headers arrived; the body is read through it.
-
-    ``close()`` (always call it) puts a fully read connection back in the pool and closes any
-    other."""
+    """An answer whose head arrived. ``close()`` (always call it) pools a fully read connection
+    and closes any other."""
 
     __slots__ = ("_client", "_conn", "_deadline", "_read_limit", "headers", "status")
 
@@ -115,10 +74,8 @@ class HopResponse:
             await conn.wait(read_until(conn.loop, self._deadline, self._read_limit))
 
     async def pipe(self, sink: Callable[[bytes], bool]) -> None:
-        """The rest of the body to ``sink`` as it arrives (``HopConnection.pipe``: called in the
-        loop turn the bytes came in, no task woken per read), until it ends or the sink returns
-        False. What the sink raises is raised here as a ``SinkError``; the connection's failures
-        and ``TimeoutError`` as they are."""
+        """The rest of the body to ``sink`` as it arrives, until it ends or the sink returns False;
+        what the sink raises comes out as a ``SinkError``."""
         conn = self._conn
         if conn is None:
             return
@@ -139,16 +96,13 @@ class HopResponse:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def close(self) -> None:
-        """Done with the answer: a connection that carried it whole goes back to the pool, any
-        other is closed (the worker sees the caller leave)."""
+        """Done: a connection that carried the answer whole is pooled, any other closed."""
         conn, self._conn = self._conn, None
         if conn is not None:
             self._client.release(conn)
 
     def release(self) -> None:
-        """Done with the answer, whose content has all arrived (a stream's ``[DONE]``): the
-        connection waits up to ``LINGER`` seconds for the end of the framing (the last chunk)
-        and then goes back to the pool; ``close()`` would close it."""
+        """Done with an answer whose content all arrived: pooled once its framing ends (``LINGER``)."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -167,22 +121,17 @@ class HopClient:
                  limits: AnswerLimits | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.limits = limits if limits is not None else AnswerLimits()
-        """What one answer may hold (head, non-stream body, error body)."""
         self.max_per_host = max_per_host
-        """Connections open to one worker at most (connecting, in use and idle; 0: no cap). A hop
-        beyond it waits for one to come back to the pool or close, at most the connect timeout."""
+        """Connections open to one worker at most (0: no cap); a hop beyond waits for one."""
         self.write_timeout = connect_timeout if write_timeout is None else write_timeout
-        """Longest wait for a worker to take more of a request's bytes (default: the connect
-        timeout): a worker that stops reading a request fails its hop, it does not hold it."""
+        """Longest wait for a worker to take more request bytes."""
         self.keepalive = keepalive
         self._ssl = ssl_context
         self._loop = loop
         self.origin = functools.lru_cache(maxsize=_MAX_ORIGINS)(parse_origin)
-        """``parse_origin``, each URL parsed once."""
         self._idle: dict[str, list[HopConnection]] = {}
         self._in_use: set[HopConnection] = set()
         self._open: dict[str, int] = {}
-        """Per worker: connections counted against ``max_per_host``."""
         self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
         """Per worker: hops waiting for a connection (first come, first woken)."""
         self._closed = False
@@ -199,12 +148,8 @@ class HopClient:
     async def request(self, url: str, path: str, headers: bytes, body: bytes, *,
                       deadline: float | None, read_limit: float | None = None,
                       stream: bool = False) -> HopResponse:
-        """POST ``body`` to ``url + path`` with ``headers`` (complete ``Name: value\\r\\n`` lines,
-        Host and Content-Length added here). Returns once the status and headers arrived.
-
-        ``deadline`` (loop time) bounds the whole exchange, body included; ``read_limit`` each
-        wait for bytes (the headers' included). ``stream``: a 2xx body is taken as it arrives
-        (``HopResponse.pipe``), not bounded by ``limits.body``."""
+        """POST ``body`` (``headers``: complete ``Name: value\\r\\n`` lines); returns at the head.
+        ``stream``: a 2xx body is taken as it arrives, not bounded by ``limits.body``."""
         if self._closed:
             raise HopDisconnected("the hop client is closed")
         origin = self.origin(url)
@@ -228,8 +173,7 @@ class HopClient:
             self._drop(conn)
             if reused and isinstance(e, HopDisconnected | ConnectionResetError | BrokenPipeError) \
                     and not conn.got_bytes:
-                # Most likely closed idle as the request went out, but the worker may have
-                # read it: not sent again here (``HopStale``).
+                # The worker may have read it: never sent again here.
                 raise HopStale("the worker closed a kept-alive connection before answering") from None
             raise
         status, hdrs = conn.head
@@ -246,8 +190,7 @@ class HopClient:
         return await self._connect(origin, deadline)
 
     def _take_idle(self, key: str) -> HopConnection | None:
-        """A pooled connection to reuse: fresh, kept-alive, and not closed by the worker (the
-        kernel is asked: ``HopConnection.stale``). Others are closed on the way."""
+        """A pooled connection to reuse (fresh and not closed by the worker); others are closed."""
         idle = self._idle.get(key)
         if idle:
             now = self.loop.time()
@@ -266,8 +209,7 @@ class HopClient:
         return limit
 
     async def _wait_for_one(self, origin: Origin, deadline: float | None) -> HopConnection:
-        """At the cap: wait for a connection to come back to the pool (reused) or to close (a new
-        one is opened), at most the connect timeout and never past ``deadline`` (``TimeoutError``)."""
+        """At the cap: wait for a connection to be pooled or closed, within the connect timeout."""
         key, cap, loop = origin.key, self.max_per_host, self.loop
         until = loop.time() + self._limit(deadline)
         waiters = self._waiters.setdefault(key, deque())
@@ -294,7 +236,6 @@ class HopClient:
                 return conn
             if self._open.get(key, 0) < cap:
                 return await self._connect(origin, deadline)
-            # another hop took it first: wait again (the same bound)
             waiters = self._waiters.setdefault(key, deque())
 
     def _wake(self, key: str) -> None:
@@ -323,9 +264,7 @@ class HopClient:
                     await self._open_socket(conn, sslctx, until)
                     break
                 except TimeoutError:
-                    # Noticed only long after the timeout: the loop stood still, and a connect the
-                    # kernel completed meanwhile lost to the timer (it takes a few loop turns to
-                    # finish). Once more, within what is left of the hop's deadline.
+                    # The loop stood still: the connect may have lost to the timer. Once more.
                     limit = self._limit(deadline)
                     if not tries_left or self.loop.time() - until < _STALL or limit <= 0:
                         raise HopConnectTimeout(f"not connected within {asked:.3g} s") from None

@@ -1,23 +1,5 @@
-"""The answers of the generate hops: one HTTP/1.1 answer parsed at a time, with strict framing.
-
-``_Answer`` is the parsing half of ``proxy.upstream.hop_wire.HopConnection``: a small state machine over
-the answer's bytes (status line, headers, then a body framed by ``Content-Length``, chunked
-encoding or the connection's end) that queues the body's bytes for the caller, pausing the
-socket while 1 MiB waits unread. Framing is strict: a status is 3 digits in 100-599 after
-``HTTP/1.x``, a Content-Length 1 to 18 ASCII digits (one value), a chunk size 1 to 16 hex digits
-(extensions ignored), every line of the head, of the chunk framing and of the trailer ends with
-CRLF (a CR or LF alone anywhere in them is an error as soon as it arrives), and the head holds no
-control character but HTAB (aiohttp refuses to write one, and RFC 9110 5.5 forbids them);
-anything malformed is a ``HopProtocolError`` and closes the connection. An answer with both
-Transfer-Encoding and Content-Length is read as chunked and its connection not reused after it
-(RFC 9112 6.3).
-
-Every answer is bounded (``AnswerLimits``): its head (interim answers and the trailer count as
-head), and its body, a 2xx body by the request's limit (none for a stream, which the caller
-takes as it arrives), any other by the error limit. A Content-Length over the limit is refused
-at the head, a chunk that would take the body past it at its size line, a body read to the
-connection's end at the read that passes it: the parser never holds more than the limit.
-"""
+"""One HTTP/1.1 answer of a generate hop parsed at a time, with strict framing (RFC 9112) and
+bounded (``AnswerLimits``): anything malformed or too large is a ``HopProtocolError``."""
 
 from __future__ import annotations
 
@@ -29,33 +11,26 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 MAX_HEAD = 64 * 1024
-"""Largest head (status line and headers, interim answers and the trailer included) accepted from a
-worker by default."""
+"""Largest head (interim answers and the trailer included) accepted from a worker by default."""
 MAX_BODY = 64 * 1024 * 1024
-"""Largest 2xx body of a non-stream answer accepted by default."""
 MAX_ERROR_BODY = 1024 * 1024
-"""Largest body of an answer that is not 2xx accepted by default."""
 _READ_PAUSE = 1 << 20
 """Body bytes buffered unread before the socket stops being read."""
 
 _MAX_LENGTH_DIGITS = 18
-"""Longest Content-Length accepted (just under 1 EB; plain ASCII digits, nothing else)."""
+"""Longest Content-Length accepted (plain ASCII digits)."""
 _MAX_CHUNK_DIGITS = 16
-"""Longest chunk size accepted (hex digits, nothing else)."""
 _HEX_SIZE = re.compile(rb"[0-9A-Fa-f]{1,%d}" % _MAX_CHUNK_DIGITS)
 _BAD_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
-"""In a head (searched on its own slice): a control character but HTAB, or a CR or LF that is not
-part of a CRLF."""
+"""In a head: a control character but HTAB, or a CR or LF that is not part of a CRLF."""
 _MAX_CHUNK_LINE = 4096
-"""Longest chunk-size or trailer line accepted."""
 _FRAMING = ("content-length", "transfer-encoding")
 
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 
 
 class HopProtocolError(Exception):
-    """The worker broke HTTP/1.1 framing or an answer's limits (or closed mid-answer:
-    ``HopDisconnected``)."""
+    """The worker broke HTTP/1.1 framing or an answer's limits."""
 
 
 class HopDisconnected(HopProtocolError, ConnectionError):
@@ -63,8 +38,7 @@ class HopDisconnected(HopProtocolError, ConnectionError):
 
 
 class HopTooLarge(HopProtocolError):
-    """An answer's head or body passed its limit (``AnswerLimits``): ``part`` says which
-    (``head``, ``body`` or ``error``, the body of an answer that is not 2xx)."""
+    """An answer's head or body passed its limit: ``part`` is ``head``, ``body`` or ``error``."""
 
     def __init__(self, part: str, limit: int) -> None:
         what = {"head": "a head", "body": "a body", "error": "an error body"}[part]
@@ -84,8 +58,7 @@ def _bad_head(found: re.Match[bytes]) -> HopProtocolError:
 
 @dataclass(frozen=True, slots=True)
 class AnswerLimits:
-    """What one answer may hold, in bytes: its head (``head``), its body when it is 2xx
-    (``body``; a stream's is not bounded: see ``_Answer.begin_answer``) and when it is not (``error``)."""
+    """What one answer may hold, in bytes: head, 2xx body (a stream's is not bounded), other body."""
 
     head: int = MAX_HEAD
     body: int = MAX_BODY
@@ -97,8 +70,7 @@ class AnswerLimits:
 
 
 def _status_line(line: bytes) -> tuple[int, bytes]:
-    """The status and the HTTP version of an answer's first line (strict: ``HTTP/1.x`` and a
-    3-digit status in 100-599)."""
+    """The status and HTTP version of an answer's first line (strict)."""
     parts = line.split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
         raise HopProtocolError("an answer that is not HTTP/1.x")
@@ -116,10 +88,7 @@ _SEEN_LINES = 32
 
 
 def _header_lines(lines: list[bytes], seen: dict[bytes, tuple[str, str]]) -> dict[str, str]:
-    """An answer's headers, names lower-cased; a framing header twice (but the same
-    Content-Length) is an error: where the answer ends would not be known (RFC 9112 6.3).
-    ``seen``: lines read before on the connection and their reading (a worker sends the same
-    few lines with every answer: its server's name, the content type, the date of the second)."""
+    """An answer's headers, names lower-cased; a repeated framing header is an error (RFC 9112 6.3)."""
     headers: dict[str, str] = {}
     for raw in lines:
         known = seen.get(raw)
@@ -141,8 +110,7 @@ def _header_lines(lines: list[bytes], seen: dict[bytes, tuple[str, str]]) -> dic
 
 
 def _body_framing(status: int, headers: dict[str, str]) -> tuple[int, int, bool]:
-    """How the body after an answer's head is framed: the parser's next state, the length of a
-    Content-Length body, and whether the framing lets the connection be reused after it."""
+    """The parser's next state, the Content-Length, and whether the connection may be reused."""
     encoding = headers.get("transfer-encoding")
     length = headers.get("content-length")
     if status in (204, 304):
@@ -150,8 +118,7 @@ def _body_framing(status: int, headers: dict[str, str]) -> tuple[int, int, bool]
     if encoding is not None:
         if encoding.lower() != "chunked":
             raise HopProtocolError(f"an unsupported transfer encoding ({encoding})")
-        # Both: chunked wins (RFC 9112 6.3), and the connection is not reused after it (the two
-        # framings may have been read differently on the way).
+        # Both: chunked wins, and the connection is not reused (RFC 9112 6.3).
         return _CHUNK_SIZE, 0, length is None
     if length is not None:
         if not (len(length) <= _MAX_LENGTH_DIGITS and length.isascii() and length.isdigit()):
@@ -162,9 +129,7 @@ def _body_framing(status: int, headers: dict[str, str]) -> tuple[int, int, bool]
 
 
 def _chunk_size(line: bytes) -> int:
-    """A chunk-size line's size: 1 to 16 hex digits, optionally followed by chunk extensions
-    (``;name[=value]``, whitespace allowed before each ``;``, RFC 9112 7.1.1) that are ignored.
-    No sign, no ``0x``, no ``_``, no whitespace elsewhere: anything else is a protocol error."""
+    """A chunk-size line's size: 1 to 16 hex digits, extensions ignored (RFC 9112 7.1.1)."""
     digits, semi, extensions = line.partition(b";")
     if semi:
         if b"\r" in extensions or b"\n" in extensions:
@@ -176,9 +141,7 @@ def _chunk_size(line: bytes) -> int:
 
 
 class _Answer(asyncio.Protocol):
-    """The parsing half of a ``HopConnection``: one answer at a time, its status line and headers
-    (``head``) and its body queued (``_body``) as slices of the reads, reading paused while too
-    much of it is queued; each answer within ``limits``."""
+    """One answer at a time: its head, and its body queued as slices of the reads, within ``limits``."""
 
     def __init__(self, limits: AnswerLimits | None = None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -193,25 +156,19 @@ class _Answer(asyncio.Protocol):
         self._reading_paused = False
         self._seen: dict[bytes, tuple[str, str]] = {}
         self._stream = False
-        """The answer's 2xx body is a stream, taken as it arrives: not bounded (``begin_answer``)."""
         self._head_left = self.limits.head
-        """Head bytes the answer may still send (interim answers and the trailer included)."""
         self._body_left = _UNBOUNDED
-        """Body bytes the answer may still send (set from its status: ``_parse_head``)."""
 
     def begin_answer(self, *, stream: bool) -> None:
-        """A new answer is due: its head first; ``stream``: a 2xx body is a stream (taken as it
-        arrives by the caller, so not bounded; a body of any other status is)."""
+        """A new answer is due; ``stream``: a 2xx body is taken as it arrives (not bounded)."""
         self._state = _HEAD
         self.head = None
         self._pending = b""
         self._stream = stream
         self._head_left = self.limits.head
 
-    # -- parsing: a state machine over the answer (``_state``), one step per state. A step reads
-    # ``data`` from ``pos`` and returns where it stopped: ``end`` once it kept an unfinished line
-    # for the next read (``_pending``) or met bytes past the answer. Body bytes are queued as
-    # slices of the read (the whole read when it is all body), never copied byte by byte.
+    # Parsing: one step per ``_state``; a step reads ``data`` from ``pos`` and returns where it
+    # stopped (``end`` once it kept an unfinished line in ``_pending``).
 
     def _feed(self, data: bytes) -> None:
         if self._pending:
@@ -222,8 +179,7 @@ class _Answer(asyncio.Protocol):
             pos = steps[self._state](self, data, pos, end)
 
     def _on_head(self, data: bytes, pos: int, end: int) -> int:
-        """The status line and headers, once all of them are here; refused as soon as they pass
-        the head's limit or hold what no head may (``_BAD_HEAD``; a CR last may be half a CRLF)."""
+        """The status line and headers, refused as soon as they pass the limit or hold a bad byte."""
         mark = data.find(b"\r\n\r\n", pos)
         if mark < 0:
             if end - pos > self._head_left:
@@ -242,8 +198,7 @@ class _Answer(asyncio.Protocol):
         return mark + 4
 
     def _on_counted(self, data: bytes, pos: int, end: int) -> int:
-        """Body bytes of a known count: a Content-Length body, or the data of a chunk that did not
-        arrive whole with its CRLF."""
+        """Body bytes of a known count (Content-Length, or a chunk that did not arrive whole)."""
         take = min(self._remaining, end - pos)
         self._push(data if pos == 0 and take == end else data[pos:pos + take])
         self._remaining -= take
@@ -252,7 +207,6 @@ class _Answer(asyncio.Protocol):
         return pos + take
 
     def _on_until_close(self, data: bytes, pos: int, end: int) -> int:
-        """A body that ends with the connection: all of it, within its limit."""
         n = end - pos
         if n > self._body_left:
             raise self._too_large()
@@ -261,9 +215,8 @@ class _Answer(asyncio.Protocol):
         return end
 
     def _line_end(self, data: bytes, pos: int, end: int) -> int:
-        """Where the chunk line (size, data's end or trailer) at ``pos`` ends (the CR of its CRLF);
-        -1 when it has not all arrived (kept for the next read). A CR or LF alone in it is an
-        error as soon as it is here (a CR last in the read may be half a CRLF)."""
+        """Where the chunk line at ``pos`` ends (its CR), or -1 until it has all arrived; a CR or
+        LF alone in it is an error at once."""
         nl = data.find(b"\n", pos)
         if nl < 0:
             if data.find(b"\r", pos, end - 1) >= 0:
@@ -277,11 +230,8 @@ class _Answer(asyncio.Protocol):
         return nl - 1
 
     def _on_chunk_size(self, data: bytes, pos: int, end: int) -> int:
-        """A chunk's size line. A chunk that follows whole with its CRLF (an SSE event usually
-        does) is taken in the same step, and so is every such chunk after it: one call per read
-        on the streaming path, not one per event (the chunks queued as ``_push`` queues them, the
-        bytes counted once for the read). A chunk that would take the body past its limit is
-        refused at its size line, before its data is held."""
+        """A chunk's size line, and every whole chunk after it in this read (one call per read on
+        the streaming path). A chunk past the body's limit is refused before its data is held."""
         body = self._body
         taken = 0
         left = self._body_left
@@ -292,7 +242,6 @@ class _Answer(asyncio.Protocol):
                     self._line_end(data, pos, end)  # kept for the next read, or a CR or LF alone
                     return end
                 line = data[pos:nl]
-                # A bare size (no extensions) is the usual line: one match and int, no partition.
                 size = int(line, 16) if _HEX_SIZE.fullmatch(line) is not None else _chunk_size(line)
                 pos = nl + 2
                 if size == 0:
@@ -315,7 +264,6 @@ class _Answer(asyncio.Protocol):
                 self._queued(taken)
 
     def _on_chunk_end(self, data: bytes, pos: int, end: int) -> int:
-        """The CRLF after a chunk's data, and nothing before it."""
         nl = self._line_end(data, pos, end)
         if nl < 0:
             return end
@@ -325,8 +273,7 @@ class _Answer(asyncio.Protocol):
         return nl + 2
 
     def _on_trailer(self, data: bytes, pos: int, end: int) -> int:
-        """The trailer after the last chunk (its fields ignored), up to its empty line; it counts
-        against the head's limit."""
+        """The trailer after the last chunk (fields ignored), counted against the head's limit."""
         nl = self._line_end(data, pos, end)
         if nl < 0:
             if end - pos > self._head_left:
@@ -347,7 +294,6 @@ class _Answer(asyncio.Protocol):
     _STEPS: ClassVar[tuple[Callable[[_Answer, bytes, int, int], int], ...]] = (
         _on_head, _on_counted, _on_chunk_size, _on_counted, _on_chunk_end, _on_trailer, _on_until_close,
         _on_done)
-    """The step of each state, in the states' order (``_HEAD`` ... ``_DONE``)."""
 
     def _parse_head(self, head: bytes) -> None:
         found = _BAD_HEAD.search(head)
@@ -371,7 +317,7 @@ class _Answer(asyncio.Protocol):
         self.head = (status, headers)
 
     def _too_large(self, ok: bool | None = None) -> HopTooLarge:
-        """The error of a body past its limit (``ok``: a 2xx answer's; None: this answer's)."""
+        """A body past its limit (``ok``: a 2xx answer's; None: this answer's)."""
         if ok is None:
             ok = self.head is not None and 200 <= self.head[0] < 300
         return HopTooLarge("body", self.limits.body) if ok else HopTooLarge("error", self.limits.error)
@@ -381,7 +327,7 @@ class _Answer(asyncio.Protocol):
         self._queued(len(chunk))
 
     def _queued(self, n: int) -> None:
-        """``n`` more body bytes queued: past ``_READ_PAUSE`` unread, the socket is not read."""
+        """``n`` more body bytes queued: past ``_READ_PAUSE`` unread, reading pauses."""
         self._buffered += n
         if self._buffered > _READ_PAUSE and not self._reading_paused and self.transport is not None:
             self._reading_paused = True

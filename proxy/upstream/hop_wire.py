@@ -1,10 +1,6 @@
-"""The wire side of the generate hops: one HTTP/1.1 connection to a worker.
-
-``HopConnection`` is the ``asyncio.Protocol`` under ``proxy.upstream.hop.HopClient``: it writes a request
-(waiting while the worker does not take the bytes), parses one answer at a time through its
-base class (``proxy.upstream.hop_answer._Answer``: strict framing, the body queued for the caller, reading
-paused while 1 MiB waits unread), hands a streamed body to a callback as it arrives (``pipe``),
-and bounds every wait for bytes with one timer per connection (``_ReadTimer``).
+"""One HTTP/1.1 connection to a worker (the protocol under ``hop.HopClient``): writes a request
+with back-pressure, parses answers through ``hop_answer._Answer``, pipes a streamed body to a
+callback, and bounds every wait for bytes with one timer per connection.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ from proxy.upstream.hop_answer import (
 
 
 class SinkError(Exception):
-    """What a ``HopConnection.pipe`` sink raised (``error``), told apart from the hop's own
-    failures, which callers translate."""
+    """What a ``HopConnection.pipe`` sink raised, told apart from the hop's own failures."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(repr(error))
@@ -81,11 +76,8 @@ def expire(waiter: asyncio.Future[None]) -> None:
 
 
 class _ReadTimer:
-    """One timer for every wait of a connection, not one per wait: left armed when a wait ends
-    and re-armed only when a wait must end before it fires. When it fires at the watched wait's
-    own end the wait fails (``TimeoutError``), as a timer of its own would have made it; when it
-    fires earlier (armed for an earlier wait: a read limit that moved on, a former hop's
-    deadline) it is armed again at the watched wait's end; with no wait pending it stops."""
+    """One timer for every wait of a connection, re-armed only when a wait must end before it
+    fires; firing early re-arms it at the watched wait's end, so a wait never outlives its end."""
 
     __slots__ = ("_at", "_handle", "_loop", "_until", "_waiter")
 
@@ -93,7 +85,6 @@ class _ReadTimer:
         self._loop = loop
         self._handle: asyncio.TimerHandle | None = None
         self._at = 0.0
-        """When ``_handle`` fires: never later than the watched wait's end."""
         self._waiter: asyncio.Future[None] | None = None
         self._until: float | None = None
         """When the watched wait gives up (None: never)."""
@@ -120,8 +111,7 @@ class _ReadTimer:
             self._arm(until)
 
     def extend(self, until: float | None) -> None:
-        """The watched wait now gives up at ``until``, no earlier than before (the timer, armed
-        for the old end, arms itself again when it fires): a read re-arms nothing."""
+        """The watched wait now gives up at ``until``, no earlier than before."""
         self._until = until
 
     def stop(self) -> None:
@@ -141,7 +131,6 @@ class HopConnection(_Answer):
         self.closed = False
         self.uses = 0
         self.counted = False
-        """Counted against the client's per-worker cap (until ``HopClient._drop``)."""
         self.idle_since = 0.0
         self.got_bytes = False
         self._exc: BaseException | None = None
@@ -152,21 +141,18 @@ class HopConnection(_Answer):
         self.on_done: Callable[[], None] | None = None
         """Set while lingering (``HopResponse.release``): called when the answer ends."""
         self.sink: Callable[[bytes], bool] | None = None
-        """Set while a caller waits in ``pipe``: given the body bytes as they arrive (``_to_sink``,
-        once per loop turn that had reads; no task woken); False ends the piping. Unset by the
-        connection when it ends (the sink said stop or raised), and by ``pipe`` when it returns."""
+        """Set while a caller waits in ``pipe``: given the body bytes once per loop turn that had
+        reads; False ends the piping."""
         self.sink_error: Exception | None = None
         """What the sink raised (``pipe`` raises it as a ``SinkError``)."""
         self._sink_limit: float | None = None
         self._sink_deadline: float | None = None
         self._sink_stopped = False
         self._sink_soon = False
-        """A ``_to_sink`` call is scheduled."""
         self._sink_context: contextvars.Context | None = None
-        """The context of ``pipe``'s caller: the sink runs in it, as if the caller had called it."""
+        """The context of ``pipe``'s caller: the sink runs in it."""
         self._poll: select.poll | None = None
 
-    # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -228,10 +214,8 @@ class HopConnection(_Answer):
         self._wake()
 
     def _to_sink(self) -> None:
-        """What the reads since the last call brought, to the sink (run once per loop turn that had
-        reads, ``call_soon`` from ``data_received``: the reads of one turn go as one). The pipe's
-        caller is woken only when the piping ends: the body ended, something failed, the sink
-        said stop or raised; otherwise the wait for the next read is extended by the read limit."""
+        """What this loop turn's reads brought, to the sink. The pipe's caller is woken only when
+        the piping ends; otherwise the wait for the next read is extended by the read limit."""
         self._sink_soon = False
         sink = self.sink
         if sink is None:
@@ -264,7 +248,6 @@ class HopConnection(_Answer):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    # -- used by HopClient / HopResponse
 
     @property
     def reusable(self) -> bool:
@@ -272,22 +255,19 @@ class HopConnection(_Answer):
                 and not self._body and self.transport is not None and not self.transport.is_closing())
 
     def stale(self) -> bool:
-        """An idle connection's socket is readable: the worker closed it (EOF, reset) or sent
-        bytes nobody asked for, and the loop has not run the callbacks that would say so yet.
-        Asked of the kernel (one ``poll``), so it holds at the moment a request would be written."""
+        """An idle connection's socket is readable (EOF, reset or stray bytes), asked of the kernel
+        so it holds at the moment a request would be written."""
         return self._poll is not None and bool(self._poll.poll(0))
 
     def begin(self, *, stream: bool = False) -> None:
-        """A request goes out: its answer is due (``stream``: a 2xx body is taken as it arrives,
-        not bounded: ``_Answer.begin_answer``)."""
+        """A request goes out (``stream``: a 2xx body is taken as it arrives, not bounded)."""
         self.begin_answer(stream=stream)
         self.got_bytes = False
         self.uses += 1
 
     async def send(self, data: bytes, deadline: float | None, write_limit: float) -> None:
-        """Write ``data``; while the transport's buffer is full, wait for the worker to read it.
-        ``TimeoutError`` when the worker took nothing for ``write_limit`` seconds, or at
-        ``deadline``."""
+        """Write ``data``, waiting while the worker reads nothing; ``TimeoutError`` when it took
+        nothing for ``write_limit`` seconds, or at ``deadline``."""
         transport = self.transport
         assert transport is not None
         transport.write(data)
@@ -308,8 +288,7 @@ class HopConnection(_Answer):
                 self._drain = None
 
     async def wait(self, deadline: float | None) -> None:
-        """Until something arrives (or the connection ends), at most until ``deadline``
-        (``TimeoutError``; the connection's one ``_ReadTimer`` watches it)."""
+        """Until something arrives or the connection ends, at most until ``deadline``."""
         if self._exc is not None:
             raise self._exc
         waiter = self._waiter = self.loop.create_future()
@@ -321,11 +300,8 @@ class HopConnection(_Answer):
 
     async def pipe(self, sink: Callable[[bytes], bool], deadline: float | None,
                    read_limit: float | None) -> None:
-        """Hand the body to ``sink`` until it ends, the sink returns False or raises
-        (``SinkError``), the connection fails (raised) or a wait for bytes outlasts ``read_limit``
-        or passes ``deadline`` (``TimeoutError``). What arrives goes to the sink in the loop turn
-        it arrived in (``_to_sink``: one call for what that turn's reads brought, in the caller's
-        context: its context variables, a task it creates): no future, timer or task per read."""
+        """Hand the body to ``sink`` in the caller's context until it ends, the sink returns False
+        or raises (``SinkError``), the connection fails, or a wait times out (``TimeoutError``)."""
         self._sink_limit, self._sink_deadline = read_limit, deadline
         self._sink_stopped, self.sink_error = False, None
         self._sink_context = contextvars.copy_context()
