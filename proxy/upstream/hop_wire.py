@@ -153,7 +153,6 @@ class HopConnection(_Answer):
         """The context of ``pipe``'s caller: the sink runs in it."""
         self._poll: select.poll | None = None
 
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         sock = transport.get_extra_info("socket")
@@ -247,7 +246,6 @@ class HopConnection(_Answer):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
 
     @property
     def reusable(self) -> bool:

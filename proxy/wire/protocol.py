@@ -29,7 +29,6 @@ _CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
 _MAX_CACHE_SALT_LENGTH = 128
 
 
-
 class StreamOptions(BaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -269,7 +268,6 @@ def parse_generate_body(body: bytes, content_type: str) -> tuple[GenerateRequest
         ]
         raise format_validation_errors(errors) from None
     return req, data
-
 
 
 _COMPACT_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
