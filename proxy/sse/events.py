@@ -1,15 +1,6 @@
 """Server-sent events: an incremental reader correct for any split of the bytes, and writers.
-
-The reader re-emits whole events. Each event keeps its raw bytes (normalized to ``\\n`` line
-ends and a ``\\n\\n`` terminator), so the relay can forward it untouched, plus the value of its
-``data`` field. Events without a ``data`` field (comments only) are not dispatched, as in the
-SSE specification.
-
-The relay's hot path uses ``SSEReader.feed_batch``: it returns every event a read completed as
-one ``Batch``. When the batch is *plain* (what a vLLM server sends: single-line ``data: `` events,
-no in-band error, ``[DONE]`` at most as the last event) its bytes are forwarded as one block,
-without looking at each event; anything else falls back to the event-by-event path
-(``Batch.events``), which gives exactly what ``feed`` gives.
+Events keep their raw bytes (``\\n``-normalized) for forwarding; a *plain* ``Batch`` (what vLLM
+sends) is forwarded as one block, anything else event by event with the same result.
 """
 
 from __future__ import annotations
@@ -30,12 +21,8 @@ class Event(NamedTuple):
 
 
 class Batch:
-    """The whole events completed by one ``feed_batch`` call.
-
-    ``plain``: ``raw`` holds only single-line ``data: `` events, none of them an in-band error
-    (``{"error"``), and ``[DONE]`` at most as its last event. Then ``body`` is ``raw`` without the
-    ``[DONE]`` event and ``done`` says whether it was there. Otherwise use ``events()``.
-    """
+    """The whole events completed by one ``feed_batch`` call. ``plain``: only single-line ``data: ``
+    events, no in-band error, ``[DONE]`` at most last (then ``body`` is ``raw`` without it)."""
 
     __slots__ = ("body", "done", "plain", "raw")
 
@@ -50,8 +37,7 @@ class Batch:
         return split_events(self.raw)
 
     def split_first(self) -> tuple[Batch, Batch] | None:
-        """A plain batch of two or more events (``[DONE]`` aside) as two plain batches: its first
-        event, and the rest (with the ``[DONE]``, if any). None for any other batch."""
+        """A plain batch of two or more events (``[DONE]`` aside) split after its first event."""
         if not self.plain:
             return None
         end = self.body.find(b"\n\n") + 2
@@ -92,22 +78,20 @@ class SSEReader:
         n = raw.count(b"\n\n")
         if raw.startswith(_DATA) and raw.count(b"\n") == 2 * n and raw.count(_NEXT_DATA) == n - 1 \
                 and _ERROR_EVENT not in raw:
-            # n single-line data events (every line break is an event end, every event a data line).
+            # Every line break is an event end, every event one data line.
             self.pending = buf[end + 2 :]
             at = raw.find(DONE_EVENT)
             if at < 0:
                 return Batch(raw, plain=True)
             if at + len(DONE_EVENT) == len(raw) and (at == 0 or raw[at - 1] == 0x0A):
                 return Batch(raw, plain=True, done=True)
-        # Anything else: the event boundaries are those of a scan from the start (a run of three
-        # or more line breaks leaves the rest for the next event).
+        # Anything else: event boundaries from a scan from the start.
         cut = _scan_end(buf)
         self.pending = buf[cut:]
         return Batch(buf[:cut], plain=False)
 
 
 def _scan_end(buf: bytes) -> int:
-    """Where the last whole event ends, scanning event by event from the start."""
     start = 0
     while True:
         end = buf.find(b"\n\n", start)

@@ -1,9 +1,4 @@
-"""D's first token out of its stream, for ``proxy.sse.first_token`` (P's first token streamed at once):
-``FirstTokenFilter`` / ``drop_first_token`` take token 1 out of D's first chunk (its id, its logprobs
-and the text the client was already shown) after checking it is P's, or report a ``Mismatch``.
-
-Imports nothing of the proxy but ``proxy.sse.first_token``.
-"""
+"""D's first token out of its stream, after checking it is P's (else a ``Mismatch``)."""
 
 from __future__ import annotations
 
@@ -16,12 +11,8 @@ from typing import Any, Final
 from proxy.sse.first_token import CHUNK_OPTIONAL, FirstToken, Mismatch, as_int
 from proxy.wire.protocol import parse_stream_chunk, stream_json
 
-# -- D's first token out --------------------------------------------------------------------------
-#
-# D's chunk is decided on its parse; what is left to send is edited in its own bytes: the spans of
-# the values to change are found by a small scanner over the JSON text (valid JSON: it was parsed),
-# and everything else is kept byte for byte. A payload whose objects repeat a key is written again.
-
+# D's chunk is decided on its parse; the result is edited in its own bytes (spans found by a small
+# scanner), everything else kept byte for byte. A payload that repeats a key is written again.
 
 _WS: Final = b" \t\r\n"
 _STRING: Final = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -34,8 +25,7 @@ _Member = tuple[str, int, int, int]
 
 
 class _Scan:
-    """Where the values of a JSON text (valid: it was parsed) start and end: one pass records
-    every array's and object's end (a regex skips from bracket to bracket, strings whole)."""
+    """Where the values of a (parsed, so valid) JSON text start and end."""
 
     __slots__ = ("ends", "raw")
 
@@ -109,8 +99,7 @@ class _Scan:
             j = self.ws(j + 1)
 
     def unique_members(self, i: int) -> dict[str, _Member] | None:
-        """The members of the object at ``i`` by key; None when it is not an object or repeats a
-        key (its layout cannot be told for certain)."""
+        """The members of the object at ``i`` by key; None unless an object without repeated keys."""
         if self.raw[i] != 0x7B:
             return None
         members = self.members(i)
@@ -118,8 +107,7 @@ class _Scan:
         return found if len(found) == len(members) else None
 
     def first_item(self, member: _Member) -> tuple[int, int]:
-        """The span that takes the first item out of the array ``member`` holds: up to the next
-        item, or everything between the brackets when it is the only one."""
+        """The span that takes the first item out of the array ``member`` holds."""
         items = self.items(member[2])
         if len(items) > 1:
             return items[0][0], items[1][0]
@@ -127,8 +115,7 @@ class _Scan:
 
 
 def _skip_chars(raw: bytes, i: int, count: int) -> int:
-    """Where the JSON string text starting at ``raw[i]`` (inside the quotes) holds ``count``
-    characters (Python's: code points; an escaped surrogate pair is one)."""
+    """Where the JSON string text from ``raw[i]`` holds ``count`` code points."""
     for _ in range(count):
         c = raw[i]
         if c == 0x5C:
@@ -155,14 +142,11 @@ class _Cut:
 
     pos: int
     chars: int
-    """Characters at the head of its text."""
     logprob: bool
-    """Its first logprobs entry."""
 
 
 def _take_first(chunk: dict[str, Any], pos: int, first: FirstToken) -> _Cut | Mismatch | None:
-    """Take token 1 out of the parsed ``pos``-th choice (index ``first.index``): how, or why not
-    (None: it holds no token, an end without tokens such as an abort)."""
+    """Take token 1 out of the parsed ``pos``-th choice: how, why not, or None (no token in it)."""
     choice = chunk["choices"][pos]
     ids = choice.get("token_ids") or []
     text = choice.get("text")
@@ -186,8 +170,7 @@ def _take_first(chunk: dict[str, Any], pos: int, first: FirstToken) -> _Cut | Mi
 
 
 def _spliced(raw: bytes, cuts: list[_Cut], drop_keys: list[str]) -> bytes | None:
-    """``raw`` with the cuts made in its own bytes; None when its layout cannot be told for
-    certain (a repeated key)."""
+    """``raw`` with the cuts made in its own bytes; None when a key repeats."""
     scan = _Scan(raw)
     top = scan.unique_members(scan.ws(0))
     if top is None or "choices" not in top:
@@ -218,9 +201,8 @@ def _spliced(raw: bytes, cuts: list[_Cut], drop_keys: list[str]) -> bytes | None
 
 def _take_firsts(chunk: dict[str, Any], firsts: Mapping[int, FirstToken],
                  seen: list[int]) -> tuple[list[_Cut], list[int]] | Mismatch:
-    """Token 1 out of each choice of ``chunk`` in ``firsts`` (their indexes added to ``seen``):
-    the cuts to make, and the positions of choices whose end the client already had
-    (``FirstToken.final``: D's must end there too, and is not sent); or why not."""
+    """Token 1 out of each choice of ``chunk`` in ``firsts``: the cuts, and the positions of
+    choices whose end the client already had; or a ``Mismatch``."""
     cuts: list[_Cut] = []
     ended: list[int] = []
     for pos, choice in enumerate(chunk["choices"]):
@@ -244,9 +226,7 @@ def _take_firsts(chunk: dict[str, Any], firsts: Mapping[int, FirstToken],
 
 def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken], *,
           first_event: bool) -> tuple[bytes | Mismatch | None, list[int]]:
-    """``payload`` (parsed: ``chunk``) without token 1 of each choice in ``firsts``; which of
-    those indexes it held. The chunk is decided on parsed; its bytes are edited only when
-    something is left to send."""
+    """``payload`` without token 1 of each choice in ``firsts``, and which of those it held."""
     seen: list[int] = []
     taken = _take_firsts(chunk, firsts, seen)
     if isinstance(taken, Mismatch) or not seen:
@@ -269,24 +249,9 @@ def _drop(payload: bytes, chunk: dict[str, Any], firsts: Mapping[int, FirstToken
 
 def drop_first_token(payload: bytes, expected_token: int, expected_text: str | None = None, *,
                      index: int = 0) -> bytes | Mismatch | None:
-    """D's first data event for choice ``index`` (its ``data`` payload) without token 1.
-
-    ``expected_token`` is P's token; ``expected_text`` what the client was shown of its text
-    (``FirstToken.text``; None in tokens mode). D's chunk may hold several tokens merged (under
-    load): its ``token_ids[0]``, ``logprobs.content[0]`` and the shown text's characters at the
-    head of ``text`` are taken out, and so are ``prompt_token_ids`` / ``mm_placeholders`` (the
-    client had them with P's chunk); every other byte is kept (``usage``: D's counts are the
-    client's, token 1 included).
-
-    Returns the payload to relay; None when nothing is left to send: no token, no text and no
-    ``finish_reason`` (a continuous ``usage`` alone does not keep it: vLLM never sends a chunk for
-    usage alone, and the next chunk carries the running count). A chunk whose only token was token
-    1 and that also ends the choice (``finish_reason``; D reached a limit P could not see, such as
-    the model length) is kept with ``token_ids: []``, as vLLM itself sends an abort; one whose end
-    the client had with P's token (``FirstToken.final``) is not sent. A ``Mismatch`` when D's token
-    1 is another token, its text does not start with the shown text, or D goes on with a choice
-    whose end the client had. A payload
-    that is not a chunk, or has no choice ``index``, is returned as it is."""
+    """D's first data event for choice ``index`` without token 1 (id, logprob, the shown text,
+    ``prompt_token_ids``), every other byte kept; None when nothing is left to send, a
+    ``Mismatch`` when D's token 1 is not what the client was shown."""
     chunk = parse_stream_chunk(payload)
     if chunk is None:
         return payload
@@ -296,20 +261,17 @@ def drop_first_token(payload: bytes, expected_token: int, expected_text: str | N
 
 
 class FirstTokenFilter:
-    """Takes token 1 out of D's stream, once per choice, whichever attempt (retry, decode-only
-    fallback) produces the events: feed it each ``data`` payload before the relay sees it."""
+    """Takes token 1 out of D's stream once per choice, whichever attempt produces the events."""
 
     __slots__ = ("pending", "started")
 
     def __init__(self, firsts: Sequence[FirstToken]) -> None:
         self.pending: dict[int, FirstToken] = {f.index: f for f in firsts}
-        """Choices whose token 1 has not come from D yet."""
         self.started = False
         """An event has gone through (``prompt_token_ids`` are only on a stream's first)."""
 
     def event(self, payload: bytes) -> bytes | Mismatch | None:
-        """The payload to relay (``payload`` itself when untouched), None to send nothing, or a
-        ``Mismatch`` (the caller stops this stream and continues from prompt + P's token)."""
+        """The payload to relay, None to send nothing, or a ``Mismatch``."""
         if not self.pending:
             return payload
         chunk = parse_stream_chunk(payload)

@@ -1,14 +1,7 @@
-"""The stream relay between a decode worker and a (possibly slow) client.
-
-A producer reads the decode worker's SSE stream and puts events into a ``StreamBuffer``; the
-handler takes whatever has queued and writes it.
-While the client keeps up there is one read's events per write and their bytes go out
-untouched. When the client lags, everything queued meanwhile goes out as one merged chunk per
-choice (``merge_chunks``): token ids, text and logprobs are concatenated and the last
-``finish_reason`` is kept, so the concatenation of what the client receives always equals what
-the decode worker sent. Memory is bounded per stream by a byte cap and across the process by a
-``ByteBudget``; past either the stream is ended with a clear in-band error (and its decode worker
-aborted).
+"""The stream relay between a decode worker and a (possibly slow) client. Events queue in a
+``StreamBuffer``; a lagging client gets them merged per choice (``merge_chunks``), so the
+concatenation of what it receives always equals what the worker sent. Memory is bounded per
+stream and per process (``ByteBudget``); past either the stream ends with an in-band error.
 """
 
 from __future__ import annotations
@@ -24,20 +17,14 @@ from proxy.wire.protocol import compact_json, parse_worker_json
 
 
 class EventStream(web.StreamResponse):
-    """A client's event stream whose headers go out with its first write: one write, not two
-    (``web.Response`` sends its headers with its body the same way). For a stream whose first
-    write follows ``prepare`` at once (P's token, the chunk of an aborted request); a stream that
-    waits for D after ``prepare`` keeps ``web.StreamResponse``, whose headers tell the client at
-    once that its request was taken."""
+    """A client's event stream whose headers go out with its first write (one write, not two)."""
 
     _send_headers_immediately = False  # aiohttp's own switch (``web.Response`` sets it so too)
 
 
 def event_stream(request: web.Request, headers: Mapping[str, str], *,
                  headers_with_first_write: bool) -> web.StreamResponse:
-    """A client's event stream (200, ``text/event-stream``, ``Cache-Control: no-cache``) with the
-    request's own response headers (``headers``). ``headers_with_first_write``: its headers go out
-    with the first write (an ``EventStream``), else at ``prepare`` (a ``web.StreamResponse``)."""
+    """A client's event stream (200, ``text/event-stream``, ``no-cache``) with ``headers``."""
     out = dict(headers)
     out["Content-Type"] = "text/event-stream; charset=utf-8"
     out["Cache-Control"] = "no-cache"
@@ -47,19 +34,13 @@ def event_stream(request: web.Request, headers: Mapping[str, str], *,
 
 
 HEAD_ROOM = 16384
-"""What a write may add to its data (chunk framing, the stream's end, the response head the
-first write may carry: the proxy's own headers, ids bounded) in ``write_bounded``'s reckoning."""
+"""What a write may add to its data (framing, the stream's end, the response head)."""
 
 
 async def write_bounded(request: web.Request, resp: web.StreamResponse, data: bytes, limit: float, *,
                         eof: bool = False) -> None:
-    """Write to a streaming client (and end the stream: ``eof``), bounded by ``limit`` seconds: a
-    client that stopped reading (its window is shut) cannot be told anything more, so its
-    connection is closed and the caller sees a disconnect (``ConnectionResetError``).
-
-    A write that cannot wait goes without a timer: nothing is waiting in the transport's buffer
-    (so writing is not paused) and the data, with ``HEAD_ROOM``, fits under its high-water mark (so
-    this write cannot pause it). Profiled: the timer was 3% of a stream's CPU."""
+    """Write to a streaming client within ``limit`` seconds, else close its connection and raise
+    ``ConnectionResetError``. A write that cannot wait needs no timer."""
     transport = request.transport
     write = resp.write_eof(data) if eof else resp.write(data)  # with eof: the data and the end, one write
     if transport is not None and not transport.get_write_buffer_size() \
@@ -110,8 +91,7 @@ def _merge_choice(acc: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 def _fold(by_index: dict[int, dict[str, Any]], order: list[int], chunk: dict[str, Any]) -> None:
-    """Fold one chunk's choices into the merged chunk of each choice index (``order``: the
-    indexes in order of first appearance)."""
+    """Fold one chunk's choices into the merged chunk of each choice index."""
     for choice in chunk["choices"]:
         index = int(choice.get("index", 0))
         env = by_index.get(index)
@@ -128,12 +108,7 @@ def _fold(by_index: dict[int, dict[str, Any]], order: list[int], chunk: dict[str
 
 
 def merge_chunks(datas: list[bytes]) -> list[bytes]:
-    """Merge queued stream chunks (their ``data`` payloads) into as few as possible.
-
-    Chunks with choices are grouped by choice index (one merged chunk per index, in order of
-    first appearance); chunks without choices (the ``include_usage`` chunk) follow, the last
-    one kept with the latest ``usage``. Anything that is not a chunk object is kept as is.
-    """
+    """Merge queued stream chunks into one per choice index, then the latest usage-only chunk."""
     if len(datas) < 2:
         return datas
     by_index: dict[int, dict[str, Any]] = {}
@@ -168,13 +143,8 @@ def merge_chunks(datas: list[bytes]) -> list[bytes]:
 
 
 class ByteBudget:
-    """The bytes buffered for streaming clients, across every stream of the process.
-
-    Each ``StreamBuffer`` charges what it queues and what is being written, and releases it once
-    written (or when its stream ends). Past ``total`` the stream holding the most is ended (its
-    queued bytes dropped at once, the reason ``total``), then the next, until what the streams
-    still alive hold fits: the slowest reader goes, not whoever queued the last chunk.
-    ``total`` 0: no budget (each stream's own cap still holds)."""
+    """The bytes buffered for streaming clients across the process. Past ``total`` (0: none) the
+    streams holding the most are ended until the rest fits: the slowest reader goes."""
 
     __slots__ = ("_holders", "doomed", "ended", "total", "used")
 
@@ -186,7 +156,6 @@ class ByteBudget:
         self.doomed = 0
         """Bytes charged by ended streams, released when their last write returns."""
         self.ended = 0
-        """Streams ended for the budget."""
         self._holders: set[StreamBuffer] = set()
 
     def __len__(self) -> int:
@@ -217,14 +186,8 @@ class ByteBudget:
 
 
 class StreamBuffer:
-    """What the producer has read and the client has not yet been sent.
-
-    ``put`` never blocks (the producer keeps draining the worker); the bytes held for the client
-    (queued, and taken for a write that has not returned) are capped per stream (``max_bytes``)
-    and, with a ``ByteBudget``, across the process. Items are raw SSE bytes: one event, or a
-    block of whole events (a plain ``sse.Batch``); they are split into events only when they
-    must be merged. The writer calls ``sent`` after each write and ``discard`` when it is done.
-    """
+    """What the producer has read and the client has not yet been sent. ``put`` never blocks; the
+    bytes held are capped per stream and by the ``ByteBudget``."""
 
     __slots__ = ("_budget", "_closed", "_discarded", "_done", "_error", "_loop", "_raw", "_size",
                  "_waiter", "_writing", "max_bytes", "overflowed")
@@ -233,7 +196,6 @@ class StreamBuffer:
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.max_bytes = max_bytes
         self._loop = loop
-        """The running loop, when the caller knows it (else asked at each wait)."""
         self._raw: list[bytes] = []
         self._size = 0
         self._writing = 0
@@ -260,7 +222,6 @@ class StreamBuffer:
                 waiter.set_result(None)
 
     def put(self, raw: bytes) -> None:
-        """Queue whole SSE events and wake the writer."""
         if self._closed or self._discarded:
             return
         self._raw.append(raw)
@@ -274,8 +235,7 @@ class StreamBuffer:
         self._wake()
 
     def end_for_budget(self) -> None:
-        """The process's budget is spent and this stream holds the most: drop what is queued
-        (released now) and end the stream; what is being written is released when it returns."""
+        """Budget spent and this stream holds the most: drop what is queued and end the stream."""
         budget = self._budget
         if budget is not None:
             budget.release(self._size)
@@ -305,8 +265,7 @@ class StreamBuffer:
         self._raw, self._size, self._writing = [], 0, 0
 
     def finish(self, *, done: bool, error: bytes | None = None) -> None:
-        """The producer is finished: ``done`` when ``[DONE]`` was seen; ``error`` an in-band
-        error event to send after what is queued."""
+        """The producer is finished (``done``: ``[DONE]`` seen; ``error``: an event to send last)."""
         if self._closed:
             return
         self._closed = True
@@ -319,10 +278,8 @@ class StreamBuffer:
         return self._closed
 
     async def take(self, *, merge: bool) -> tuple[list[bytes], bool]:
-        """Wait for something; return the bytes to write and whether the producer is finished.
-
-        With ``merge`` (the client is lagging) several queued chunks become one per choice;
-        without it the events go out untouched."""
+        """Wait for something; the bytes to write (merged per choice with ``merge``) and whether
+        the producer is finished."""
         while not self._raw and not self._closed:
             waiter = self._waiter = (self._loop or asyncio.get_running_loop()).create_future()
             try:
