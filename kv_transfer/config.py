@@ -1,18 +1,5 @@
-"""Launch-time configuration of P/D workers: the ``--kv-transfer-config`` JSON and the worker environment.
-
-One function per concern, both pure (no I/O), so a launcher, a compose file generator and tests share them:
-
-- :func:`kv_transfer_config` gives the NixlConnector config for a worker role (``None`` for an
-  aggregated worker, which runs without a KV connector). Its :meth:`NixlConfig.to_json` is the
-  ``--kv-transfer-config`` argument, e.g. ``{"kv_connector":"NixlConnector","kv_role":"kv_producer",
-  "kv_buffer_device":"cpu"}`` (docs/vllm.md, section 3; the traces' exact shape).
-- :func:`worker_env` gives the environment variables a worker needs on top of the inherited ones:
-  the NIXL side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, unique per worker on a host) for
-  P/D roles, and either CPU settings (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``) or
-  ``CUDA_VISIBLE_DEVICES``; on CPU, for P/D roles, NIXL's progress thread made to sleep between
-  events (``nixl_progress_delay_us``, the ``kv_transfer/nixl_progress`` folder: NIXL's own setting
-  busy-polls, a core per worker).
-"""
+"""Launch-time configuration of P/D workers (pure): the NixlConnector ``--kv-transfer-config``
+(``kv_transfer_config``) and a worker's added environment (``worker_env``)."""
 
 from __future__ import annotations
 
@@ -29,7 +16,6 @@ KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 Device = Literal["cpu", "cuda"]
 
 NIXL_CONNECTOR: Final = "NixlConnector"
-# vLLM's NixlConnector default lease on KV blocks held for a decode that has not pulled them yet.
 DEFAULT_LEASE_SECONDS: Final = 30
 ROLE_TO_KV_ROLE: Final[Mapping[str, KvRole]] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 NIXL_PROGRESS_DIR: Final = Path(__file__).resolve().parent / "nixl_progress"
@@ -46,9 +32,8 @@ class NixlConfig(BaseModel):
     kv_role: KvRole
     kv_buffer_device: Device = "cpu"
     kv_lease_duration: int | None = Field(default=None, gt=0)
-    """Seconds P keeps KV blocks pinned for a decode that has not pulled them (vLLM's default is 30)."""
+    """Seconds P keeps KV blocks pinned for a decode that has not pulled them (vLLM's default: 30)."""
     extra: dict[str, JsonValue] = Field(default_factory=dict)
-    """More ``kv_connector_extra_config`` entries, passed through unchanged."""
 
     @model_validator(mode="after")
     def _lease_not_twice(self) -> NixlConfig:
@@ -57,7 +42,6 @@ class NixlConfig(BaseModel):
         return self
 
     def as_dict(self) -> dict[str, Any]:
-        """vLLM's ``KVTransferConfig`` fields; ``kv_connector_extra_config`` only when non-empty."""
         out: dict[str, Any] = {
             "kv_connector": NIXL_CONNECTOR,
             "kv_role": self.kv_role,
@@ -86,11 +70,7 @@ def kv_transfer_config(
     kv_both: bool = False,
     extra: Mapping[str, JsonValue] | None = None,
 ) -> NixlConfig | None:
-    """The NixlConnector config for a worker ``role``: producer for prefill, consumer for decode.
-
-    ``kv_both`` gives both P/D roles ``kv_role: "kv_both"`` (works, deprecated in vLLM 0.33).
-    An aggregated worker gets ``None``: it runs without a KV connector.
-    """
+    """The NixlConnector config for a worker ``role`` (``None`` for an aggregated worker)."""
     if role == "aggregated":
         return None
     kv_role: KvRole = "kv_both" if kv_both else ROLE_TO_KV_ROLE[role]
@@ -100,7 +80,6 @@ def kv_transfer_config(
 
 
 class WorkerEnv(BaseModel):
-    """What :func:`worker_env` needs to know about one worker."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -109,14 +88,11 @@ class WorkerEnv(BaseModel):
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int | None = Field(default=None, ge=1, le=65535)
     cpu_cores: tuple[int, ...] | None = None
-    """CPU: cores this worker's OpenMP threads are bound to; None lets vLLM choose ("auto")."""
+    """CPU: cores for its OpenMP threads; None lets vLLM choose."""
     kvcache_gib: int = Field(default=1, gt=0)
-    """CPU: GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``); without it start-up fails on memory here."""
     cuda_devices: tuple[int, ...] | None = None
-    """GPU: the devices this worker sees (``CUDA_VISIBLE_DEVICES``); None leaves the variable alone."""
     nixl_progress_delay_us: int = Field(default=DEFAULT_NIXL_PROGRESS_DELAY_US, ge=0)
-    """CPU, P/D roles: the longest NIXL's progress thread sleeps with nothing to do (it wakes at once
-    on a UCX event). 0 keeps NIXL's own setting, a busy poll that holds a core per worker."""
+    """CPU, P/D roles: longest sleep of NIXL's progress thread when idle; 0 keeps NIXL's busy poll."""
 
     @field_validator("cpu_cores", "cuda_devices")
     @classmethod
@@ -142,8 +118,7 @@ class WorkerEnv(BaseModel):
 
 
 def worker_env(spec: WorkerEnv) -> dict[str, str]:
-    """The environment variables to add to the inherited environment for one worker. Its
-    ``PYTHONPATH``, when there is one, goes before an inherited one (``with_inherited``)."""
+    """The environment variables to add to the inherited environment for one worker."""
     env: dict[str, str] = {}
     if spec.role != "aggregated":
         assert spec.side_channel_port is not None  # checked by WorkerEnv
@@ -175,8 +150,7 @@ def round_robin_cores(index: int, cores: Sequence[int], per_worker: int = 1) -> 
 
 
 def with_inherited(added: Mapping[str, str], inherited: Mapping[str, str]) -> dict[str, str]:
-    """A worker's whole environment: ``inherited`` with ``added`` over it, an added ``PYTHONPATH``
-    put before the inherited one rather than in its place."""
+    """A worker's whole environment: ``added`` over ``inherited``, an added ``PYTHONPATH`` first."""
     env = {**inherited, **added}
     if "PYTHONPATH" in added and inherited.get("PYTHONPATH"):
         env["PYTHONPATH"] = f"{added['PYTHONPATH']}{os.pathsep}{inherited['PYTHONPATH']}"

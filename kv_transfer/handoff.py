@@ -1,21 +1,5 @@
-"""The P->D hand-off: what each hop carries and what the prefill worker must answer.
-
-A request is split in two hops of vLLM's ``POST /inference/v1/generate``:
-
-- the prefill hop (``prefill_body``): the client's request with ``max_tokens`` 1, no stream, token
-  output, and ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false}``
-  (``PREFILL_REQUEST``): the prefill worker computes the prompt's KV, keeps the blocks and answers
-  where they are;
-- the decode hop (``decode_body``): the client's request as sent, with the prefill worker's
-  ``kv_transfer_params`` (checked by ``check_prefill_params``; ``remote_host`` rewritten by
-  ``RemoteHostRewrite`` when P advertised a loopback address that the decode worker cannot
-  reach); without params it is a decode-only request;
-- the release hop (``release_body``): a one-token decode request whose only job is to make a decode
-  worker pull, so that the prefill worker frees, blocks nobody will decode from.
-
-Transfer params are built here and nowhere else; a client never sets them
-(``kv_transfer.params``). This module imports nothing of the proxy.
-"""
+"""The P->D hand-off: the prefill, decode and release hops' bodies, and the check of P's answer.
+Transfer params are built here and nowhere else; a client never sets them."""
 
 from __future__ import annotations
 
@@ -48,12 +32,8 @@ def prefill_params() -> dict[str, Any]:
 
 def prefill_body(data: Mapping[str, Any], base_id: str, *, stream: bool,
                  keep_stop: bool = True, first_token: bool = False) -> dict[str, Any]:
-    """The prefill hop for a client request ``data`` (parsed and checked). ``stream`` is the
-    client's: vLLM drops prompt logprobs on streams, so P does not compute them; ``keep_stop``
-    False drops stop strings (a prefill pool that does not detokenize). ``first_token``: P's token
-    goes to the client (``proxy.sse.first_token``), so P samples it as the client's request would:
-    the client's ``output_mode`` (its text) and ``min_tokens`` capped at 1 (vLLM then masks EOS
-    and the stop token ids at token 1, as the decode worker does)."""
+    """The prefill hop for a checked client request (``first_token``: P samples token 1 as the
+    client's request would: its ``output_mode``, ``min_tokens`` capped at 1)."""
     body = dict(data)
     sp = dict(data["sampling_params"])
     sp["max_tokens"] = 1
@@ -106,8 +86,7 @@ def release_body(data: Mapping[str, Any], base_id: str, kv_params: dict[str, Any
 
 
 def check_prefill_params(params: object) -> str | None:
-    """Why ``params`` (a prefill reply's ``kv_transfer_params``) cannot drive a decode hop,
-    or None when it is well formed."""
+    """Why a prefill reply's ``kv_transfer_params`` cannot drive a decode hop, or None."""
     if not isinstance(params, dict):
         return "kv_transfer_params is null" if params is None else "kv_transfer_params is not an object"
     for key, tp in PREFILL_REPLY_REQUIRED.items():
@@ -119,7 +98,6 @@ def check_prefill_params(params: object) -> str | None:
     if params["do_remote_prefill"] is not True:
         return "kv_transfer_params.do_remote_prefill is not true"
     blocks = params["remote_block_ids"]
-    # map, not a generator: no Python frame per block id (this runs on every prefill reply)
     flat = all(isinstance(g, list) and all(map(isinstance, g, repeat(int))) for g in blocks)
     return None if flat else "kv_transfer_params.remote_block_ids is not a list of lists of ints"
 
@@ -143,18 +121,13 @@ def is_loopback_or_unspecified(host: str) -> bool:
 
 
 class RemoteHostRewrite:
-    """P advertises where D pulls from (``remote_host``). A worker bound to all interfaces or
-    started with a loopback ``VLLM_NIXL_SIDE_CHANNEL_HOST`` advertises an address the decode
-    worker cannot reach when the two run on different hosts; the proxy reached P at its URL's
-    host, so D is sent there. Nothing changes when P advertised a routable address, when the
-    proxy itself reached P on loopback (one host), or when the rewrite is off."""
+    """D is sent to the host the proxy reached P at when P advertised a loopback or unspecified
+    ``remote_host`` and P is not on this host; otherwise (or when off) nothing changes."""
 
     def __init__(self, *, enabled: bool = True, cache: int = 1024) -> None:
         self.enabled = enabled
         self._is_local = functools.lru_cache(maxsize=cache)(is_loopback_or_unspecified)
-        """Per host name (a parse per request was 1.6% of the proxy's CPU)."""
         self._routable = functools.lru_cache(maxsize=cache)(self._routable_host)
-        """Per worker URL: its host when the rewrite would send D there (not on this host)."""
 
     def _routable_host(self, worker_url: str) -> str | None:
         reached = urlsplit(worker_url).hostname

@@ -1,16 +1,5 @@
-"""Requests' KV leases: the one place a lease opens or closes.
-
-A request holds KV on a prefill worker from the moment the proxy accepts P's
-``kv_transfer_params`` until it knows the blocks were freed (``kv_transfer.ledger`` says how each
-lease ends). P's own lease may have started as soon as P had the request: the expiry counts from
-when the prefill hop was sent, however late its answer arrived. ``RequestLeases`` opens the lease
-with the params, closes it with the reason, and tells an observer (the proxy's metrics) of both;
-the request itself (anything with ``engine_id``, ``kv_params`` and ``lease``) keeps the params
-exactly while its lease is open, so "may this request's KV still be pulled" is one question
-(``valid``).
-
-Imports nothing of the proxy.
-"""
+"""Requests' KV leases: the one place a lease opens or closes. A request keeps P's
+``kv_transfer_params`` exactly while its lease is open (``valid``)."""
 
 from __future__ import annotations
 
@@ -45,11 +34,8 @@ class RequestLeases:
 
     def hold(self, holder: Holder, worker_url: str, params: dict[str, Any], *,
              sent: float | None = None) -> int:
-        """P at ``worker_url`` holds ``holder``'s KV, as ``params`` (checked) say: open the
-        lease, recorded from now, expiring ``lease_duration`` after ``sent`` (when the hop that
-        P answered went out: the earliest P can have finished and started its own lease; None:
-        now). A lease already run out by then is closed at once as ``expired`` and its params
-        are not kept (``valid`` is False). Returns the blocks held."""
+        """Open the lease of ``holder``'s KV on P, expiring ``lease_duration`` after ``sent`` (None:
+        now), closed as ``expired`` at once if already run out. Returns the blocks held."""
         blocks = remote_blocks(params)
         now = self.clock()
         expires = None if sent is None else min(now, sent) + self.ledger.lease_duration
@@ -62,8 +48,7 @@ class RequestLeases:
         return blocks
 
     def close(self, holder: Holder, reason: CloseReason) -> bool:
-        """The proxy knows how ``holder``'s KV ended: close its lease (the first reason wins)
-        and forget the params (no hop may pull with them any more)."""
+        """Close ``holder``'s lease (the first reason wins) and forget its params."""
         lease = holder.lease
         if lease is None or not self.ledger.close(lease, reason, self.clock()):
             return False
@@ -71,17 +56,14 @@ class RequestLeases:
         return True
 
     def decoding(self, holder: Holder, limit: float) -> None:
-        """A decode hop with ``holder``'s KV is sent: its lease is not expired by the clock for
-        up to ``limit`` seconds (the hop's own bound) but closed by what the hop tells. A decode
-        worker that queues the request keeps P's lease alive meanwhile (vLLM's heartbeats):
-        an expiry inferred from the clock alone would be false, and its first reason final."""
+        """A decode hop with ``holder``'s KV is sent: the clock does not expire its lease for up to
+        ``limit`` seconds (a queued decode keeps P's lease alive), the hop's outcome closes it."""
         lease = holder.lease
         if lease is not None and lease.end is None and holder.kv_params is not None:
             lease.decode_until = self.clock() + limit
 
     def decode_refused(self, holder: Holder) -> None:
-        """A decode worker refused the hop with ``holder``'s KV (it registered nothing): the
-        params are dropped, and the lease ends at P's own lease's end, by the clock."""
+        """A decode worker refused the hop: params dropped, the lease ends by the clock."""
         holder.kv_params = None
         if holder.lease is not None:
             holder.lease.decode_until = None
@@ -93,9 +75,7 @@ class RequestLeases:
                 and lease.expires > self.clock())
 
     def ran_out(self, holder: Holder) -> bool:
-        """Whether ``holder``'s lease ended by the clock: closed ``expired`` (now, when it is due
-        and still open, as ``expire`` would close it, or earlier). P's own timer has then freed
-        the KV: the params are forgotten, and no hop (a decode or a release) may pull with them."""
+        """Whether ``holder``'s lease ended by the clock (then P freed the KV: params forgotten)."""
         lease = holder.lease
         if lease is None:
             return False

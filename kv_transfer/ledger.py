@@ -1,19 +1,6 @@
-"""The KV-lease ledger: every interval during which a prefill worker holds KV for a request.
-
-A lease opens when a prefill hop returns usable ``kv_transfer_params`` (the blocks are now
-pinned on that worker) and closes when the proxy knows they were freed; it expires
-``lease_duration`` after the hop was sent (``expires_at``), as P's own lease may have started then:
-
-* ``pulled``   the decode worker started answering (it pulled the blocks, P freed them),
-* ``aborted``  the proxy freed them on purpose (a release decode after an abort/disconnect),
-* ``expired``  nothing freed them: the worker's lease ran out (its own timer frees them); not
-               while a decode hop with them runs (a decode worker queueing the request keeps
-               P's lease alive): that hop's end tells,
-* ``unknown``  the decode hop failed in a way that does not tell whether D pulled.
-
-The open table and a bounded list of recent closed leases are the proof that nothing leaks.
-No I/O and no clock of its own: callers pass ``now`` (monotonic seconds), which keeps it
-deterministic to test.
+"""The KV-lease ledger: every interval during which a prefill worker holds KV for a request, from
+usable ``kv_transfer_params`` until the proxy knows the blocks were freed (``pulled``,
+``aborted``, ``expired``, ``unknown``). No I/O and no clock of its own: callers pass ``now``.
 """
 
 from __future__ import annotations
@@ -38,9 +25,7 @@ class Lease:
     end: float | None = None
     reason: CloseReason | None = None
     decode_until: float | None = None
-    """While a decode hop with this KV runs: not expired before this time. A decode worker that
-    queues the request keeps P's lease alive (vLLM's heartbeats), and the hop's answer, or its
-    failure, tells how the KV ended; the bound only covers a hop that never tells."""
+    """While a decode hop with this KV runs, not expired before this time (the hop's outcome tells)."""
 
     @property
     def duration(self) -> float | None:
@@ -94,16 +79,14 @@ class KVLeaseLedger:
         return True
 
     def expire(self, now: float) -> int:
-        """Close every open lease whose worker-side lease has run out (not one a decode hop
-        still holds: ``Lease.decode_until``)."""
+        """Close every open lease whose worker-side lease has run out (``_ends``)."""
         due = [lease for lease in self._open.values() if _ends(lease) <= now]
         for lease in due:
             self.expire_lease(lease, now)
         return len(due)
 
     def expire_lease(self, lease: Lease, now: float) -> bool:
-        """Close ``lease`` as ``expired`` if it is open and has run out by ``now`` (as ``expire``
-        would), ended when it ran out; False otherwise."""
+        """Close ``lease`` as ``expired``, ended when it ran out, if it is open and due by ``now``."""
         if lease.lease_id not in self._open or _ends(lease) > now:
             return False
         return self.close(lease, "expired", max(lease.start, _ends(lease)))  # never before it opened

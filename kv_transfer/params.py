@@ -1,18 +1,5 @@
-"""Transfer parameters are the proxy's, never a client's.
-
-vLLM's engine reads ``kv_transfer_params`` and ``ec_transfer_params`` from
-``sampling_params.extra_args`` (``vllm/v1/request.py``); its HTTP server copies the top-level fields
-of the same names there when they are not null. Both name worker-side addresses and blocks: the
-decode worker pulls KV from ``remote_host:remote_port`` (NIXL side channel) whatever the request
-says, and a real engine id reads whatever blocks it names. So a client that could set them would
-steer a worker's KV pull to any address, or read another tenant's KV.
-
-pd-proxy builds every hop's transfer params itself and refuses a request that carries such a key
-anywhere (``client_transfer_params``): at the top level (a ``null`` there names nothing and is
-allowed, as a plain vLLM client may send it), inside ``sampling_params.extra_args``, or at any
-other depth, so that a future vLLM reading them from elsewhere is covered too. One rule, applied
-once before any hop: no path (two-hop, decode-only, retries, rescue, migration, KV release) can
-forward them.
+"""Transfer parameters are the proxy's, never a client's: they name worker addresses and blocks.
+A request carrying a non-null one at any depth is refused before any hop (``client_transfer_params``).
 """
 
 from __future__ import annotations
@@ -25,10 +12,9 @@ _ESCAPE: Final = b"\\u"
 
 
 def client_transfer_params(raw: bytes, data: dict[str, Any]) -> str | None:
-    """The dotted path of the first transfer key a client body carries (``None`` when there is
-    none). ``raw`` is the body as sent, ``data`` its parse. A key can only be spelled with the
-    mark's bytes or with a ``\\u`` escape, so a body with neither (nearly all) is not walked."""
-    if _MARK not in raw and (b"\\" not in raw or _ESCAPE not in raw):  # one byte searched first: faster
+    """The dotted path of the first transfer key a client body carries, or ``None``. A key can
+    only be spelled with the mark's bytes or a ``\\u`` escape, so a body with neither is not walked."""
+    if _MARK not in raw and (b"\\" not in raw or _ESCAPE not in raw):
         return None
     for key in TRANSFER_KEYS:
         if data.get(key) is not None:

@@ -1,18 +1,6 @@
-"""Loaded by every Python process of a CPU P/D worker that ``pd-workers`` starts (this folder is put
-first on the worker's ``PYTHONPATH``), and inert unless ``PD_NIXL_PROGRESS_DELAY_US`` is set.
-
-NIXL's Python API creates each agent with ``pthrDelay = 0``: the UCX backend's progress thread then
-polls its workers' event fds with a timeout of 0, a busy loop that holds one core per P or D worker
-for as long as the worker runs, idle or not (measured: 1.00 core for an idle CPU worker). On a GPU
-host that buys the lowest completion latency with a core to spare; on a CPU host it takes a core
-from the worker's own forward passes and from everything else on the machine. With the variable
-set, the agent is created with that delay instead: the thread still wakes at once on a UCX event
-(it polls the workers' armed event fds), and when nothing happens it sleeps up to the delay.
-
-The patch wraps ``nixlAgent`` in the module namespace of NIXL's ``_api`` when that module is first
-imported; a NIXL whose ``_api`` has no such binding is left as it is, with one line on stderr. A
-``sitecustomize`` further down the path (some system Pythons ship one), which this one hides, is
-run after it.
+"""Loaded by every Python process of a CPU P/D worker; inert unless ``PD_NIXL_PROGRESS_DELAY_US``
+is set. NIXL agents are then made with that progress-thread delay instead of a busy poll (0),
+which holds a core per worker. A ``sitecustomize`` this one hides is run after it.
 """
 
 from __future__ import annotations
@@ -26,9 +14,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-# kv_transfer.config.NIXL_PROGRESS_ENV: written again because this runs in vLLM's environment,
-# where the project is not installed (tests/kv_transfer/test_nixl_progress.py sets the variable by
-# that name, so the two cannot drift apart unnoticed).
+# kv_transfer.config.NIXL_PROGRESS_ENV, repeated: the project is not installed where this runs.
 ENV = "PD_NIXL_PROGRESS_DELAY_US"
 MODULES = ("nixl_cu12._api", "nixl._api")
 
