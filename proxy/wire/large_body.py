@@ -18,7 +18,7 @@ from proxy.wire.validation_errors import VLLMValidationError
 LARGE_BODY_BYTES = 1 << 20
 """Bodies above this size go through ``parse_large_generate_body``."""
 SLICE_BYTES = 32 << 10
-"""About this much of the array's text is parsed between two turns of the loop (under 1 ms)."""
+"""About this much of the array's text is parsed between two turns of the loop."""
 
 _IDS_KEY = b'"token_ids"'
 _WS = b" \t\n\r"
