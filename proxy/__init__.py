@@ -1,9 +1,4 @@
-"""pd-proxy: one vLLM-compatible endpoint in front of disaggregated prefill/decode pools.
-
-Public API: ``build_app`` (an ``aiohttp.web.Application``) and ``ProxySettings``. They are
-re-exported lazily so that ``proxy.wire.protocol`` (the wire models shared with pd-sim and pd-bench)
-stays importable without pulling in the server.
-"""
+"""pd-proxy, one vLLM endpoint over prefill/decode pools; ``build_app`` and ``ProxySettings`` load lazily."""
 
 import importlib
 

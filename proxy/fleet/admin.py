@@ -1,24 +1,7 @@
-"""The admin API: membership and draining of workers, behind its own key.
-
-Mounted by the app as a sub-application (``app.add_subapp("/admin", admin_app(pools, key))``):
-
-==========================  ==================================================================
-``GET /admin/workers``      every pool's workers with load, health, circuit, sources; the pid
-``POST /admin/workers``     ``{"pool", "url"}``: add (201; 200 if already a member)
-``DELETE /admin/workers``   ``{"pool", "url"}`` (body or query): remove, whatever declared it
-``POST /admin/workers/drain`` ``{"pool", "url", "drain": true|false}``: stop/resume new traffic
-==========================  ==================================================================
-
-``Authorization: Bearer <admin key>``: the SHA-256 digests of the presented and the configured key
-are compared with ``hmac.compare_digest`` (equal lengths always, so the time tells nothing of the
-key's length or of how much of it matched); the app keeps the digest only. The admin key is separate
-from the client API keys; with no admin key the API is not mounted. Errors use vLLM's error JSON.
-
-Worker URLs are ``normalize_url``'d: user info, a query or a fragment is a 400 (``param: "url"``)
-whose message shows the URL redacted. With ``pd-proxy --workers N`` every change goes through the
-run's journal (``proxy.fleet.journal``) and reaches every process; ``GET`` shows the view of the
-process that answered (its in-flight counts, health and circuits are its own).
-"""
+"""The admin API (``GET/POST/DELETE /admin/workers``, ``POST /admin/workers/drain``): membership
+and draining of workers, behind its own key, of which the app keeps only the SHA-256 digest. Worker
+URLs with user info, a query or a fragment are a 400 that shows the URL redacted. With
+``--workers N`` every change goes through the run's journal and reaches every process."""
 
 from __future__ import annotations
 
@@ -47,8 +30,8 @@ def key_digest(key: str) -> bytes:
 
 
 def key_matches(authorization: str | None, digest: bytes) -> bool:
-    """``Authorization: Bearer <key>`` carries the key whose SHA-256 is ``digest``. One
-    ``hmac.compare_digest`` of two 32-byte digests, whatever the header holds (none included)."""
+    """The bearer key's SHA-256 is ``digest``: one constant-time compare of two 32-byte digests,
+    whatever the header holds, so the time tells nothing of the key."""
     scheme, _, token = (authorization or "").partition(" ")
     given = token.strip() if scheme.lower() == "bearer" else ""
     return hmac.compare_digest(key_digest(given), digest) and bool(given)
@@ -100,7 +83,7 @@ async def _target(request: web.Request) -> tuple[Pool, str, dict[str, Any]]:
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    """``process``: the pid that answered (with ``--workers N``, the view is that process's)."""
+    """``process``: the pid that answered (its view of the pools)."""
     return web.json_response({"pools": request.app[POOLS_KEY].snapshot(), "process": os.getpid()})
 
 

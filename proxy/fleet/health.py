@@ -1,17 +1,8 @@
 """Health: active ``/health`` probes with thresholds, scraped load, and the P x D pair preflight.
 
-* :class:`HealthChecker` probes every worker of its pools; ``fail_threshold`` consecutive failed
-  probes mark a worker unhealthy (never picked), ``recover_threshold`` consecutive good ones
-  readmit it (and close its circuit: it was restarted or came back).
-* :class:`LoadScraper` reads each worker's own ``/metrics`` (``vllm:num_requests_waiting``,
-  ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``) into ``Worker.load``, which
-  policies see when ``LoadWeights.use_scraped`` is on.
-* :class:`Preflight` runs a check (the serving layer supplies it: one tiny real P->D hand-off)
-  through each new prefill x decode pair before that pair takes traffic.
-
-Probes, scrapes and checks are injected coroutines (the HTTP ones are below), so tests drive
-them directly; ``run`` loops call the ``*_once`` methods at a bounded interval.
-"""
+``fail_threshold`` failed probes in a row mark a worker unhealthy (never picked);
+``recover_threshold`` good ones readmit it and close its circuit. Probes, scrapes and checks are
+injected coroutines, so tests drive them directly."""
 
 from __future__ import annotations
 
@@ -66,9 +57,7 @@ def http_probe(session: aiohttp.ClientSession, timeout: float, path: str = "/hea
 
 def http_fetch(session: aiohttp.ClientSession, timeout: float, path: str = "/metrics", *,
                headers: Mapping[str, str] | None = None, limit: int | None = None) -> FetchFn:
-    """``GET path`` of a worker, its body as text; an error status raises
-    (``ClientResponseError``), and so does a body past ``limit`` bytes (``AnswerTooLarge``; by
-    default ``METRICS_PAGE_LIMIT``)."""
+    """``GET path`` of a worker as text; an error status or a body past ``limit`` raises."""
     async def fetch(worker: Worker) -> str:
         async with session.get(worker.url + path, timeout=aiohttp.ClientTimeout(total=timeout),
                                headers=headers) as resp:
@@ -134,8 +123,6 @@ class HealthChecker:
         await repeat(interval, self.probe_once)
 
 
-# ------------------------------------------------------------------------ scraped load
-
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -176,9 +163,6 @@ class LoadScraper:
         await repeat(interval, self.scrape_once)
 
 
-# ------------------------------------------------------------------------ pair preflight
-
-
 class PairState(enum.Enum):
     UNKNOWN = "unknown"
     RUNNING = "running"
@@ -187,9 +171,8 @@ class PairState(enum.Enum):
 
 
 class Preflight:
-    """Each prefill x decode pair passes ``check`` once before it takes traffic. A failed pair
-    is retried after ``retry_after`` seconds; pairs of workers that left are forgotten (a worker
-    that comes back is checked again)."""
+    """Each prefill x decode pair passes ``check`` once before it takes traffic; a failed pair is
+    retried after ``retry_after`` seconds."""
 
     def __init__(self, check: PreflightFn | None, *, timeout: float = 10.0, retry_after: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -208,14 +191,12 @@ class Preflight:
         return self.check is None or self.state(p, d) is PairState.OK
 
     def all_failed(self, p: Worker, decoders: Sequence[Worker]) -> bool:
-        """Every pair of ``p`` with ``decoders`` failed its check (so ``p``'s KV could go nowhere).
-        False without a check, without decoders, or while any pair is unknown, running or passed."""
+        """Every pair of ``p`` with ``decoders`` failed its check: ``p``'s KV could go nowhere."""
         return self.check is not None and bool(decoders) and all(
             self.state(p, d) is PairState.FAILED for d in decoders)
 
     def start_all(self, prefill: Iterable[Worker], decode: Iterable[Worker]) -> None:
-        """Start the checks of every pair not yet known (at start and when membership changes),
-        so that pairs are checked before traffic needs them."""
+        """Start the checks of every pair not yet known, before traffic needs them."""
         decoders = list(decode)
         for p in prefill:
             for d in decoders:
@@ -255,8 +236,7 @@ class Preflight:
 
     async def usable_decoders(self, p: Worker, candidates: Sequence[Worker],
                               limit: float) -> list[Worker]:
-        """The candidates whose pair with ``p`` passed. Starts checks for the others; when none
-        passed yet, waits (at most ``limit``) for the running ones until one passes."""
+        """The candidates whose pair with ``p`` passed; when none has yet, waits at most ``limit``."""
         if self.check is None:
             return list(candidates)
         pending = [t for d in candidates if (t := self.start(p, d)) is not None]

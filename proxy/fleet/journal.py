@@ -1,27 +1,10 @@
-"""Admin changes shared by every process of ``pd-proxy --workers N``.
+"""Admin changes shared by every process of ``pd-proxy --workers N``: an append-only file of JSON
+lines in the run's private (0700) directory (proxy/README.md, "``--workers N``").
 
-Each process has its own pools; an admin call (add, remove, drain a worker) reaches one of them.
-So that it reaches all, every change goes through a journal: one append-only file of JSON lines
-in a directory the parent makes for the run (``tempfile.mkdtemp``: mode 0700, so no other local
-user can write a change into it), given to the children as ``PoolSettings.admin_journal``.
-
-* The process that takes a call locks the file (``flock``), first applies every line it has not
-  applied yet (so it decides, e.g. a 404 for an unknown worker, on the state every process will
-  have reached at that point), then appends its change, applies it at once, and unlocks. The
-  section holds no ``await``: it costs microseconds of the event loop (a few small reads and a
-  write on a local file).
-* Every process reads the lines appended since its last look every ``POLL_INTERVAL`` (0.25 s) and
-  applies them in file order (at most ``READ_LIMIT`` bytes per look, so a burst of changes never
-  holds the event loop long). Every process applies the same changes in the same order, so their
-  admin-declared membership and draining agree within a poll interval.
-* A line that is not a valid change (it cannot come from pd-proxy; a process that died while
-  writing) is logged and skipped. A torn last line found under the lock is terminated, so that the
-  next change starts on a line of its own.
-
-With one process there is no file: the base ``Journal`` applies the change and records nothing.
-The journal grows by one short line per admin call (admin calls are authenticated and rare); it
-lives as long as the run and the parent removes its directory at exit.
-"""
+The process taking a call locks the file, applies every line it has not applied yet (so it decides
+on the state every process will reach), then appends and applies its change; the others apply new
+lines in file order every ``POLL_INTERVAL``. A line that is not a valid change is logged and
+skipped. With one process there is no file: the base ``Journal`` only applies the change."""
 
 from __future__ import annotations
 
@@ -40,11 +23,10 @@ from proxy.pools.pool import normalize_url
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.25
-"""Seconds between two looks at the journal: how long other processes may lag behind a change."""
+"""How long other processes may lag behind a change (seconds)."""
 READ_LIMIT = 64 * 1024
-"""Bytes read at a time: about 800 changes, some 30 ms of the event loop to apply. A poll reads at
-most this much (a burst of changes is spread over several polls); a caller about to record a
-change reads everything (it must decide on the latest state)."""
+"""Bytes a poll reads at most, so a burst of changes never holds the event loop long; a caller
+about to record a change reads everything."""
 
 Op = Literal["add", "remove", "drain"]
 
@@ -61,7 +43,7 @@ def change(op: Op, pool: str, url: str, drain: bool = False) -> Change:
 
 
 def apply_change(pools: Pools, c: Change) -> None:
-    """Apply one change to this process's pools (the same code for the caller and every replay)."""
+    """Apply one change to this process's pools (the caller and every replay alike)."""
     pool = pools[c["pool"]]
     url = c["url"]
     if c["op"] == "add":
@@ -102,12 +84,10 @@ class Journal:
 
     @contextlib.contextmanager
     def changing(self) -> Iterator[Record]:
-        """A ``Record`` that applies a change (inside the block: decide and record together)."""
         yield lambda c: apply_change(self.pools, c)
 
     def catch_up(self, chunks: int | None = None) -> int:
-        """Apply what other processes recorded since the last look (at most ``chunks`` reads of
-        ``READ_LIMIT`` bytes; None: all of it); how many changes."""
+        """Apply what other processes recorded since the last look; how many changes."""
         return 0
 
     def close(self) -> None:
@@ -115,14 +95,13 @@ class Journal:
 
 
 class FileJournal(Journal):
-    """The journal file shared by the processes of one run (see the module's docstring)."""
 
     def __init__(self, path: Path, pools: Pools) -> None:
         super().__init__(pools)
         self.path = path
         self._fd: int | None = None
         self.offset = 0
-        """Bytes of the file this process has applied (always the end of a whole line)."""
+        """Bytes of the file this process has applied: always the end of a whole line."""
         self.applied = 0
         self.skipped = 0
 
@@ -138,7 +117,6 @@ class FileJournal(Journal):
             self._fd = None
 
     def catch_up(self, chunks: int | None = None) -> int:
-        """Apply the whole lines appended since the last look; how many were applied."""
         done = 0
         reads = 0
         while chunks is None or reads < chunks:
@@ -172,15 +150,13 @@ class FileJournal(Journal):
     @contextlib.contextmanager
     def changing(self) -> Iterator[Record]:
         """Lock the journal and bring this process up to date; the ``Record`` it yields applies a
-        change here and appends it for the others. Unlocked on exit (an exception records nothing
-        more)."""
+        change here and appends it for the others."""
         fd = self.fd
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             self.catch_up()
             if os.fstat(fd).st_size > self.offset:
-                # a torn line (its writer died mid-write; nobody writes while we hold the lock):
-                # end it, so that the next change starts on its own line
+                # a torn line (its writer died): the next change starts on its own line
                 os.write(fd, b"\n")
                 self.catch_up()
 

@@ -1,20 +1,8 @@
-"""Pool membership from Kubernetes EndpointSlices selected by label (``kubernetes_asyncio``).
+"""Pool membership from Kubernetes EndpointSlices selected by label (optional extra ``k8s``).
 
-A :class:`EndpointSliceSource` lists the EndpointSlices of a namespace matching a label selector
-(for example ``kubernetes.io/service-name=vllm-decode`` or ``app=vllm,role=decode``), then
-watches them; the ready endpoints' addresses, on the named (or numbered) port, are the pool's
-``k8s:<namespace>/<selector>`` source. Only slices made by Kubernetes' EndpointSlice controller count
-(label ``endpointslice.kubernetes.io/managed-by: endpointslice-controller.k8s.io``): a slice that
-anyone else created with the same labels (whoever may create EndpointSlices in the namespace could
-point the pool at any address) is ignored, and a slice that loses that label leaves the pool.
-A watch that ends is resumed from its resource version; one the API server no longer has (410 Gone)
-or an error makes it list again, after a backoff.
-Every API call has a timeout (``request_timeout``; the watch asks the server to end it after
-``watch_seconds`` and bounds the client read at that plus ``request_timeout``).
-
-This module needs the optional ``k8s`` extra (``pip install 'pd-proxy[k8s]'``); nothing else
-imports it unless the proxy is asked to watch EndpointSlices.
-"""
+Only slices made by the EndpointSlice controller count: anyone who may create EndpointSlices in
+the namespace could otherwise point the pool at any address. A watch resumes from its resource
+version and lists again on 410 or an error, after a backoff; every API call has a timeout."""
 
 from __future__ import annotations
 
@@ -36,8 +24,7 @@ log = logging.getLogger(__name__)
 
 MANAGED_BY_LABEL: Final = "endpointslice.kubernetes.io/managed-by"
 CONTROLLER: Final = "endpointslice-controller.k8s.io"
-"""The value the EndpointSlice controller (kube-controller-manager) sets on the slices of a Service
-with a selector; the only slices whose endpoints become workers."""
+"""Only slices the EndpointSlice controller made (this label value) give workers."""
 
 
 def controller_managed(raw: Mapping[str, Any]) -> bool:
@@ -70,8 +57,7 @@ def _host(address: str) -> str:
 
 
 def slice_urls(raw: Mapping[str, Any], port: str | int, scheme: str = "http") -> set[str]:
-    """The URLs of the ready endpoints of one EndpointSlice (its JSON, camelCase keys).
-    ``conditions.ready`` absent means ready (the API's documented default)."""
+    """The URLs of the ready endpoints of one EndpointSlice (absent ``ready`` means ready)."""
     if isinstance(port, int):
         number: int | None = port
     else:

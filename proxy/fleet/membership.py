@@ -1,14 +1,5 @@
-"""Which workers are in which pool, from several sources at once.
-
-Each source declares a set of workers per pool; a worker is a member while any source declares
-it (``Worker.sources``). Sources:
-
-* ``static``  — the command line (``Pool(urls=...)``),
-* ``file``    — a TOML file, reloaded when it changes (:class:`ConfigFileSource`),
-* ``admin``   — the admin API (``proxy.fleet.admin``),
-* ``k8s:...`` — Kubernetes EndpointSlices selected by label (``proxy.fleet.k8s``).
-
-The config file::
+"""Which workers are in which pool: a worker is a member while any source (``static``, ``file``,
+``admin``, ``k8s:...``) declares it. The ``--workers-file``, reloaded when it changes::
 
     [pools.prefill]
     policy = "prefix"                      # optional: a routing policy name
@@ -17,8 +8,7 @@ The config file::
     [pools.decode]
     workers = ["http://10.0.0.3:8200"]
 
-A file that fails to parse or validate is logged and ignored: the previous membership stays.
-"""
+A file that fails to parse or validate is logged and ignored: the previous membership stays."""
 
 from __future__ import annotations
 
@@ -42,8 +32,7 @@ ADMIN_SOURCE = "admin"
 
 
 class WorkerMetrics(Protocol):
-    """What ``Pools.forget_workers_in`` needs of the app's metrics
-    (``proxy.observe.metrics.ProxyMetrics``)."""
+    """What ``Pools.forget_workers_in`` needs of the app's metrics."""
 
     members: Callable[[str, str], bool] | None
 
@@ -79,7 +68,7 @@ class Pools:
             pool.replace_source(source, members.get(name, ()))
 
     def is_member(self, pool: str, url: str) -> bool:
-        """``url`` (normalized, as ``Worker.url``) is a member of ``pool`` now."""
+        """``url`` (normalized) is a member of ``pool`` now."""
         found = self._pools.get(pool)
         return found is not None and found.has(url)
 

@@ -1,13 +1,6 @@
-"""The preflight check of a prefill x decode pair: one tiny real P->D hand-off.
-
-A prompt of one KV block of the pair (the larger of the two) plus one token is prefilled on P
-with ``do_remote_decode``; its ``kv_transfer_params`` go to D with ``max_tokens=1``. The pair
-passes when P answered usable params and D answered 200 with a token. (A pull that fails makes
-vLLM's decode worker answer an error under the default ``kv_load_failure_policy``; pd-sim does
-the same.) If D's answer never comes, P's blocks are freed by its lease. The serving layer
-supplies the upstream client and its ``remote_host`` rewrite; :class:`~proxy.fleet.health.Preflight`
-supplies timeouts.
-"""
+"""The preflight check of a prefill x decode pair: one tiny real P->D hand-off (one block of the
+pair plus one token, prefilled on P, decoded from its KV on D with ``max_tokens=1``). If D's answer
+never comes, P's blocks are freed by its lease."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""When a hop is retried: a bounded number of attempts, backoff with full jitter, and which
-failures are transient (the walk in ``proxy.walk.prefill`` and ``proxy.walk.decode`` retries them where safe):
-
-* prefill hop: after a connect error, a 5xx or a timeout, on another prefill worker — nothing is
-  held yet (a prefill that failed holds no KV; one whose reply was lost is freed by its lease).
-* decode hop: on another decode worker, only before the first byte of its answer and while the
-  prefill worker's KV lease is still valid (the new worker pulls the same blocks).
-
-4xx answers are the client's fault and protocol errors (a 2xx the proxy cannot use) would repeat,
-so neither is retried here; the serving layer alone sends a prefill 200 without usable
-kv_transfer_params to another prefill worker not tried yet.
-"""
+"""When a hop is retried: bounded attempts, backoff with full jitter, and which failures are
+transient. A prefill hop is retried on another worker (nothing is held yet); a decode hop only
+before the first byte of its answer and while P's lease is valid. 4xx and protocol errors would
+repeat: never retried here."""
 
 from __future__ import annotations
 
@@ -33,7 +25,7 @@ class RetryPolicy:
             raise ValueError("need 0 <= base_delay <= max_delay")
 
     def delay(self, retry: int, rng: random.Random) -> float:
-        """Full jitter: uniform in [0, min(max_delay, base_delay * 2**retry)] (retry from 0)."""
+        """Full jitter: uniform in [0, min(max_delay, base_delay * 2**retry)]."""
         return rng.uniform(0.0, min(self.max_delay, self.base_delay * (2**retry)))
 
 

@@ -1,12 +1,5 @@
-"""Everything of the pools one proxy app runs: metrics and background tasks (their settings and
-flags: ``proxy.pools.options``).
-
-``PoolRuntime`` owns the prefill and decode pools, the overall admission gate, the pair
-preflight and the retry policies, and runs (between ``start`` and ``stop``, so from the app's
-``cleanup_ctx``) the active health probes, the optional load scraper, the config-file watcher
-and the EndpointSlice watchers. The serving layer asks it for picks, deadlines and bypass
-decisions, and counts retries, migrations and rejections through ``PoolMetrics``.
-"""
+"""Everything of the pools one proxy app runs: ``PoolRuntime`` owns the pools, admission, the pair
+preflight and the retry policies, and runs their background tasks between ``start`` and ``stop``."""
 
 from __future__ import annotations
 
@@ -56,9 +49,6 @@ SESSION_HEADER = "X-Session-ID"
 BYPASS_HEADER = "X-PD-Decode-Only"
 
 
-# ------------------------------------------------------------------------------ metrics
-
-
 class _PoolStateCollector(Collector):
     def __init__(self, pools: Pools, with_health: bool) -> None:
         self.pools = pools
@@ -80,8 +70,7 @@ class _PoolStateCollector(Collector):
 
 
 class PoolMetrics:
-    """The pools' metrics on the app's registry. ``with_health``: also export
-    ``pd_proxy_worker_healthy`` from the pools (when the app does not keep its own gauge)."""
+    """The pools' metrics on the app's registry."""
 
     def __init__(self, registry: CollectorRegistry, pools: Pools, *, with_health: bool = True) -> None:
         self.retries = Counter("pd_proxy_retries", "Hops retried on another worker", ["hop"],
@@ -96,11 +85,7 @@ class PoolMetrics:
         registry.register(_PoolStateCollector(pools, with_health))
 
 
-# ------------------------------------------------------------------------------ runtime
-
-
 def _waker(learner: WorkerLearner) -> Callable[[Pool], None]:
-    """A pool change (a worker joined) wakes ``learner``."""
     return lambda _: learner.wake()
 
 
@@ -111,17 +96,11 @@ class PoolRuntime:
                  registry: CollectorRegistry | None = None,
                  metrics_with_health: bool = True,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
-        """``block_size``: the workers' KV block size for all of them (``--kv-block-size``); None:
-        each worker's own, read from its ``/metrics`` (``proxy.pools.blocks``). ``max_model_len``:
-        the workers' model length (``--max-model-len``); None: each worker's own, from its
-        ``GET /v1/models``."""
+        """``block_size``, ``max_model_len``: overrides for every worker (None: each worker's own)."""
         self.settings = s = settings
         self.blocks = BlockSizes(block_size)
-        """Per worker KV block sizes: prefix hashing, the short-prompt bypass, preflight, the
-        suspect-no-transfer counter."""
         self.learner: BlockSizeLearner | None = None
         self.model_lens = ModelLens(max_model_len)
-        """Per worker model lengths: a stream whose first token (P's) is its last."""
         self.learners: list[WorkerLearner] = []
         self.clock = clock
         self.rng = rng or random.Random()
@@ -153,7 +132,6 @@ class PoolRuntime:
         self.config_source = (ConfigFileSource(s.config_file, self.pools)
                               if s.config_file is not None else None)
         self.journal = make_journal(s.admin_journal, self.pools)
-        """Admin changes: this process only, or (``--workers N``) every process of the run."""
         self._tasks: list[asyncio.Task[None]] = []
         self._closers: list[Callable[[], Any]] = []
 
@@ -164,13 +142,10 @@ class PoolRuntime:
                            imbalance_ratio=s.imbalance_ratio, imbalance_slack=s.imbalance_slack, rng=self.rng)
 
     def key_block_size(self) -> int:
-        """The prefix policy's key block: the smallest block any worker reported (16 until one
-        did). From the membership, not from who can take a request, so it does not change with
-        a worker's load or health, and every replica with the same workers keys alike."""
+        """The smallest block any member reported: not who can take a request, so every replica
+        with the same workers keys alike."""
         learned = [w.block_size for pool in self.pools for w in pool if w.block_size]
         return min(learned, default=self.blocks.fallback)
-
-    # -------------------------------------------------------------- per request
 
     def pick_context(self, token_ids: Sequence[int], headers: Mapping[str, str],
                      tokens: int = 0) -> PickContext:
@@ -183,9 +158,7 @@ class PoolRuntime:
                                     clock=self.clock, max_ms=s.deadline_max_ms)
 
     def bypass_reason(self, prompt_tokens: int) -> str | None:
-        """Why this request should skip the prefill hop (None: it should not). ``short_prompt``:
-        shorter than ``--bypass-prompt-tokens``, or by default than one block of every prefill
-        worker that could take it (``prefill_too_short`` leaves out those it is too short for)."""
+        """Why this request should skip the prefill hop (None: it should not)."""
         threshold = self.settings.bypass_prompt_tokens
         if threshold is not None:
             if prompt_tokens < threshold:
@@ -197,14 +170,12 @@ class PoolRuntime:
         return None
 
     def one_token_left(self, prompt_tokens: int) -> bool:
-        """Whether a prompt of ``prompt_tokens`` leaves room for one generated token only on every
-        decode worker (their model length: ``--max-model-len`` or each one's own, all known):
-        whichever decodes it ends the request at token 1 with ``length``."""
+        """Whether the prompt leaves room for one generated token only on every decode worker."""
         return self.model_lens.one_token_left(prompt_tokens, self.decode)
 
     def prefill_too_short(self, prompt_tokens: int) -> list[Worker]:
-        """Prefill workers a prompt fills no block of (by default, ``--bypass-prompt-tokens`` unset):
-        left out of its prefill pick, so the bypass threshold is that of the worker chosen."""
+        """Prefill workers a prompt fills no block of, left out of its pick (no explicit bypass
+        threshold)."""
         if self.settings.bypass_prompt_tokens is not None:
             return []
         return [w for w in self.prefill if prompt_tokens < self.blocks.of(w)]
@@ -225,11 +196,8 @@ class PoolRuntime:
         if self.metrics is not None:
             self.metrics.queue_rejections.inc()
 
-    # -------------------------------------------------------------- lifecycle
-
     async def start(self, session: aiohttp.ClientSession, preflight_check: PreflightFn | None = None,
                     *, upstream_headers: Mapping[str, str] | None = None) -> None:
-        """``upstream_headers``: sent with the reads of the workers' API (their API key)."""
         s = self.settings
         loop = asyncio.get_running_loop()
         if s.preflight and preflight_check is not None:
@@ -281,8 +249,6 @@ class PoolRuntime:
 
     def _start_learners(self, loop: asyncio.AbstractEventLoop, session: aiohttp.ClientSession,
                         upstream_headers: Mapping[str, str] | None) -> None:
-        """Read what each worker says of itself (block size, model length) unless a setting gives
-        it: each learner woken when a worker joins."""
         timeout = self.settings.health_timeout
         if self.blocks.learning:
             self.learner = BlockSizeLearner(list(self.pools), http_fetch(session, timeout))
@@ -297,7 +263,7 @@ class PoolRuntime:
                                                 name=f"pool-learn-{type(learner).__name__}"))
 
     def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        """Run ``work`` as one more background task of the pools (cancelled by ``stop``)."""
+        """Run ``work`` as a background task of the pools, cancelled by ``stop``."""
         self._tasks.append(asyncio.get_running_loop().create_task(work, name=name))
 
     def _health_changed(self, worker: Worker) -> None:

@@ -1,29 +1,8 @@
 """The aiohttp application: routes, typed app state, start-up and shutdown.
 
-Routes (``/inference/*`` behind the client keys when set, as vLLM guards its ``/inference`` prefix,
-each key a tenant (``proxy.config.tenants``); ``/debug/*`` behind the admin key when set):
-
-* ``POST /inference/v1/generate``         the P/D walk (``proxy.http.serving``)
-* ``POST /inference/v1/abort_requests``   vLLM's abort contract, routed by request state
-* ``POST /abort_requests``                legacy alias (key required unless mirroring vLLM)
-* ``GET  /health``                        the proxy and its pools (last known state; URLs for the admin key)
-* ``GET  /livez``                         liveness: the process serves (200 even while pools are down)
-* ``GET  /readyz``                        readiness: able to route a request now (503 otherwise, draining)
-* ``GET  /metrics``                       Prometheus text (no key)
-* ``GET  /debug/kv-leases``               the KV-lease ledger (open + recent closed)
-* ``GET  /debug/requests``                the request table (state and holders of each request)
-* ``GET  /debug/runtime``                 pending tasks, upstream connections, RSS, Python objects
-                                          (``?collect=1``: after a full collection;
-                                          ``proxy.observe.diagnostics``)
-* ``/admin/workers``                      pool membership and draining, behind the admin key
-                                          (``proxy.fleet.admin``; only when that key is set); with
-                                          ``--admin-port`` on its own listener instead (the main
-                                          port then answers 404 for ``/admin/*``)
-
-The three ``POST`` calls above the health routes take the lean front (``proxy.http.lean``): the same
-key check, body limits and error answers as the middlewares, without the router. Every request is
-parsed by aiohttp's server (its strict parser).
-"""
+``/inference/*`` is behind the client keys when set (each key a tenant), ``/debug/*`` behind the
+admin key; ``/metrics``, ``/health``, ``/livez`` and ``/readyz`` are open. The generate and abort
+calls take the lean front (``proxy.http.lean``): the same checks as the middlewares."""
 
 from __future__ import annotations
 
@@ -82,7 +61,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 TENANT = web.RequestKey("tenant", Tenant)
-"""Request key: the ``proxy.config.tenants.Tenant`` whose key the request carried (``OPEN`` without keys)."""
+"""The tenant whose key the request carried (``OPEN`` without keys)."""
 ADMIN_PREFIXES = ("/debug",)
 
 
@@ -91,15 +70,13 @@ def _admin_key_ok(request: web.Request, admin: Tenants) -> bool:
 
 
 class _Auth:
-    """Client keys (tenants) on the inference routes; ``/debug/*`` (every tenant's requests) on the
-    admin key when one is set. Without an admin key a single client key still opens ``/debug/*``
-    (one tenant sees only its own requests); with several tenants it stays shut (403)."""
+    """Client keys on the inference routes; ``/debug/*`` (every tenant's requests) on the admin key,
+    or without one on the single client key; with several tenants and no admin key it stays shut."""
 
     def __init__(self, settings: ProxySettings, tenants: Tenants, admin: Tenants) -> None:
         self.settings, self.tenants, self.admin = settings, tenants, admin
 
     def admin_gate(self, request: web.Request) -> bool:
-        """``/debug/*``: True when the admin key let the request in; raises when it is shut."""
         if self.admin.enabled:
             if not _admin_key_ok(request, self.admin):
                 raise Unauthorized("Unauthorized")
@@ -110,8 +87,7 @@ class _Auth:
         return False
 
     def tenant_of(self, request: web.Request) -> Tenant | None:
-        """The caller's tenant on a guarded route (raises ``Unauthorized`` without a valid key);
-        ``OPEN`` without client keys; None on open routes."""
+        """The caller's tenant on a guarded route (raises without a valid key); None on open routes."""
         path = request.path
         if not self.tenants.enabled:
             return OPEN
@@ -122,13 +98,11 @@ class _Auth:
                 raise Unauthorized("Unauthorized")
             return tenant
         if legacy and self.tenants.namespaced:
-            # vLLM's keyless legacy abort (--legacy-abort-mirror-vllm): it acts as the only
-            # tenant; with several tenants it would reach everyone's requests, so it is refused.
+            # The keyless legacy abort would reach every tenant's requests.
             raise Unauthorized("Unauthorized")
         return OPEN if legacy else None
 
     def admit(self, request: web.Request) -> None:
-        """A request on a guarded route: its tenant noted (raises without a valid key)."""
         tenant = self.tenant_of(request)
         if tenant is not None:
             request[TENANT] = tenant
@@ -167,9 +141,8 @@ async def abort_requests(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """From the pools' last known state (active probes, circuit breakers, draining): no worker is
-    called per request, so probing ``/health`` costs the workers nothing. Worker URLs and their
-    load only for the admin key; everyone else gets the status and each pool's counts."""
+    """From the pools' last known state: no worker is called per request. Worker URLs only for the
+    admin key."""
     serving = request.app[SERVING]
     pools = (serving.prefill_pool, serving.decode_pool)
     ready = all(any(w.available for w in pool) for pool in pools)
@@ -193,18 +166,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def livez(request: web.Request) -> web.Response:
-    """Liveness: the event loop answers. Never depends on the workers: a liveness probe that failed
-    while vLLM loads (minutes) or a pool is down would restart the proxy and drop every live stream.
-    Still 200 while draining (the process is finishing its streams)."""
+    """Liveness, 200 even while draining. Never depends on the workers: a failed liveness probe
+    would restart the proxy and drop every live stream."""
     draining = request.app[DRAINING].is_set()
     return json_response({"status": "draining" if draining else "ok"})
 
 
 def can_route(serving: Serving) -> bool:
-    """A request could be routed now: a decode worker that passes its probes and may take it, and
-    such a prefill worker or the decode-only bypass (``--no-bypass-when-prefill-unavailable`` turns
-    it off). Workers at their in-flight cap count (requests wait in the queue for them). A pool in
-    panic still routes, but its workers failed their probes: not ready, as ``/health`` says."""
+    """A decode worker may take a request now, and a prefill worker or the decode-only bypass may.
+    Workers at their in-flight cap count; a pool in panic does not."""
     if not any(w.admissible for w in serving.decode_pool):
         return False
     return any(w.admissible for w in serving.prefill_pool) or \
@@ -212,9 +182,7 @@ def can_route(serving: Serving) -> bool:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: 200 when a request can be routed now, 503 when not or while draining, so that a
-    Service stops sending new requests here without the pod being restarted. From the pools' last
-    known state, like ``/health``: no worker is called per probe."""
+    """Readiness: 503 when no request can be routed now or while draining."""
     if request.app[DRAINING].is_set():
         return json_response({"status": "draining"}, status=503)
     if not can_route(request.app[SERVING]):
@@ -308,16 +276,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 class AdminListener:
-    """The admin API on its own address (``--admin-host``/``--admin-port``), up while the app is.
-    With ``--workers N`` every process listens on it with ``SO_REUSEPORT`` (an admin call may reach
-    any of them; the journal takes its change to the others)."""
+    """The admin API on its own address (``--admin-port``), up while the app is."""
 
     def __init__(self, app: web.Application, settings: ProxySettings) -> None:
         self.app = app
         self.settings = settings
         self.runner: web.AppRunner | None = None
         self.address: tuple[str, int] | None = None
-        """(host, port) once listening (the port resolved when 0 was asked)."""
 
     async def start(self) -> None:
         s = self.settings
@@ -366,7 +331,6 @@ async def _admin_listener(app: web.Application) -> AsyncIterator[None]:
 
 
 def _count_error(request: web.Request, e: ProxyError) -> None:
-    """Every generate call that ends in an error is counted here, by the error's outcome."""
     if request.path == GENERATE_PATH:
         metrics = request.app[METRICS]
         metrics.child(metrics.requests, e.outcome).inc()
@@ -378,14 +342,10 @@ async def _on_shutdown(app: web.Application) -> None:
 
 
 READ_BODY_PATHS = (GENERATE_PATH, ABORT_PATH, LEGACY_ABORT_PATH)
-"""The calls whose bodies the proxy reads (under the body timeout); each on the lean front."""
 LARGE_BODY_PATHS = (GENERATE_PATH,)
-"""Of those, the one whose large bodies are read into one growing buffer (``proxy.wire.large_body``)."""
 
 
 def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None = None) -> web.Application:
-    """``tracer_provider``: the OpenTelemetry provider for ``settings.otel`` (default: the global
-    one, or one built from the ``OTEL_*`` variables; see ``proxy.observe.tracing``)."""
     # Errors outermost (every error in vLLM's shape), then the key, then the body limits (a
     # client without the key never gets its body read).
     tenants = Tenants(settings.client_keys())
@@ -394,8 +354,6 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     limit = BodyLimit(settings.max_body_bytes, settings.body_timeout)
     middlewares = [error_middleware, *([_auth_middleware(gate)] if gate is not None else []),
                    body_middleware(limit, READ_BODY_PATHS, large_paths=LARGE_BODY_PATHS)]
-    # The generate and abort calls take the lean front (``proxy.http.lean``): the same steps as the
-    # middlewares above, in one frame and without the router.
     app = LeanApplication(limit=limit, middlewares=middlewares, client_max_size=settings.max_body_bytes)
     if gate is not None:
         app.set_guard(gate.admit)

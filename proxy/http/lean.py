@@ -1,23 +1,7 @@
 """The lean front of the hot calls: ``POST`` generate and abort served without the router and the
-middleware chain.
-
-aiohttp's ``Application._handle`` resolves every request through the router (a match object
-built, the app added to it and frozen, an ``Expect`` check), then runs it through the middleware
-chain (one coroutine frame per middleware: errors, keys, body limits). For the generate and abort
-calls the answer is always the same route, so ``LeanApplication`` looks the path up in one dict
-(by ``rel_url.path_safe``, the key the router matches on) and runs the same steps in one frame:
-the key check (``guard``), the body limits (``proxy.http.limits.BodyLimit``), the handler, and every
-error answered by ``proxy.wire.errors.answer_error``, the error middleware's own code. The request
-gets a match object built once per route (shared and frozen, its match dict empty), so
-``request.app`` and ``request.match_info`` work as on any route.
-
-Anything else takes the full path, unchanged: another method on these paths (405 in vLLM's shape,
-from the router), a request with an ``Expect`` header (the router's expect handler), every other
-route and the sub-applications (health, metrics, debug, admin).
-
-Every request is parsed by aiohttp's own (strict) parser; a head it refuses is answered by
-``QuietRequestHandler``.
-"""
+middleware chain, by the same steps in one frame (key check, body limits, handler, errors answered
+by the error middleware's own code). Another method, an ``Expect`` header and every other route
+take the full path, unchanged."""
 
 from __future__ import annotations
 
@@ -36,25 +20,21 @@ log = logging.getLogger("pd_proxy")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Guard = Callable[[web.Request], None]
-"""Checks a request's key before its body is read (raises ``Unauthorized``, ``Forbidden``) and
-notes its tenant on the request."""
+"""Checks a request's key before its body is read and notes its tenant on the request."""
 
 
 class LeanRoute(NamedTuple):
     match_info: web.UrlMappingMatchInfo
     handler: Handler
     large: bool
-    """Whether a large body is read into a growing buffer (``proxy.http.limits.request_body``)."""
 
 
 with warnings.catch_warnings():
-    # aiohttp discourages subclassing (it prefers composition); ``_handle`` is the one seam where
-    # a request can skip the router without leaving the app (its runner, signals, test server).
+    # ``_handle`` is the one seam where a request can skip the router without leaving the app.
     warnings.simplefilter("ignore", DeprecationWarning)
 
     class LeanApplication(web.Application):
-        """A ``web.Application`` that serves the routes added with ``add_lean_post`` in one frame
-        (see the module's docstring); the rest as any application."""
+        """Serves the routes added with ``add_lean_post`` in one frame; the rest as any app."""
 
         ATTRS = web.Application.ATTRS | frozenset({"_lean", "_lean_guard", "_lean_limit"})
 
@@ -71,12 +51,10 @@ with warnings.catch_warnings():
                                **server._kwargs)
 
         def set_guard(self, guard: Guard) -> None:
-            """The key check of the lean routes (the auth middleware's own, on the full path)."""
             self._lean_guard = guard
 
         def add_lean_post(self, path: str, handler: Handler, *, large: bool = False) -> None:
-            """``POST path`` on the lean front; the router has it too (for the 405 of another method,
-            ``Expect`` requests and introspection)."""
+            """``POST path`` on the lean front; the router has it too (405s, ``Expect``)."""
             route = self.router.add_post(path, handler)
             match_info = web.UrlMappingMatchInfo({}, route)
             match_info.add_app(self)
@@ -92,7 +70,6 @@ with warnings.catch_warnings():
             return await super()._handle(request)
 
         async def _serve_lean(self, request: web.Request, route: LeanRoute) -> web.StreamResponse:
-            """The error, key and body middlewares and the handler, in their order, in one frame."""
             try:
                 if self._lean_guard is not None:
                     self._lean_guard(request)
@@ -103,11 +80,8 @@ with warnings.catch_warnings():
 
 
 class QuietRequestHandler(web.RequestHandler):
-    """aiohttp's request handler, for every connection the app accepts. A request its parser
-    refuses is answered in vLLM's error shape and logged in one line, its class and status:
-    aiohttp logs it at ERROR with the parser's message, which quotes the offending line (an
-    ``Authorization`` header and its key, say), and answers it as plain text that echoes it.
-    Errors of a handler (500) stay aiohttp's (the app's middlewares answer them first)."""
+    """A request the parser refuses is answered in vLLM's error shape and logged by its class
+    only: aiohttp's own message quotes the offending line, which may hold a key."""
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

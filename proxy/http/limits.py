@@ -1,20 +1,6 @@
-"""Limits on what a client may send before the proxy spends anything on it.
-
-``BodyLimit`` runs after authentication and before any handler (as ``body_middleware`` on the full
-path, and inside the lean front of the generate and abort calls, ``proxy.http.lean``): a body announced
-larger than ``max_bytes`` is refused at once (413, nothing read); otherwise, on the routes
-that read bodies (generate, abort), the whole body is read under ``timeout`` (a client
-trickling it gets a 408) and cached on the request, so the handlers' ``await request.read()``
-costs nothing more (a large generate body is read into one growing buffer instead, handed over by
-``request_body``: ``proxy.wire.large_body``). Bodies sent without a length (chunked) are cut at
-``max_bytes`` by
-aiohttp's ``client_max_size`` (set to the same value by the app) and answered 413.
-
-Headers are bounded by aiohttp itself: a request line or header over 8190 bytes is a 400, and a
-client that has not finished sending its headers when the server's keep-alive timer fires (it
-starts when the connection opens and restarts after each response) is disconnected; ``pd-proxy``
-sets that timer from ``--header-timeout``.
-"""
+"""Limits on what a client may send before the proxy spends anything on it: ``BodyLimit`` runs
+after authentication and before any handler. Headers are bounded by aiohttp itself (8190 bytes a
+line, ``--header-timeout``)."""
 
 from __future__ import annotations
 
@@ -28,13 +14,10 @@ from proxy.wire.errors import BodyTimeout, Handler, PayloadTooLarge
 from proxy.wire.large_body import LARGE_BODY_BYTES
 
 RAW_BODY = web.RequestKey("raw_body", bytearray)
-"""A large body, as ``body_middleware`` read it (``request_body``)."""
 
 
 async def _read_growing(request: web.Request, max_bytes: int) -> bytearray:
-    """The body, chunk by chunk into one growing buffer that is kept as it is: aiohttp's
-    ``read`` ends with ``bytes(buffer)``, a copy of the whole body in one step (10-20 ms of the
-    loop for 16 MiB, most of it page faults), which is what the large-body path avoids."""
+    """The body in one growing buffer, kept as it is: aiohttp's ``read`` copies the whole body."""
     buf = bytearray()
     while True:
         chunk = await request.content.readany()
@@ -52,17 +35,14 @@ async def request_body(request: web.Request) -> bytes | bytearray:
 
 
 class BodyLimit:
-    """The body checks of one app: a body announced larger than ``max_bytes`` is refused (413,
-    nothing read); a body that is read is read whole under ``timeout`` (408) and cached on the
-    request. ``body_middleware`` applies it to every route, the lean front (``proxy.http.lean``) to the
-    generate and abort calls."""
+    """A body announced larger than ``max_bytes`` is refused (413, nothing read); a body that is
+    read is read whole under ``timeout`` (408) and cached on the request."""
 
     def __init__(self, max_bytes: int, timeout: float, *, large_bytes: int = LARGE_BODY_BYTES) -> None:
         self.max_bytes, self.timeout, self.large_bytes = max_bytes, timeout, large_bytes
 
     async def take(self, request: web.Request, *, read: bool = True, large: bool = False) -> None:
-        """Check ``request``'s body and, when ``read``, read it (``large``: a body over
-        ``large_bytes``, or of unknown length, into one growing buffer, for ``request_body``)."""
+        """Check ``request``'s body and, when ``read``, read it."""
         if not request.body_exists:
             return
         max_bytes, timeout = self.max_bytes, self.timeout
@@ -86,11 +66,8 @@ class BodyLimit:
 
 def body_middleware(limit: BodyLimit, read_paths: Collection[str], *,
                     large_paths: Collection[str] = ()) -> Middleware:
-    """``limit`` applied to every route. ``read_paths``: the routes whose handlers read the body
-    (it is read here, under the timeout); on others only the announced length is checked
-    (sub-applications such as the admin API read their own bodies and test
-    ``request.can_read_body``). On ``large_paths`` a body over ``limit.large_bytes`` (or of
-    unknown length) is read without a final copy, and its handler takes it with ``request_body``."""
+    """``limit`` on every route; the body is read here only on ``read_paths`` (others read their
+    own), and without a final copy on ``large_paths``."""
     paths = frozenset(read_paths)
     large = frozenset(large_paths)
 

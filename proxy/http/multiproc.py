@@ -1,54 +1,9 @@
-"""``pd-proxy --workers N``: N processes serving one port.
+"""``pd-proxy --workers N``: N processes serving one port (proxy/README.md, "``--workers N``").
 
-The parent binds nothing that accepts: it reserves the port (a bound, never listening socket with
-``SO_REUSEPORT``, which also resolves ``--port 0``), then starts N children (``spawn``: a fresh
-interpreter each, nothing inherited but the settings). Each child binds its own listening socket
-to the same address with ``SO_REUSEPORT`` and runs the ordinary single-process server
-(``proxy.http.server.serve``) on it. The kernel spreads new connections over the children by a hash of
-the connection's addresses: a burst of connections is shared out evenly, which a shared accept
-socket does not do (one busy-looping ``accept`` can take the whole burst).
-
-Every child is a complete proxy with its own request table, pools and KV-lease ledger. A request
-and all its hops live in the process that accepted the client's connection. An abort may reach
-another process (a new connection): that process does not know the id and sends it to every
-worker of both pools (the broadcast rule, on by default), which reaches the request wherever it
-runs. With ``--no-abort-broadcast`` such an abort is lost, so that flag and ``--workers`` > 1 are
-refused together.
-
-Metrics: prometheus_client's multiprocess mode. The parent points ``PROMETHEUS_MULTIPROC_DIR`` at
-a fresh directory (or keeps the one already set) before starting the children; every child's
-counters, histograms and gauges live in files there and ``GET /metrics``, whichever process
-serves it, sums counters and histograms over all children, dead ones included, and combines
-gauges per their mode (``proxy.observe.metrics``). Scrape-time collectors (pool state) report the view
-of the process that served the scrape.
-
-Admin changes: with the admin API on, the parent makes a directory for the run
-(``tempfile.mkdtemp``, mode 0700) holding an append-only journal file, given to every child as
-``PoolSettings.admin_journal``. A change (add, remove, drain a worker) taken by one child is
-applied there at once and appended; the others apply it within 0.25 s (``proxy.fleet.journal``).
-With ``--admin-port`` the parent also reserves the admin port (``SO_REUSEPORT``, resolving 0) and
-every child listens on it too.
-
-How many processes: ``--workers N``, or ``--workers auto`` for one per CPU this process may use
-(:func:`available_cpus`): the CPUs of its affinity mask (``os.sched_getaffinity``; ``os.cpu_count``
-where there is none), capped by the cgroup's CPU quota when it sets one (cgroup v2 ``cpu.max``, v1
-``cpu.cfs_quota_us``/``cpu.cfs_period_us``): a container limited to 2 CPUs on a 64-core node gets 2
-processes, not 64. A quota is rounded down to whole CPUs (at least 1), so N single-threaded
-processes busy at once stay within it instead of being throttled in turns. ``auto`` that comes
-to 1 runs the ordinary single process (none of the machinery here).
-
-Limits are per process: ``--max-inflight``, ``--max-queue``, ``--max-inflight-per-worker``, the
-abort-broadcast queue and the slow-reader buffers each hold for one child, so the run as a whole
-admits up to N times as much. Health probes, circuit breakers, preflight and KV leases are per
-process too (each child probes every worker).
-
-Shutdown: SIGTERM or SIGINT to the parent sends SIGTERM to every child once (each drains as a
-single process does, ``--drain-timeout``); children still alive ``drain_timeout + 10`` s later
-are killed. The children run in their own process group, so a terminal's Ctrl-C reaches the
-parent only and every child gets exactly one signal; a child whose parent dies gets SIGTERM
-(Linux ``PR_SET_PDEATHSIG``). A child that exits on its own (a crash) stops the others and the
-parent exits non-zero: restarting is the service manager's job.
-"""
+The parent reserves the port (bound, never listening, ``SO_REUSEPORT``) and spawns N children, each
+a complete proxy on its own ``SO_REUSEPORT`` listening socket. An abort that reaches another process
+relies on the abort broadcast. Each child gets exactly one SIGTERM on shutdown; one that exits on
+its own stops them all."""
 
 from __future__ import annotations
 
@@ -79,9 +34,7 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 KILL_AFTER_DRAIN = 10.0
 _PR_SET_PDEATHSIG = 1
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-"""cgroup v2: ``QUOTA PERIOD`` (microseconds) or ``max PERIOD`` (no quota), as the container sees it."""
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
-"""cgroup v1: ``cpu.cfs_quota_us`` (-1: no quota) and ``cpu.cfs_period_us``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,22 +42,17 @@ class CpuCount:
     """What ``--workers auto`` resolved to, and from what."""
 
     count: int
-    """Processes to run: ``affinity``, capped by the quota rounded down (at least 1)."""
     affinity: int
-    """CPUs this process may run on (its affinity mask, else ``os.cpu_count``)."""
     quota: float | None
-    """CPUs the cgroup's quota allows (may be fractional); None: no quota."""
 
     def describe(self) -> str:
-        """``4 CPUs available`` or ``2 of 64 CPUs: cgroup CPU quota 2.5``, for the start-up log."""
         if self.quota is None:
             return f"{self.affinity} CPU{'s' if self.affinity != 1 else ''} available"
         return f"{self.count} of {self.affinity} CPUs: cgroup CPU quota {self.quota:g}"
 
 
 def parse_cpu_quota(quota: str, period: str) -> float | None:
-    """CPUs a cgroup quota allows (``quota / period``); None for no quota (``max``, ``-1``) or a
-    value that is not a positive number."""
+    """CPUs a cgroup quota allows; None for no quota or a value that is not a positive number."""
     try:
         q, p = int(quota), int(period)
     except ValueError:
@@ -113,8 +61,7 @@ def parse_cpu_quota(quota: str, period: str) -> float | None:
 
 
 def cgroup_cpu_quota(cpu_max: Path = CGROUP_CPU_MAX, v1_dir: Path = CGROUP_V1_CPU) -> float | None:
-    """The CPU quota of this process's cgroup in CPUs, from cgroup v2's ``cpu.max`` or else v1's
-    files; None when neither file is there or readable, or they set no quota."""
+    """This process's cgroup CPU quota in CPUs (v2, else v1); None when there is none."""
     try:
         fields = cpu_max.read_text(encoding="ascii").split()
     except (OSError, UnicodeDecodeError):
@@ -129,7 +76,6 @@ def cgroup_cpu_quota(cpu_max: Path = CGROUP_CPU_MAX, v1_dir: Path = CGROUP_V1_CP
 
 
 def affinity_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, else ``os.cpu_count()`` (at least 1)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no sched_getaffinity on this platform
@@ -138,9 +84,8 @@ def affinity_cpus() -> int:
 
 def available_cpus(affinity: int | None = None, *, cpu_max: Path = CGROUP_CPU_MAX,
                    v1_dir: Path = CGROUP_V1_CPU) -> CpuCount:
-    """``--workers auto``: one process per CPU of the affinity mask (read unless given), capped by
-    the cgroup's CPU quota rounded down (at least 1). The cgroup files' paths are parameters, so
-    that tests give their own."""
+    """``--workers auto``: the affinity CPUs capped by the cgroup quota rounded down (at least 1),
+    so that the processes, busy at once, are not throttled in turns."""
     cpus = affinity_cpus() if affinity is None else max(1, affinity)
     quota = cgroup_cpu_quota(cpu_max, v1_dir)
     count = cpus if quota is None else max(1, min(cpus, math.floor(quota)))
@@ -148,14 +93,13 @@ def available_cpus(affinity: int | None = None, *, cpu_max: Path = CGROUP_CPU_MA
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when its parent dies (no orphaned children serving on)."""
+    """Linux: SIGTERM this process when its parent dies."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def child_main(settings: ProxySettings, index: int, parent_pid: int, log_level: int = logging.INFO) -> None:
-    """One worker process: its own listening socket on the shared port, the usual server."""
     os.setpgrp()  # a terminal's Ctrl-C goes to the parent only; it sends each child one SIGTERM
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
@@ -241,7 +185,7 @@ class Supervisor:
                     os.kill(c.pid, signal.SIGTERM)
 
     def wait(self) -> int:
-        """Until every child exited; the exit code for the parent."""
+        """Wait until every child exited; the exit code for the parent."""
         code = 0
         deadline: float | None = None
         while True:

@@ -1,8 +1,4 @@
-"""One pd-proxy server process: the app on its event loop until SIGTERM/SIGINT.
-
-``pd-proxy`` (``proxy.cli``) runs one; ``--workers N`` (``proxy.http.multiproc``) runs one per child
-process on a shared socket.
-"""
+"""One pd-proxy server process: the app on its event loop until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -31,13 +27,9 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def settle_gc(threshold: int) -> Callable[[web.Application], Awaitable[None]]:
-    """The last start-up hook of a serving process: what start-up built (the app, its pools, the
-    imported modules) is frozen out of the cyclic collector's scans, and a young collection runs
-    every ``threshold`` net container allocations instead of Python's 700. The objects of the
-    requests in flight (hundreds each) otherwise set off a young collection every few requests
-    under load, the survivors of which are scanned again by the older generations; freed by
-    reference counting, nearly all of them never need the collector. Cyclic garbage is still
-    collected, in fewer, larger passes. ``threshold`` 0: nothing changed."""
+    """The last start-up hook: what start-up built is frozen out of the cyclic collector's scans,
+    and a young collection runs every ``threshold`` allocations (0: nothing changed), since the
+    requests' objects are nearly all freed by reference counting."""
     async def settle(app: web.Application) -> None:
         if threshold > 0:
             gc.collect()

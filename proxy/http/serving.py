@@ -1,18 +1,8 @@
 """The request walk: validate, admit, prefill, hand off, decode; every other step is a part.
 
-``Serving.generate`` owns one client request and reads top to bottom: the body is checked
-(``proxy.walk.validation``), the request admitted, then ``_walk`` runs the prefill hop
-(``proxy.walk.prefill``),
-the hand-off (``kv_transfer.handoff``, ``kv_transfer.leases``) and the decode, non-stream
-(``proxy.walk.full``) or streamed (``proxy.stream.answer``, each attempt read by ``proxy.stream.read``),
-both through one decode-attempt engine (``proxy.walk.decode``). No upstream hop is cut when the
-client goes away: the decode hops run in tracked tasks that the handler awaits without cancelling
-them (``asyncio.shield``), so when the handler is cancelled the hop goes on and the clean-up
-(``proxy.walk.cleanup``) takes it over; the prefill hop runs in a task of its own as well
-(``state.outlive``). So
-whatever a worker holds for the request is freed whatever state the walk was in (see
-``proxy.observe.state``). Aborts from any source go through ``proxy.walk.aborts``.
-"""
+No upstream hop is cut when the client goes away: the hops run in tracked tasks the handler awaits
+without cancelling them, and the clean-up (``proxy.walk.cleanup``) takes them over, so whatever a
+worker holds for the request is freed whatever state the walk was in."""
 
 from __future__ import annotations
 
@@ -100,7 +90,7 @@ class Serving:
         self.core.draining = value
 
     async def start_pools(self) -> None:
-        """Start the pools' background work (health probes, watchers) on the upstream session."""
+        """Start the pools' background work on the upstream session."""
         check = handoff_check(self.upstream, block_size=self.pools.blocks.pair,
                               timeout=self.settings.pools.preflight_timeout,
                               rewrite=self.core.rewrite_remote_host)
@@ -112,8 +102,7 @@ class Serving:
             self.pools.spawn(self.core.local_prefill.run(fetch, interval), "decode-local-prefill")
 
     async def generate(self, request: web.Request, tenant: Tenant = OPEN) -> web.StreamResponse:
-        """One generate call. Errors are raised (``proxy.wire.errors``): the app's error middleware
-        answers them in vLLM's shape and counts them."""
+        """One generate call; errors are raised for the app's error middleware to answer."""
         t0 = self.clock()
         body = await request_body(request)
         try:
@@ -219,10 +208,8 @@ class Serving:
         return await self._decode(request, f, kv_params, resp)
 
     async def _prefill(self, f: Flight) -> tuple[dict[str, Any] | None, str, UpstreamError | None]:
-        """PREFILLING: the prefill hop (retried), or decode-only when the request bypasses it.
-        Returns P's checked params (the KV is held, ``KV_HELD``), or why the prefill failed and
-        its error (the decode-only reason: ``prefill_timeout``, ``prefill_error``,
-        ``missing_kv_params``). A 4xx from P is the client's answer: raised."""
+        """PREFILLING: P's checked params (KV held), or the decode-only reason and P's error. A 4xx
+        from P is the client's answer: raised."""
         record, req = f.record, f.request
         f.timing.prefill_start = prefill_start = self.clock()
         bypass = self.pools.bypass_reason(len(req.token_ids))
@@ -254,8 +241,7 @@ class Serving:
         return kv_params, "missing_kv_params", error
 
     async def _prefill_failed(self, f: Flight, failure: str, error: UpstreamError) -> None:
-        """The prefill failed: whatever P holds is released; the request fails (``--prefill-failure
-        fail``) or goes on decode-only."""
+        """Release whatever P holds; then fail or go on decode-only."""
         await self.cleanup.release_shielded(f)  # a reply that failed a check may still hold KV
         if self.settings.prefill_failure_policy == "fail":
             raise error
@@ -263,9 +249,8 @@ class Serving:
 
     async def _decode(self, request: web.Request, f: Flight, kv_params: dict[str, Any] | None,
                       resp: web.StreamResponse | None = None) -> web.StreamResponse:
-        """DECODING: a decode worker (one whose pair with P passed the preflight, when it is on)
-        takes the request with P's params, or decode-only; then the stream or the full reply.
-        ``resp``: the client's stream, already open with P's token (failures then end in-band)."""
+        """DECODING with P's params or decode-only. ``resp``: the client's stream, already open
+        with P's token (failures then end in-band)."""
         record = f.record
         try:
             try:
@@ -274,8 +259,7 @@ class Serving:
                 if kv_params is None or self.pools.preflight.check is None \
                         or not self.decode_pool.admissible():
                     raise
-                # No decode worker's pair with this prefill worker passed the preflight: its KV
-                # can go nowhere (no release through a broken link either), so run decode-only.
+                # No pair with this prefill worker passed the preflight: its KV can go nowhere.
                 self.core.decode_only(f, "no_usable_pair")
                 kv_params = None
                 decode = await self.engine.acquire(f, [])
@@ -291,8 +275,7 @@ class Serving:
                 return await self.first.end_aborted(request, f, resp)
             return await self.aborts.respond_aborted(request, f)
         if kv_params is not None and not self.core.lease_valid(f):
-            # It waited for a decode worker past P's lease: P's own timer may have freed the KV,
-            # so no hop pulls with P's params; D computes the prompt itself.
+            # Past P's lease P may have freed the KV: no hop may pull with its params.
             self.leases.ran_out(record)
             self.core.decode_only(f, "lease_expired")
             kv_params = None

@@ -1,16 +1,6 @@
-"""``GET /debug/runtime``: what a long run watches for leaks in this proxy process.
-
-Pending asyncio tasks, upstream connections (checked out / idle in the keep-alive pools of the
-generate hops and of the control calls, summed), the request table, background clean-ups, open
-KV leases, the process's resident memory, and the Python objects the cyclic collector tracks
-(``python_objects``: containers, the objects a leak piles up; what ``gc.freeze`` moved out at
-start-up is ``gc.frozen``, apart) with the collections run per generation. ``?collect=1`` runs a
-full collection first (a pause of milliseconds to tens of milliseconds, as the heap goes), so that
-``python_objects`` counts only what is still reachable: a count that grows from one quiet moment
-to the next is a leak, memory that grows while it does not is the allocator's. The soak benchmark
-(``benchmarks/soak.py``) samples it; it sits behind the API key like ``/debug/*``. With
-``--workers N`` each answer is the serving process's own.
-"""
+"""``GET /debug/runtime``: what a long run watches for leaks in this proxy process (with
+``--workers N``, the serving process's own). ``?collect=1`` runs a full collection first, so that
+``python_objects`` counts only what is still reachable."""
 
 from __future__ import annotations
 
@@ -36,8 +26,7 @@ def rss_bytes() -> int | None:
 
 
 def connector_counts(connector: aiohttp.BaseConnector | None) -> dict[str, int]:
-    """Connections checked out (a request is using them) and idle in the keep-alive pool.
-    aiohttp has no public counters: this reads its bookkeeping (``_acquired``, ``_conns``)."""
+    """Connections in use and idle; aiohttp has no public counters, so this reads its internals."""
     if connector is None:
         return {"in_use": 0, "idle": 0}
     acquired = getattr(connector, "_acquired", ())
@@ -46,8 +35,6 @@ def connector_counts(connector: aiohttp.BaseConnector | None) -> dict[str, int]:
 
 
 def collector_state() -> dict[str, Any]:
-    """The cyclic collector: collections run per generation, objects it found uncollectable, and
-    those ``gc.freeze`` took out of its scans."""
     stats = gc.get_stats()
     return {"collections": [s["collections"] for s in stats],
             "uncollectable": sum(s["uncollectable"] for s in stats),
@@ -56,7 +43,6 @@ def collector_state() -> dict[str, Any]:
 
 def runtime_snapshot(*, connector: aiohttp.BaseConnector | None, hops: HopClient, requests: int,
                      background: int, leases_open: int, collect: bool = False) -> dict[str, Any]:
-    """``collect``: a full collection first (``python_objects`` then counts only what is reachable)."""
     if collect:
         gc.collect()
     control = connector_counts(connector)

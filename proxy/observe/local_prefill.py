@@ -1,33 +1,7 @@
-"""The local-prefill alarm: decode workers that ignored the hand-off, or whose KV pull failed.
-
-Two counters of each decode worker's ``/metrics``, read in the same scrape:
-
-- ``vllm:prompt_tokens_by_source_total{source="local_compute"|"local_cache_hit"|"external_kv_transfer"}``.
-  vLLM's scheduler sets it at a request's first scheduling, from what the KV connector PROMISED
-  (before the asynchronous pull), so a pull that fails later still counts as
-  ``external_kv_transfer``. Local compute beyond what the proxy expects (:func:`expected_local`)
-  means a decode worker that ignored P's ``kv_transfer_params``: started without a KV connector,
-  or one that matched nothing. Counted in ``pd_proxy_decode_local_prefill_tokens_total{pool,worker}``.
-- ``vllm:nixl_num_failed_transfers_total`` (transfer, handshake and notification failures of the
-  NIXL connector): a pull that failed, whether D then recomputed the prompt
-  (``kv_load_failure_policy: "recompute"``) or answered an error. Counted in
-  ``pd_proxy_decode_failed_pulls_total{pool,worker}``.
-
-What the proxy expects each decode worker to compute, counted as each decode hop goes out
-(``Upstream.on_decode``): a hop with P's KV at most :data:`HANDOFF_TAIL` token (the recomputed last
-token, which some vLLM versions count as local compute), a decode-only hop its whole prompt (short
-prompts, the prefill-failure bypass, decode-only retries and continuations).
-
-:class:`LocalPrefillAlarm` scrapes only the decode workers, every ``--local-prefill-interval``
-seconds (0: off), and takes the counters' deltas (a counter that went down means D restarted: its
-value is the delta, as Prometheus' ``increase`` reads it). Each signal logs one WARNING per worker
-per minute at most. Expectation that a scrape's local compute did not use up covers the next
-scrape's local compute, no later one (a hop counted just before a scrape is computed after it).
-
-With ``--workers N`` every process counts its hops' expectation in the shared metric files; one
-process (the holder of a lock in that directory) scrapes, and reads the expectation of all of them
-from the files.
-"""
+"""The local-prefill alarm (proxy/README.md, "Metrics and logs"): from each decode worker's
+``/metrics``, local compute beyond what the proxy's decode hops should cause (an ignored hand-off)
+and failed KV pulls. With ``--workers N`` one process, the holder of a lock in the metrics
+directory, scrapes and reads every process's expectation from the files."""
 
 from __future__ import annotations
 
@@ -57,11 +31,9 @@ PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 FAILED = "failed_pulls"
-"""The key of :data:`FAILED_TRANSFERS` in :func:`parse_decode_counters`' answer."""
 HANDOFF_TAIL = 1
 """Local compute a healthy hand-off may show: vLLM recomputes a pulled prompt's last token."""
 WARN_EVERY = 60.0
-"""Seconds between two warnings of the same signal about the same decode worker."""
 EXPECTED_METRIC = "pd_proxy_decode_expected_local_tokens"
 LOCK_NAME = "decode-local-prefill.lock"
 
@@ -74,10 +46,8 @@ def expected_local(body: Mapping[str, Any]) -> int:
 
 
 def parse_decode_counters(text: str) -> dict[str, float] | None:
-    """A decode worker's ``vllm:prompt_tokens_by_source_total`` by source and its
-    ``vllm:nixl_num_failed_transfers_total`` (key :data:`FAILED`), each summed over the worker's
-    engines (finite values only); a counter the page lacks is left out, None when it has neither.
-    ``ValueError`` when the page is not the exposition format."""
+    """The page's counters summed over engines, None when it has neither; ``ValueError`` when it
+    is not the exposition format."""
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -94,9 +64,8 @@ def parse_decode_counters(text: str) -> dict[str, float] | None:
 
 @dataclass(slots=True)
 class _Seen:
-    """One decode worker at its last scrape: its prompt counters, its failed transfers (None: its
-    page had none), the proxy's cumulative expectation, the expectation the last scrape's local
-    compute left unused (<= 0) and each signal's last warning."""
+    """One decode worker at its last scrape; ``credit`` (<= 0) is the expectation the last
+    scrape's local compute left unused."""
 
     sources: dict[str, float]
     failed: float | None
@@ -109,22 +78,18 @@ class _Seen:
 class LocalPrefillAlarm:
     def __init__(self, metrics: ProxyMetrics, decode: Iterable[Worker],
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``decode``: the decode pool (iterated at each scrape: its members now)."""
         self.metrics = metrics
         self.decode = decode
         self.clock = clock
         self._expected: dict[str, float] = {}
-        """This process's cumulative expectation per decode worker URL."""
         self._seen: dict[str, _Seen] = {}
         self.expected_totals: Callable[[], Mapping[str, float]] = lambda: self._expected
-        """Every process's cumulative expectation (``use_files`` for ``--workers N``)."""
 
     def scraped(self, worker: str) -> bool:
-        """``worker`` (its URL) has its baseline: failures from now on are counted."""
+        """``worker`` has its baseline: failures from now on are counted."""
         return worker in self._seen
 
     def sent(self, worker: str, body: Mapping[str, Any]) -> None:
-        """A decode hop goes out to ``worker`` (its URL) with ``body``."""
         n = expected_local(body)
         if n:
             self._expected[worker] = self._expected.get(worker, 0.0) + n
@@ -133,11 +98,9 @@ class LocalPrefillAlarm:
 
     def observe(self, worker: str, counters: Mapping[str, float], expected: float,
                 before: float | None = None) -> float:
-        """One scrape of ``worker``: its counters (:func:`parse_decode_counters`) and the
-        cumulative expectation read after its page came (``before``: read before it was asked
-        for; the baseline's, as a hop counted during the fetch may be computed after the page).
-        Counts both signals; returns the local prefill tokens counted (0 at a worker's first
-        scrape: it sets the baseline)."""
+        """Count one scrape of ``worker``; returns the local prefill tokens counted. ``before``, the
+        expectation read before the fetch, is the baseline's: a hop counted during the fetch may be
+        computed after the page."""
         now = {s: float(counters.get(s, 0.0)) for s in SOURCES}
         failed = counters.get(FAILED)
         seen = self._seen.get(worker)
@@ -199,13 +162,11 @@ class LocalPrefillAlarm:
                 self.observe(w.url, counters, totals.get(w.url, 0.0), before.get(w.url, 0.0))
 
     def use_files(self, path: str) -> None:
-        """``--workers N``: read every process's expectation from the metric files in ``path``."""
         self.expected_totals = lambda: expected_from_files(path)
 
     async def run(self, fetch: FetchFn, interval: float) -> None:
-        """Scrape every ``interval`` seconds until cancelled (0: never, return at once). With a
-        multiprocess metrics directory, only the process holding its lock scrapes (the others
-        return at once)."""
+        """Scrape every ``interval`` seconds (0: never); with a multiprocess metrics directory,
+        only the process holding its lock scrapes."""
         if interval <= 0:
             return
         path = os.environ.get(MULTIPROC_DIR_ENV)

@@ -1,57 +1,6 @@
-"""The proxy's Prometheus metrics (names agreed in the observability issue), on a registry
-owned by one app: no module-level collectors, so several apps can live in one process.
-
-``pd_proxy_tpot_seconds`` is observed only where the output token count comes for free (no
-per-event parsing on the stream hot path): non-stream replies with ``n == 1`` give the decode
-hop's time (KV pull and first token included) over ``usage.completion_tokens``; streams give
-(last write - first write) / (completion_tokens - 1) only when the client asked for
-``stream_options.include_usage`` (the usage chunk, parsed once, just before ``[DONE]``);
-other streams give no TPOT sample.
-
-``pd_proxy_suspect_no_transfer_total``: a disaggregated request (not decode-only) whose prompt
-is at least ``kv_block_size`` tokens (non-stream usage, or a stream's usage chunk) while the
-prefill reply advertised no ``remote_block_ids``, or the decode usage reports
-``prompt_tokens_details.cached_tokens == 0``.
-
-``pd_proxy_upstream_errors_total{error}``: ``connect`` (unreachable, reset, disconnected),
-``timeout``, ``http_4xx`` / ``http_5xx`` (the worker's status), ``protocol`` (an answer the proxy
-cannot use: no ``[DONE]``, not JSON, wrong ``output_mode``, an oversized event) and
-``error_event`` (vLLM's in-band SSE error event in a stream that had started).
-
-``pd_proxy_upstream_resends_total{hop,result}``: a generate hop whose kept-alive connection ended
-with no answer byte after the request went out (``proxy.upstream.hop.HopStale``; a connection the worker
-had already closed is found before the request is written and is not counted). ``resent``: the
-worker answered an abort of the request's id, then the request went out again on another
-connection; ``abort_failed``: it did not, and the hop failed as a disconnect.
-
-The pools (``proxy.fleet.runtime.PoolMetrics``) add ``pd_proxy_retries_total{hop}``,
-``pd_proxy_migrations_total``, ``pd_proxy_queue_rejections_total`` and the gauges
-``pd_proxy_circuit_state{pool,worker}`` and ``pd_proxy_worker_healthy{pool,worker}`` (the active
-probes' verdict, or the last ``GET /health`` when active probes are off) to the same registry.
-
-Series of a worker that left its pool are removed (``forget_worker``, called by the pools' on-leave
-hook): a fleet whose workers come and go (Kubernetes, the admin API) does not grow ``/metrics``
-forever. A request still running on the removed worker counts nowhere once the worker left
-(``members``), so its end does not bring the series back; a worker that rejoins starts afresh
-(with ``--workers N``, from the totals the files kept).
-With ``--workers N`` the values live in the multiprocess directory, where nothing can be deleted:
-``render`` leaves out the series of workers that are not members of this process's pools.
-
-The local-prefill alarm (``proxy.observe.local_prefill``):
-``pd_proxy_decode_prompt_tokens_total{pool,worker,source}``
-(each decode worker's ``vllm:prompt_tokens_by_source_total`` as it grew between scrapes),
-``pd_proxy_decode_expected_local_tokens_total{pool,worker}`` (what the proxy's decode hops should
-have made it compute), ``pd_proxy_decode_local_prefill_tokens_total{pool,worker}`` (local
-compute beyond that: a decode worker that ignored the hand-off) and
-``pd_proxy_decode_failed_pulls_total{pool,worker}`` (its ``vllm:nixl_num_failed_transfers_total``
-as it grew: KV pulls that failed).
-
-Slow readers: ``pd_proxy_slow_reader_ended_total{limit}`` counts streams ended because their client
-read too slowly (``stream``: the bytes held for that client passed ``--slow-reader-max-bytes``;
-``total``: those of all streams of the process passed ``--slow-reader-total-bytes`` and this
-stream held the most); ``pd_proxy_slow_reader_buffered_bytes`` is what is held now (per process,
-read at scrape time) and ``pd_proxy_slow_reader_budget_bytes`` the budget.
-"""
+"""The proxy's Prometheus metrics (described in proxy/README.md, "Metrics and logs"), on a registry
+owned by one app: no module-level collectors, so several apps can live in one process. Series of a
+worker that left its pool are removed and not made again (``forget_worker``, ``members``)."""
 
 from __future__ import annotations
 
@@ -107,8 +56,7 @@ _UNCOUNTED = _Uncounted()
 
 
 class WorkerCalls:
-    """One worker's call series (``ProxyMetrics.calls``): its pool's in-flight gauge (``inflight``:
-    up as a call goes out, down when it is over) and its own call counter (``requests``)."""
+    """One worker's call series: its pool's in-flight gauge and its own call counter."""
 
     __slots__ = ("inflight", "requests")
 
@@ -120,14 +68,12 @@ class WorkerCalls:
 STAGES = ("queue", "prefill", "handoff", "decode_first_token", "first_to_second", "decode_stream")
 """The stages of ``pd_proxy_stage_seconds``."""
 OUTCOMES = ("ok", "client_error", "upstream_error", "aborted", "timeout", "rejected", "internal_error")
-"""The outcomes of ``pd_proxy_requests_total``. ``internal_error``: the proxy raised what it did not
-expect (a bug): its client got a generic 500, or the proxy's error event in a stream already open."""
+"""The outcomes of ``pd_proxy_requests_total`` (``internal_error``: a bug of the proxy's)."""
 
 
 def latency_buckets(longest: float = 0.0) -> tuple[float, ...]:
-    """TTFT, E2E and stage buckets: fine below a second, vLLM's request-latency buckets up to 7680 s,
-    then doubling until one covers ``longest`` (the longest wait the proxy's timeouts allow), so that
-    no request the proxy lets run lands in ``+Inf`` alone."""
+    """Latency buckets that double until one covers ``longest``: no request the proxy lets run
+    lands in ``+Inf`` alone."""
     buckets = list(_LATENCY_BUCKETS)
     while buckets[-1] < longest:
         buckets.append(buckets[-1] * 2)
@@ -135,9 +81,8 @@ def latency_buckets(longest: float = 0.0) -> tuple[float, ...]:
 
 
 def lease_buckets(lease_duration: float = 0.0) -> tuple[float, ...]:
-    """KV-lease durations: up to 120 s, then doubling until one covers twice ``lease_duration``
-    (the longest a lease may stay open: P's lease, or a decode hop's bound when one holds it; a
-    lease the proxy forgets is closed at the next sweep after that)."""
+    """KV-lease buckets that double until one covers twice ``lease_duration``, the longest a lease
+    may stay open."""
     buckets = list(_LEASE_BUCKETS)
     while buckets[-1] < 2 * lease_duration:
         buckets.append(buckets[-1] * 2)
@@ -146,8 +91,7 @@ def lease_buckets(lease_duration: float = 0.0) -> tuple[float, ...]:
 
 class ProxyMetrics:
     def __init__(self, *, longest: float = 0.0, lease_duration: float = 0.0) -> None:
-        """``longest``: the longest request the proxy's timeouts allow (seconds); ``lease_duration``:
-        the prefill workers' KV lease. The histograms' buckets cover both."""
+        """The histograms' buckets cover ``longest`` (seconds) and the KV ``lease_duration``."""
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._calls: dict[tuple[str, str], WorkerCalls] = {}
@@ -163,10 +107,8 @@ class ProxyMetrics:
             id(m): (m, 0, 1) for m in (self.upstream_requests, self.upstream_errors,
                                        self.decode_prompt_tokens, self.decode_expected_local,
                                        self.decode_local_prefill, self.decode_failed_pulls)}
-        """Every metric with a ``worker`` label (by id): the positions of ``pool`` and ``worker``."""
 
     def _client_metrics(self, r: CollectorRegistry, latency: tuple[float, ...]) -> None:
-        """Requests by outcome and what their clients saw: TTFT, ITL, TPOT, end to end, per stage."""
         self.requests = Counter("pd_proxy_requests", "Generate requests by outcome", ["outcome"],
                                 registry=r)
         self.ttft = Histogram("pd_proxy_ttft_seconds", "Client-side time to first token",
@@ -180,14 +122,11 @@ class ProxyMetrics:
                              buckets=latency, registry=r)
         self.stage = Histogram("pd_proxy_stage_seconds", "Time per stage of the P/D walk", ["stage"],
                                buckets=latency, registry=r)
-        # Observed on every request: each stage's series made once, here (``stages[name]``).
         self.stages: dict[str, Histogram] = {name: self.stage.labels(stage=name) for name in STAGES}
         self.outcomes: dict[str, Counter] = {outcome: self.requests.labels(outcome=outcome)
                                              for outcome in OUTCOMES}
-        """``pd_proxy_requests_total``'s series by outcome, made once."""
 
     def _upstream_metrics(self, r: CollectorRegistry) -> None:
-        """Calls to workers: made, failed, resent, in flight."""
         self.upstream_requests = Counter("pd_proxy_upstream_requests", "Calls to workers",
                                          ["pool", "worker"], registry=r)
         self.upstream_errors = Counter("pd_proxy_upstream_errors", "Failed calls to workers",
@@ -201,14 +140,12 @@ class ProxyMetrics:
                               registry=r, multiprocess_mode="livesum")
 
     def _abort_metrics(self, r: CollectorRegistry) -> None:
-        """Aborts by source and state, and the abort calls they sent."""
         self.aborts = Counter("pd_proxy_aborts", "Aborts by source and state", ["source", "state"],
                               registry=r)
         self.abort_fanout = Counter("pd_proxy_abort_fanout", "Abort calls sent to workers",
                                     ["pool", "result"], registry=r)
 
     def _kv_metrics(self, r: CollectorRegistry, lease_durations: tuple[float, ...]) -> None:
-        """The KV hand-off: leases open, held and closed; silent non-disaggregation."""
         self.kv_leases_open = Gauge("pd_proxy_kv_leases_open", "KV leases open on prefill workers",
                                     registry=r, multiprocess_mode="livesum")
         self.kv_lease_duration = Histogram("pd_proxy_kv_lease_duration_seconds",
@@ -228,7 +165,6 @@ class ProxyMetrics:
         self.suspect_no_transfer = Counter(
             "pd_proxy_suspect_no_transfer",
             "Prompts of at least one KV block whose decode shows no transferred KV", registry=r)
-        # The local-prefill alarm (``proxy.observe.local_prefill``): per decode worker, each scrape.
         self.decode_prompt_tokens = Counter(
             "pd_proxy_decode_prompt_tokens",
             "Decode workers' prompt tokens by source, as their vllm:prompt_tokens_by_source_total grew",
@@ -247,7 +183,6 @@ class ProxyMetrics:
             ["pool", "worker"], registry=r)
 
     def _slow_reader_and_build_metrics(self, r: CollectorRegistry) -> None:
-        """Streams ended because their client read too slowly; the build info."""
         self.slow_reader_ended = Counter(
             "pd_proxy_slow_reader_ended", "Streams ended because their client read too slowly, by the "
             "limit passed (stream: its own cap; total: the process's budget)", ["limit"], registry=r)
@@ -261,15 +196,13 @@ class ProxyMetrics:
         self.kv_leases_open.set(open_count)
 
     def lease_closed(self, lease: Lease, open_count: int) -> None:
-        """``kv_transfer.leases``' observer: one lease ended (its duration, its reason)."""
         if lease.duration is not None:
             self.kv_lease_duration.observe(lease.duration)
         self.child(self.kv_leases_closed, lease.reason or "unknown").inc()
         self.kv_leases_open.set(open_count)
 
     def watch_stream_budget(self, budget: ByteBudget) -> None:
-        """``pd_proxy_slow_reader_buffered_bytes``: what ``budget`` holds, read at scrape time
-        (nothing on the stream's path)."""
+        """Report what ``budget`` holds at scrape time, off the stream's path."""
         self.registry.register(_BudgetCollector(budget))
 
     def child(self, metric: Any, *values: str) -> Any:
@@ -285,9 +218,7 @@ class ProxyMetrics:
         return found
 
     def calls(self, pool: str, worker: str) -> WorkerCalls:
-        """The series a call to ``worker`` updates: its pool's in-flight gauge and its own call
-        counter, found once per worker (not three ``child`` lookups a call). Not kept for a worker
-        that left its pool (its call counter then counts nothing, as ``child``'s)."""
+        """The series a call to ``worker`` updates, cached unless the worker left its pool."""
         key = (pool, worker)
         found = self._calls.get(key)
         if found is None:
@@ -313,9 +244,8 @@ class ProxyMetrics:
         path = os.environ.get(MULTIPROC_DIR_ENV)
         if not path:
             return generate_latest(self.registry)
-        # --workers N (proxy.http.multiproc): every process's values from the shared directory
-        # (counters and histograms summed, gauges by their multiprocess_mode), plus this
-        # process's scrape-time collectors (pool state), which keep no files there.
+        # --workers N: the shared files' values plus this process's scrape-time collectors,
+        # which write no files.
         merged = CollectorRegistry(auto_describe=False)
         files = CollectorRegistry(auto_describe=False)
         MultiProcessCollector(files, path=path)  # type: ignore[no-untyped-call]
@@ -344,8 +274,7 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class _MembersOnly(Collector):
-    """The multiprocess files' metrics without the series of workers that left their pool (the
-    files keep every series ever written; a departed worker's stay there, unseen)."""
+    """The multiprocess files' metrics without the series of workers that left their pool."""
 
     def __init__(self, source: CollectorRegistry, members: Members | None) -> None:
         self.source = source

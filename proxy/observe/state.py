@@ -1,18 +1,8 @@
-"""Per-request state of the P/D walk and the table of requests in flight (pools: ``proxy.pools``).
+"""Per-request state of the P/D walk and the table of requests in flight.
 
-Each state has a cleanup owner (see ``proxy.http.serving.Serving.cleanup``):
-
-==============  =====================================  =========================================
-state           who holds something                    what frees it
-==============  =====================================  =========================================
-PREFILLING      the prefill worker P (computing)       abort on P; if P had already finished,
-                                                       the KV_HELD rule below on its reply
-KV_HELD         P (KV blocks pinned under a lease)     a decode request carrying P's params,
-                                                       completed at once (D pulls, P frees)
-DECODING        the decode worker D                    abort on D (and closing its connection)
-DONE            nobody                                 nothing
-==============  =====================================  =========================================
-"""
+Each state has a cleanup owner (``proxy.http.serving.Serving.cleanup``): PREFILLING, an abort on P
+(or, if P had finished, the KV_HELD rule on its reply); KV_HELD, a decode request carrying P's
+params, completed at once (D pulls, P frees); DECODING, an abort on D and closing its connection."""
 
 from __future__ import annotations
 
@@ -27,7 +17,6 @@ from kv_transfer.ledger import Lease
 from proxy.pools import Worker
 
 __all__ = ["Phase", "RequestRecord", "RequestTable", "TaskTracker", "Worker", "outlive"]
-"""``Worker`` is re-exported: the pools (``proxy.pools``) own it."""
 
 E = TypeVar("E", bound="Entry")
 T = TypeVar("T")
@@ -53,7 +42,7 @@ class RequestRecord:
     abort_source: str | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     on_abort: list[Callable[[], None]] = field(default_factory=list)
-    """Called once when the request is aborted (``mark_aborted``): a waiter that needs no task."""
+    """Called once when the request is aborted."""
 
     @property
     def is_aborted(self) -> bool:
@@ -70,8 +59,7 @@ class RequestRecord:
         return True
 
     async def aborted_within(self, seconds: float) -> None:
-        """Wait until the request is aborted, at most ``seconds`` (woken through ``on_abort``: no
-        task, no polling)."""
+        """Wait until the request is aborted, at most ``seconds``."""
         if self.is_aborted:
             return
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -110,15 +98,14 @@ class RequestRecord:
 
 
 class Entry(Protocol):
-    """What the table keeps per request (``proxy.walk.flight.Flight``): its record and more."""
+    """What the table keeps per request: its record and more."""
 
     @property
     def record(self) -> RequestRecord: ...
 
 
 class RequestTable(Generic[E]):
-    """Requests in flight by the id vLLM knows (several may share an id: vLLM allows it). It
-    keeps whatever the serving layer keeps per request (``E``, which has the ``record``)."""
+    """Requests in flight by the id vLLM knows (several may share an id: vLLM allows it)."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, list[E]] = {}
@@ -152,9 +139,8 @@ class RequestTable(Generic[E]):
 
 
 async def outlive(task: asyncio.Task[T]) -> T:
-    """``task``'s result, waited for without cancelling it: cancelling the caller leaves the task
-    running (``asyncio.shield``'s promise). One done callback instead of shield's two (the
-    prefill hop's task under aiohttp's server: one loop callback less)."""
+    """``task``'s result, as ``asyncio.shield`` gives it: cancelling the caller leaves the task
+    running."""
     if not task.done():
         woken: asyncio.Future[None] = task.get_loop().create_future()
 
@@ -179,8 +165,7 @@ class TaskTracker:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        """The loop the proxy runs on, asked once: ``asyncio.get_running_loop`` is a ``getpid``
-        system call each time on Python 3.11 (a check that the process did not fork)."""
+        """The running loop, asked once (``asyncio.get_running_loop`` is a system call on 3.11)."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()

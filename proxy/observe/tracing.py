@@ -1,33 +1,6 @@
-"""Optional OpenTelemetry spans per hop, with W3C ``traceparent`` passed to the workers.
-
-Off unless pd-proxy runs with ``--otel`` (``ProxySettings.otel``) and the OpenTelemetry API is
-installed (``pip install 'pd-proxy[otel]'``). Off, the serving walk talks to the constants
-``NOOP_TRACE``/``NOOP_HOP``: a method call that does nothing, no allocation, no import of
-OpenTelemetry. On, each generate request gives one trace::
-
-    POST /inference/v1/generate   SERVER  the client's request (parent: the client's traceparent)
-      queue                       INTERNAL arrival to the prefill pick (admission)
-      prefill                     CLIENT   one per prefill call (retries, a continuation's prefill)
-      handoff                     INTERNAL prefill reply to the decode request
-      decode                      CLIENT   one per decode call (retries, migrations, a KV release)
-
-Every worker call made inside a ``prefill``/``decode`` span carries that span's ``traceparent``
-(and ``tracestate``/baggage per ``OTEL_PROPAGATORS``), put in its headers by the hop client
-(``Tracing.hop_header_injector``, ``proxy.upstream.client``), so a worker that traces (vLLM's
-``--otlp-traces-endpoint``) joins the trace under the hop that called it. Attributes:
-``pd.request_id`` on every span; ``pd.pool``, ``pd.worker``, ``pd.attempt`` and ``pd.hop.status``
-on hops (``ok`` or the error class; streams: ``done``, ``closed``, ``broken``, ``protocol``, ``open_failed``);
-``pd.outcome``, ``http.response.status_code``, ``pd.prefill_worker``, ``pd.decode_worker``,
-``pd.decode_only`` and ``pd.abort`` on the request span. No prompt, output or key is recorded.
-
-The tracer provider: the one given to ``build_app`` (tests), else the global one when it is an
-SDK provider (``opentelemetry-instrument pd-proxy ...`` or an embedding program set it), else
-an SDK provider built here from the standard variables: ``OTEL_TRACES_EXPORTER`` (``otlp``, the
-default, needs ``opentelemetry-exporter-otlp``; ``console``; ``none``), ``OTEL_EXPORTER_OTLP_*``
-(endpoint, protocol, headers: read by the exporter), ``OTEL_SERVICE_NAME`` (default
-``pd-proxy``), ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER[_ARG]`` and
-``OTEL_SDK_DISABLED``. A provider built here is flushed and shut down with the app.
-"""
+"""Optional OpenTelemetry spans per hop, with W3C ``traceparent`` passed to the workers (see
+deploy/README.md). Off, the walk talks to ``NOOP_TRACE``/``NOOP_HOP``, which do nothing and never
+import OpenTelemetry. No prompt, output or key is recorded on a span."""
 
 from __future__ import annotations
 
@@ -94,12 +67,8 @@ def otel_installed() -> bool:
     return _has("opentelemetry.trace") and _has("opentelemetry.propagate")
 
 
-# ------------------------------------------------------------------------------ no-op (off)
-
-
 class Hop:
-    """One upstream call's span, used as ``with trace.hop(...) as hop:``. This base class is the
-    disabled one: it does nothing."""
+    """One upstream call's span (``with trace.hop(...) as hop:``); this base class does nothing."""
 
     __slots__ = ()
 
@@ -124,14 +93,11 @@ class RequestTrace:
         return NOOP_HOP
 
     def finish(self, flight: Traced, outcome: str, status: int) -> None:
-        """End the request span (and add the queue and hand-off spans from the walk's timing)."""
+        """End the request span, adding the queue and hand-off spans."""
 
 
 NOOP_HOP: Final = Hop()
 NOOP_TRACE: Final = RequestTrace()
-
-
-# ------------------------------------------------------------------------------ live (on)
 
 
 class _LiveHop(Hop):
@@ -244,9 +210,6 @@ class _LiveTrace(RequestTrace):
         span.end(end_time=self.ns(self._tracing.clock()))
 
 
-# ------------------------------------------------------------------------------ the app's tracing
-
-
 class Tracing:
     """The app's tracing: ``start`` gives each request its trace (``NOOP_TRACE`` when off)."""
 
@@ -268,8 +231,7 @@ class Tracing:
     @classmethod
     def create(cls, enabled: bool, provider: TracerProvider | None = None, *,
                clock: Callable[[], float] = time.monotonic) -> Tracing:
-        """Tracing for an app: off unless ``enabled``; raises ``TracingUnavailable`` when it is
-        asked for and the packages are missing."""
+        """Raises ``TracingUnavailable`` when ``enabled`` and the packages are missing."""
         if not enabled:
             return cls(clock=clock)
         if not otel_installed():
@@ -288,8 +250,7 @@ class Tracing:
                    clock=clock, owned_provider=owned)
 
     def start(self, headers: Any, request_id: str, t0: float) -> RequestTrace:
-        """The trace of one request that arrived at ``t0`` (a reading of ``clock``); its parent
-        is the client's ``traceparent`` when it sent one."""
+        """The trace of one request that arrived at ``t0`` (a reading of ``clock``)."""
         if self._tracer is None:
             return NOOP_TRACE
         from opentelemetry import propagate, trace  # noqa: PLC0415
@@ -304,14 +265,12 @@ class Tracing:
         return _LiveTrace(self, span, trace.set_span_in_context(span), request_id, mono0=mono0, ns0=ns0)
 
     def hop_header_injector(self) -> Callable[[dict[str, str]], None] | None:
-        """For the generate hops (``proxy.upstream.hop``): puts the hop's ``traceparent`` in its headers
-        (``None`` when off)."""
+        """What puts the current hop's ``traceparent`` in its headers (``None`` when off)."""
         if self._tracer is None:
             return None
         from opentelemetry import propagate  # noqa: PLC0415
 
-        # The current context is the hop's span (``_LiveHop.__enter__``); outside a hop there is
-        # no valid span and the propagators write nothing.
+        # Outside a hop there is no valid span and the propagators write nothing.
         return propagate.inject
 
     def shutdown(self) -> None:
@@ -333,7 +292,6 @@ def _is_sdk_provider(provider: object) -> bool:
 
 
 def _sdk_provider_from_env() -> TracerProvider:
-    """An SDK provider configured by the standard ``OTEL_*`` variables (see the module doc)."""
     if not _has("opentelemetry.sdk.trace"):
         raise TracingUnavailable(
             "--otel needs opentelemetry-sdk (pip install 'pd-proxy[otel]'), or a tracer provider "

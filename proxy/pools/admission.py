@@ -1,14 +1,8 @@
 """Admission control: in-flight limits with a bounded FIFO wait queue, and per-request deadlines.
 
-``WaitQueue`` is the one waiting mechanism: a bounded FIFO of futures woken one at a time as
-capacity frees (the oldest one that can use it: a pool's waiter may rule workers out). A full
-queue refuses at once, a wait that outlasts its limit gives up; both raise
-:class:`~proxy.pools.errors.Overloaded` (429 with ``Retry-After``).
-
-``Admission`` caps requests in flight through the whole proxy; ``Pool.acquire`` uses the same
-queue for its per-worker caps. ``Deadline`` carries ``X-PD-Deadline-Ms`` (or the default) and
-splits what remains of it across the hops, so no call waits without a bound.
-"""
+``WaitQueue`` wakes one waiter at a time, the oldest that can use the freed capacity; a full queue
+or a wait past its limit raises ``Overloaded`` (429). ``Deadline`` splits what remains of
+``X-PD-Deadline-Ms`` across the hops, so no call waits without a bound."""
 
 from __future__ import annotations
 
@@ -40,9 +34,8 @@ class WaitQueue:
         return sum(1 for f, _ in self._waiters if not f.done())
 
     async def wait(self, limit: float | None, can_use: Callable[[], bool] | None = None) -> None:
-        """Wait for a :meth:`wake` (FIFO). Raise ``Overloaded`` if full or when ``limit`` passes.
-        ``can_use``: whether the capacity freed is of use to this waiter (a pool's waiter that
-        rules the freed worker out is passed over, not woken for nothing)."""
+        """Wait for a :meth:`wake` (FIFO); ``Overloaded`` if full or when ``limit`` passes. A waiter
+        whose ``can_use`` says no is passed over."""
         if len(self) >= self.max_waiters:
             self.rejected_full += 1
             raise Overloaded(f"the {self.what} is at capacity and its wait queue is full",
@@ -159,8 +152,7 @@ class Deadline:
         return left
 
     def budget(self, stage: str, cap: float | None, share: float = 1.0) -> float:
-        """Time for one hop: ``share`` of what remains, never more than ``cap`` (the hop's own
-        timeout). The last hop takes share 1.0; an earlier one leaves the rest to later hops."""
+        """Time for one hop: ``share`` of what remains, never more than ``cap``."""
         if not 0 < share <= 1:
             raise ValueError("share must be in (0, 1]")
         left = self.check(stage) * share

@@ -1,26 +1,7 @@
-"""Each worker's KV block size, learned from the worker itself.
-
-vLLM exposes its cache configuration on ``/metrics`` as an info gauge::
-
-    vllm:cache_config_info{block_size="16",engine="0",...} 1.0
-
-(pd-sim exposes the same series). The block size drives the short-prompt bypass (a prompt shorter
-than one block of the prefill worker that would take it skips the prefill hop), the prefix policy's
-key (the prompt's first blocks), the pair preflight's prompt (one block and a token) and the
-``pd_proxy_suspect_no_transfer_total`` counter (prompts of at least one block of the pair).
-
-GPU vLLM's block is 16 tokens, the CPU build's 128; one setting for every worker would be wrong for
-one of them, so :class:`BlockSizeLearner` reads each worker's ``/metrics`` once (again after the
-worker failed its probes: it may come back with another configuration). ``--kv-block-size`` is an
-override for every worker (then nothing is read). Until a worker's size is known, it counts as
-:data:`FALLBACK_BLOCK_SIZE`, the smallest common one: a short prompt then goes through the prefill
-hop (a correct answer, a little work wasted) instead of silently skipping it.
-
-Each worker's model length is learned alike (:class:`ModelLenLearner`), from vLLM's
-``GET /v1/models`` (each card's ``max_model_len``, behind the workers' API key), whether
-``--kv-block-size`` is set or not; ``--max-model-len`` overrides it. A prompt that leaves room for
-one token only on every decode worker ends at the prefill worker's token (``proxy.stream.first_stream``).
-"""
+"""Each worker's KV block size (from ``vllm:cache_config_info`` on its ``/metrics``) and model
+length (from ``GET /v1/models``), learned from the worker itself; ``--kv-block-size`` and
+``--max-model-len`` override them (proxy/pools/README.md, "KV block sizes"). An unknown block size
+counts as the smallest common one, so a short prompt goes through the prefill hop."""
 
 from __future__ import annotations
 
@@ -47,11 +28,8 @@ _BLOCK_SIZE_LABEL = re.compile(r'[{,]block_size="(\d+)"')
 
 
 def parse_block_size(text: str) -> int | None:
-    """The ``block_size`` label of ``vllm:cache_config_info`` in a ``/metrics`` page (the largest
-    when several engines disagree), or None when the page has none. Only that series' lines are
-    read: a vLLM page is ~750 lines (65 kB), and prometheus_client's parser would hold the event
-    loop for ~20 ms per worker on it. In the exposition format a quote inside a label value is
-    escaped (``\\"``), so ``,block_size="`` or ``{block_size="`` can only start that label."""
+    """The largest ``block_size`` of ``vllm:cache_config_info`` in a ``/metrics`` page, or None.
+    Only that series' lines are read; an escaped quote means ``,block_size="`` only starts a label."""
     sizes: list[int] = []
     key, at = "\n" + CACHE_CONFIG_INFO + "{", 0
     text = "\n" + text
@@ -64,8 +42,7 @@ def parse_block_size(text: str) -> int | None:
 
 
 class BlockSizes:
-    """The block size the proxy uses for each worker: ``override`` (``--kv-block-size``) when set,
-    else what the worker said (``Worker.block_size``), else :data:`FALLBACK_BLOCK_SIZE`."""
+    """Each worker's block size: ``override``, else the worker's, else the fallback."""
 
     def __init__(self, override: int | None = None, fallback: int = FALLBACK_BLOCK_SIZE) -> None:
         if override is not None and override < 1:
@@ -75,7 +52,6 @@ class BlockSizes:
 
     @property
     def learning(self) -> bool:
-        """Whether the workers' sizes are read from them (no override)."""
         return self.override is None
 
     def of(self, worker: Worker | None) -> int:
@@ -90,19 +66,15 @@ class BlockSizes:
         return max(self.of(prefill), self.of(decode))
 
     def smallest(self, workers: Iterable[Worker]) -> int:
-        """The smallest block among ``workers`` (the fallback for none)."""
         return min((self.of(w) for w in workers), default=self.of(None))
 
 
 class WorkerLearner:
-    """Reads one value of every worker that does not know it yet, at once when woken (a worker
-    joined) and every ``interval`` seconds: one bounded fetch per worker and round, never on a
-    request's path. A worker whose answer has no value (another server, a 4xx, a page it cannot
-    read) is logged once and left out until it is forgotten (it failed its probes, or left and
-    came back); one unreachable for now is asked again at the next round."""
+    """Reads one value of every worker that lacks it, when woken and every ``interval`` seconds,
+    never on a request's path. A worker whose answer has no value is left out until forgotten;
+    one unreachable for now is asked again at the next round."""
 
     what = ""
-    """What is learned, for the logs."""
 
     def __init__(self, pools: Sequence[Iterable[Worker]], fetch: FetchFn) -> None:
         self.pools = list(pools)
@@ -120,7 +92,6 @@ class WorkerLearner:
         raise NotImplementedError
 
     def missing(self, worker: Worker, why: str) -> None:
-        """Log (once per worker until forgotten) why its value cannot be learned."""
         raise NotImplementedError
 
     def unknown(self) -> list[Worker]:
@@ -128,7 +99,7 @@ class WorkerLearner:
                 if self.known(w) is None and (w.pool, w.url) not in self._silent]
 
     def forget(self, worker: Worker) -> None:
-        """Read the worker's value again (it may have restarted with another configuration)."""
+        """Read the worker's value again (it may have restarted)."""
         self.store(worker, None)
         self._silent.discard((worker.pool, worker.url))
         self.wake()
@@ -178,8 +149,6 @@ class WorkerLearner:
 
 
 class BlockSizeLearner(WorkerLearner):
-    """Each worker's KV block size, from its ``/metrics``; a worker without
-    ``vllm:cache_config_info`` keeps the fallback."""
 
     what = "KV block size"
 
@@ -198,17 +167,13 @@ class BlockSizeLearner(WorkerLearner):
                     FALLBACK_BLOCK_SIZE)
 
 
-# -- the model length -------------------------------------------------------------------------
-
 MODELS_PATH = "/v1/models"
 MODELS_BODY_LIMIT = 1024 * 1024
-"""The most of a ``/v1/models`` answer read (one model's card is ~450 bytes)."""
 
 
 def parse_max_model_len(text: str) -> int | None:
-    """The ``max_model_len`` a ``GET /v1/models`` answer gives (vLLM: one card per served name,
-    all of one engine; the largest when they differ, so that no stream is ended early), or None
-    when it gives none. ``ValueError`` when it is not JSON."""
+    """The largest ``max_model_len`` of the cards (no stream is ended early), or None; ``ValueError``
+    when it is not JSON."""
     page = json.loads(text)
     cards = page.get("data") if isinstance(page, dict) else None
     lens = [c["max_model_len"] for c in cards if isinstance(c, dict)
@@ -218,9 +183,7 @@ def parse_max_model_len(text: str) -> int | None:
 
 
 class ModelLenLearner(WorkerLearner):
-    """Each worker's model length (prompt and output tokens together), from its
-    ``GET /v1/models`` (sent with the workers' API key). Unknown (None) until read: nothing is
-    then decided on it."""
+    """Each worker's model length; nothing is decided on it until it is read."""
 
     what = "max_model_len"
 
@@ -239,8 +202,6 @@ class ModelLenLearner(WorkerLearner):
 
 
 class ModelLens:
-    """The model length the proxy uses for each worker: ``override`` (``--max-model-len``) when
-    set, else what the worker said (``Worker.max_model_len``), else None (unknown)."""
 
     def __init__(self, override: int | None = None) -> None:
         if override is not None and override < 1:
@@ -255,9 +216,8 @@ class ModelLens:
         return self.override if self.override is not None else worker.max_model_len
 
     def one_token_left(self, prompt_tokens: int, workers: Iterable[Worker]) -> bool:
-        """Whether a prompt of ``prompt_tokens`` leaves room for one generated token at most on
-        every one of ``workers`` (each length known; False for none): any of them ends the
-        request at its first token with ``length``."""
+        """Whether the prompt leaves room for one generated token at most on every one of
+        ``workers``, each length known (False for none)."""
         if self.override is not None:
             return prompt_tokens + 1 >= self.override
         lens = [w.max_model_len for w in workers]

@@ -1,17 +1,8 @@
 """A circuit breaker per worker: passive ejection on errors (closed -> open -> half-open).
 
-* closed: requests flow; ``failure_threshold`` consecutive failures open the circuit.
-* open: the worker is ejected (never picked) for ``open_seconds``; each time it re-opens
-  without having closed in between, the wait doubles up to ``max_open_seconds``.
-* half-open: up to ``half_open_trials`` requests at a time are let through as trials;
-  ``success_threshold`` successes close the circuit, one failure opens it again. A trial still
-  running after ``trial_seconds`` (default: ``open_seconds``) no longer holds its slot: a trial
-  that hangs until its hop timeout (seen in the soak: 30 s) would otherwise keep a worker that
-  has recovered out of the pool, and with every other worker's circuit open, every request got
-  a 503. A long healthy stream as a trial only lets one more trial in.
-
-The breaker reads time only from the clock it is given (tests pass a fake one).
-"""
+Each re-open without a close in between doubles the open time, up to ``max_open_seconds``. A
+half-open trial still running after ``trial_seconds`` no longer holds its slot, so a hung trial
+cannot keep a recovered worker out of the pool. Time comes only from the given clock."""
 
 from __future__ import annotations
 
@@ -55,13 +46,12 @@ class CircuitBreaker:
     def __init__(self, config: BreakerConfig, clock: Callable[[], float], name: str = "") -> None:
         self.config = config
         self.name = name
-        """Who it guards, for the log lines of its transitions (e.g. ``prefill worker URL``)."""
         self._clock = clock
         self._state = CircuitState.CLOSED
         self._failures = 0
         self._successes = 0
         self._trials: deque[float] = deque()
-        """Start times of the trials running (oldest first; an ended trial removes the oldest)."""
+        """Start times of the trials running, oldest first."""
         self._opened_at = 0.0
         self._open_for = config.open_seconds
         self.opened_count = 0
@@ -85,9 +75,7 @@ class CircuitBreaker:
         return self._state is CircuitState.CLOSED or self.available_in() == 0.0
 
     def available_in(self) -> float:
-        """Seconds until the circuit lets a request in, if nothing else happens: 0 now; open:
-        until the trials begin; half-open with every trial slot taken: until the oldest trial
-        stops holding its slot (a trial that ends frees its slot sooner)."""
+        """Seconds until the circuit lets a request in, if nothing else happens (0: now)."""
         state = self.state
         if state is CircuitState.CLOSED:
             return 0.0

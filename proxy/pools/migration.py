@@ -1,36 +1,10 @@
-"""Mid-stream decode migration: continue a stream on another decode worker with no visible seam.
+"""Mid-stream decode migration (proxy/pools/README.md): a stream whose decode worker failed goes on
+elsewhere as a continuation, prompt plus the tokens already generated. Pure: feed
+:class:`StreamProgress`, plan with :func:`plan_continuation`, rewrite with :func:`rewrite_choice`.
 
-When a decode worker dies or errors in the middle of a stream, the request goes on elsewhere as
-a *continuation*: the prompt plus the tokens already generated is the new prompt, ``max_tokens``
-(and ``min_tokens``) reduced by as many. With greedy sampling the next token of the continuation
-is the next token of the uninterrupted run, so the token ids the client sees are the same.
-
-Everything here is pure: :class:`StreamProgress` is fed each choice the client was sent,
-:func:`plan_continuation` builds the continuation request, :func:`rewrite_choice` /
-:func:`rewrite_usage` turn the continuation's chunks into the original stream's.
-
-Text mode continuity
---------------------
-vLLM detokenizes incrementally, starting a new request from the tail of its prompt, so the text
-of a continuation token equals the uninterrupted run's text for it, with one exception: when the
-last streamed tokens are bytes of an unfinished UTF-8 character (or any token whose text vLLM
-held back), the old worker never sent that text, and a prompt that ends in the middle of a
-character makes vLLM's first delta garbage: it repeats the prompt's text (trace
-``gen-text-stream-prompt-tail-utf8``). So the continuation *rewinds* to the last point known to
-end on a whole character, the end of a chunk of exactly one token with text (vLLM sends text only
-when the decoded tail is complete); the tokens after it are left out of its prompt and
-regenerated (greedy: the same ids). Their ids, which the client already has, are stripped from
-the continuation's chunks (``replay``), and so is as much of their text as the client already
-got (``replay_chars``): under load vLLM merges several steps into one chunk, whose text may end
-before its last tokens' (held back), so a chunk with text can still end mid-character.
-
-Stop strings are the other hold-back: vLLM withholds text that could be the start of a stop
-string, and checks stop strings only on text it generated itself, so one spanning the seam would
-be missed. Requests with stop strings are therefore not migrated (see :func:`migration_blocker`),
-nor are others whose sampling depends on which tokens were *generated* rather than prompt
-(presence/frequency penalties, structured outputs, bad words), ``n > 1``, prompt truncation and
-multimodal inputs. Those fail as before; everything else migrates.
-"""
+Text mode rewinds to the last point known to end on a whole character (the end of a one-token
+chunk with text) and strips the regenerated tokens' ids and the text the client already has:
+a prompt that ends mid-character makes vLLM's first delta garbage."""
 
 from __future__ import annotations
 
@@ -42,8 +16,7 @@ from typing import Any
 from proxy.wire.protocol import parse_stream_chunk, stream_json
 
 MAX_REWIND = 64
-"""At most this many trailing tokens are rewound (beyond it the seam risks the garbage delta; it
-takes 64 tokens merged into chunks with no one-token chunk with text between them)."""
+"""At most this many trailing tokens are rewound (beyond it, no rewind)."""
 
 _GENERATED_DEPENDENT = ("presence_penalty", "frequency_penalty")
 _NOT_NULL_BLOCKERS = ("structured_outputs", "guided_decoding", "bad_words", "truncate_prompt_tokens",
@@ -65,8 +38,6 @@ def migration_blocker(data: Mapping[str, Any]) -> str | None:
 
 
 def _option_blocker(sp: Mapping[str, Any], data: Mapping[str, Any]) -> str | None:
-    """``migration_blocker``'s last checks, in plain loops, not generators (they run on every
-    streamed request)."""
     for key in _GENERATED_DEPENDENT:
         if sp.get(key) not in (None, 0, 0.0):
             return key
@@ -84,16 +55,9 @@ _NO_CHOICES = b'"choices":[]'
 
 
 def token_id_runs(body: bytes, events: int) -> list[bytes] | None:
-    """The generated token ids in a plain block of ``events`` single-choice stream chunks (a
-    plain ``sse.Batch`` body, or chunks of them, of a request with ``n == 1``), in order, as the
-    runs D wrote (``b"264,331"``; ``b""`` for an empty list), without parsing the JSON; the ids
-    themselves are parsed only when a migration needs them (``StreamProgress.generated``).
-
-    None unless every event holds exactly one ``"token_ids":[...]`` of decimal integers or is a
-    chunk without choices (the usage chunk): the caller then parses event by event. In JSON text
-    a quote inside a string is escaped, so the key cannot be faked by generated text. One regex
-    pass for the whole block.
-    """
+    """The token id runs (``b"264,331"``) of a plain block of ``events`` single-choice chunks,
+    without parsing the JSON; None unless every event holds exactly one ``"token_ids":[...]`` or
+    no choices. Generated text cannot fake the key: a quote in a JSON string is escaped."""
     found: list[bytes] = _TOKEN_IDS.findall(body)
     if len(found) + body.count(_NO_CHOICES) != events:
         return None
@@ -107,7 +71,6 @@ class StreamProgress:
     output_mode: str = "tokens"
     _ids: list[int] = field(default_factory=list)
     _runs: list[bytes] = field(default_factory=list)
-    """Ids taken unparsed from plain blocks (``token_id_runs``), after those in ``_ids``."""
     tail_tokens: int = 0
     """Text mode: tokens after the last point known to end on a whole character."""
     tail_text: str = ""
@@ -115,7 +78,7 @@ class StreamProgress:
 
     @property
     def generated(self) -> list[int]:
-        """Every id the client has of choice 0, in order (the unparsed runs parsed now)."""
+        """Every id the client has of choice 0, in order."""
         if self._runs:
             joined = b",".join(filter(None, self._runs))
             if joined:
@@ -124,12 +87,10 @@ class StreamProgress:
         return self._ids
 
     def add_runs(self, runs: list[bytes]) -> None:
-        """Ids of a plain block, as ``token_id_runs`` found them."""
         self._runs.extend(runs)
 
     def feed(self, choice: Mapping[str, Any], sent: Mapping[str, Any] | None = None) -> None:
-        """``choice`` as the worker sent it; ``sent`` what the client got of it, when that was
-        rewritten (a continuation's replayed ids and text stripped)."""
+        """``choice`` as the worker sent it; ``sent`` what the client got of it, when rewritten."""
         whole = choice.get("token_ids") or []
         if sent is not None:
             choice = sent
@@ -155,19 +116,15 @@ class StreamProgress:
 class Continuation:
     body: dict[str, Any]
     kept: int
-    """Generated tokens moved into the continuation's prompt."""
     replay: int
-    """Tokens the continuation regenerates that the client already has (their ids get stripped)."""
+    """Tokens the continuation regenerates that the client already has."""
     replay_chars: int
-    """Characters of their text the client already has (stripped from the continuation's text)."""
     prompt_tokens: int
-    """The original prompt's length (for usage)."""
 
 
 def plan_continuation(data: Mapping[str, Any], progress: StreamProgress, *,
                       request_id: str | None = None) -> Continuation | None:
-    """The continuation request for ``data`` after ``progress``; None when nothing is left to
-    generate (``max_tokens`` reached). The caller checks :func:`migration_blocker` first."""
+    """None when nothing is left to generate. The caller checks :func:`migration_blocker` first."""
     prompt = list(data["token_ids"])
     generated = progress.generated
     replay = progress.rewind
@@ -201,16 +158,13 @@ def plan_continuation(data: Mapping[str, Any], progress: StreamProgress, *,
 
 @dataclass(slots=True)
 class Replay:
-    """What is still to strip from a continuation's chunks: token ids and text characters."""
 
     tokens: int = 0
     chars: int = 0
 
 
 def rewrite_choice(choice: dict[str, Any], replay: Replay, kept: int) -> dict[str, Any]:
-    """A continuation chunk's choice as the original stream's: strips the ``replay`` token ids
-    (and their logprobs) and text characters still due, shifts ``weight_versions`` positions by
-    ``kept``. ``replay`` is updated."""
+    """A continuation chunk's choice as the original stream's; ``replay`` is updated."""
     out = dict(choice)
     ids = list(choice.get("token_ids") or [])
     if replay.tokens > 0 and ids:
@@ -240,8 +194,6 @@ def rewrite_usage(usage: Mapping[str, Any], cont: Continuation) -> dict[str, Any
     prompt = int(usage.get("prompt_tokens", 0))
     completion = int(usage.get("completion_tokens", 0))
     out["prompt_tokens"] = cont.prompt_tokens
-    # the client got `kept` tokens before the seam, and all the continuation generated but the
-    # `replay` tokens it already had... which were among the tokens before the seam too.
     out["completion_tokens"] = completion + (prompt - cont.prompt_tokens)
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     return out
@@ -252,12 +204,8 @@ def _empty(choice: Mapping[str, Any]) -> bool:
 
 
 class StreamFollower:
-    """Follows the events of a migratable stream (choice 0) and, once it has been continued
-    elsewhere, rewrites the continuation's events into the original stream's.
-
-    ``event`` takes one SSE ``data:`` payload (not ``[DONE]``) and returns the payload to send
-    the client, or None when the event carried only replayed tokens (nothing new for the client).
-    """
+    """Follows a migratable stream's choice 0; once continued elsewhere, ``event`` rewrites the
+    continuation's payloads into the original stream's (None: only replayed tokens)."""
 
     def __init__(self, data: Mapping[str, Any], output_mode: str) -> None:
         self.data = data
@@ -267,10 +215,8 @@ class StreamFollower:
         self.migrations = 0
 
     def block_runs(self, body: bytes, events: int) -> list[bytes] | None:
-        """The ids of a plain block of ``events`` events, unparsed (``token_id_runs``), when they
-        may be taken so: tokens mode, not continued elsewhere (a continuation's events are
-        rewritten one by one). None: the block is read event by event. The caller adds them
-        (``progress.add_runs``) once the block is on its way to the client."""
+        """A plain block's id runs (tokens mode, not continued elsewhere); None: read it event by
+        event. The caller adds them once the block is on its way to the client."""
         if self.cont is not None or self.progress.output_mode != "tokens":
             return None
         return token_id_runs(body, events)
@@ -303,11 +249,9 @@ class StreamFollower:
         return stream_json(chunk)
 
     def finished(self) -> bool:
-        """The client already has every token it asked for (nothing to continue)."""
         return plan_continuation(self.data, self.progress) is None
 
     def continue_elsewhere(self, request_id: str | None = None) -> Continuation | None:
-        """Plan the next continuation; None when nothing is left to generate."""
         cont = plan_continuation(self.data, self.progress, request_id=request_id)
         if cont is None:
             return None

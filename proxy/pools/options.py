@@ -43,7 +43,6 @@ class PoolSettings:
     breaker_max_open_seconds: float = 60.0
     health_interval: float = 2.0
     health_timeout: float = 5.0
-    """A loaded vLLM CPU worker can take seconds to answer /health; nothing waits on a probe."""
     health_fail_threshold: int = 3
     health_recover_threshold: int = 2
     active_health: bool = True
@@ -57,8 +56,7 @@ class PoolSettings:
     migrate: bool = True
     max_migrations: int = 2
     migrate_prefill_tokens: int = 256
-    """A continuation whose prompt (prompt + tokens generated) is at least this long is prefilled
-    through the prefill pool first (0: always; shorter ones: the decode worker computes it)."""
+    """A continuation prompt at least this long is prefilled through the prefill pool (0: always)."""
     deadline_default_ms: float | None = None
     deadline_max_ms: float | None = None
     deadline_prefill_share: float = 0.5
@@ -76,11 +74,9 @@ class PoolSettings:
     """Turns the admin API on (``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file``)."""
     admin_host: str = "127.0.0.1"
     admin_port: int | None = None
-    """Serve the admin API on its own listener (``admin_host``:``admin_port``) instead of the main
-    port, which then answers 404 for ``/admin/*``. None: on the main port."""
+    """The admin API's own listener; the main port then answers 404 for ``/admin/*``."""
     admin_journal: Path | None = None
-    """``--workers N``: the run's shared journal of admin changes (``proxy.fleet.journal``), made
-    by ``proxy.http.multiproc``; None: changes stay in this process."""
+    """``--workers N``: the run's shared journal of admin changes (None: this process only)."""
     k8s: tuple[K8sSelector, ...] = ()
     kubeconfig: str | None = None
 
@@ -94,9 +90,6 @@ class PoolSettings:
             "bypass_when_prefill_unavailable": False, "active_health": False,
             "breaker_failures": 2**31, **overrides}
         return cls(**values)
-
-
-# ------------------------------------------------------------------------------ CLI
 
 
 def _k8s_selector(value: str) -> K8sSelector:
@@ -205,9 +198,8 @@ ADMIN_KEY_ENV = "PD_PROXY_ADMIN_KEY"
 
 
 def admin_key_from(a: argparse.Namespace, env: Mapping[str, str]) -> str | None:
-    """The admin key, from ``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file`` (one source). ``ValueError``
-    for the key on the command line (``--admin-key``: ``ps`` and shell histories show it), both
-    sources, an empty or unreadable file, or a key with whitespace inside."""
+    """The admin key, from ``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file``, never the command line
+    (``ps`` shows it)."""
     if a.admin_key is not None:
         raise ValueError(f"--admin-key would show the admin key in ps: set {ADMIN_KEY_ENV} or "
                          "--admin-key-file instead")

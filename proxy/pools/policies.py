@@ -1,27 +1,7 @@
-"""Routing policies: which of a pool's available workers takes a request.
+"""Routing policies: which of a pool's available workers takes a request (proxy/pools/README.md).
 
-Every policy gets the candidates (non-empty, already filtered to available workers), the
-request's :class:`PickContext` and the pool's load function (requests in flight through this
-proxy, plus the worker's scraped queue and KV usage when that setting is on).
-
-==================  ===========================================================================
-``round_robin``     in turn
-``least_loaded``    lowest load; ties in turn
-``power_of_two``    two at random, the less loaded of them
-``prefix``          rendezvous hash of the prompt's first full KV blocks (of the smallest block
-                    the workers reported, unless one size is set), so prompts sharing a prefix
-                    land where it is cached; a load-imbalance guard walks down the hash order
-                    when the preferred worker is much busier than the least loaded
-``session``         rendezvous hash of ``X-Session-ID`` (least loaded without one)
-``least_tokens``    fewest outstanding tokens (decode: sum of the ``max_tokens`` in flight)
-==================  ===========================================================================
-
-Rendezvous (highest-random-weight) hashing keeps most keys on their worker when membership
-changes; blake2b makes the choice the same in every proxy process and replica (``hash()`` is
-salted): the hash depends on the key and the workers' URLs only, so replicas with the same
-membership pick the same worker for a session or a prefix (while it can take the request; the
-prefix policy's imbalance guard reads each replica's own in-flight counts).
-"""
+Rendezvous hashing uses blake2b, not the salted ``hash()``: the choice depends on the key and the
+workers' URLs only, so every process and replica with the same membership picks the same worker."""
 
 from __future__ import annotations
 
@@ -43,7 +23,6 @@ class PickContext:
     token_ids: Sequence[int] = ()
     session_id: str | None = None
     tokens: int = 0
-    """Tokens the request may still generate (its ``max_tokens``), for ``least_tokens``."""
 
 
 class Policy(Protocol):
@@ -110,9 +89,8 @@ class PrefixAware:
 
     def __init__(self, *, block_size: int | Callable[[], int] | None = 16, prefix_blocks: int = 4,
                  imbalance_ratio: float = 1.5, imbalance_slack: float = 4.0) -> None:
-        """``block_size``: the key's block; a callable is asked at each pick (the runtime gives the
-        smallest block its workers reported, ``proxy.pools.blocks``: the same in every replica, and
-        not changed by which workers can take this request); None: the candidates' smallest."""
+        """``block_size``: the key's block; a callable is asked at each pick; None: the
+        candidates' smallest."""
         if (isinstance(block_size, int) and block_size < 1) or prefix_blocks < 1:
             raise ValueError("block_size and prefix_blocks must be at least 1")
         if imbalance_ratio < 1.0 or imbalance_slack < 0:

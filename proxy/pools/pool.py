@@ -19,7 +19,6 @@ from proxy.upstream.hop import parse_origin
 
 STATIC_SOURCE = "static"
 _NOTHING: Final[frozenset[int]] = frozenset()
-"""No worker left out of a pick (the usual case: no set built for it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +27,8 @@ class LoadWeights:
 
     use_scraped: bool = False
     waiting: float = 1.0
-    """Added per request waiting in the worker's own queue (``vllm:num_requests_waiting``)."""
     kv_usage: float = 4.0
-    """Added per unit of KV cache usage (``vllm:kv_cache_usage_perc``, 0..1)."""
     max_age: float = 10.0
-    """Scrapes older than this (seconds) are ignored."""
 
 
 def redact_url(url: str) -> str:
@@ -49,11 +45,9 @@ def redact_url(url: str) -> str:
 
 
 def normalize_url(url: str) -> str:
-    """A worker's base URL, ``http(s)://host[:port][/path]`` without a trailing ``/``. ``ValueError``
-    (a message that never carries user info, a query or a fragment) for anything else: user info
-    (``user:password@``: credentials belong in ``--upstream-api-key``, never in a URL that is logged
-    and shown by ``/admin/workers``), a query, a fragment, a backslash, spaces or control or
-    non-ASCII characters (parsers disagree on such URLs), no host, a bad port."""
+    """A worker's base URL, ``http(s)://host[:port][/path]`` without a trailing ``/``, else
+    ``ValueError`` whose message never carries user info, a query or a fragment (the URL is logged
+    and shown); characters that parsers disagree on are refused."""
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"worker URL must start with http:// or https://, got {redact_url(url)!r}")
@@ -81,9 +75,8 @@ class Pool:
                  panic: bool = False) -> None:
         self.name = name
         self.panic = panic
-        """When every (non-draining) worker failed its health probes, route as if they had not
-        (the breaker and draining still apply): a probe that times out on a loaded worker must not
-        make the pool refuse everything. Envoy's panic threshold, at 0%."""
+        """When every non-draining worker failed its health probes, route as if they had not: a
+        probe that times out on a loaded worker must not make the pool refuse everything."""
         self.policy: Policy = policy or LeastLoaded()
         self.breaker_config = breaker or BreakerConfig()
         self.clock = clock
@@ -93,18 +86,13 @@ class Pool:
         self.queue = WaitQueue(max_waiters, retry_after=retry_after, what=f"{name} pool")
         self._workers: dict[str, Worker] = {}
         self._departed: dict[str, Worker] = {}
-        """Workers that left while requests ran on them, by URL, until those requests end: one that
-        comes back meanwhile is the same object (its in-flight count, breaker, health, draining)."""
+        """Workers that left while requests ran on them, until those requests end: one that comes
+        back meanwhile is the same object."""
         self._recovery: asyncio.Future[None] | None = None
-        """Resolved (and dropped) at the next release: what waiters for a recovering worker await."""
         self.on_change: list[Callable[[Pool], None]] = []
         self.on_leave: list[Callable[[Pool, Worker], None]] = []
-        """Called with each worker that left the pool (no source declares it any more, or an
-        admin removed it): the app forgets its metric series there."""
         for url in urls:
             self.add(url, STATIC_SOURCE)
-
-    # ------------------------------------------------------------------ membership
 
     @property
     def workers(self) -> list[Worker]:
@@ -117,7 +105,6 @@ class Pool:
         return len(self._workers)
 
     def has(self, url: str) -> bool:
-        """``url`` exactly as ``Worker.url`` (normalized) is a member."""
         return url in self._workers
 
     def get(self, url: str) -> Worker | None:
@@ -140,8 +127,7 @@ class Pool:
         return worker
 
     def discard(self, url: str, source: str) -> bool:
-        """``source`` no longer declares ``url``; the worker leaves when no source does.
-        Requests already on it finish (they hold the ``Worker``). True if it left."""
+        """``source`` no longer declares ``url``; True if the worker left (no source does)."""
         url = normalize_url(url)
         worker = self._workers.get(url)
         if worker is None:
@@ -182,8 +168,6 @@ class Pool:
             callback(self, worker)
         self._changed()
 
-    # ------------------------------------------------------------------ choosing
-
     def load(self, worker: Worker) -> float:
         value = float(worker.inflight)
         w = self.weights
@@ -194,7 +178,6 @@ class Pool:
 
     @property
     def in_panic(self) -> bool:
-        """``panic`` is on and no non-draining worker passes its health probes."""
         return self.panic and not any(w.healthy for w in self._workers.values() if not w.draining)
 
     def candidates(self, exclude: Iterable[Worker] = ()) -> list[Worker]:
@@ -205,7 +188,7 @@ class Pool:
         return [w for w in self._workers.values() if w.available and id(w) not in skip]
 
     def admissible(self, exclude: Iterable[Worker] = ()) -> list[Worker]:
-        """Workers that could take a request if they had room (saturated ones included)."""
+        """Workers that could take a request if they had room."""
         skip = {id(w) for w in exclude} if exclude else _NOTHING
         if self.in_panic:
             return [w for w in self._workers.values() if w.admissible_in_panic and id(w) not in skip]
@@ -225,8 +208,7 @@ class Pool:
         return self.policy.choose(candidates, ctx or PickContext(), self.load)
 
     def recovery_in(self, exclude: Iterable[Worker] = ()) -> float | None:
-        """Seconds until a worker that cannot take a request now only because of its circuit
-        (open, or half-open with its trials running) may take one; None when there is none."""
+        """Seconds until a worker held back only by its circuit may take a request; None: none."""
         skip = {id(w) for w in exclude}
         panic = self.in_panic
         waits = [w.breaker.available_in() for w in self._workers.values()
@@ -235,12 +217,9 @@ class Pool:
 
     async def acquire(self, ctx: PickContext | None = None, exclude: Iterable[Worker] = (),
                       limit: float | None = None, *, wait_recovering: bool = False) -> Worker:
-        """Choose a worker and count the request on it. When every admissible worker is at its
-        in-flight cap, wait in the pool's bounded queue (``Overloaded`` on overflow/timeout).
-        When none is admissible: ``NoWorkerAvailable`` at once, or, with ``wait_recovering``
-        and a ``limit``, after waiting up to ``limit`` for a worker whose circuit is about to
-        let a request in (its trial ended, its open time passed): for callers with no other
-        way (a decode hop), a circuit's trial is a short wait, not a reason to refuse."""
+        """Choose a worker and count the request on it, waiting in the bounded queue while every
+        admissible worker is at its cap. None admissible: ``NoWorkerAvailable``, at once unless
+        ``wait_recovering`` waits up to ``limit`` for a circuit about to let a request in."""
         ctx = ctx or PickContext()
         excluded = list(exclude)
         candidates = self.candidates(excluded)
@@ -250,8 +229,7 @@ class Pool:
         end = None if limit is None else loop.time() + limit
         while True:
             if self.admissible(excluded):
-                # woken when a worker it may take frees up, or when none it may take is left
-                # (it then fails at once, as below, rather than at the end of its wait)
+                # also woken when none it may take is left: it then fails at once
                 def can_use() -> bool:
                     return bool(self.candidates(excluded)) or not self.admissible(excluded)
                 await self.queue.wait(None if end is None else end - loop.time(), can_use)
@@ -271,7 +249,7 @@ class Pool:
         return worker
 
     async def _wait_recovery(self, limit: float) -> None:
-        """Until the next release (a trial ended, a circuit may have closed) or ``limit``."""
+        """Until the next release or ``limit``."""
         if self._recovery is None:
             self._recovery = asyncio.get_running_loop().create_future()
         with contextlib.suppress(TimeoutError):
