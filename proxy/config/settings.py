@@ -37,7 +37,11 @@ def client_keys_from(a: argparse.Namespace, env: Mapping[str, str]) -> tuple[tup
     """Every client key, from the flags, the key file and the environment (all of them count)."""
     keys: list[tuple[str | None, str]] = [(None, k) for k in a.api_keys]
     if a.api_key_file is not None:
-        keys += read_key_file(a.api_key_file)
+        try:
+            keys += read_key_file(a.api_key_file)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {a.api_key_file}: cannot read it "
+                             f"({type(e).__name__})") from None
     if env.get("PD_PROXY_API_KEY"):
         keys.append((None, env["PD_PROXY_API_KEY"]))
     keys += [(None, k.strip()) for k in env.get("PD_PROXY_API_KEYS", "").split(",") if k.strip()]
