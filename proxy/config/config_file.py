@@ -13,7 +13,7 @@ The file's keys are pd-proxy's long flag names without the dashes (``decode-time
 Flags on the command line win over the file, whole: ``--prefill A`` replaces the file's prefill
 list. Secrets never come from the file (it is often a ConfigMap, readable by whoever may read the
 namespace, and kept in version control): the keys are refused with the environment variable or key
-file to use instead (:data:`SECRET_KEYS`).
+file to use instead (the settings declared ``secret``, ``proxy.config.table.secret_keys``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ from typing import Any
 
 import yaml
 
+from proxy.config.table import secret_keys
+
 CONFIG_FLAG = "--config"
 
-SECRET_KEYS: Mapping[str, str] = {
-    "api-key": "PD_PROXY_API_KEY (one key), PD_PROXY_API_KEYS (several, comma-separated) or --api-key-file",
-    "upstream-api-key": "PD_PROXY_UPSTREAM_API_KEY",
-    "admin-key": "PD_PROXY_ADMIN_KEY",
-}
-"""Settings that are secrets, and where they come from instead of the file."""
-
 _HELP_FLAGS = ("-h", "--help")
+SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction)
+"""Flags that take no value: ``--x`` sets a setting, ``--no-x`` clears one; off unless given."""
 
 
 class ConfigFileError(ValueError):
@@ -52,7 +49,7 @@ class HelpFormatter(argparse.HelpFormatter):
         if "%(default)" in text or "(default" in text or action.default is argparse.SUPPRESS \
                 or not action.option_strings:
             return text
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, SWITCHES):
             shown = "off"
         elif action.default is None or action.default == []:
             shown = "none"
@@ -86,7 +83,7 @@ def load(path: Path) -> dict[str, Any]:
 def _tokens(flag: str, action: argparse.Action, value: Any, path: Path) -> list[str]:
     """The command-line tokens that give ``value`` to ``flag`` (``--flag=value`` form, so that a
     value starting with a dash stays a value)."""
-    if isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, SWITCHES):
         if not isinstance(value, bool):
             raise ConfigFileError(f"{path}: {flag[2:]} is a switch: true or false, got {value!r}")
         return [flag] if value else []
@@ -107,17 +104,18 @@ def file_argv(parser: argparse.ArgumentParser, data: Mapping[str, Any], path: Pa
     """Tokens for every setting of the file whose flag was not given on the command line
     (``given``: the dests the command line set)."""
     flags = long_flags(parser)
+    secrets = secret_keys()
     out: list[str] = []
     for raw_key, value in data.items():
         key = raw_key.strip().lstrip("-").replace("_", "-")
-        if key in SECRET_KEYS:
+        if key in secrets:
             raise ConfigFileError(f"{path}: {key} is a secret and is not read from a config file: "
-                                  f"give it in {SECRET_KEYS[key]}")
+                                  f"give it in {secrets[key]}")
         if key == CONFIG_FLAG[2:]:
             raise ConfigFileError(f"{path}: a config file cannot name another one ({key})")
         action = flags.get(key)
         if action is None or key in ("help",):
-            close = difflib.get_close_matches(key, [k for k in flags if k not in SECRET_KEYS], n=1)
+            close = difflib.get_close_matches(key, [k for k in flags if k not in secrets], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigFileError(f"{path}: unknown setting {raw_key!r}{hint}; the keys are pd-proxy's "
                                   "long flag names (pd-proxy --help)")

@@ -7,7 +7,7 @@ from proxy.pools.admission import DEADLINE_HEADER, Admission, Deadline, WaitQueu
 from proxy.pools.breaker import BreakerConfig, CircuitBreaker, CircuitState
 from proxy.pools.errors import DeadlineExceeded, NoWorkerAvailable, Overloaded
 from proxy.pools.migration import StreamFollower, migration_blocker
-from proxy.pools.options import PoolSettings, add_pool_arguments, pool_settings_from_args
+from proxy.pools.options import PoolSettings
 from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
 from proxy.pools.pool import LoadWeights, Pool, normalize_url
 from proxy.pools.worker import Outcome, ScrapedLoad, Worker
@@ -33,10 +33,8 @@ __all__ = [
     "StreamFollower",
     "WaitQueue",
     "Worker",
-    "add_pool_arguments",
     "hop_budget",
     "make_policy",
     "migration_blocker",
     "normalize_url",
-    "pool_settings_from_args",
 ]

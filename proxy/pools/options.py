@@ -1,17 +1,18 @@
-"""The pools' settings (``PoolSettings``) and their command-line flags (``add_pool_arguments``,
-``pool_settings_from_args``; the admin key from a file or the environment, never the command line).
+"""The pools' settings (``PoolSettings``), each flag of pd-proxy declared on its field with
+``setting(...)`` (``proxy.pools.setting``); the admin key from a file or the environment, never the
+command line (``admin_key_from``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from proxy.pools.policies import POLICY_NAMES
+from proxy.pools.setting import setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,74 +23,8 @@ class K8sSelector:
     port: str | int
 
 
-@dataclass(frozen=True, slots=True)
-class PoolSettings:
-    prefill_policy: str = "least_loaded"
-    decode_policy: str = "least_tokens"
-    prefix_blocks: int = 4
-    imbalance_ratio: float = 1.5
-    imbalance_slack: float = 4.0
-    use_scraped_load: bool = False
-    scrape_interval: float = 2.0
-    max_inflight: int | None = 1024
-    """Requests in flight through the whole proxy, per process (None: no limit); beyond it they
-    wait in the queue (``max_queue``, ``queue_timeout``), beyond that a 429 with Retry-After."""
-    max_inflight_per_worker: int | None = None
-    max_queue: int = 256
-    queue_timeout: float = 10.0
-    retry_after: float = 1.0
-    breaker_failures: int = 5
-    breaker_open_seconds: float = 5.0
-    breaker_max_open_seconds: float = 60.0
-    health_interval: float = 2.0
-    health_timeout: float = 5.0
-    health_fail_threshold: int = 3
-    health_recover_threshold: int = 2
-    active_health: bool = True
-    panic_when_all_unhealthy: bool = True
-    """A pool whose every worker failed its probes routes as if they had not (breakers still
-    apply): decode always, prefill only without the bypass (which then takes those requests)."""
-    prefill_attempts: int = 3
-    decode_attempts: int = 2
-    retry_base_delay: float = 0.02
-    retry_max_delay: float = 0.5
-    migrate: bool = True
-    max_migrations: int = 2
-    migrate_prefill_tokens: int = 256
-    """A continuation prompt at least this long is prefilled through the prefill pool (0: always)."""
-    deadline_default_ms: float | None = None
-    deadline_max_ms: float | None = None
-    deadline_prefill_share: float = 0.5
-    """The prefill hop may use at most this share of what remains of a deadline."""
-    bypass_prompt_tokens: int | None = None
-    """Prompts shorter than this skip the prefill hop (None: one KV block of the prefill worker
-    that would take it, ``proxy.pools.blocks``; 0: never)."""
-    bypass_when_prefill_unavailable: bool = True
-    preflight: bool = False
-    preflight_timeout: float = 30.0
-    preflight_retry_after: float = 30.0
-    config_file: Path | None = None
-    config_poll_interval: float = 2.0
-    admin_key: str | None = None
-    """Turns the admin API on (``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file``)."""
-    admin_host: str = "127.0.0.1"
-    admin_port: int | None = None
-    """The admin API's own listener; the main port then answers 404 for ``/admin/*``."""
-    admin_journal: Path | None = None
-    """``--workers N``: the run's shared journal of admin changes (None: this process only)."""
-    k8s: tuple[K8sSelector, ...] = ()
-    kubeconfig: str | None = None
-
-    @classmethod
-    def plain(cls, **overrides: Any) -> PoolSettings:
-        """The walk without the pools' recovery features: no retries, migration, bypass, active
-        probes or ejection (least-loaded picks only). For tests of the bare P/D walk."""
-        values: dict[str, Any] = {
-            "prefill_policy": "least_loaded", "decode_policy": "least_loaded", "prefill_attempts": 1,
-            "decode_attempts": 1, "migrate": False, "bypass_prompt_tokens": 0,
-            "bypass_when_prefill_unavailable": False, "active_health": False,
-            "breaker_failures": 2**31, **overrides}
-        return cls(**values)
+ADMIN_KEY_ENV = "PD_PROXY_ADMIN_KEY"
+ADMIN_HOST = "127.0.0.1"
 
 
 def _k8s_selector(value: str) -> K8sSelector:
@@ -101,105 +36,10 @@ def _k8s_selector(value: str) -> K8sSelector:
     return K8sSelector(pool, namespace, selector, int(port) if port.isdigit() else port)
 
 
-def _add_routing(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
-    """How a worker is chosen."""
-    g.add_argument("--prefill-policy", choices=POLICY_NAMES, default=d.prefill_policy,
-                   help="how a prefill worker is chosen (proxy/pools/README.md)")
-    g.add_argument("--decode-policy", choices=POLICY_NAMES, default=d.decode_policy,
-                   help="how a decode worker is chosen")
-    g.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks,
-                   help="prefix policy: KV blocks of the prompt's start that choose the worker")
-    g.add_argument("--use-scraped-load", action="store_true",
-                   help="let workers' own queue and KV usage (/metrics) feed the choice")
-
-
-def _add_admission(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
-    """What is admitted, and how long the rest may wait."""
-    g.add_argument("--max-inflight", type=int, default=d.max_inflight,
-                   help="requests in flight through the proxy, PER PROCESS (--workers N admits N times it); "
-                        "more wait in the queue, then 429 (0: no limit)")
-    g.add_argument("--max-inflight-per-worker", type=int, default=None,
-                   help="requests in flight on one worker, PER PROCESS (--workers N: up to N times it); "
-                        "more wait in the queue")
-    g.add_argument("--max-queue", type=int, default=d.max_queue,
-                   help="bounded wait queue length, PER PROCESS (and per pool)")
-    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout,
-                   help="seconds a request may wait in the queue (then 503 with Retry-After)")
-
-
-def _add_health(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
-    """Circuit breakers and the active health probes."""
-    g.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
-                   help="consecutive failures that open a worker's circuit")
-    g.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_seconds,
-                   help="seconds an open circuit stays open before a trial request (doubles up to 60)")
-    g.add_argument("--health-interval", type=float, default=d.health_interval,
-                   help="seconds between active /health probes of each worker")
-    g.add_argument("--no-active-health", action="store_true",
-                   help="no active probes: breakers and draining only")
-    g.add_argument("--no-health-panic", action="store_true",
-                   help="refuse requests (503) when every worker of a pool failed its probes, instead "
-                        "of routing to them anyway")
-
-
-def _add_recovery(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
-    """Retries, migration, deadlines, the decode-only bypass, the preflight."""
-    g.add_argument("--prefill-attempts", type=int, default=d.prefill_attempts,
-                   help="prefill hops tried per request (on other workers after a failure)")
-    g.add_argument("--decode-attempts", type=int, default=d.decode_attempts,
-                   help="decode hops tried per request before its first byte")
-    g.add_argument("--no-migrate", action="store_true", help="do not migrate streams mid-way")
-    g.add_argument("--migrate-prefill-tokens", type=int, default=d.migrate_prefill_tokens,
-                   help="continuations at least this long are prefilled through the prefill pool")
-    g.add_argument("--deadline-default-ms", type=float, default=None,
-                   help="deadline of requests without X-PD-Deadline-Ms")
-    g.add_argument("--bypass-prompt-tokens", type=int, default=None,
-                   help="prompts shorter than this skip prefill (default: one KV block)")
-    g.add_argument("--no-bypass-when-prefill-unavailable", action="store_true",
-                   help="with no prefill worker available, answer 503 instead of running decode-only")
-    g.add_argument("--preflight", action="store_true",
-                   help="send one tiny P->D hand-off through each new pair before using it")
-
-
-def _add_membership(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
-    """Where the members come from besides the flags: a file, the admin API, Kubernetes."""
-    g.add_argument("--workers-file", type=Path, default=None, help="TOML pool membership, reloaded")
-    g.add_argument("--admin-key-file", type=Path, default=None, metavar="PATH",
-                   help="the admin key (one line): turns /admin/workers on behind it; or set "
-                        f"{ADMIN_KEY_ENV} (one source, not both)")
-    g.add_argument("--admin-key", default=None, help=argparse.SUPPRESS)  # refused: ps shows it
-    g.add_argument("--admin-host", default=None, metavar="HOST",
-                   help=f"with --admin-port: the admin API's own address (default {d.admin_host})")
-    g.add_argument("--admin-port", type=int, default=None, metavar="PORT",
-                   help="serve the admin API on its own listener on this port; the main port then "
-                        "answers 404 for /admin/*")
-    g.add_argument("--k8s-endpointslices", type=_k8s_selector, action="append", default=[],
-                   metavar="POOL:NS:SELECTOR:PORT",
-                   help="pool members from the EndpointSlices in namespace NS matching the label "
-                        "SELECTOR (e.g. decode:serving:pd-proxy.io/pool=decode:http), on the named or "
-                        "numbered PORT; repeat per pool (needs the k8s extra)")
-    g.add_argument("--kubeconfig", default=None,
-                   help="outside a pod: the kubeconfig for --k8s-endpointslices (default ~/.kube/config)")
-
-
-def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
-    """The pools' flags, in their own ``--help`` group, each defaulting to ``PoolSettings()``'s."""
-    g = parser.add_argument_group("pools")
-    d = PoolSettings()
-    # In --help's order.
-    _add_routing(g, d)
-    _add_admission(g, d)
-    _add_health(g, d)
-    _add_recovery(g, d)
-    _add_membership(g, d)
-
-
-ADMIN_KEY_ENV = "PD_PROXY_ADMIN_KEY"
-
-
 def admin_key_from(a: argparse.Namespace, env: Mapping[str, str]) -> str | None:
-    """The admin key, from ``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file``, never the command line
-    (``ps`` shows it)."""
+    """The admin key, from ``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file`` (one source). ``ValueError``
+    for the key on the command line (``--admin-key``: ``ps`` and shell histories show it), both
+    sources, an empty or unreadable file, or a key with whitespace inside."""
     if a.admin_key is not None:
         raise ValueError(f"--admin-key would show the admin key in ps: set {ADMIN_KEY_ENV} or "
                          "--admin-key-file instead")
@@ -227,27 +67,116 @@ def admin_key_from(a: argparse.Namespace, env: Mapping[str, str]) -> str | None:
     return key or None
 
 
-def pool_settings_from_args(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> PoolSettings:
-    """``env``: where ``PD_PROXY_ADMIN_KEY`` is read (default ``os.environ``)."""
-    d = PoolSettings()
-    return PoolSettings(
-        prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
-        prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load,
-        max_inflight=a.max_inflight or None, max_inflight_per_worker=a.max_inflight_per_worker,
-        max_queue=a.max_queue,
-        queue_timeout=a.queue_timeout, breaker_failures=a.breaker_failures,
-        breaker_open_seconds=a.breaker_open_seconds, health_interval=a.health_interval,
-        active_health=not a.no_active_health, panic_when_all_unhealthy=not a.no_health_panic,
-        prefill_attempts=a.prefill_attempts,
-        decode_attempts=a.decode_attempts, migrate=not a.no_migrate,
-        migrate_prefill_tokens=a.migrate_prefill_tokens,
-        deadline_default_ms=a.deadline_default_ms, bypass_prompt_tokens=a.bypass_prompt_tokens,
-        bypass_when_prefill_unavailable=not a.no_bypass_when_prefill_unavailable,
-        preflight=a.preflight, config_file=a.workers_file,
-        admin_key=admin_key_from(a, os.environ if env is None else env),
-        admin_host=a.admin_host or d.admin_host, admin_port=a.admin_port,
-        k8s=tuple(a.k8s_endpointslices), kubeconfig=a.kubeconfig,
-    )
+def _admin_host(a: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """``--admin-host`` (its flag's default is None, so that ``admin_key_from`` sees it given)."""
+    return str(a.admin_host or ADMIN_HOST)
 
 
-__all__ = ["K8sSelector", "PoolSettings", "add_pool_arguments", "admin_key_from", "pool_settings_from_args"]
+def _zero_is_none(n: int) -> int | None:
+    return n or None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """The pools' settings; a field declared with ``setting(...)`` is a flag of ``pd-proxy`` in the
+    ``pools`` group of ``--help``, in this order (``proxy.config.table``)."""
+
+    prefill_policy: str = setting("least_loaded", "how a prefill worker is chosen (proxy/pools/README.md)",
+                                  choices=POLICY_NAMES)
+    decode_policy: str = setting("least_tokens", "how a decode worker is chosen", choices=POLICY_NAMES)
+    prefix_blocks: int = setting(4, "prefix policy: KV blocks of the prompt's start that choose the worker")
+    imbalance_ratio: float = 1.5
+    imbalance_slack: float = 4.0
+    use_scraped_load: bool = setting(False, "let workers' own queue and KV usage (/metrics) feed the choice")
+    scrape_interval: float = 2.0
+    max_inflight: int | None = setting(
+        1024, "requests in flight through the proxy, PER PROCESS (--workers N admits N times it); more "
+              "wait in the queue, then 429 (0: no limit)", convert=_zero_is_none)
+    """Requests in flight through the whole proxy, per process (None: no limit); beyond it they
+    wait in the queue (``max_queue``, ``queue_timeout``), beyond that a 429 with Retry-After."""
+    max_inflight_per_worker: int | None = setting(
+        None, "requests in flight on one worker, PER PROCESS (--workers N: up to N times it); more wait in "
+              "the queue")
+    max_queue: int = setting(256, "bounded wait queue length, PER PROCESS (and per pool)")
+    queue_timeout: float = setting(
+        10.0, "seconds a request may wait in the queue (then 503 with Retry-After)")
+    retry_after: float = 1.0
+    breaker_failures: int = setting(5, "consecutive failures that open a worker's circuit")
+    breaker_open_seconds: float = setting(
+        5.0, "seconds an open circuit stays open before a trial request (doubles up to 60)")
+    breaker_max_open_seconds: float = 60.0
+    health_interval: float = setting(2.0, "seconds between active /health probes of each worker")
+    health_timeout: float = 5.0
+    """A loaded vLLM CPU worker can take seconds to answer /health; nothing waits on a probe."""
+    health_fail_threshold: int = 3
+    health_recover_threshold: int = 2
+    active_health: bool = setting(
+        True, "no active probes: breakers and draining only", flag="--no-active-health")
+    panic_when_all_unhealthy: bool = setting(
+        True, "refuse requests (503) when every worker of a pool failed its probes, instead of routing to "
+              "them anyway", flag="--no-health-panic")
+    """A pool whose every worker failed its probes routes as if they had not (breakers still
+    apply): decode always, prefill only without the bypass (which then takes those requests)."""
+    prefill_attempts: int = setting(3, "prefill hops tried per request (on other workers after a failure)")
+    decode_attempts: int = setting(2, "decode hops tried per request before its first byte")
+    retry_base_delay: float = 0.02
+    retry_max_delay: float = 0.5
+    migrate: bool = setting(True, "do not migrate streams mid-way", flag="--no-migrate")
+    max_migrations: int = 2
+    migrate_prefill_tokens: int = setting(
+        256, "continuations at least this long are prefilled through the prefill pool")
+    """A continuation whose prompt (prompt + tokens generated) is at least this long is prefilled
+    through the prefill pool first (0: always; shorter ones: the decode worker computes it)."""
+    deadline_default_ms: float | None = setting(None, "deadline of requests without X-PD-Deadline-Ms")
+    deadline_max_ms: float | None = None
+    deadline_prefill_share: float = 0.5
+    """The prefill hop may use at most this share of what remains of a deadline."""
+    bypass_prompt_tokens: int | None = setting(
+        None, "prompts shorter than this skip prefill (default: one KV block)")
+    """Prompts shorter than this skip the prefill hop (None: one KV block of the prefill worker
+    that would take it, ``proxy.pools.blocks``; 0: never)."""
+    bypass_when_prefill_unavailable: bool = setting(
+        True, "with no prefill worker available, answer 503 instead of running decode-only",
+        flag="--no-bypass-when-prefill-unavailable")
+    preflight: bool = setting(False, "send one tiny P->D hand-off through each new pair before using it")
+    preflight_timeout: float = 30.0
+    preflight_retry_after: float = 30.0
+    config_file: Path | None = setting(None, "TOML pool membership, reloaded", flag="--workers-file")
+    config_poll_interval: float = 2.0
+    admin_key: str | None = setting(
+        None, argparse.SUPPRESS, env=(ADMIN_KEY_ENV,), secret=True, resolve=admin_key_from,
+        key_file=("--admin-key-file", "the admin key (one line): turns /admin/workers on behind it; or set "
+                                      f"{ADMIN_KEY_ENV} (one source, not both)"))
+    """Turns the admin API on (``PD_PROXY_ADMIN_KEY`` or ``--admin-key-file``; ``--admin-key`` is
+    refused: ``ps`` would show it)."""
+    admin_host: str = setting(ADMIN_HOST, f"with --admin-port: the admin API's own address (default "
+                                          f"{ADMIN_HOST})", metavar="HOST", resolve=_admin_host)
+    admin_port: int | None = setting(
+        None, "serve the admin API on its own listener on this port; the main port then answers 404 for "
+              "/admin/*", metavar="PORT")
+    """Serve the admin API on its own listener (``admin_host``:``admin_port``) instead of the main
+    port, which then answers 404 for ``/admin/*``. None: on the main port."""
+    admin_journal: Path | None = None
+    """``--workers N``: the run's shared journal of admin changes (``proxy.fleet.journal``), made
+    by ``proxy.http.multiproc``; None: changes stay in this process."""
+    k8s: tuple[K8sSelector, ...] = setting(
+        (), "pool members from the EndpointSlices in namespace NS matching the label SELECTOR (e.g. "
+            "decode:serving:pd-proxy.io/pool=decode:http), on the named or numbered PORT; repeat per pool "
+            "(needs the k8s extra)", flag="--k8s-endpointslices", metavar="POOL:NS:SELECTOR:PORT",
+        parse=_k8s_selector)
+    kubeconfig: str | None = setting(
+        None, "outside a pod: the kubeconfig for --k8s-endpointslices (default ~/.kube/config)")
+
+    @classmethod
+    def plain(cls, **overrides: Any) -> PoolSettings:
+        """The walk without the pools' recovery features: no retries, migration, bypass, active
+        probes or ejection (least-loaded picks only). For tests of the bare P/D walk."""
+        values: dict[str, Any] = {
+            "prefill_policy": "least_loaded", "decode_policy": "least_loaded", "prefill_attempts": 1,
+            "decode_attempts": 1, "migrate": False, "bypass_prompt_tokens": 0,
+            "bypass_when_prefill_unavailable": False, "active_health": False,
+            "breaker_failures": 2**31, **overrides}
+        return cls(**values)
+
+
+__all__ = ["ADMIN_KEY_ENV", "K8sSelector", "PoolSettings", "admin_key_from"]

@@ -72,3 +72,18 @@ def test_cli_gathers_keys_from_flags_file_and_environment(tmp_path: Path,
     monkeypatch.delenv("PD_PROXY_API_KEYS")
     with pytest.raises(SystemExit):  # the same key twice is an error at start-up
         parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--api-key", "ke"])
+
+
+@pytest.mark.parametrize("content", [None, b"\xff\xfe not text\n"])
+def test_an_unreadable_key_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  content: bytes | None) -> None:
+    """A missing or undecodable --api-key-file ends start-up with the usage error naming the file
+    (exit 2), not a traceback."""
+    f = tmp_path / "keys"
+    if content is not None:
+        f.write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                    "--api-key-file", str(f)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--api-key-file {f}: cannot read it" in err and "Traceback" not in err

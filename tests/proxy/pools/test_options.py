@@ -1,19 +1,20 @@
-"""proxy.pools.options: the pools' flags and what they set."""
+"""proxy.pools.options: the pools' flags (declared on ``PoolSettings``' fields) and what they set."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from proxy.pools.options import K8sSelector, PoolSettings, add_pool_arguments, pool_settings_from_args
+from proxy.cli import build_parser
+from proxy.config.table import settings_from_args
+from proxy.pools.options import K8sSelector, PoolSettings
 
 
 def parse(*argv: str) -> PoolSettings:
-    parser = argparse.ArgumentParser()
-    add_pool_arguments(parser)
-    return pool_settings_from_args(parser.parse_args(argv), {})
+    workers = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    a = build_parser().parse_args([*workers, *argv])
+    return settings_from_args(a, {}).pools
 
 
 def test_cli_defaults_and_flags(tmp_path: Path) -> None:
