@@ -70,6 +70,12 @@ def _add_walk_switches(p: argparse.ArgumentParser) -> None:
                    help="the workers' --max-num-seqs: sampling_params.n above it is refused up front")
     p.add_argument("--prefill-failure", choices=["fail", "decode-only"], default="fail",
                    help="when the prefill hop gives no usable KV: 502, or run on decode alone")
+    p.add_argument("--render-pool", choices=["decode", "prefill"], default="decode",
+                   help="OpenAI routes (/v1/chat/completions, /v1/completions, render, derender, "
+                        "/v1/models): the pool whose workers tokenize (default: decode)")
+    p.add_argument("--openai-derender", choices=["auto", "always"], default="auto",
+                   help="OpenAI routes: 'auto' builds answers from text-mode hops where exact, else "
+                        "derenders; 'always' derenders every answer (tool or reasoning parsers)")
     p.add_argument("--first-token-from-prefill", type=_on_off, choices=["on", "off"], default="on",
                    help="streams: send the prefill worker's token as the first chunk at once, "
                         "before the hand-off; the decode worker's token 1 is checked and dropped. "
@@ -263,6 +269,7 @@ def _settings(a: argparse.Namespace) -> ProxySettings:
         max_num_seqs=a.max_num_seqs,
         prefill_failure_policy=a.prefill_failure,
         first_token_from_prefill=_switch(a.first_token_from_prefill),
+        render_pool=a.render_pool, openai_derender=a.openai_derender,
         rewrite_remote_host=not a.no_rewrite_remote_host,
         abort_unknown_broadcast=not a.no_abort_broadcast,
         legacy_abort_mirror_vllm=a.legacy_abort_mirror_vllm, prefill_timeout=a.prefill_timeout,

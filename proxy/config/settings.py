@@ -33,6 +33,11 @@ class ProxySettings:
     prefill_failure_policy: PrefillFailurePolicy = "fail"
     """What to do when the prefill hop fails or returns no usable ``kv_transfer_params``:
     ``fail`` with a 502 naming the worker, or run the request on a decode worker alone."""
+    render_pool: Literal["decode", "prefill"] = "decode"
+    """The pool whose workers render and derender the OpenAI routes' requests (``proxy.openai``)."""
+    openai_derender: Literal["auto", "always"] = "auto"
+    """OpenAI routes: ``auto`` builds the answer from text-mode hops where that is exact, else
+    derenders; ``always`` derenders every answer (tool or reasoning parsers on the workers)."""
     first_token_from_prefill: bool = True
     """Streams: the client gets the prefill worker's token as its first chunk when the prefill hop
     answers (TTFT without the hand-off); the decode worker's token 1 is checked against it and

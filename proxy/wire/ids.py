@@ -24,6 +24,8 @@ from proxy.wire.errors import BadRequest
 from proxy.wire.protocol import GENERATE_PREFIX
 
 MAX_ID_CHARS: Final = 128
+OPENAI_PREFIXES: Final = ("chatcmpl-", "cmpl-")
+"""The ids vLLM's render gives chat and completions requests (``proxy.openai``)."""
 NAMESPACE_SEP: Final = "~"
 _ID: Final = re.compile(rf"[A-Za-z0-9_.:@+=/-]{{1,{MAX_ID_CHARS}}}")
 
@@ -63,7 +65,11 @@ def upstream_id(tag: str, client_id: str) -> str:
 def abortable_id(engine_id: str) -> str | None:
     """The client part of an id named in an abort call, when it can be a vLLM generate id of
     this proxy (``generate-tokens-`` and a valid id); ``None`` for anything else (vLLM accepts
-    such ids and aborts nothing: neither does the proxy, and it sends them nowhere)."""
+    such ids and aborts nothing: neither does the proxy, and it sends them nowhere). An OpenAI
+    route's id as its client knows it (``chatcmpl-<id>``, ``cmpl-<id>``, the answer's ``id``)
+    names that request (its generate id is ``generate-tokens-`` and that id)."""
+    if engine_id.startswith(OPENAI_PREFIXES):
+        return engine_id if is_valid_id(engine_id) else None
     if not engine_id.startswith(GENERATE_PREFIX):
         return None
     rest = engine_id[len(GENERATE_PREFIX):]
@@ -88,5 +94,5 @@ class Rewrite:
         return data.replace(self.upstream, self.client)
 
 
-__all__ = ["MAX_ID_CHARS", "Rewrite", "abortable_id", "client_request_id", "is_valid_id", "new_client_id",
-           "upstream_id"]
+__all__ = ["MAX_ID_CHARS", "OPENAI_PREFIXES", "Rewrite", "abortable_id", "client_request_id", "is_valid_id",
+           "new_client_id", "upstream_id"]
