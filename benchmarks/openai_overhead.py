@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -51,7 +52,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
         async for line in r.content:
             if line.startswith(b"data: {"):
                 times.append(time.perf_counter())
-    return len(times), [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+    return len(times), [b - a for a, b in itertools.pairwise(times[1:])]
 
 
 async def run(args: argparse.Namespace) -> None:
