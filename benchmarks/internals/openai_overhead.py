@@ -1,6 +1,6 @@
 """What pd-proxy's OpenAI chat stream adds over its generate stream, per token, on pd-sim.
 
-``python -m benchmarks.openai_overhead [--requests 40] [--tokens 64] [--itl-ms 5]``: a pd-sim
+``python -m benchmarks.internals.openai_overhead [--requests 40] [--tokens 64] [--itl-ms 5]``: a pd-sim
 prefill and decode worker (subprocesses), pd-proxy in this process; the same greedy prompt sent
 sequentially as a generate stream and as a ``/v1/chat/completions`` stream (one render call, then
 the same walk). Prints, per output token: the time from the second chunk to the last (ITL; a chat
