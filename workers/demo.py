@@ -25,10 +25,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from kv_transfer.handoff import prefill_params
+from proxy.config.settings import ProxySettings
+from proxy.http.app import build_app
 from workers import model as tiny_model
 from workers.launcher import Cluster, ClusterSettings, LaunchError, start_cluster
 
@@ -157,6 +160,35 @@ async def run_demo(cluster: Cluster, token_ids: Sequence[int], max_tokens: int =
     return DemoResult(len(token_ids), handoff, before, after)
 
 
+async def chat_through_proxy(cluster: Cluster, max_tokens: int = 16) -> tuple[dict[str, Any], float, float]:
+    """One greedy chat request through pd-proxy (in this process, on a free loopback port) in front
+    of the cluster: rendered on the decode worker, the P/D walk, answered in OpenAI's shape.
+    Returns the answer and the decode worker's transfer count before and after."""
+    app = build_app(
+        ProxySettings(prefill_urls=tuple(cluster.prefill_urls), decode_urls=tuple(cluster.decode_urls))
+    )
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = next(int(a[1]) for a in runner.addresses if isinstance(a, tuple))
+    body = {
+        "messages": [{"role": "user", "content": DEMO_TEXT[:200]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    try:
+        async with aiohttp.ClientSession() as session:
+            decode_url = cluster.decode_urls[0]
+            before = await scrape_metric(session, decode_url, XFER_COUNT)
+            async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                answer: dict[str, Any] = await r.json()
+            after = await scrape_metric(session, decode_url, XFER_COUNT)
+    finally:
+        await runner.cleanup()
+    return answer, before, after
+
+
 def demo_prompt(model_dir: Path, target_tokens: int = 200) -> list[int]:
     """About ``target_tokens`` ids of English text, tokenized with the model's own tokenizer."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -206,6 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             result = asyncio.run(run_demo(cluster, demo_prompt(args.model), args.max_tokens))
             _report(result, args.model)
+            answer, before, after = asyncio.run(chat_through_proxy(cluster, args.max_tokens))
+            print(f"chat through pd-proxy: {json.dumps(answer.get('choices', answer))[:300]}")
+            print(
+                f"chat through pd-proxy: KV crossed {before:g} -> {after:g}",
+                "(yes)" if after > before else "(NO)",
+            )
             rss = cluster.rss_bytes()
             print(
                 "memory (RSS summed over each worker's process tree): "

@@ -107,6 +107,12 @@ class ProxySettings:
         flag="--prefill-failure")
     """What to do when the prefill hop fails or returns no usable ``kv_transfer_params``:
     ``fail`` with a 502 naming the worker, or run the request on a decode worker alone."""
+    render_pool: Literal["decode", "prefill"] = setting(
+        "decode", "OpenAI routes (/v1/chat/completions, /v1/completions, render, derender, /v1/models): "
+                  "the pool whose workers tokenize (default: decode)")
+    openai_derender: Literal["auto", "always"] = setting(
+        "auto", "OpenAI routes: 'auto' builds answers from text-mode hops where exact, else derenders; "
+                "'always' derenders every answer (tool or reasoning parsers)")
     first_token_from_prefill: bool = setting(
         True, "streams: send the prefill worker's token as the first chunk at once, before the hand-off; "
               "the decode worker's token 1 is checked and dropped. It moves the hand-off's wait to the "

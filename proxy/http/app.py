@@ -2,7 +2,8 @@
 
 ``/inference/*`` is behind the client keys when set (each key a tenant), ``/debug/*`` behind the
 admin key; ``/metrics``, ``/health``, ``/livez`` and ``/readyz`` are open. The generate and abort
-calls take the lean front (``proxy.http.lean``): the same checks as the middlewares."""
+calls take the lean front (``proxy.http.lean``): the same checks as the middlewares. The OpenAI
+routes (``proxy.openai``) run the same walk after a render on a tokenizer worker."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from proxy.http.tls import server_context, upstream_context
 from proxy.observe.diagnostics import runtime_snapshot
 from proxy.observe.metrics import CONTENT_TYPE, ProxyMetrics
 from proxy.observe.tracing import Tracing
+from proxy.openai.routes import CHAT_PATH, COMPLETIONS_PATH, PASS_THROUGH, POST_PATHS, OpenAIRoutes
 from proxy.upstream.client import Upstream
 from proxy.upstream.hop import AnswerLimits, HopClient
 from proxy.walk.aborts import abort_request_ids
@@ -50,6 +52,7 @@ METRICS = web.AppKey("metrics", ProxyMetrics)
 SERVING = web.AppKey("serving", Serving)
 DRAINING = web.AppKey("draining", asyncio.Event)
 ADMIN_KEYS = web.AppKey("admin_keys", Tenants)
+OPENAI = web.AppKey("openai", OpenAIRoutes)
 log = logging.getLogger("pd_proxy")
 
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/debug")
@@ -132,6 +135,28 @@ async def generate(request: web.Request) -> web.StreamResponse:
                          "status": 503}, app[SETTINGS].log_format)
         raise ShuttingDown
     return await app[SERVING].generate(request, request.get(TENANT, OPEN))
+
+
+async def openai_chat(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, chat=True)
+
+
+async def openai_completions(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, chat=False)
+
+
+async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    if request.app[DRAINING].is_set():
+        raise ShuttingDown
+    return await request.app[OPENAI].serve(request, request.get(TENANT, OPEN), chat=chat)
+
+
+async def openai_pass_through(request: web.Request) -> web.Response:
+    return await request.app[OPENAI].pass_through(request)
+
+
+async def openai_models(request: web.Request) -> web.Response:
+    return await request.app[OPENAI].models(request)
 
 
 async def abort_requests(request: web.Request) -> web.Response:
@@ -353,7 +378,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     gate = _Auth(settings, tenants, admin_keys) if tenants.enabled or admin_keys.enabled else None
     limit = BodyLimit(settings.max_body_bytes, settings.body_timeout)
     middlewares = [error_middleware, *([_auth_middleware(gate)] if gate is not None else []),
-                   body_middleware(limit, READ_BODY_PATHS, large_paths=LARGE_BODY_PATHS)]
+                   body_middleware(limit, READ_BODY_PATHS + POST_PATHS, large_paths=LARGE_BODY_PATHS)]
     app = LeanApplication(limit=limit, middlewares=middlewares, client_max_size=settings.max_body_bytes)
     if gate is not None:
         app.set_guard(gate.admit)
@@ -371,6 +396,12 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app.on_shutdown.append(_on_shutdown)
     for path, handler in zip(READ_BODY_PATHS, (generate, abort_requests, abort_requests), strict=True):
         app.add_lean_post(path, handler, large=path in LARGE_BODY_PATHS)
+    app[OPENAI] = OpenAIRoutes(serving.core, serving.generate_body)
+    app.router.add_post(CHAT_PATH, openai_chat)
+    app.router.add_post(COMPLETIONS_PATH, openai_completions)
+    for path in PASS_THROUGH:
+        app.router.add_post(path, openai_pass_through)
+    app.router.add_get("/v1/models", openai_models)
     app.router.add_get("/health", health)
     app.router.add_get("/livez", livez)
     app.router.add_get("/readyz", readyz)

@@ -105,14 +105,23 @@ class Serving:
         """One generate call; errors are raised for the app's error middleware to answer."""
         t0 = self.clock()
         body = await request_body(request)
+        return await self.generate_body(request, body, request.headers.get("Content-Type", ""), t0,
+                                        tenant=tenant)
+
+    async def generate_body(self, request: web.Request, body: bytes | bytearray, content_type: str,
+                            t0: float, *, tenant: Tenant = OPEN,
+                            client_id: str | None = None) -> web.StreamResponse:
+        """The walk of a generate body read already (``generate``; the OpenAI routes'
+        rendered request, ``proxy.openai``). ``client_id``: the id the client knows the request by,
+        in place of the header's or the body's."""
         try:
-            content_type = request.headers.get("Content-Type", "")
             if len(body) > LARGE_BODY_BYTES:
                 req, data = await self.validation.validate_large(body, content_type)
             else:
                 req, data = self.validation.validate(body if type(body) is bytes else bytes(body),
                                                      content_type)
-            client_id = client_request_id(request.headers.get("X-Request-Id"), req.request_id)
+            if client_id is None:
+                client_id = client_request_id(request.headers.get("X-Request-Id"), req.request_id)
         except ClientError as e:
             if ACCESS_LOG.isEnabledFor(logging.INFO):
                 log_access({"request_id": request.headers.get("X-Request-Id"), "outcome": "client_error",

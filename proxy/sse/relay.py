@@ -22,12 +22,49 @@ class EventStream(web.StreamResponse):
     _send_headers_immediately = False  # aiohttp's own switch (``web.Response`` sets it so too)
 
 
+class StreamOutput:
+    """What a client's stream bytes become on their way out (here: themselves). A route that
+    answers in another shape (``proxy.openai``) sets its own on the request (``STREAM_OUTPUT``)
+    before the walk: every write of the stream, its end included, goes through ``translate``."""
+
+    async def translate(self, data: bytes, *, last: bool) -> bytes:
+        """The bytes to write for ``data`` (whole SSE events); ``last``: the stream's end."""
+        return data
+
+
+STREAM_OUTPUT = web.RequestKey("stream_output", StreamOutput)
+
+
+class TranslatedStream(web.StreamResponse):
+    """A client's event stream whose writes go through a ``StreamOutput``."""
+
+    def __init__(self, output: StreamOutput, *, headers_with_first_write: bool, status: int,
+                 headers: Mapping[str, str]) -> None:
+        super().__init__(status=status, headers=headers)
+        self._output = output
+        if headers_with_first_write:
+            self._send_headers_immediately = False  # as ``EventStream``
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        out = await self._output.translate(bytes(data), last=False)
+        if out:
+            await super().write(out)
+
+    async def write_eof(self, data: bytes | bytearray | memoryview = b"") -> None:
+        await super().write_eof(await self._output.translate(bytes(data), last=True))
+
+
 def event_stream(request: web.Request, headers: Mapping[str, str], *,
                  headers_with_first_write: bool) -> web.StreamResponse:
-    """A client's event stream (200, ``text/event-stream``, ``no-cache``) with ``headers``."""
+    """A client's event stream (200, ``text/event-stream``, ``no-cache``) with ``headers``; a request
+    with a ``STREAM_OUTPUT`` gets a ``TranslatedStream``."""
     out = dict(headers)
     out["Content-Type"] = "text/event-stream; charset=utf-8"
     out["Cache-Control"] = "no-cache"
+    output = request.get(STREAM_OUTPUT)
+    if output is not None:
+        return TranslatedStream(output, headers_with_first_write=headers_with_first_write, status=200,
+                                headers=out)
     if headers_with_first_write:
         return EventStream(status=200, headers=out)
     return web.StreamResponse(status=200, headers=out)

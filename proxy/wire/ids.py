@@ -14,6 +14,8 @@ from proxy.wire.errors import BadRequest
 from proxy.wire.protocol import GENERATE_PREFIX
 
 MAX_ID_CHARS: Final = 128
+OPENAI_PREFIXES: Final = ("chatcmpl-", "cmpl-")
+"""The ids vLLM's render gives chat and completions requests (``proxy.openai``)."""
 NAMESPACE_SEP: Final = "~"
 _ID: Final = re.compile(rf"[A-Za-z0-9_.:@+=/-]{{1,{MAX_ID_CHARS}}}")
 
@@ -49,7 +51,10 @@ def upstream_id(tag: str, client_id: str) -> str:
 
 def abortable_id(engine_id: str) -> str | None:
     """The client part of an id named in an abort call, or ``None`` when it cannot be a generate
-    id of this proxy (sent nowhere: vLLM aborts nothing for it either)."""
+    id of this proxy (sent nowhere: vLLM aborts nothing for it either). An OpenAI route's id as its
+    client knows it (``chatcmpl-<id>``, ``cmpl-<id>``) names that request."""
+    if engine_id.startswith(OPENAI_PREFIXES):
+        return engine_id if is_valid_id(engine_id) else None
     if not engine_id.startswith(GENERATE_PREFIX):
         return None
     rest = engine_id[len(GENERATE_PREFIX):]
@@ -74,5 +79,5 @@ class Rewrite:
         return data.replace(self.upstream, self.client)
 
 
-__all__ = ["MAX_ID_CHARS", "Rewrite", "abortable_id", "client_request_id", "is_valid_id", "new_client_id",
-           "upstream_id"]
+__all__ = ["MAX_ID_CHARS", "OPENAI_PREFIXES", "Rewrite", "abortable_id", "client_request_id", "is_valid_id",
+           "new_client_id", "upstream_id"]
