@@ -31,6 +31,11 @@ class PoolSettings:
     imbalance_slack: float = 4.0
     use_scraped_load: bool = False
     scrape_interval: float = 2.0
+    kv_events: tuple[str, ...] = ()
+    """Each ``--prefill`` worker's KV-event endpoints, ``ENDPOINT[,REPLAY]``, in the same order."""
+    kv_events_alpha: float = 0.5
+    kv_events_stale_seconds: float = 30.0
+    kv_events_max_blocks: int = 100_000
     max_inflight: int | None = 1024
     """Requests in flight through the whole proxy, per process (None: no limit); beyond it they
     wait in the queue (``max_queue``, ``queue_timeout``), beyond that a 429 with Retry-After."""
@@ -118,6 +123,17 @@ def _add_routing(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
                    help="prefix policy: KV blocks of the prompt's start that choose the worker")
     g.add_argument("--use-scraped-load", action="store_true",
                    help="let workers' own queue and KV usage (/metrics) feed the choice")
+    g.add_argument("--kv-events", nargs="+", action="extend", default=[], metavar="ENDPOINT[,REPLAY]",
+                   help="each --prefill worker's KV-event PUB endpoint (vLLM's --kv-events-config), "
+                        "optionally a comma and its replay endpoint, in --prefill's order "
+                        "(for --prefill-policy kv_events)")
+    g.add_argument("--kv-events-alpha", type=float, default=d.kv_events_alpha,
+                   help="kv_events: a request in flight on a worker costs alpha x the prompt's tokens")
+    g.add_argument("--kv-events-stale-seconds", type=float, default=d.kv_events_stale_seconds,
+                   help="kv_events: a worker sent new blocks that announced none for this long is "
+                        "routed as unknown")
+    g.add_argument("--kv-events-max-blocks", type=int, default=d.kv_events_max_blocks,
+                   help="kv_events: the most blocks indexed per prefill worker (least recent dropped)")
 
 
 def _add_admission(g: argparse._ArgumentGroup, d: PoolSettings) -> None:
@@ -241,6 +257,8 @@ def pool_settings_from_args(a: argparse.Namespace, env: Mapping[str, str] | None
     return PoolSettings(
         prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
         prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load,
+        kv_events=tuple(a.kv_events), kv_events_alpha=a.kv_events_alpha,
+        kv_events_stale_seconds=a.kv_events_stale_seconds, kv_events_max_blocks=a.kv_events_max_blocks,
         max_inflight=a.max_inflight or None, max_inflight_per_worker=a.max_inflight_per_worker,
         max_queue=a.max_queue,
         queue_timeout=a.queue_timeout, breaker_failures=a.breaker_failures,
