@@ -34,44 +34,18 @@ from zmq.utils.monitor import parse_monitor_message
 from kv_transfer.kv_events import KVEventBatch, KvEventsError, is_replay_end, parse_pub_frames, replay_request
 from proxy.fleet.kv_metrics import KvEventsMetrics
 from proxy.pools.blocks import FALLBACK_BLOCK_SIZE
-from proxy.pools.kv_index import BlockIndex, match_prefix, prompt_keys
+from proxy.pools.kv_index import BlockIndex, KvSource, kv_sources, match_prefix, prompt_keys
 from proxy.pools.worker import Worker
 
 log = logging.getLogger(__name__)
+
+__all__ = ["KvEventsHub", "KvSource", "kv_sources"]
 
 REPLAY_TIMEOUT: Final = 2.0
 """Seconds a replay may go without a message before it counts as failed."""
 MAX_REPLAY: Final = 100_000
 """The most batches one replay reads (vLLM buffers 10 000 by default)."""
 RETRY_DELAY: Final = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class KvSource:
-    """Where one worker publishes: its PUB endpoint, its replay endpoint, its topic."""
-
-    endpoint: str
-    replay: str | None = None
-    topic: str = ""
-
-    @classmethod
-    def parse(cls, spec: str) -> KvSource:
-        """``ENDPOINT[,REPLAY]`` (``tcp://host:port`` or ``ipc://path``); ``ValueError`` otherwise."""
-        parts = [p.strip() for p in spec.split(",")]
-        if not 1 <= len(parts) <= 2 or not all(parts):
-            raise ValueError(f"--kv-events takes ENDPOINT[,REPLAY_ENDPOINT], got {spec!r}")
-        for p in parts:
-            if not p.startswith(("tcp://", "ipc://")) or any(c.isspace() for c in p):
-                raise ValueError(f"--kv-events: {p!r} is not a tcp:// or ipc:// endpoint")
-        return cls(parts[0], parts[1] if len(parts) == 2 else None)
-
-
-def kv_sources(specs: Sequence[str], prefill_urls: Sequence[str]) -> dict[str, KvSource]:
-    """``--kv-events`` paired with ``--prefill``, in order; ``ValueError`` when the counts differ."""
-    if specs and len(specs) != len(prefill_urls):
-        raise ValueError(f"--kv-events gives {len(specs)} endpoint(s) for {len(prefill_urls)} --prefill "
-                         "worker(s): give one per prefill worker, in the same order")
-    return {url: KvSource.parse(spec) for url, spec in zip(prefill_urls, specs, strict=False)}
 
 
 @dataclass(eq=False)

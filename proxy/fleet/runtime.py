@@ -131,13 +131,13 @@ class PoolRuntime:
                                 max_open_seconds=max(s.breaker_max_open_seconds, s.breaker_open_seconds))
         weights = LoadWeights(use_scraped=s.use_scraped_load, max_age=max(10.0, 5 * s.scrape_interval))
         prefill_urls = [normalize_url(u) for u in prefill_urls]
+        self.kv_metrics = KvEventsMetrics(registry) if registry is not None else None
         self.kv_events: KvEventsHub | None = None
         """The prefill workers' KV-cache events (``--kv-events``), for the ``kv_events`` policy."""
         if s.kv_events:
             self.kv_events = KvEventsHub(
                 kv_sources(s.kv_events, prefill_urls), max_blocks=s.kv_events_max_blocks,
-                stale_after=s.kv_events_stale_seconds, clock=clock,
-                metrics=KvEventsMetrics(registry) if registry is not None else None)
+                stale_after=s.kv_events_stale_seconds, clock=clock, metrics=self.kv_metrics)
 
         def pool(name: str, urls: Iterable[str], policy: str, panic: bool) -> Pool:
             return Pool(name, urls, policy=self.make_policy(policy), breaker=breaker, clock=clock,
@@ -190,8 +190,8 @@ class PoolRuntime:
 
     def kv_outcome(self, note: PickNote, reply: dict[str, Any]) -> None:
         """A prefill routed by ``kv_events`` (``note`` filled in) was answered with ``reply``."""
-        if note.rule and self.kv_events is not None and self.kv_events.metrics is not None:
-            self.kv_events.metrics.outcome(note.cached, note.prompt_tokens, reply)
+        if note.rule and self.kv_metrics is not None:
+            self.kv_metrics.outcome(note.cached, note.prompt_tokens, reply)
 
     def deadline(self, headers: Mapping[str, str]) -> Deadline | None:
         s = self.settings

@@ -18,6 +18,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from kv_transfer.kv_events import (
@@ -31,6 +32,34 @@ from kv_transfer.kv_events import (
 
 ROOT: Final = b""
 """The chain key of a prompt's first block's parent."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvSource:
+    """Where one worker publishes: its PUB endpoint, its replay endpoint, its topic."""
+
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> KvSource:
+        """``ENDPOINT[,REPLAY]`` (``tcp://host:port`` or ``ipc://path``); ``ValueError`` otherwise."""
+        parts = [p.strip() for p in spec.split(",")]
+        if not 1 <= len(parts) <= 2 or not all(parts):
+            raise ValueError(f"--kv-events takes ENDPOINT[,REPLAY_ENDPOINT], got {spec!r}")
+        for p in parts:
+            if not p.startswith(("tcp://", "ipc://")) or any(c.isspace() for c in p):
+                raise ValueError(f"--kv-events: {p!r} is not a tcp:// or ipc:// endpoint")
+        return cls(parts[0], parts[1] if len(parts) == 2 else None)
+
+
+def kv_sources(specs: Sequence[str], prefill_urls: Sequence[str]) -> dict[str, KvSource]:
+    """``--kv-events`` paired with ``--prefill``, in order; ``ValueError`` when the counts differ."""
+    if specs and len(specs) != len(prefill_urls):
+        raise ValueError(f"--kv-events gives {len(specs)} endpoint(s) for {len(prefill_urls)} --prefill "
+                         "worker(s): give one per prefill worker, in the same order")
+    return {url: KvSource.parse(spec) for url, spec in zip(prefill_urls, specs, strict=False)}
 
 
 def chain_key(parent: bytes, tokens: Sequence[int], extra: Any = None, lora: int | None = None) -> bytes:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proxy.pools.kv_index import kv_sources
 from proxy.pools.policies import POLICY_NAMES
 
 
@@ -254,6 +255,7 @@ def admin_key_from(a: argparse.Namespace, env: Mapping[str, str]) -> str | None:
 def pool_settings_from_args(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> PoolSettings:
     """``env``: where ``PD_PROXY_ADMIN_KEY`` is read (default ``os.environ``)."""
     d = PoolSettings()
+    kv_sources(a.kv_events, getattr(a, "prefill", []))  # one per --prefill worker, each well formed
     return PoolSettings(
         prefill_policy=a.prefill_policy, decode_policy=a.decode_policy,
         prefix_blocks=a.prefix_blocks, use_scraped_load=a.use_scraped_load,

@@ -258,3 +258,26 @@ def test_ties_follow_the_prefix_order_so_replicas_agree() -> None:
     order = prefix.order(ws, PickContext(prompt)) or []
     assert first is next(w for w in order if w.url in both.cached)
     assert KvAware(both, prefix).choose(list(reversed(ws)), PickContext(prompt), load) is first
+
+
+# --- the settings --------------------------------------------------------------------------------
+
+
+def test_the_flags_and_the_config_file_give_one_endpoint_per_prefill_worker(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.cli import parse_args  # noqa: PLC0415
+
+    s = parse_args(["--prefill", "http://127.0.0.1:1", "http://127.0.0.1:2", "--decode", "http://127.0.0.1:3",
+                    "--prefill-policy", "kv_events", "--kv-events", "tcp://127.0.0.1:5557,tcp://127.0.0.1:5558",
+                    "tcp://127.0.0.1:5559", "--kv-events-alpha", "0.25"])
+    assert s.pools.prefill_policy == "kv_events" and s.pools.kv_events_alpha == 0.25
+    assert s.pools.kv_events == ("tcp://127.0.0.1:5557,tcp://127.0.0.1:5558", "tcp://127.0.0.1:5559")
+    config = tmp_path / "proxy.yaml"
+    config.write_text("prefill: [http://127.0.0.1:1]\ndecode: http://127.0.0.1:3\n"
+                      "prefill-policy: kv_events\nkv-events: [tcp://127.0.0.1:5557]\n")
+    assert parse_args(["--config", str(config)]).pools.kv_events == ("tcp://127.0.0.1:5557",)
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://127.0.0.1:1", "http://127.0.0.1:2", "--decode", "http://127.0.0.1:3",
+                    "--kv-events", "tcp://127.0.0.1:5557"])
+    err = capsys.readouterr().err
+    assert "one per prefill worker" in err and "Traceback" not in err
