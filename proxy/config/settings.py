@@ -11,6 +11,7 @@ from typing import Literal
 
 from proxy.config.tenants import Tenants, read_key_file
 from proxy.pools import PoolSettings
+from proxy.pools.kv_index import kv_sources
 from proxy.pools.setting import setting
 
 PrefillFailurePolicy = Literal["fail", "decode-only"]
@@ -311,6 +312,7 @@ class ProxySettings:
             raise ValueError("abort_grace and abort_repeat_first must be above 0 (an abort's repeats wait "
                              "that long)")
         p = self.pools
+        kv_sources(p.kv_events, self.prefill_urls)  # one per --prefill worker, each well formed
         dynamic = p.config_file is not None or bool(p.k8s) or bool(p.admin_key)
         if (not self.prefill_urls or not self.decode_urls) and not dynamic:
             raise ValueError("at least one prefill and one decode URL are required "

@@ -27,6 +27,8 @@ from proxy.fleet.health import (
     repeat,
 )
 from proxy.fleet.journal import POLL_INTERVAL, make_journal
+from proxy.fleet.kv_events import KvEventsHub, kv_sources
+from proxy.fleet.kv_metrics import KvEventsMetrics
 from proxy.fleet.membership import ConfigFileSource, Pools
 from proxy.fleet.retry import RetryPolicy
 from proxy.pools.admission import DEADLINE_HEADER, Admission, Deadline
@@ -41,8 +43,8 @@ from proxy.pools.blocks import (
 )
 from proxy.pools.breaker import BreakerConfig
 from proxy.pools.options import PoolSettings
-from proxy.pools.policies import PickContext, Policy, make_policy
-from proxy.pools.pool import LoadWeights, Pool
+from proxy.pools.policies import PickContext, PickNote, Policy, make_policy
+from proxy.pools.pool import LoadWeights, Pool, normalize_url
 from proxy.pools.worker import Worker
 
 SESSION_HEADER = "X-Session-ID"
@@ -107,6 +109,14 @@ class PoolRuntime:
         breaker = BreakerConfig(failure_threshold=s.breaker_failures, open_seconds=s.breaker_open_seconds,
                                 max_open_seconds=max(s.breaker_max_open_seconds, s.breaker_open_seconds))
         weights = LoadWeights(use_scraped=s.use_scraped_load, max_age=max(10.0, 5 * s.scrape_interval))
+        prefill_urls = [normalize_url(u) for u in prefill_urls]
+        self.kv_metrics = KvEventsMetrics(registry) if registry is not None else None
+        self.kv_events: KvEventsHub | None = None
+        """The prefill workers' KV-cache events (``--kv-events``), for the ``kv_events`` policy."""
+        if s.kv_events:
+            self.kv_events = KvEventsHub(
+                kv_sources(s.kv_events, prefill_urls), max_blocks=s.kv_events_max_blocks,
+                stale_after=s.kv_events_stale_seconds, clock=clock, metrics=self.kv_metrics)
 
         def pool(name: str, urls: Iterable[str], policy: str, panic: bool) -> Pool:
             return Pool(name, urls, policy=self.make_policy(policy), breaker=breaker, clock=clock,
@@ -139,7 +149,8 @@ class PoolRuntime:
         s = self.settings
         return make_policy(name, block_size=self.blocks.override or self.key_block_size,
                            prefix_blocks=s.prefix_blocks,
-                           imbalance_ratio=s.imbalance_ratio, imbalance_slack=s.imbalance_slack, rng=self.rng)
+                           imbalance_ratio=s.imbalance_ratio, imbalance_slack=s.imbalance_slack, rng=self.rng,
+                           kv=self.kv_events, kv_alpha=s.kv_events_alpha)
 
     def key_block_size(self) -> int:
         """The smallest block any member reported: not who can take a request, so every replica
@@ -151,6 +162,11 @@ class PoolRuntime:
                      tokens: int = 0) -> PickContext:
         return PickContext(token_ids=token_ids, session_id=headers.get(SESSION_HEADER) or None,
                            tokens=tokens)
+
+    def kv_outcome(self, note: PickNote, reply: dict[str, Any]) -> None:
+        """A prefill routed by ``kv_events`` (``note`` filled in) was answered with ``reply``."""
+        if note.rule and self.kv_metrics is not None:
+            self.kv_metrics.outcome(note.cached, note.prompt_tokens, reply)
 
     def deadline(self, headers: Mapping[str, str]) -> Deadline | None:
         s = self.settings
@@ -211,6 +227,10 @@ class PoolRuntime:
             self.decode.on_change.append(prune)
             self.preflight.start_all(self.prefill, self.decode)
         self._start_learners(loop, session, upstream_headers)
+        if self.kv_events is not None:
+            for url in self.kv_events.feeds:
+                self._tasks.append(loop.create_task(self.kv_events.follow(url), name=f"pool-kv-events-{url}"))
+            self._closers.append(self.kv_events.close)
         if s.active_health:
             self.health = HealthChecker(list(self.pools), http_probe(session, s.health_timeout),
                                         fail_threshold=s.health_fail_threshold,
@@ -267,6 +287,8 @@ class PoolRuntime:
         self._tasks.append(asyncio.get_running_loop().create_task(work, name=name))
 
     def _health_changed(self, worker: Worker) -> None:
+        if not worker.healthy and self.kv_events is not None:
+            self.kv_events.forget(worker)
         if not worker.healthy:
             for learner in self.learners:
                 learner.forget(worker)  # it may come back with another configuration

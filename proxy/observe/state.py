@@ -40,6 +40,8 @@ class RequestRecord:
     kv_params: dict[str, Any] | None = None
     lease: Lease | None = None
     abort_source: str | None = None
+    prefill_choice: str | None = None
+    """Why ``kv_events`` chose the prefill worker (``PickNote.describe``), else None."""
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     on_abort: list[Callable[[], None]] = field(default_factory=list)
     """Called once when the request is aborted."""
@@ -94,6 +96,7 @@ class RequestRecord:
             "decode_worker": self.decode_worker.url if self.decode_worker else None,
             "holders": [w.url for w in self.holders()],
             "aborted": self.abort_source,
+            "prefill_choice": self.prefill_choice,
         }
 
 

@@ -8,7 +8,7 @@ from proxy.pools.breaker import BreakerConfig, CircuitBreaker, CircuitState
 from proxy.pools.errors import DeadlineExceeded, NoWorkerAvailable, Overloaded
 from proxy.pools.migration import StreamFollower, migration_blocker
 from proxy.pools.options import PoolSettings
-from proxy.pools.policies import POLICY_NAMES, PickContext, Policy, make_policy
+from proxy.pools.policies import POLICY_NAMES, PickContext, PickNote, Policy, make_policy
 from proxy.pools.pool import LoadWeights, Pool, normalize_url
 from proxy.pools.worker import Outcome, ScrapedLoad, Worker
 
@@ -26,6 +26,7 @@ __all__ = [
     "Outcome",
     "Overloaded",
     "PickContext",
+    "PickNote",
     "Policy",
     "Pool",
     "PoolSettings",

@@ -89,6 +89,16 @@ class PoolSettings:
     imbalance_slack: float = 4.0
     use_scraped_load: bool = setting(False, "let workers' own queue and KV usage (/metrics) feed the choice")
     scrape_interval: float = 2.0
+    kv_events: tuple[str, ...] = setting(
+        (), "each --prefill worker's KV-event PUB endpoint (vLLM's --kv-events-config), optionally a comma "
+            "and its replay endpoint, in --prefill's order (for --prefill-policy kv_events)",
+        nargs="+", metavar="ENDPOINT[,REPLAY]")
+    kv_events_alpha: float = setting(
+        0.5, "kv_events: a request in flight on a worker costs alpha x the prompt's tokens")
+    kv_events_stale_seconds: float = setting(
+        30.0, "kv_events: a worker sent new blocks that announced none for this long is routed as unknown")
+    kv_events_max_blocks: int = setting(
+        100_000, "kv_events: the most blocks indexed per prefill worker (least recent dropped)")
     max_inflight: int | None = setting(
         1024, "requests in flight through the proxy, PER PROCESS (--workers N admits N times it); more "
               "wait in the queue, then 429 (0: no limit)", convert=_zero_is_none)

@@ -18,11 +18,45 @@ from proxy.pools.worker import Worker
 LoadFn = Callable[[Worker], float]
 
 
+@dataclass(slots=True)
+class PickNote:
+    """Why ``kv_events`` chose a worker, filled in by the policy: the worker, the prompt tokens
+    it was predicted to hold cached (None: nothing known of it), and the rule that decided."""
+
+    worker: str = ""
+    cached: int | None = None
+    prompt_tokens: int = 0
+    rule: str = ""
+    """``kv``: the cache-and-load score; ``hash``: the ``prefix`` fallback."""
+
+    def describe(self) -> str:
+        """E.g. ``kv p1:384/448`` (worker ``p1`` of its URL's host:port, 384 of 448 tokens)."""
+        where = self.worker.rpartition("//")[2]
+        cached = "?" if self.cached is None else str(self.cached)
+        return f"{self.rule} {where}:{cached}/{self.prompt_tokens}"
+
+
 @dataclass(frozen=True, slots=True)
 class PickContext:
     token_ids: Sequence[int] = ()
     session_id: str | None = None
     tokens: int = 0
+    """Tokens the request may still generate (its ``max_tokens``), for ``least_tokens``."""
+    note: PickNote | None = None
+    """Where ``kv_events`` explains its choice (None: not asked)."""
+
+
+class KvKnowledge(Protocol):
+    """What the workers' KV-cache events say (``proxy.fleet.kv_events``)."""
+
+    def cached_tokens(self, candidates: Sequence[Worker], token_ids: Sequence[int]) -> dict[str, int]:
+        """Prompt tokens (whole leading blocks) each candidate holds cached, by URL; a worker
+        nothing is known of (no events, stale, disconnected) is left out."""
+        ...
+
+    def picked(self, worker: Worker, cached: int | None, token_ids: Sequence[int]) -> None:
+        """``worker`` was given the prompt (it should announce the blocks it did not hold)."""
+        ...
 
 
 class Policy(Protocol):
@@ -118,16 +152,64 @@ class PrefixAware:
             return self.block_size()
         return min((w.block_size for w in candidates if w.block_size), default=FALLBACK_BLOCK_SIZE)
 
-    def choose(self, candidates: Sequence[Worker], ctx: PickContext, load: LoadFn) -> Worker:
+    def bound(self, candidates: Sequence[Worker], load: LoadFn) -> float:
+        """The most load a chosen worker may carry: the imbalance guard's cap."""
+        return min(load(w) for w in candidates) * self.imbalance_ratio + self.imbalance_slack
+
+    def order(self, candidates: Sequence[Worker], ctx: PickContext) -> list[Worker] | None:
+        """The candidates in the prompt's rendezvous order (None: no full block to key on)."""
         key = self.prefix_key(ctx.token_ids, self.key_block_size(candidates))
-        if key is None:
+        return None if key is None else rendezvous_order(key, candidates)
+
+    def choose(self, candidates: Sequence[Worker], ctx: PickContext, load: LoadFn) -> Worker:
+        ordered = self.order(candidates, ctx)
+        if ordered is None:
             return self._fallback.choose(candidates, ctx, load)
-        bound = min(load(w) for w in candidates) * self.imbalance_ratio + self.imbalance_slack
-        ordered = rendezvous_order(key, candidates)
+        bound = self.bound(candidates, load)
         for worker in ordered:
             if load(worker) <= bound:
                 return worker
         return ordered[0]  # unreachable: the least loaded is always within the bound
+
+
+class KvAware:
+    """``kv_events``: each prompt goes to the worker that holds most of it cached, weighed against
+    load by one rule: among the workers within the ``prefix`` policy's imbalance cap, the highest
+
+        score = cached_tokens - alpha * prompt_tokens * load
+
+    (a request in flight on a worker counts as ``alpha`` of this prompt's work; ``load`` is the
+    pool's: requests in flight, plus the worker's scraped queue with ``--use-scraped-load``), ties
+    in the prompt's rendezvous order. When no candidate is known to hold any of the prompt (no
+    events, all stale, nothing cached) the choice is ``prefix``'s, exactly."""
+
+    name = "kv_events"
+
+    def __init__(self, knowledge: KvKnowledge | None, fallback: PrefixAware, alpha: float = 0.5) -> None:
+        if alpha < 0:
+            raise ValueError("alpha must be >= 0")
+        self.knowledge = knowledge
+        self.fallback = fallback
+        self.alpha = alpha
+
+    def choose(self, candidates: Sequence[Worker], ctx: PickContext, load: LoadFn) -> Worker:
+        known = {} if self.knowledge is None else self.knowledge.cached_tokens(candidates, ctx.token_ids)
+        if max(known.values(), default=0) <= 0:
+            worker, rule = self.fallback.choose(candidates, ctx, load), "hash"
+        else:
+            bound = self.fallback.bound(candidates, load)
+            ordered = self.fallback.order(candidates, ctx) or list(candidates)
+            n = len(ctx.token_ids)
+            worker = max((w for w in ordered if load(w) <= bound),
+                         key=lambda w: known.get(w.url, 0) - self.alpha * n * load(w))
+            rule = "kv"
+        cached = known.get(worker.url)
+        if self.knowledge is not None:
+            self.knowledge.picked(worker, cached, ctx.token_ids)
+        if ctx.note is not None:
+            ctx.note.worker, ctx.note.cached, ctx.note.rule = worker.url, cached, rule
+            ctx.note.prompt_tokens = len(ctx.token_ids)
+        return worker
 
 
 class SessionAffinity:
@@ -152,23 +234,25 @@ class LeastOutstandingTokens:
         return min(self._turns.rotate(candidates), key=lambda w: (w.outstanding_tokens, load(w)))
 
 
-POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two", "prefix", "session", "least_tokens")
+POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two", "prefix", "session", "least_tokens",
+                "kv_events")
 
 
 def make_policy(name: str, *, block_size: int | Callable[[], int] | None = 16, prefix_blocks: int = 4,
                 imbalance_ratio: float = 1.5, imbalance_slack: float = 4.0,
-                rng: random.Random | None = None) -> Policy:
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_loaded":
-        return LeastLoaded()
-    if name == "power_of_two":
-        return PowerOfTwo(rng)
-    if name == "prefix":
-        return PrefixAware(block_size=block_size, prefix_blocks=prefix_blocks,
-                           imbalance_ratio=imbalance_ratio, imbalance_slack=imbalance_slack)
-    if name == "session":
-        return SessionAffinity()
-    if name == "least_tokens":
-        return LeastOutstandingTokens()
-    raise ValueError(f"unknown routing policy {name!r} (one of: {', '.join(POLICY_NAMES)})")
+                rng: random.Random | None = None, kv: KvKnowledge | None = None,
+                kv_alpha: float = 0.5) -> Policy:
+    prefix = PrefixAware(block_size=block_size, prefix_blocks=prefix_blocks,
+                         imbalance_ratio=imbalance_ratio, imbalance_slack=imbalance_slack)
+    makers: dict[str, Callable[[], Policy]] = {
+        "round_robin": RoundRobin,
+        "least_loaded": LeastLoaded,
+        "power_of_two": lambda: PowerOfTwo(rng),
+        "prefix": lambda: prefix,
+        "session": SessionAffinity,
+        "least_tokens": LeastOutstandingTokens,
+        "kv_events": lambda: KvAware(kv, prefix, alpha=kv_alpha),
+    }
+    if name not in makers:
+        raise ValueError(f"unknown routing policy {name!r} (one of: {', '.join(POLICY_NAMES)})")
+    return makers[name]()

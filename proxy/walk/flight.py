@@ -152,6 +152,8 @@ class Flight:
             "decode_only": self.headers.get("X-PD-Decode-Only"),
             "abort": record.abort_source,
         }
+        if record.prefill_choice is not None:
+            fields["kv"] = record.prefill_choice  # kv_events' reason, e.g. "kv 127.0.0.1:8100:384/448"
         for name, value in self.timing.durations_ms(now).items():
             fields[f"{name}_ms"] = round(value, 3)
         fields["completion_tokens"] = self.completion_tokens

@@ -21,6 +21,7 @@ from proxy.pools import (
     Outcome,
     Overloaded,
     PickContext,
+    PickNote,
     Worker,
     hop_budget,
 )
@@ -58,7 +59,8 @@ class Prefill(Part):
         timeout (nothing is held then). Returns the worker, its reply and the last error; no
         worker and no error when no prefill worker is available and the bypass may take it."""
         record, rt = f.record, self.pools
-        ctx = PickContext(token_ids=f.ctx.token_ids, session_id=f.ctx.session_id)
+        note = PickNote()
+        ctx = PickContext(token_ids=f.ctx.token_ids, session_id=f.ctx.session_id, note=note)
         tried: list[Worker] = []
         last: UpstreamError | None = None
         for attempt in range(rt.prefill_retry.attempts):
@@ -76,6 +78,7 @@ class Prefill(Part):
             if worker is None:
                 break  # aborted (client call, deadline) during the backoff or the wait for a worker
             record.prefill_worker = worker
+            record.prefill_choice = note.describe() if note.rule else None
             try:
                 f.prefill_task = self._send(f, worker)
                 reply: dict[str, Any] = await outlive(f.prefill_task)
@@ -85,6 +88,7 @@ class Prefill(Part):
                 unusable = self._unusable(f, worker, reply, tried,
                                           last_attempt=attempt + 1 >= rt.prefill_retry.attempts)
                 if unusable is None:
+                    rt.kv_outcome(note, reply)
                     return worker, reply, None  # _walk checks it (and applies --prefill-failure)
                 if not unusable:
                     record.prefill_worker = None  # none left to try: decode-only

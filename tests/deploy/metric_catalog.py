@@ -97,6 +97,21 @@ def proxy_metrics() -> dict[str, MetricSpec]:
         "pd_proxy_decode_failed_pulls_total": MetricSpec(
             frozenset({"pool", "worker"}), {"pool": frozenset({"decode"})}),
     }
+    m.update({
+        "pd_proxy_kv_events_batches_total": MetricSpec(frozenset()),
+        "pd_proxy_kv_events_total": MetricSpec(frozenset()),
+        "pd_proxy_kv_events_gaps_total": MetricSpec(frozenset()),
+        "pd_proxy_kv_events_replays_total": MetricSpec(
+            frozenset({"result"}), {"result": frozenset({"ok", "incomplete"})}),
+        "pd_proxy_kv_events_resets_total": MetricSpec(frozenset({"reason"}), {"reason": frozenset(
+            {"connect", "restart", "gap", "disconnect", "unhealthy", "error"})}),
+        "pd_proxy_kv_prompt_tokens_total": MetricSpec(frozenset()),
+        "pd_proxy_kv_index_blocks": MetricSpec(frozenset({"worker"})),
+        "pd_proxy_kv_events_usable": MetricSpec(frozenset({"worker"})),
+        "pd_proxy_kv_events_stale_workers": MetricSpec(frozenset()),
+    })
+    m.update(_histogram("pd_proxy_kv_predicted_cached_tokens"))
+    m.update(_histogram("pd_proxy_kv_reported_cached_tokens"))
     for name in ("ttft", "itl", "tpot", "e2e"):
         m.update(_histogram(f"pd_proxy_{name}_seconds"))
     m.update(_histogram("pd_proxy_stage_seconds", ["stage"], stage=_STAGE))

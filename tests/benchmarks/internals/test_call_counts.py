@@ -51,5 +51,5 @@ def test_diff_prints_the_totals_and_the_largest_changes(
 def test_a_venv_inside_the_tree_is_named_as_site_packages_not_as_the_tree() -> None:
     venv = "/t/.venv/lib/python3.11/site-packages/aiohttp/web.py"
     assert _key(venv, "f", "/t") == "aiohttp/web.py:f"
-    assert _key("/t/proxy/core.py", "call", "/t") == "proxy/walk/core.py:call"
+    assert _key("/t/proxy/walk/core.py", "call", "/t") == "proxy/walk/core.py:call"
     assert _key("~", "<built-in method len>", "/t") == "~:<built-in method len>"
