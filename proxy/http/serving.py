@@ -168,7 +168,7 @@ class Serving:
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             # The handler is cancelled (or a write fails) when the client went away.
-            self.core.note_gone(record)
+            self.core.note_gone(flight)
             raise
         except Exception:  # a bug: the client gets a generic 500 (``errors.answer_error`` logs it)
             outcome, status = "internal_error", 500
@@ -293,11 +293,10 @@ class Serving:
         if kv_params is not None and not self.core.lease_valid(f):
             # It waited for a decode worker past P's lease: P's own timer may have freed the KV,
             # so no hop pulls with P's params; D computes the prompt itself.
-            self.leases.ran_out(record)
+            f.lease_ran_out(self.leases)
             self.core.decode_only(f, "lease_expired")
             kv_params = None
-        record.decode_worker = decode
-        record.phase = Phase.DECODING
+        f.to_decoding(decode)
         self.core.decoding(f)
         f.timing.decode_start = decode_start = self.clock()
         self.metrics.stages["handoff"].observe(

@@ -53,21 +53,12 @@ class RequestRecord:
     abort_source: str | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     on_abort: list[Callable[[], None]] = field(default_factory=list)
-    """Called once when the request is aborted (``mark_aborted``): a waiter that needs no task."""
+    """Called once when the request is aborted (``proxy.walk.flight.Flight.abort``, which alone
+    changes the record's fields): a waiter that needs no task."""
 
     @property
     def is_aborted(self) -> bool:
         return self.abort_source is not None
-
-    def mark_aborted(self, source: str) -> bool:
-        """Record the abort's source (the first one stands); False when already aborted."""
-        if self.abort_source is not None:
-            return False
-        self.abort_source = source
-        callbacks, self.on_abort = self.on_abort, []
-        for callback in callbacks:
-            callback()
-        return True
 
     async def aborted_within(self, seconds: float) -> None:
         """Wait until the request is aborted, at most ``seconds`` (woken through ``on_abort``: no

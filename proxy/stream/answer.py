@@ -68,12 +68,12 @@ class StreamDecode(Part):
         buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes, self.core.stream_budget, loop)
         try:
             f.headers_ready = loop.create_future()
-            f.decode_task = self.tracker.spawn(self.produce(f, worker, body, buffer))
+            f.decode_started(self.tracker.spawn(self.produce(f, worker, body, buffer)))
             if opened is not None:
                 try:
                     await self.relay(request, f, opened, buffer)
                 except ConnectionResetError:
-                    self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
+                    self.core.note_abort(f, "shutdown" if self.draining else "disconnect")
                 return opened
             if not await self.aborts.hop_or_abandon(f, f.headers_ready):
                 return await self.aborts.respond_aborted(request, f, done=False)
@@ -91,7 +91,7 @@ class StreamDecode(Part):
             except ConnectionResetError:
                 # The client went away mid-stream: return quietly (aiohttp ignores the failed
                 # write_eof); the clean-up aborts D because the state is still DECODING.
-                self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
+                self.core.note_abort(f, "shutdown" if self.draining else "disconnect")
             return resp
         finally:
             buffer.discard()  # nothing more goes to this client: its bytes leave the budget
@@ -106,7 +106,7 @@ class StreamDecode(Part):
         left (``abandoned``), the clean-up logs it. The phase stays DECODING: the clean-up aborts
         D and closes P's lease (``Cleanup.run``, which also retrieves the exception)."""
         f.settled.set()  # nothing else will: the clean-up waits on it while it aborts D
-        f.crashed = True
+        f.crash()
         ready = f.headers_ready
         if f.first is None and ready is not None and not ready.done():  # no stream opened yet
             ready.set_exception(exc)  # the handler's, or the clean-up's when it left (``abandoned``)
@@ -327,7 +327,7 @@ class StreamDecode(Part):
             except (NoWorkerAvailable, Overloaded) as e:
                 self.end_with_error(f, buffer, error, f"no decode worker to migrate to ({e})")
                 return False
-            record.decode_worker = w
+            f.decode_on(w)
             try:
                 body = await self.prefill.continuation(f, cont.body)
             except BaseException:  # cancelled (the client left): ``w`` was taken for nothing
