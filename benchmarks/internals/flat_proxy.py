@@ -47,7 +47,7 @@ from proxy.cli import parse_args
 from proxy.config.tenants import OPEN
 from proxy.http.serving import Serving
 from proxy.observe.metrics import ProxyMetrics
-from proxy.observe.state import Phase, RequestRecord
+from proxy.observe.state import RequestRecord
 from proxy.pools import Outcome
 from proxy.upstream.client import Upstream, encode_body
 from proxy.walk.flight import Flight, Timing
@@ -137,8 +137,7 @@ class FlatProxy:
             m.child(m.stage, "prefill").observe(prefill_end - prefill_start)
             kv_params, _ = s.prefill.accept_reply(f, p, reply)
             d = await s.decode_pool.acquire(f.ctx, exclude=[], limit=_PICK_LIMIT)
-            record.decode_worker = d
-            record.phase = Phase.DECODING
+            f.to_decoding(d)
             f.timing.decode_start = decode_start = clock()
             m.child(m.stage, "handoff").observe(decode_start - prefill_end)
             dbody = decode_body(f.data, base_id, kv_params)

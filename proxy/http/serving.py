@@ -166,7 +166,7 @@ class Serving:
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             # The handler is cancelled (or a write fails) when the client went away.
-            self.core.note_gone(record)
+            self.core.note_gone(flight)
             raise
         except Exception:  # a bug: the client gets a generic 500 (``errors.answer_error`` logs it)
             outcome, status = "internal_error", 500
@@ -285,11 +285,10 @@ class Serving:
             return await self.aborts.respond_aborted(request, f)
         if kv_params is not None and not self.core.lease_valid(f):
             # Past P's lease P may have freed the KV: no hop may pull with its params.
-            self.leases.ran_out(record)
+            f.lease_ran_out(self.leases)
             self.core.decode_only(f, "lease_expired")
             kv_params = None
-        record.decode_worker = decode
-        record.phase = Phase.DECODING
+        f.to_decoding(decode)
         self.core.decoding(f)
         f.timing.decode_start = decode_start = self.clock()
         self.metrics.stages["handoff"].observe(

@@ -50,16 +50,6 @@ class RequestRecord:
     def is_aborted(self) -> bool:
         return self.abort_source is not None
 
-    def mark_aborted(self, source: str) -> bool:
-        """Record the abort's source (the first one stands); False when already aborted."""
-        if self.abort_source is not None:
-            return False
-        self.abort_source = source
-        callbacks, self.on_abort = self.on_abort, []
-        for callback in callbacks:
-            callback()
-        return True
-
     async def aborted_within(self, seconds: float) -> None:
         """Wait until the request is aborted, at most ``seconds``."""
         if self.is_aborted:

@@ -1,8 +1,8 @@
 """The streamed decode: D's stream read into a buffer by a producer task (retried before its first
 byte, migrated to another decode worker when it breaks later), and relayed to the client by the
-handler, bounded for slow readers. What D sends is handled in the loop turn it arrives in, from
-the hop connection (the producer waits once an attempt, ``proxy.stream.read``), and the
-handler's relay writes what has queued.
+handler (``proxy.stream.client_relay``), bounded for slow readers. What D sends is handled in the
+loop turn it arrives in, from the hop connection (the producer waits once an attempt,
+``proxy.stream.read``), and the handler's relay writes what has queued.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import Histogram
 
 from proxy.pools import NoWorkerAvailable, Outcome, Overloaded, StreamFollower, Worker, migration_blocker
-from proxy.sse.events import DONE_EVENT
-from proxy.sse.relay import StreamBuffer, event_stream, write_bounded
+from proxy.sse.relay import StreamBuffer, event_stream
+from proxy.stream.client_relay import ClientRelay
 from proxy.stream.read import DecodeReader, Status
-from proxy.walk.aborts import Aborts, stream_tail
+from proxy.walk.aborts import Aborts
 from proxy.walk.cleanup import Cleanup
 from proxy.walk.core import Core, Part
 from proxy.walk.decode import DecodeAttempts, DecodeEngine
@@ -26,7 +25,6 @@ from proxy.walk.flight import Flight
 from proxy.walk.prefill import Prefill
 from proxy.wire.errors import (
     ProxyError,
-    StreamOverflow,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -36,20 +34,9 @@ from proxy.wire.errors import (
 log = logging.getLogger("pd_proxy")
 
 
-class _Writes:
-    """A stream's writes to its client so far: the first and the last (P's token, when it went
-    first, is both at the start); the gaps between them go to the ITL histogram (``itl``)."""
-
-    __slots__ = ("first", "itl", "last")
-
-    def __init__(self, first: float | None, itl: Histogram) -> None:
-        self.first = self.last = first
-        self.itl = itl
-
-
 class StreamDecode(Part):
     """A streamed decode: the producer task (``produce``: attempts, retries, migration) and the
-    handler's relay to the client (``decode``, ``relay``)."""
+    handler's part (``decode``), which relays to the client through ``ClientRelay``."""
 
     def __init__(self, core: Core, engine: DecodeEngine, aborts: Aborts, cleanup: Cleanup,
                  prefill: Prefill) -> None:
@@ -59,6 +46,7 @@ class StreamDecode(Part):
         self.cleanup = cleanup
         self.prefill = prefill
         self.reader = DecodeReader(core)
+        self.client = ClientRelay(core)
 
     async def decode(self, request: web.Request, f: Flight, worker: Worker,
                      body: dict[str, Any], opened: web.StreamResponse | None = None) -> web.StreamResponse:
@@ -68,12 +56,12 @@ class StreamDecode(Part):
         buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes, self.core.stream_budget, loop)
         try:
             f.headers_ready = loop.create_future()
-            f.decode_task = self.tracker.spawn(self.produce(f, worker, body, buffer))
+            f.decode_started(self.tracker.spawn(self.produce(f, worker, body, buffer)))
             if opened is not None:
                 try:
-                    await self.relay(request, f, opened, buffer)
+                    await self.client.relay(request, f, opened, buffer)
                 except ConnectionResetError:
-                    self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
+                    self.core.note_abort(f, "shutdown" if self.draining else "disconnect")
                 return opened
             if not await self.aborts.hop_or_abandon(f, f.headers_ready):
                 return await self.aborts.respond_aborted(request, f, done=False)
@@ -87,11 +75,11 @@ class StreamDecode(Part):
             resp = event_stream(request, f.headers, headers_with_first_write=False)
             await resp.prepare(request)
             try:
-                await self.relay(request, f, resp, buffer)
+                await self.client.relay(request, f, resp, buffer)
             except ConnectionResetError:
                 # The client went away mid-stream: return quietly (aiohttp ignores the failed
                 # write_eof); the clean-up aborts D because the state is still DECODING.
-                self.core.note_abort(f.record, "shutdown" if self.draining else "disconnect")
+                self.core.note_abort(f, "shutdown" if self.draining else "disconnect")
             return resp
         finally:
             buffer.discard()  # nothing more goes to this client: its bytes leave the budget
@@ -106,7 +94,7 @@ class StreamDecode(Part):
         left (``abandoned``), the clean-up logs it. The phase stays DECODING: the clean-up aborts
         D and closes P's lease (``Cleanup.run``, which also retrieves the exception)."""
         f.settled.set()  # nothing else will: the clean-up waits on it while it aborts D
-        f.crashed = True
+        f.crash()
         ready = f.headers_ready
         if f.first is None and ready is not None and not ready.done():  # no stream opened yet
             ready.set_exception(exc)  # the handler's, or the clean-up's when it left (``abandoned``)
@@ -116,93 +104,6 @@ class StreamDecode(Part):
         log_unexpected(exc, "reading a decode stream")
         if not buffer.closed:
             buffer.finish(done=False, error=ProxyError("Internal server error").sse_event())
-
-    def _wrote(self, f: Flight, w: _Writes, now: float) -> None:
-        """A write to the client at ``now``: the first one's TTFT, the gaps between the others."""
-        if w.last is None:
-            w.first = now
-            self.metrics.ttft.observe(now - f.timing.received)
-        else:
-            w.itl.observe(now - w.last)
-            if f.timing.second_write is None and f.timing.first_write is not None:
-                self._second_write(f, now)  # once per stream, only after P's token
-        w.last = now
-
-    async def _pump(self, request: web.Request, f: Flight, resp: web.StreamResponse, buffer: StreamBuffer,
-                    w: _Writes) -> bytes:
-        """The buffer's events to the client until D's stream ends; the events taken with the end
-        and not written: they go out with the stream's end (one write for the last events,
-        ``[DONE]`` and the chunked end), counted as written now."""
-        transport = request.transport
-        # A write that leaves the transport's buffer at or below its high-water mark cannot pause
-        # writing, so it cannot block: it needs no timer (profiled: the per-write timeout was the
-        # relay loop's largest cost of its own).
-        high = transport.get_write_buffer_limits()[1] if transport is not None else -1
-        while True:
-            # The client lags when what we wrote before is still in the transport's buffer.
-            queued = transport.get_write_buffer_size() if transport is not None else 0
-            items, finished = await buffer.take(merge=queued > 0)
-            data = b""
-            if items:
-                data = items[0] if len(items) == 1 else b"".join(items)
-                if f.rewrite is not None:
-                    data = f.rewrite.apply(data)
-                if not finished:
-                    if queued + len(data) <= high:  # the buffer only drained while we waited
-                        await resp.write(data)
-                    else:
-                        await self.write_client(request, resp, data)
-                    buffer.sent()
-                self._wrote(f, w, self.clock())
-            if finished:
-                return data
-
-    async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
-                     buffer: StreamBuffer) -> None:
-        w = _Writes(f.timing.first_write, self.metrics.itl)  # P's token went first
-        last = await self._pump(request, f, resp, buffer, w)
-        if buffer.overflowed:
-            self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()
-            err = StreamOverflow(
-                f"stream aborted: the client read too slowly ({self.settings.slow_reader_max_bytes} "
-                "bytes queued)" if buffer.overflowed == "stream" else
-                "stream aborted: the client read too slowly (the proxy's buffers for slow clients "
-                f"are full: {self.settings.slow_reader_total_bytes} bytes)")
-            await self.write_client(request, resp, last + err.sse_event() + DONE_EVENT, eof=True)
-            buffer.sent()
-            return  # phase stays DECODING: the clean-up aborts D
-        self._observe_stream(f, w.first, w.last)
-        events = last + buffer.error_event if buffer.error_event is not None else last
-        await self.write_client(request, resp, stream_tail(request, f, self.clock(), events), eof=True)
-        buffer.sent()
-        task = f.decode_task
-        if task is not None and task.done() and not task.cancelled() and task.exception() is None:
-            self.core.set_done(f)  # (a producer that raised left D and P's lease to the clean-up)
-
-    def _second_write(self, f: Flight, now: float) -> None:
-        """The write after P's token (when P's token went first): the ``first_to_second`` stage."""
-        first = f.timing.first_write
-        if first is not None:
-            f.timing.second_write = now
-            self.metrics.stages["first_to_second"].observe(now - first)
-
-    def _observe_stream(self, f: Flight, first_write: float | None, last_write: float | None) -> None:
-        """A stream relayed to its end: the decode stage after D's first token, and the time per
-        output token the client saw (when usage gives the count)."""
-        if f.timing.second_write is None:  # nothing but the stream's end followed P's token
-            self._second_write(f, self.clock())
-        if f.timing.first_token is not None:
-            self.metrics.stages["decode_stream"].observe(
-                self.clock() - f.timing.first_token)
-        tokens = f.completion_tokens  # known only when the client asked for include_usage
-        if tokens is not None and tokens > 1 and f.request.sampling_params.n == 1 \
-                and first_write is not None and last_write is not None:
-            self.metrics.tpot.observe((last_write - first_write) / (tokens - 1))
-
-    async def write_client(self, request: web.Request, resp: web.StreamResponse, data: bytes, *,
-                            eof: bool = False) -> None:
-        """Write to a streaming client, bounded by ``slow_reader_timeout`` (``write_bounded``)."""
-        await write_bounded(request, resp, data, self.settings.slow_reader_timeout, eof=eof)
 
     async def produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
         """The producer task: ``attempts``, its client answered if it raises (``_crashed``)."""
@@ -327,7 +228,7 @@ class StreamDecode(Part):
             except (NoWorkerAvailable, Overloaded) as e:
                 self.end_with_error(f, buffer, error, f"no decode worker to migrate to ({e})")
                 return False
-            record.decode_worker = w
+            f.decode_on(w)
             try:
                 body = await self.prefill.continuation(f, cont.body)
             except BaseException:  # cancelled (the client left): ``w`` was taken for nothing

@@ -84,7 +84,7 @@ class Aborts(Part):
     def abort(self, f: Flight, source: str) -> None:
         """An abort for a known request: route it to whoever holds it now."""
         record = f.record
-        if not self.core.note_abort(record, source):
+        if not self.core.note_abort(f, source):
             return
         if record.phase is Phase.PREFILLING and record.prefill_worker is not None:
             task = f.prefill_task
@@ -101,7 +101,7 @@ class Aborts(Part):
                 self.tracker.spawn(self.send_abort(record.decode_worker, record.engine_id))
             if f.buffer is not None:
                 loop = asyncio.get_running_loop()
-                f.force_end = loop.call_later(self.settings.abort_grace, self.force_end, f)
+                f.force_end_at(loop.call_later(self.settings.abort_grace, self.force_end, f))
 
     def force_end(self, f: Flight) -> None:
         """D did not end an aborted stream in time: end the client's stream as vLLM would."""
@@ -177,7 +177,8 @@ class Aborts(Part):
                     record.on_abort.remove(wake)
         if not fut.done():
             await asyncio.wait({fut}, timeout=self.settings.abort_grace)
-            f.abandoned = not fut.done()
+            if not fut.done():
+                f.abandon()
         return fut.done()
 
     async def respond_aborted(self, request: web.Request, f: Flight, *,

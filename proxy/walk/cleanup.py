@@ -35,9 +35,15 @@ class Cleanup(Part):
     async def release_shielded(self, f: Flight) -> None:
         if f.record.kv_params is None:
             return
-        if f.release_task is None:
-            f.release_task = self.tracker.spawn(self.release(f))
-        await asyncio.shield(f.release_task)
+        await asyncio.shield(self.releasing(f))
+
+    def releasing(self, f: Flight) -> asyncio.Task[None]:
+        """The release of P's KV for ``f`` (``release``), started once."""
+        task = f.release_task
+        if task is None:
+            task = self.tracker.spawn(self.release(f))
+            f.releasing(task)
+        return task
 
     async def release(self, f: Flight) -> None:
         """Free the KV that P holds for an aborted request: send D the decode request with P's
@@ -45,13 +51,13 @@ class Cleanup(Part):
         vLLM 0.32 CPU, where aborting P after it finished does nothing)."""
         record = f.record
         params = record.kv_params
-        if params is None or self.leases.ran_out(record):
+        if params is None or f.lease_ran_out(self.leases):
             return  # nothing held, or P's own timer freed it (its lease ran out): no hop to send
         fallback = self.decode_pool.candidates() or self.decode_pool.workers
         worker = record.decode_worker or (fallback[0] if fallback else None)
         if worker is None:
             return  # no decode worker at all: the lease expires on P
-        record.decode_worker = worker
+        f.decode_on(worker)
         self.core.decoding(f)
         body = release_body(f.data, record.base_id, params)
         rt = self.pools
@@ -64,7 +70,7 @@ class Cleanup(Part):
             except UpstreamError as e:
                 log.warning("KV release for %s failed: %s", record.engine_id, e.message)
                 if isinstance(e, UpstreamStatusError) and e.passthrough:
-                    self.leases.decode_refused(record)  # D refused: the lease will expire on P
+                    f.decode_refused(self.leases)  # D refused: the lease will expire on P
                     return
                 # A 5xx, transport failure or timeout (seen: NIXL's first handshake with P timing
                 # out on a loaded host) may pass on another try: while P still holds the blocks,
@@ -75,7 +81,8 @@ class Cleanup(Part):
                 await asyncio.sleep(rt.decode_retry.delay(attempt, rt.rng))
                 others = self.decode_pool.admissible(exclude=(worker,))
                 if others:
-                    worker = record.decode_worker = min(others, key=lambda w: w.inflight)
+                    worker = min(others, key=lambda w: w.inflight)
+                    f.decode_on(worker)
                 continue
             self.core.close_lease(f, "aborted")
             return
@@ -92,7 +99,7 @@ class Cleanup(Part):
             # for the lease. Try the stripped-down release request (tokens mode, one token, no
             # stop strings or logprobs), which D may well accept; if not, the lease expires.
             if f.record.kv_params is not None and f.release_task is None:
-                f.release_task = self.tracker.spawn(self.release(f))
+                self.releasing(f)
             return
         # A 5xx, a transport failure or a timeout before D answered: D may or may not have
         # pulled. Release through another decode worker when there is one (a second pull of
@@ -101,8 +108,8 @@ class Cleanup(Part):
             failed = f.record.decode_worker
             others = [w for w in self.decode_pool if w is not failed]
             if others:
-                f.record.decode_worker = min(others, key=lambda w: w.inflight)
-                f.release_task = self.tracker.spawn(self.release(f))
+                f.decode_on(min(others, key=lambda w: w.inflight))
+                self.releasing(f)
                 return
         self.core.close_lease(f, "unknown")
 
@@ -113,9 +120,7 @@ class Cleanup(Part):
             if record.phase is Phase.PREFILLING and f.prefill_task is not None:
                 await self._end_prefill(f, f.prefill_task)
             if record.phase is Phase.KV_HELD or (record.kv_params is not None and f.decode_task is None):
-                if f.release_task is None:
-                    f.release_task = self.tracker.spawn(self.release(f))
-                await f.release_task
+                await self.releasing(f)
             elif record.phase is Phase.DECODING and f.decode_task is not None:
                 await self._end_decode(f, f.decode_task)
         finally:

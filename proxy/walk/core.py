@@ -1,5 +1,6 @@
 """What every part of the request walk shares, and the request's transitions that several parts
-make: counting a worker call, ending the KV lease, going decode-only, noting an abort, done.
+make: counting a worker call, ending the KV lease, going decode-only, noting an abort, done (each
+a ``Flight`` method, which alone changes the request's lifecycle fields, with what ``Core`` counts).
 
 ``Core`` holds the app's state for serving (settings, metrics, clock, pools, KV leases, the
 request table, background tasks, the upstream client); each part of the walk (``proxy.walk.prefill``,
@@ -25,7 +26,7 @@ from proxy.config.settings import ProxySettings
 from proxy.fleet import BYPASS_HEADER, PoolRuntime
 from proxy.observe.local_prefill import LocalPrefillAlarm
 from proxy.observe.metrics import ProxyMetrics
-from proxy.observe.state import Phase, RequestRecord, RequestTable, TaskTracker
+from proxy.observe.state import RequestTable, TaskTracker
 from proxy.observe.tracing import DISABLED as TRACING_DISABLED
 from proxy.observe.tracing import NOOP_HOP, Hop, Tracing
 from proxy.pools import Worker
@@ -113,15 +114,15 @@ class Core:
         return limit if f.deadline is None else min(limit, max(0.0, f.deadline.remaining()))
 
     def lease_valid(self, f: Flight) -> bool:
-        return self.leases.valid(f.record)
+        return f.lease_valid(self.leases)
 
     def decoding(self, f: Flight) -> None:
         """A decode hop with the request's KV goes out: its lease ends with what the hop tells
         (``RequestLeases.decoding``), within the longest a decode hop may take."""
-        self.leases.decoding(f.record, self.settings.longest_decode_hop())
+        f.decoding(self.leases, self.settings.longest_decode_hop())
 
     def close_lease(self, f: Flight, reason: CloseReason) -> None:
-        self.leases.close(f.record, reason)
+        f.close_lease(self.leases, reason)
 
     def decode_only(self, f: Flight, reason: str) -> None:
         """From here on the request runs on a decode worker alone: counted (once per request),
@@ -131,25 +132,23 @@ class Core:
         if BYPASS_HEADER not in f.headers:
             self.metrics.child(self.metrics.decode_only, reason).inc()
             f.headers[BYPASS_HEADER] = reason
-        self.close_lease(f, "unknown")
-        f.record.kv_params = None
+        f.drop_kv(self.leases)
 
     def set_done(self, f: Flight) -> None:
-        f.record.phase = Phase.DONE
-        if f.force_end is not None:
-            f.force_end.cancel()
-            f.force_end = None
+        f.done()
 
-    def note_abort(self, record: RequestRecord, source: str) -> bool:
-        if not record.mark_aborted(source):
+    def note_abort(self, f: Flight, source: str) -> bool:
+        """The request is aborted (``Flight.abort``), counted by source and phase; False when it
+        was already."""
+        if not f.abort(source):
             return False
-        self.metrics.child(self.metrics.aborts, source, record.phase.value).inc()
+        self.metrics.child(self.metrics.aborts, source, f.record.phase.value).inc()
         return True
 
-    def note_gone(self, record: RequestRecord) -> None:
+    def note_gone(self, f: Flight) -> None:
         """The client went away (or the shutdown ended its request): its abort, counted once
         (the request counted as aborted)."""
-        if self.note_abort(record, "shutdown" if self.draining else "disconnect"):
+        if self.note_abort(f, "shutdown" if self.draining else "disconnect"):
             self.metrics.outcomes["aborted"].inc()
 
     def expire_leases(self) -> int:

@@ -69,7 +69,7 @@ class DecodeEngine(Part):
                 w = await self.acquire(f, [])  # every admitted worker failed once: any again
         except (NoWorkerAvailable, Overloaded):
             raise error from None
-        f.record.decode_worker = w
+        f.decode_on(w)
         rt.count_retry("decode")
         log.warning("request %s: retrying decode on %s after %s", f.record.engine_id, w.url, error.message)
         if "kv_transfer_params" not in body or (attempt == 0 and self.core.lease_valid(f)):
@@ -98,7 +98,7 @@ class DecodeEngine(Part):
             w = await self.acquire(f, [])
         except (NoWorkerAvailable, Overloaded):
             raise error from None
-        f.record.decode_worker = w
+        f.decode_on(w)
         self.pools.count_retry("decode")
         log.warning("request %s: decode-only on %s after its KV failed: %s", f.record.engine_id, w.url,
                     error.message)

@@ -1,5 +1,9 @@
 """One client request as the walk and the clean-up share it: the record the request table keeps
-(``proxy.observe.state``), the request as parsed, its timing, and its upstream tasks."""
+(``proxy.observe.state``), the request as parsed, its timing, and its upstream tasks.
+
+``Flight`` owns the request's lifecycle: its phase, who holds it, its KV lease (opened and closed on
+the ledger, ``kv_transfer.leases``), its abort, its upstream tasks and its end change only through
+its methods; no other module assigns those fields (``tests/test_lifecycle_owner.py``)."""
 
 from __future__ import annotations
 
@@ -7,10 +11,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from kv_transfer.leases import RequestLeases
+from kv_transfer.ledger import CloseReason
 from proxy.config.tenants import OPEN, Tenant
-from proxy.observe.state import RequestRecord
+from proxy.observe.state import Phase, RequestRecord
 from proxy.observe.tracing import NOOP_TRACE, RequestTrace
-from proxy.pools import Deadline, PickContext
+from proxy.pools import Deadline, PickContext, Worker
 from proxy.sse.first_token import FirstToken
 from proxy.sse.first_token_filter import FirstTokenFilter
 from proxy.sse.relay import StreamBuffer
@@ -136,6 +142,111 @@ class Flight:
     crashed: bool = False
     """The stream's producer raised what it did not expect (``StreamDecode._crashed``): its client's
     stream ended with the proxy's error event; the request's outcome is ``internal_error``."""
+
+    # The lifecycle: PREFILLING -> KV_HELD -> DECODING -> DONE, the holders, the lease, the abort.
+
+    def abort(self, source: str) -> bool:
+        """Record the abort's source (the first one stands) and wake its waiters once
+        (``RequestRecord.on_abort``); False when already aborted."""
+        record = self.record
+        if record.abort_source is not None:
+            return False
+        record.abort_source = source
+        callbacks, record.on_abort = record.on_abort, []
+        for callback in callbacks:
+            callback()
+        return True
+
+    def done(self) -> None:
+        """Nobody holds anything for the request any more: DONE, and no forced end pending."""
+        self.record.phase = Phase.DONE
+        if self.force_end is not None:
+            self.force_end.cancel()
+            self.force_end = None
+
+    def prefill_on(self, worker: Worker | None, choice: str | None = None) -> None:
+        """``worker`` prefills the request (None: nobody, it goes decode-only); ``choice``: why the
+        policy chose it, when it says."""
+        self.record.prefill_worker = worker
+        self.record.prefill_choice = choice
+
+    def prefill_started(self, task: asyncio.Future[dict[str, Any]]) -> None:
+        """The prefill hop runs as ``task`` (the latest attempt's)."""
+        self.prefill_task = task
+
+    def prefill_hop_sent(self, at: float) -> None:
+        """The latest prefill attempt's hop went out at ``at`` (P's lease may run from then)."""
+        self.prefill_sent = at
+
+    def kv_held(self, leases: RequestLeases, worker_url: str, params: dict[str, Any]) -> int:
+        """P's reply is accepted: KV_HELD, its lease open (expiring from the prefill hop's send).
+        Returns the blocks P advertised."""
+        self.record.phase = Phase.KV_HELD
+        blocks = self.kv_blocks = leases.hold(self.record, worker_url, params, sent=self.prefill_sent)
+        return blocks
+
+    def continuation_kv(self, leases: RequestLeases, worker: Worker, params: dict[str, Any],
+                        sent: float) -> bool:
+        """A migrated stream's continuation was prefilled on ``worker``: its KV is held under a
+        lease (the phase stays DECODING). False when the lease had run out by P's answer."""
+        self.record.prefill_worker = worker
+        leases.hold(self.record, worker.url, params, sent=sent)
+        return self.record.kv_params is not None
+
+    def to_decoding(self, worker: Worker) -> None:
+        """DECODING: the decode hop goes to ``worker``."""
+        self.record.decode_worker = worker
+        self.record.phase = Phase.DECODING
+
+    def decode_on(self, worker: Worker) -> None:
+        """The next decode hop (a retry, a migration, a KV release) goes to ``worker``."""
+        self.record.decode_worker = worker
+
+    def decode_started(self, task: asyncio.Future[Any]) -> None:
+        """The decode hop runs as ``task`` (a stream's: its producer)."""
+        self.decode_task = task
+
+    def releasing(self, task: asyncio.Task[None]) -> None:
+        """P's KV is being released through a decode worker by ``task`` (it ends the lease)."""
+        self.release_task = task
+
+    def force_end_at(self, handle: asyncio.TimerHandle) -> None:
+        """An aborted stream that D does not end in time is ended by ``handle`` (cancelled at DONE)."""
+        self.force_end = handle
+
+    def abandon(self) -> None:
+        """The handler stopped waiting for the decode hop (``abandoned``)."""
+        self.abandoned = True
+
+    def crash(self) -> None:
+        """The stream's producer raised what it did not expect (``crashed``)."""
+        self.crashed = True
+
+    def lease_valid(self, leases: RequestLeases) -> bool:
+        """P's KV may still be pulled (``RequestLeases.valid``)."""
+        return leases.valid(self.record)
+
+    def close_lease(self, leases: RequestLeases, reason: CloseReason) -> bool:
+        """How P's KV ended is known: the lease closes (the first reason wins), the params go."""
+        return leases.close(self.record, reason)
+
+    def drop_kv(self, leases: RequestLeases) -> None:
+        """No hop of this request will pull P's KV: a lease still open ends as ``unknown`` and the
+        params go (P frees the blocks at its own lease's end)."""
+        leases.close(self.record, "unknown")
+        self.record.kv_params = None
+
+    def decoding(self, leases: RequestLeases, limit: float) -> None:
+        """A decode hop with P's KV goes out (``RequestLeases.decoding``)."""
+        leases.decoding(self.record, limit)
+
+    def decode_refused(self, leases: RequestLeases) -> None:
+        """A decode worker refused the hop with P's KV (``RequestLeases.decode_refused``)."""
+        leases.decode_refused(self.record)
+
+    def lease_ran_out(self, leases: RequestLeases) -> bool:
+        """Whether P's lease ended by the clock (``RequestLeases.ran_out``)."""
+        return leases.ran_out(self.record)
 
     def access_fields(self, outcome: str, status: int, now: float) -> dict[str, Any]:
         """The fields of the request's one access line: ids, workers, hop timings, outcome; no

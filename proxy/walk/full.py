@@ -42,7 +42,7 @@ class FullDecode(Part):
         # aiohttp's server cancels the handler when the client goes away: the hop in a task of
         # its own, which outlives the handler.
         task = self.tracker.spawn(self._hops(f, tries))
-        f.decode_task = task
+        f.decode_started(task)
         if not await self.aborts.hop_or_abandon(f, task):
             return await self.aborts.respond_aborted(request, f, done=False)
         try:

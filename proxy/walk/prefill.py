@@ -14,7 +14,7 @@ from kv_transfer.handoff import (
     prefill_body,
 )
 from proxy.fleet import is_transient
-from proxy.observe.state import Phase, outlive
+from proxy.observe.state import outlive
 from proxy.pools import (
     DeadlineExceeded,
     NoWorkerAvailable,
@@ -70,18 +70,18 @@ class Prefill(Part):
                 if rt.settings.bypass_when_prefill_unavailable:
                     # None left (their circuits opened, e.g. on the failure being retried): the
                     # request holds nothing usable, so the decode worker computes the prompt.
-                    record.prefill_worker = None
+                    f.prefill_on(None)
                     return None, {}, None
                 if last is not None:
                     break  # none left: the last error stands
                 raise
             if worker is None:
                 break  # aborted (client call, deadline) during the backoff or the wait for a worker
-            record.prefill_worker = worker
-            record.prefill_choice = note.describe() if note.rule else None
+            f.prefill_on(worker, note.describe() if note.rule else None)
             try:
-                f.prefill_task = self._send(f, worker)
-                reply: dict[str, Any] = await outlive(f.prefill_task)
+                task = self._send(f, worker)
+                f.prefill_started(task)
+                reply: dict[str, Any] = await outlive(task)
             except UpstreamError as e:
                 last, retry_ok = e, is_transient(e)
             else:
@@ -91,7 +91,7 @@ class Prefill(Part):
                     rt.kv_outcome(note, reply)
                     return worker, reply, None  # _walk checks it (and applies --prefill-failure)
                 if not unusable:
-                    record.prefill_worker = None  # none left to try: decode-only
+                    f.prefill_on(None)  # none left to try: decode-only
                     return None, {}, None
                 last, retry_ok = UpstreamProtocolError("prefill", worker.url, unusable), True
             tried.append(worker)
@@ -178,7 +178,7 @@ class Prefill(Part):
         outcome = Outcome.NEUTRAL
         late, aborted = self._abort_at(limit, f, worker)
         timed_out = False
-        f.prefill_sent = self.clock()  # P may start its KV lease once it has the request
+        f.prefill_hop_sent(self.clock())  # P may start its KV lease once it has the request
         try:
             reply: dict[str, Any] = (await self.core.call(worker, self.upstream.post_generate_raw(
                 "prefill", worker.url, body, request_id=f.record.base_id,
@@ -232,9 +232,7 @@ class Prefill(Part):
         params = reply.get("kv_transfer_params")
         reason = self._params_problem(params)
         if reason is None and isinstance(params, dict):
-            record.phase = Phase.KV_HELD
-            params = self.core.rewrite_remote_host(params, prefill.url)
-            f.kv_blocks = self.leases.hold(record, prefill.url, params, sent=f.prefill_sent)
+            f.kv_held(self.leases, prefill.url, self.core.rewrite_remote_host(params, prefill.url))
         self.note_worker_abort(f, reply)
         if reason is not None:
             if not record.is_aborted:
@@ -252,7 +250,7 @@ class Prefill(Part):
             isinstance(choices[0], dict) else None
         if finish != "abort":
             return False
-        self.core.note_abort(f.record, "worker")
+        self.core.note_abort(f, "worker")
         return True
 
     async def continuation(self, f: Flight, body: dict[str, Any]) -> dict[str, Any]:
@@ -296,8 +294,6 @@ class Prefill(Part):
                 log.warning("request %s: continuation prefill timed out on %s", record.engine_id, p.url)
             return body
         params = self.core.rewrite_remote_host(params, p.url)
-        record.prefill_worker = p
-        self.leases.hold(record, p.url, params, sent=sent)
-        if record.kv_params is None:
+        if not f.continuation_kv(self.leases, p, params, sent):
             return body  # P's lease ran out before its answer came: D computes the continuation
         return {**body, "kv_transfer_params": params}

@@ -133,8 +133,8 @@ async def test_an_abort_is_counted_once_with_its_first_source_and_state() -> Non
     core, _, _ = make_core()
     f = make_flight(core)
     f.record.phase = Phase.KV_HELD
-    assert core.note_abort(f.record, "client_call")
-    assert not core.note_abort(f.record, "disconnect")
+    assert core.note_abort(f, "client_call")
+    assert not core.note_abort(f, "disconnect")
     assert f.record.abort_source == "client_call"
     assert count(core.metrics.aborts, source="client_call", state="kv_held") == 1
     assert count(core.metrics.aborts, source="disconnect", state="kv_held") == 0
@@ -168,7 +168,7 @@ async def test_usage_of_a_decode_only_or_aborted_request_is_no_suspect() -> None
     f, g = make_flight(core), make_flight(core, rid="r2")
     f.kv_blocks = g.kv_blocks = 0
     f.headers[BYPASS_HEADER] = "prefill_error"
-    g.record.mark_aborted("client_call")
+    g.abort("client_call")
     core.note_usage(f, usage(9, cached=0))
     core.note_usage(g, usage(9, cached=0))
     core.note_usage(g, None)  # no usage at all: nothing

@@ -51,3 +51,14 @@ async def test_each_request_keeps_its_own_headers_and_events() -> None:
     assert g.headers == {} and not g.settled.is_set()
     assert f.ctx is not g.ctx and f.prefill_task is None and f.deadline is None
     assert isinstance(f, Flight)
+
+
+def test_a_request_is_aborted_once_and_its_waiters_woken_once() -> None:
+    f = make_flight(make_core()[0])
+    calls: list[str] = []
+    f.record.on_abort.append(lambda: calls.append("a"))
+    f.record.on_abort.append(lambda: calls.append("b"))
+    assert f.abort("client_call")
+    assert not f.abort("disconnect")  # the first source stands
+    assert f.record.abort_source == "client_call" and f.record.is_aborted
+    assert calls == ["a", "b"] and f.record.on_abort == []

@@ -79,7 +79,7 @@ async def test_a_request_aborted_while_d_answered_ends_its_lease_aborted() -> No
     d, body = await decoding(core, f, hold(core, f, worker(core, P_URLS[0])))
 
     def abort_then_answer(call: Call) -> dict[str, Any]:
-        core.note_abort(f.record, "client_call")
+        core.note_abort(f, "client_call")
         return decode_reply(call.body)
 
     up.script("decode", abort_then_answer)
@@ -98,7 +98,7 @@ async def test_an_aborted_request_whose_decode_hangs_gets_the_aborted_answer_and
     up.script("decode", answer)
     decode = asyncio.create_task(walk.full.decode(f, d, body, REQUEST))
     await asyncio.wait_for(up.sent(), 5)
-    core.note_abort(f.record, "client_call")
+    core.note_abort(f, "client_call")
     resp = await asyncio.wait_for(decode, 5)
     assert isinstance(resp, web.Response) and isinstance(resp.body, bytes)
     assert json.loads(resp.body)["choices"][0]["finish_reason"] == "abort"

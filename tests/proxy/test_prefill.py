@@ -107,7 +107,7 @@ async def test_an_abort_during_a_failed_attempt_ends_the_retries() -> None:
     f = make_flight(core)
 
     def aborted_then_503(call: Call) -> Exception:
-        core.note_abort(f.record, "client_call")
+        core.note_abort(f, "client_call")
         return status(503)
 
     up.script("prefill", aborted_then_503)
@@ -122,7 +122,7 @@ async def test_an_abort_during_the_backoff_ends_the_retries() -> None:
 
     class AbortedWhilePausing(BoundRng):
         def uniform(self, a: float, b: float) -> float:
-            asyncio.get_running_loop().call_soon(core.note_abort, f.record, "deadline")
+            asyncio.get_running_loop().call_soon(core.note_abort, f, "deadline")
             return 0.0
 
     core.pools.rng = AbortedWhilePausing()  # type: ignore[assignment]
@@ -337,7 +337,7 @@ async def test_a_continuation_the_decode_worker_computes_itself(case: str) -> No
     body = {"token_ids": LONG[:10] if case == "short" else LONG, "sampling_params": {"max_tokens": 5}}
     p = worker(core, P_URLS[0])
     if case == "aborted":
-        f.record.mark_aborted("client_call")
+        f.abort("client_call")
     if case == "failed":
         up.script("prefill", status(503))
     if case == "no_params":

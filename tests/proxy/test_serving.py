@@ -121,7 +121,7 @@ async def test_an_abort_between_the_hops_releases_ps_kv_and_answers_aborted() ->
     f = make_flight(srv.core)
 
     def aborted_after_prefill(call: Call) -> dict[str, Any]:
-        srv.core.note_abort(f.record, "client_call")
+        srv.core.note_abort(f, "client_call")
         return prefill_reply(call.body)
 
     up.script("prefill", aborted_after_prefill)

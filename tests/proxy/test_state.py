@@ -1,4 +1,5 @@
-"""proxy.observe.state: a request's record (its phase, who holds it, its abort), the table of requests in
+"""proxy.observe.state: a request's record (its phase, who holds it, its abort; changed by
+``proxy.walk.flight.Flight``, ``test_flight``), the table of requests in
 flight (several may share an id, as vLLM allows) and the app's background tasks."""
 
 from __future__ import annotations
@@ -13,17 +14,6 @@ from proxy.pools import Worker
 
 P = Worker("http://127.0.0.1:9101", "prefill")
 D = Worker("http://127.0.0.1:9201", "decode")
-
-
-async def test_a_record_is_aborted_once_and_its_waiters_woken_once() -> None:
-    record = RequestRecord("r", "generate-tokens-r", stream=False)
-    calls: list[str] = []
-    record.on_abort.append(lambda: calls.append("a"))
-    record.on_abort.append(lambda: calls.append("b"))
-    assert record.mark_aborted("client_call")
-    assert not record.mark_aborted("disconnect")  # the first source stands
-    assert record.abort_source == "client_call" and record.is_aborted
-    assert calls == ["a", "b"] and record.on_abort == []
 
 
 @pytest.mark.parametrize(("phase", "holders"), [

@@ -223,7 +223,8 @@ async def test_write_client_closes_a_client_that_stopped_reading() -> None:
 
     resp = SimpleNamespace(write=write)
     with pytest.raises(ConnectionResetError):
-        await stream.write_client(cast(web.Request, request), cast(web.StreamResponse, resp), b"data: x\n\n")
+        await stream.client.write_client(cast(web.Request, request), cast(web.StreamResponse, resp),
+                                         b"data: x\n\n")
     assert aborted == [True]
 
 
@@ -257,8 +258,9 @@ async def test_only_a_write_that_could_wait_for_the_client_is_timed(
 
     resp = SimpleNamespace(write=write, write_eof=write_eof)
     data = b"x" * size
-    await stream.write_client(cast(web.Request, request), cast(web.StreamResponse, resp), data)
-    await stream.write_client(cast(web.Request, request), cast(web.StreamResponse, resp), b"end", eof=True)
+    client, to = cast(web.Request, request), cast(web.StreamResponse, resp)
+    await stream.client.write_client(client, to, data)
+    await stream.client.write_client(client, to, b"end", eof=True)
     assert written == [(data, False), (b"end", True)]
     # the first write is timed as the case says; the stream's end (3 bytes) only when the buffer holds bytes
     assert timers == [5.0] * (int(timed) + int(buffered > 0))
@@ -270,7 +272,7 @@ async def test_tpot_is_observed_when_usage_gave_the_token_count(tokens: int | No
     stream = make_stream(core)
     f = make_flight(core)
     f.completion_tokens = tokens
-    stream._observe_stream(f, 10.0, 11.0)
+    stream.client._observe_stream(f, 10.0, 11.0)
     assert sample(core, "pd_proxy_tpot_seconds_count") == samples
     if samples:
         assert sample(core, "pd_proxy_tpot_seconds_sum") == pytest.approx(0.25)  # 1 s over 4 gaps
