@@ -60,6 +60,8 @@ def sample(row: Row) -> tuple[list[str], Any, Any]:
         return ["off"], "off", False
     if row.name == "k8s":
         return ["decode:ns:app=x:80"], ["decode:ns:app=x:80"], (K8sSelector("decode", "ns", "app=x", 80),)
+    if row.name == "kv_events":
+        return ["tcp://127.0.0.1:9"], ["tcp://127.0.0.1:9"], ("tcp://127.0.0.1:9",)
     if row.kind == "list":
         return ["http://127.0.0.1:9"], ["http://127.0.0.1:9"], ("http://127.0.0.1:9",)
     hint = row.hint
@@ -76,7 +78,7 @@ def sample(row: Row) -> tuple[list[str], Any, Any]:
     return ["sample-value"], "sample-value", "sample-value"
 
 
-NEEDS = {"admin_host": ["--admin-port", "9"]}
+NEEDS = {"admin_host": ["--admin-port", "9"], "kv_events": ["--prefill", "http://127.0.0.1:1"]}
 """Flags a row is only taken with."""
 PLAIN = [row for row in table() if row.spec.resolve is None or row.name in NEEDS]
 
