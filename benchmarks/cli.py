@@ -31,6 +31,13 @@ from benchmarks.datasets import (
 )
 from benchmarks.loadgen import RAMP_UP_STRATEGIES
 from benchmarks.metrics import LATENCY_METRICS, PERCENTILE_METRICS, GoodputSpecError, parse_goodput
+from benchmarks.multi_turn import (
+    MULTI_TURN,
+    add_multi_turn_options,
+    multi_turn_config,
+    run_multi_turn,
+    summary,
+)
 from benchmarks.runner import (
     DEFAULT_ID_PREFIX,
     BenchConfig,
@@ -107,9 +114,11 @@ def _vllm_options(p: argparse.ArgumentParser, url_multi: bool) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=100,
                    help="Number of prompts to process.")
-    p.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random",
+    p.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=(*DATASETS, MULTI_TURN),
+                   default="random",
                    help="Name of the dataset to benchmark on (sharegpt and custom are text files, "
-                        "tokenized with --tokenizer; shared-prefix, lengths-file and trace are pd-bench's).")
+                        "tokenized with --tokenizer; shared-prefix, lengths-file, trace and multi-turn "
+                        "are pd-bench's; multi-turn with `pd-bench run` only).")
     p.add_argument("--dataset-path", default=None,
                    help="Path to the sharegpt (JSON) or custom (JSONL) dataset, or a lengths-file/trace.")
     p.add_argument("--no-oversample", action="store_true",
@@ -227,6 +236,7 @@ def _dataset_groups(p: argparse.ArgumentParser) -> None:
     x.add_argument("--trace-time-unit", choices=("s", "ms"), default="s")
     x.add_argument("--trace-speedup", type=float, default=1.0)
     x.add_argument("--trace-block-size", type=int, default=512, help="trace hash_ids: tokens per block")
+    add_multi_turn_options(p)
 
 
 def _pd_bench_groups(p: argparse.ArgumentParser, single_target: bool) -> None:
@@ -455,6 +465,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "run" if args.command == "serve" else args.command
     sub = subs[args.command]
     try:
+        if args.dataset_name == MULTI_TURN:
+            if command != "run":
+                raise ConfigError("--dataset-name multi-turn runs with `pd-bench run` only")
+            print(summary(run_multi_turn(multi_turn_config(args))))
+            return 0
         cfg = config_from_args(args)
         if cfg.plots and cfg.result_dir and not _has_matplotlib():
             raise ConfigError("the PNG plots need matplotlib: pip install 'pd-proxy[bench]', or --no-plots")

@@ -24,9 +24,12 @@ with the first token from P the second waits for D's KV pull), ITL (mean per req
 per-token gap), the mean ITL after the second token, TPOT and E2E. Per target: p50 and p99 of each,
 and requests/s as concurrency / mean E2E (what a closed loop of that many clients gets from it; the
 targets share the run's wall time). Per pair (the same lane and round): target / vllm-router for TTFT,
-TPOT, ITL, ITL after the second token and E2E; reported is the median of these per-pair ratios with
-its 95% distribution-free interval (order statistics of the binomial, no resampling: at least 95%
-coverage for the median whatever the distribution; none below 6 pairs). Beside them the workers' own
+TPOT, ITL, ITL after the second token and E2E. At concurrency 1 reported is the median of these
+per-pair ratios with its 95% distribution-free interval (order statistics of the binomial, no
+resampling: at least 95% coverage for the median whatever the distribution; none below 6 pairs).
+Above it the lanes of one round run at the same time, so their pairs are not independent: each round
+gives the median of its lanes' pair ratios, and the median and interval are taken over the rounds
+(none below 6 rounds). Beside them the workers' own
 view: each worker's ``/metrics`` scraped before and after the counted rounds of each concurrency, and
 the means of vLLM's queue, prefill, decode, TTFT and inter-token histograms over those requests (every
 target's requests together: they are interleaved), with D's prompt tokens by source.
@@ -241,19 +244,45 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
     return out
 
 
-def pair_ratios(samples: Sequence[Sample], target: str, baseline: str, metric: str) -> list[float]:
-    """target / baseline of ``metric`` for every pair (same concurrency, lane and round) where both
+def pair_ratio_map(samples: Sequence[Sample], target: str, baseline: str,
+                   metric: str) -> dict[tuple[int, int, int], float]:
+    """target / baseline of ``metric`` by pair (concurrency, lane, round), for every pair where both
     requests succeeded and the baseline's figure is positive."""
     base = {(s.concurrency, s.lane, s.round): s for s in samples if s.target == baseline and s.ok}
-    out: list[float] = []
+    out: dict[tuple[int, int, int], float] = {}
     for s in samples:
         if s.target != target or not s.ok:
             continue
-        b = base.get((s.concurrency, s.lane, s.round))
+        key = (s.concurrency, s.lane, s.round)
+        b = base.get(key)
         num, den = s.value(metric), (b.value(metric) if b is not None else None)
         if num is not None and den is not None and den > 0:
-            out.append(num / den)
+            out[key] = num / den
     return out
+
+
+def pair_ratios(samples: Sequence[Sample], target: str, baseline: str, metric: str) -> list[float]:
+    """The per-pair ratios of ``pair_ratio_map``."""
+    return list(pair_ratio_map(samples, target, baseline, metric).values())
+
+
+def round_ratios(samples: Sequence[Sample], target: str, baseline: str, metric: str) -> list[float]:
+    """Per round (concurrency, round): the median of its lanes' pair ratios. The lanes of one round
+    run at the same time and share the workers, so their pairs are not independent; the rounds
+    (run one after another) are the units the binomial interval may treat as independent."""
+    by_round: dict[tuple[int, int], list[float]] = {}
+    for (c, _lane, rnd), ratio in pair_ratio_map(samples, target, baseline, metric).items():
+        by_round.setdefault((c, rnd), []).append(ratio)
+    return [statistics.median(v) for _, v in sorted(by_round.items())]
+
+
+def ratio_interval(samples: Sequence[Sample], target: str, baseline: str, metric: str,
+                   concurrency: int) -> dict[str, Any]:
+    """The median ratio and its interval: over pairs at concurrency 1, over the per-round medians
+    of the lanes' pair ratios above it (``unit`` says which)."""
+    if concurrency > 1:
+        return median_interval(round_ratios(samples, target, baseline, metric)) | {"unit": "round"}
+    return median_interval(pair_ratios(samples, target, baseline, metric)) | {"unit": "pair"}
 
 
 def target_summary(samples: Sequence[Sample], concurrency: int) -> dict[str, Any]:
@@ -275,10 +304,11 @@ def target_summary(samples: Sequence[Sample], concurrency: int) -> dict[str, Any
     return out
 
 
-def level_ratios(samples: Sequence[Sample], targets: Sequence[str], baseline: str) -> dict[str, Any]:
-    """Per target other than the baseline: the median per-pair ratio and its interval, per metric."""
+def level_ratios(samples: Sequence[Sample], targets: Sequence[str], baseline: str,
+                 concurrency: int) -> dict[str, Any]:
+    """Per target other than the baseline, per metric: ``ratio_interval`` at ``concurrency``."""
     return {
-        t: {m: median_interval(pair_ratios(samples, t, baseline, m)) for m in RATIO_METRICS}
+        t: {m: ratio_interval(samples, t, baseline, m, concurrency) for m in RATIO_METRICS}
         for t in targets
         if t != baseline
     }
@@ -655,7 +685,7 @@ def build_level(concurrency: int, rounds: int, names: Sequence[str], baseline: s
         "concurrency": concurrency,
         "rounds": rounds,
         "targets": {t: target_summary([s for s in samples if s.target == t], concurrency) for t in names},
-        "ratios": level_ratios(samples, names, baseline) if baseline is not None else {},
+        "ratios": level_ratios(samples, names, baseline, concurrency) if baseline is not None else {},
         "workers": dict(view),
         "requests": [{k: v for k, v in asdict(s).items() if k != "itls"} for s in samples],
     }
@@ -678,7 +708,9 @@ async def run(cfg: Config, stack: Stack) -> tuple[dict[str, Any], dict[int, Coun
         "workers_started": cfg.start_workers,
         "cpu_count": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()),
-        "interval": f"{CONFIDENCE:.0%} binomial order-statistic interval of the median per-pair ratio",
+        "interval": f"{CONFIDENCE:.0%} binomial order-statistic interval, over pairs at concurrency 1 and "
+        "over the per-round medians of the lanes' pair ratios above it (the lanes of one round run "
+        "together: their pairs are not independent)",
         "versions": versions(cfg),
     }
     await start_workers(cfg, stack)
@@ -731,9 +763,17 @@ def _ratio_cell(doc: Mapping[str, Any]) -> str:
     return f"{doc['median']:.2f}x [{doc['low']:.2f}, {doc['high']:.2f}] (n {doc['n']})"
 
 
+def ratio_heading(concurrency: int, baseline: Any) -> str:
+    if concurrency > 1:
+        return (f"Ratios to {baseline}, per round (the median of the round's {concurrency} lanes' pair "
+                "ratios: lanes of one round run together, so their pairs are not independent): median "
+                "of the rounds [95% interval over rounds] (rounds)")
+    return f"Per-pair ratios to {baseline}: median [95% interval] (pairs)"
+
+
 def format_table(result: Mapping[str, Any]) -> str:
-    """The markdown report: per concurrency the targets' percentiles, the per-pair ratios with their
-    intervals, and the workers' own means."""
+    """The markdown report: per concurrency the targets' percentiles, the ratios (per pair at 1, per
+    round above) with their intervals, and the workers' own means."""
     meta = result["meta"]
     lines = [
         f"# pd-proxy against vllm-router on one P/D pair ({meta.get('started_utc', '')})",
@@ -742,6 +782,8 @@ def format_table(result: Mapping[str, Any]) -> str:
         f"seed {meta['seed']}; workers: prefill {meta.get('prefill')}, decode {meta.get('decode')}"
         f"{' (started here: ' + meta['workers_started'] + ')' if meta.get('workers_started') else ''}.",
     ]
+    if meta.get("interval"):
+        lines.append(f"Ratios to {meta.get('baseline')}: the median and its {meta['interval']}.")
     for name, why in (meta.get("skipped_targets") or {}).items():
         lines.append(f"Left out: {name}: {why}.")
     metric_cols = (("ttft", "TTFT"), ("second_token_gap", "2nd-token gap"), ("itl_token", "ITL/token"),
@@ -756,7 +798,7 @@ def format_table(result: Mapping[str, Any]) -> str:
             lines.append(f"| {name} | {doc['ok']}/{doc['requests']} | " + " | ".join(cells)
                          + f" | {_f(doc['requests_per_s'], '.2f')} |")
         if level["ratios"]:
-            lines += ["", f"Per-pair ratios to {meta.get('baseline')}: median [95% interval] (pairs)", ""]
+            lines += ["", ratio_heading(c, meta.get("baseline")), ""]
             lines.append("| target | TTFT | TPOT | ITL | ITL after 2nd | E2E |")
             lines.append("| --- | --- | --- | --- | --- | --- |")
             for name, docs in level["ratios"].items():

@@ -26,6 +26,7 @@ from typing import Final, Literal
 
 from deploy.targets import DEPLOY_DIR, Endpoints, render_targets, write_atomic
 from kv_transfer.config import kv_transfer_config
+from kv_transfer.kv_events import KvEventsConfig, loopback_bind_endpoint
 
 COMPOSE_DIR: Final = DEPLOY_DIR / "compose"
 COMPOSE_FILE: Final = "docker-compose.yml"
@@ -57,6 +58,8 @@ class Worker:
     gpus: tuple[int, ...]
     port: int
     side_channel_port: int
+    kv_events_port: int | None = None
+    """Prefill workers: the KV-event PUB port; the replay port is the next one."""
 
     @property
     def name(self) -> str:
@@ -65,6 +68,25 @@ class Worker:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_event_ports(self) -> tuple[int, ...]:
+        """The KV-event PUB and replay ports (none for a decode worker)."""
+        return () if self.kv_events_port is None else (self.kv_events_port, self.kv_events_port + 1)
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """Where pd-proxy subscribes to this worker's KV events (``--kv-events``)."""
+        return None if self.kv_events_port is None else f"tcp://127.0.0.1:{self.kv_events_port}"
+
+    def kv_events_config(self) -> KvEventsConfig | None:
+        """vLLM's ``--kv-events-config``: PUB bound on the loopback (vLLM binds only an endpoint
+        holding ``*`` or ``::``, hence the IPv6-mapped form), replay on the port after it."""
+        if self.kv_events_port is None:
+            return None
+        return KvEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                              endpoint=loopback_bind_endpoint(self.kv_events_port),
+                              replay_endpoint=f"tcp://127.0.0.1:{self.kv_events_port + 1}")
 
 
 @dataclass(frozen=True)
@@ -170,10 +192,15 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         ),
         ("decode", m, _int(env, "DECODE_BASE_PORT", 8200), _int(env, "DECODE_SIDE_CHANNEL_BASE_PORT", 5700)),
     )
+    # Prefill worker i publishes its KV events on EVENTS + 2i and serves their replay on EVENTS + 2i + 1.
+    events = _int(env, "PREFILL_KV_EVENTS_BASE_PORT", 5557)
     pools: dict[Role, tuple[Worker, ...]] = {}
     for role, count, base, side in layout:
         gpu_map = _gpu_map(env, f"{role.upper()}_GPUS", count)
-        pools[role] = tuple(Worker(role, i, gpus, base + i, side + i) for i, gpus in enumerate(gpu_map))
+        pools[role] = tuple(
+            Worker(role, i, gpus, base + i, side + i, events + 2 * i if role == "prefill" else None)
+            for i, gpus in enumerate(gpu_map)
+        )
     workers = pools["prefill"] + pools["decode"]
     all_gpus = [g for w in workers for g in w.gpus]
     if len(set(all_gpus)) != len(all_gpus):
@@ -191,7 +218,7 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
         proxy_bind=_bind(env, "PROXY_BIND"),
         grafana_bind=_bind(env, "GRAFANA_BIND"),
     )
-    ports = [p for w in workers for p in (w.port, w.side_channel_port)]
+    ports = [p for w in workers for p in (w.port, w.side_channel_port, *w.kv_event_ports)]
     ports += [settings.proxy_port, settings.prometheus_port, settings.grafana_port]
     if len(set(ports)) != len(ports):
         raise SettingsError("two services would listen on the same host port; change the base ports")
@@ -205,11 +232,26 @@ def settings_from_env(env: Mapping[str, str]) -> Settings:
 GPU_BLOCK_SIZE = 16
 
 
-def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str) -> list[str]:
+# pd-proxy's own default prefill policy: the compose file keeps it unless PREFILL_POLICY is set at
+# `up` time (kv_events routes by the prefill workers' KV events).
+DEFAULT_PREFILL_POLICY: Final = "least_loaded"
+PREFILL_POLICY_FROM_ENV: Final = "${PREFILL_POLICY:-" + DEFAULT_PREFILL_POLICY + "}"
+
+
+def proxy_args(prefill: Sequence[str], decode: Sequence[str], port: int, host: str, *,
+               kv_events: Sequence[str] = (), prefill_policy: str | None = None) -> list[str]:
     """pd-proxy's command line for a set of workers: one process per CPU the container may use
-    (``--workers auto``, capped by the service's ``cpus``: PROXY_CPUS in .env)."""
-    return ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port),
+    (``--workers auto``, capped by the service's ``cpus``: PROXY_CPUS in .env); ``kv_events`` the
+    prefill workers' KV-event endpoints, one per ``prefill`` URL in the same order."""
+    if kv_events and len(kv_events) != len(prefill):
+        raise ValueError("--kv-events takes one endpoint per --prefill URL")
+    args = ["--prefill", *prefill, "--decode", *decode, "--host", host, "--port", str(port),
             "--workers", "auto"]
+    if kv_events:
+        args += ["--kv-events", *kv_events]
+    if prefill_policy is not None:
+        args += ["--prefill-policy", prefill_policy]
+    return args
 
 
 def _q(value: str) -> str:
@@ -250,8 +292,11 @@ def _worker_service(w: Worker, s: Settings) -> list[str]:
         "--block-size",
         str(GPU_BLOCK_SIZE),
         *connector.cli_args(),
-        *s.extra_args,
     ]
+    events = w.kv_events_config()
+    if events is not None:
+        args += ["--kv-events-config", events.to_json()]
+    args += s.extra_args
     lines = [
         f"  {w.name}:",
         f"    image: {VLLM_IMAGE}",
@@ -281,12 +326,15 @@ def _worker_service(w: Worker, s: Settings) -> list[str]:
 
 
 def render_compose(s: Settings) -> str:
-    proxy = proxy_args([w.url for w in s.prefill], [w.url for w in s.decode], s.proxy_port, s.proxy_bind)
+    proxy = proxy_args([w.url for w in s.prefill], [w.url for w in s.decode], s.proxy_port, s.proxy_bind,
+                       kv_events=[w.kv_events_endpoint or "" for w in s.prefill],
+                       prefill_policy=PREFILL_POLICY_FROM_ENV)
     proxy_url = local_url(s.proxy_bind, s.proxy_port)
     lines = [
         "# GENERATED by `python -m deploy.render_compose` from deploy/compose/.env: edit .env, re-render.",
-        f"# {len(s.prefill)} prefill + {len(s.decode)} decode vLLM workers (NixlConnector), pd-proxy,",
-        "# Prometheus and Grafana, all on the host network (NIXL moves KV between the GPUs directly).",
+        f"# {len(s.prefill)} prefill (KV events on) + {len(s.decode)} decode vLLM workers (NixlConnector),",
+        "# pd-proxy, Prometheus and Grafana, all on the host network (NIXL moves KV between the GPUs",
+        "# directly).",
         "#     docker compose -f deploy/compose/docker-compose.yml up -d --build",
         "name: pd-proxy",
         "",

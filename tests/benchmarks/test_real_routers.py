@@ -155,9 +155,56 @@ def test_ratios_pair_the_requests_of_one_round_and_skip_failures() -> None:
     ]  # fmt: skip
     assert sorted(rr.pair_ratios(samples, PD_PROXY, VLLM_ROUTER, "ttft")) == pytest.approx([0.8, 1.2])
     assert rr.pair_ratios(samples, PD_PROXY_OFF, VLLM_ROUTER, "ttft") == pytest.approx([1.2])
-    ratios = rr.level_ratios(samples, [PD_PROXY, PD_PROXY_OFF, VLLM_ROUTER], VLLM_ROUTER)
+    ratios = rr.level_ratios(samples, [PD_PROXY, PD_PROXY_OFF, VLLM_ROUTER], VLLM_ROUTER, 4)
     assert set(ratios) == {PD_PROXY, PD_PROXY_OFF} and set(ratios[PD_PROXY]) == set(rr.RATIO_METRICS)
-    assert ratios[PD_PROXY]["ttft"]["median"] == pytest.approx(1.0)
+    assert ratios[PD_PROXY]["ttft"]["median"] == pytest.approx(1.0)  # round 0's median of 0.8 and 1.2
+    assert ratios[PD_PROXY]["ttft"]["n"] == 1 and ratios[PD_PROXY]["ttft"]["unit"] == "round"
+
+
+def _correlated_level(lanes: int, rounds: int) -> list[Sample]:
+    """Lanes that move together within a round: every round has its own ratio (set by what the
+    workers were doing then), and its lanes scatter only a little around it."""
+    round_ratio = [0.93, 1.02, 1.04, 1.05, 1.06, 1.08, 1.10, 1.20]
+    out = []
+    for rnd in range(rounds):
+        for lane in range(lanes):
+            ratio = round_ratio[rnd % len(round_ratio)] + 0.001 * (lane - lanes / 2)
+            for target, e2e in ((PD_PROXY, 500.0 * ratio), (VLLM_ROUTER, 500.0)):
+                out.append(Sample(target=target, concurrency=lanes, lane=lane, round=rnd, position=0,
+                                  ok=True, e2e=e2e))
+    return out
+
+
+def test_above_one_lane_the_interval_is_over_rounds_not_over_correlated_pairs() -> None:
+    samples = _correlated_level(4, 8)
+    per_pair = rr.median_interval(rr.pair_ratios(samples, PD_PROXY, VLLM_ROUTER, "e2e"))
+    assert per_pair["n"] == 32 and per_pair["low"] > 1.0  # 32 "independent" pairs: 1.0 excluded
+    per_round = rr.round_ratios(samples, PD_PROXY, VLLM_ROUTER, "e2e")
+    assert len(per_round) == 8
+    assert per_round[0] == pytest.approx(0.93 - 0.0005)  # the median of round 0's four lanes
+    doc = rr.level_ratios(samples, [PD_PROXY, VLLM_ROUTER], VLLM_ROUTER, 4)[PD_PROXY]["e2e"]
+    assert doc["unit"] == "round" and doc["n"] == 8
+    assert doc["low"] < 1.0 < doc["high"]  # eight rounds do not show a difference
+    # one lane: each round is one pair, and the interval is the per-pair one
+    one = rr.level_ratios(_correlated_level(1, 8), [PD_PROXY, VLLM_ROUTER], VLLM_ROUTER, 1)[PD_PROXY]["e2e"]
+    assert one["unit"] == "pair" and one["n"] == 8
+
+
+def test_the_report_says_which_unit_the_interval_is_over() -> None:
+    result = {
+        "meta": {"input_len": 8, "output_len": 4, "seed": 1, "baseline": VLLM_ROUTER,
+                 "interval": "the run's interval rule"},
+        "levels": [
+            {"concurrency": c, "rounds": 8, "targets": {}, "workers": {},
+             "ratios": rr.level_ratios(_correlated_level(c, 8), [PD_PROXY, VLLM_ROUTER], VLLM_ROUTER, c)}
+            for c in (1, 4)
+        ],
+    }  # fmt: skip
+    table = rr.format_table(result)
+    one, four = table.split("## concurrency 4")
+    assert "the run's interval rule" in one.split("## concurrency 1")[0]  # the report's header
+    assert "Per-pair ratios" in one and "(pairs)" in one
+    assert "per round" in four and "(rounds)" in four and "Per-pair" not in four
 
 
 def test_target_summary_has_p50_p99_and_little_s_law_requests_per_s() -> None:
@@ -286,7 +333,8 @@ def test_end_to_end_on_pd_sim_pairs_every_request_and_stops_everything(
             assert doc["ok"] == c * rounds and doc["errors"] == 0
             assert doc["ttft_p50_ms"] > 0 and doc["second_token_gap_p99_ms"] > 0 and doc["requests_per_s"] > 0
         ratios = level["ratios"][PD_PROXY]
-        assert ratios["ttft"]["n"] == c * rounds and ratios["e2e"]["median"] > 0
+        assert ratios["ttft"]["n"] == (rounds if c > 1 else c * rounds) and ratios["e2e"]["median"] > 0
+        assert ratios["ttft"]["unit"] == ("round" if c > 1 else "pair")
         # the workers' own view: every counted request went through P and D once
         for role in ("prefill", "decode"):
             assert level["workers"][role]["e2e_request_latency_count"] == c * rounds * len(names)

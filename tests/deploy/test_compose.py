@@ -43,6 +43,15 @@ def workers(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {n: s for n, s in config["services"].items() if n.startswith(("prefill-", "decode-"))}
 
 
+def kv_events_of(cmd: list[str]) -> dict[str, Any]:
+    """A worker's ``--kv-events-config`` ({} when it has none)."""
+    if "--kv-events-config" not in cmd:
+        return {}
+    doc = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    assert isinstance(doc, dict)
+    return doc
+
+
 def check_layout(config: dict[str, Any], n: int, m: int, *, in_repo: bool = True) -> None:
     """Every invariant of a P/D compose deployment."""
     services = config["services"]
@@ -55,6 +64,7 @@ def check_layout(config: dict[str, Any], n: int, m: int, *, in_repo: bool = True
     gpus: list[str] = []
     side_ports: list[str] = []
     http_ports: list[str] = []
+    event_ports: list[str] = []
     for name, svc in pool.items():
         role = name.split("-")[0]
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
@@ -73,9 +83,19 @@ def check_layout(config: dict[str, Any], n: int, m: int, *, in_repo: bool = True
         side_ports.append(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
         http_ports.append(cmd[cmd.index("--port") + 1])
         assert f"127.0.0.1:{http_ports[-1]}/health" in " ".join(svc["healthcheck"]["test"])
+        events = kv_events_of(cmd)
+        if role == "prefill":  # KV events on: PUB bound on loopback, the replay on the port after it
+            assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq", name
+            pub = int(events["endpoint"].rsplit(":", 1)[1])
+            assert events["endpoint"] == f"tcp://[::ffff:127.0.0.1]:{pub}", name
+            assert events["replay_endpoint"] == f"tcp://127.0.0.1:{pub + 1}", name
+            event_ports += [str(pub), str(pub + 1)]
+        else:
+            assert events == {}, name
     assert len(set(gpus)) == len(gpus), f"a GPU is shared: {gpus}"
     assert len(set(side_ports)) == len(side_ports), "NIXL side-channel ports must be unique on a host"
-    assert len(set(http_ports + side_ports)) == len(http_ports + side_ports)
+    every_port = http_ports + side_ports + event_ports
+    assert len(set(every_port)) == len(every_port)
 
     proxy = services["pd-proxy"]
     if in_repo:  # built from this repository's own Dockerfile
@@ -90,6 +110,14 @@ def check_layout(config: dict[str, Any], n: int, m: int, *, in_repo: bool = True
     for name, svc in pool.items():
         cmd = svc["command"]
         assert f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}" in urls[name.split("-")[0]], name
+    # pd-proxy subscribes to every prefill worker's KV events, one endpoint per --prefill URL, in order
+    prefill_by_url = {f"http://127.0.0.1:{svc['command'][svc['command'].index('--port') + 1]}": svc
+                      for name, svc in pool.items() if name.startswith("prefill-")}
+    events = args[args.index("--kv-events") + 1 :]
+    events = events[: next((i for i, a in enumerate(events) if a.startswith("--")), len(events))]
+    assert events == [kv_events_of(prefill_by_url[u]["command"])["endpoint"].replace("[::ffff:127.0.0.1]",
+                                                                                      "127.0.0.1")
+                      for u in urls["prefill"]]
     assert set(proxy["depends_on"]) == set(pool)
     # pd-proxy's health check is its liveness (/livez), not /health (503 while a pool is down)
     assert proxy["healthcheck"]["test"][-1].endswith("/livez', timeout=5)")
@@ -289,6 +317,47 @@ def test_the_proxy_runs_one_process_per_cpu_of_its_limit(tmp_path: Path) -> None
 
 def test_the_proxy_command_is_one_pd_proxy_accepts() -> None:
     from proxy.cli import build_parser  # noqa: PLC0415
+    from proxy.pools.options import PoolSettings  # noqa: PLC0415
 
-    args = rc.proxy_args(["http://127.0.0.1:8100"], ["http://127.0.0.1:8200"], 8000, "127.0.0.1")
-    assert build_parser().parse_args(args).workers == "auto"
+    parser = build_parser()
+    assert PoolSettings().prefill_policy == rc.DEFAULT_PREFILL_POLICY  # the file keeps pd-proxy's default
+    args = rc.proxy_args(["http://127.0.0.1:8100", "http://127.0.0.1:8101"], ["http://127.0.0.1:8200"], 8000,
+                         "127.0.0.1", prefill_policy=rc.DEFAULT_PREFILL_POLICY)
+    assert parser.parse_args(args).workers == "auto"
+    events = ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5559"]
+    with_events = rc.proxy_args(["http://127.0.0.1:8100", "http://127.0.0.1:8101"], ["http://127.0.0.1:8200"],
+                                8000, "127.0.0.1", kv_events=events)
+    assert with_events[with_events.index("--kv-events") + 1 :] == events
+    with pytest.raises(ValueError, match="one endpoint per --prefill URL"):
+        rc.proxy_args(["http://127.0.0.1:8100"], [], 8000, "127.0.0.1", kv_events=events)
+    if "--kv-events" not in parser._option_string_actions:
+        pytest.xfail("this pd-proxy has no --kv-events yet (issue 48: added on another branch)")
+    parsed = parser.parse_args(with_events)
+    assert parsed.kv_events == events
+
+
+@needs_compose
+def test_the_prefill_policy_is_switched_at_up_time(tmp_path: Path) -> None:
+    """pd-proxy keeps its default prefill policy unless PREFILL_POLICY says kv_events; no re-render."""
+    config = compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, rc.COMPOSE_DIR / ".env", **SECRETS)
+    proxy = config["services"]["pd-proxy"]["command"]
+    assert proxy[proxy.index("--prefill-policy") + 1] == rc.DEFAULT_PREFILL_POLICY
+    config = compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, None, **WORKER_ENV, **SECRETS)
+    proxy = config["services"]["pd-proxy"]["command"]
+    assert proxy[proxy.index("--prefill-policy") + 1] == rc.DEFAULT_PREFILL_POLICY  # no .env either
+    env_file = tmp_path / ".env"
+    env_file.write_text("PREFILL_POLICY=kv_events\n")
+    config = compose_config(rc.COMPOSE_DIR / rc.COMPOSE_FILE, env_file, **WORKER_ENV, **SECRETS)
+    proxy = config["services"]["pd-proxy"]["command"]
+    assert proxy[proxy.index("--prefill-policy") + 1] == "kv_events"
+
+
+def test_kv_event_ports_take_two_per_prefill_worker_and_never_collide() -> None:
+    env = {"PREFILL_COUNT": "3", "DECODE_COUNT": "1", "PREFILL_GPUS": "0;1;2", "DECODE_GPUS": "3"}
+    s = rc.settings_from_env(env)
+    assert [w.kv_event_ports for w in s.prefill] == [(5557, 5558), (5559, 5560), (5561, 5562)]
+    assert [w.kv_event_ports for w in s.decode] == [()]
+    assert rc.settings_from_env({**env, "PREFILL_KV_EVENTS_BASE_PORT": "6000"}).prefill[1].kv_event_ports == (
+        6002, 6003)
+    with pytest.raises(rc.SettingsError, match="same host port"):  # worker 1's replay is worker 0's NIXL port
+        rc.settings_from_env({**env, "PREFILL_KV_EVENTS_BASE_PORT": "5597"})

@@ -14,6 +14,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from kv_transfer.kv_events import KvEventsConfig
 from tests.deploy.dashboards import DASHBOARDS
 from tests.deploy.images import unpinned_reason
 from tests.deploy.metric_catalog import REPO
@@ -180,6 +181,15 @@ def test_objects_fit_together(overlay: str) -> None:
         assert "$(KV_TRANSFER_CONFIG)" in c["args"] and "--enable-scale-out" in c["args"]
         assert d["metadata"]["labels"]["pd-proxy.io/pool"] == role
         assert services[f"pd-{role}"]["metadata"]["labels"]["pd-proxy.io/pool"] == role  # copied to slices
+        named = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        if role == "prefill":  # KV-cache events on the port convention: PUB *:5557, replay *:5558
+            events = KvEventsConfig.from_json(env["KV_EVENTS_CONFIG"]["value"])
+            assert events.publishes and "$(KV_EVENTS_CONFIG)" in c["args"]
+            assert (events.endpoint, events.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
+            assert (named["kv-events"], named["kv-replay"]) == (5557, 5558)
+        else:
+            assert "KV_EVENTS_CONFIG" not in env and "--kv-events-config" not in c["args"]
+            assert "kv-events" not in named
 
     proxy = deployments["pd-proxy"]
     assert proxy["spec"]["replicas"] >= 2

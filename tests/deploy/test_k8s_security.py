@@ -307,6 +307,15 @@ def test_network_policies_fence_the_workers(overlay: str) -> None:
     for port in (side_channel, *UCX_PORTS):
         assert allowed(decode, prefill, port), port
         assert allowed(prefill, decode, port), port
+    # KV-cache events: the proxy subscribes to the prefill pods' PUB and replay ports; nobody else
+    # outside the pools does, and decode pods publish none.
+    events = (prefill.ports["kv-events"], prefill.ports["kv-replay"])
+    assert events == (5557, 5558)
+    for port in events:
+        assert allowed(proxy, prefill, port), port
+        assert not allowed(proxy, decode, port), port
+        for src in (prometheus, *strangers):
+            assert not allowed(src, prefill, port), (src.name, port)
     # A pool never reaches its own kind (one prefill pod has no business with another's KV).
     assert not allowed(prefill, prefill, side_channel) and not allowed(decode, decode, 40000)
     # The proxy itself is not fenced (clients reach it from anywhere, with its key).
