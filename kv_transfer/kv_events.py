@@ -1,23 +1,9 @@
 """vLLM 0.32's KV-cache events on the wire (``--kv-events-config``), for publishers (pd-sim) and
-subscribers (pd-proxy) alike. Only msgspec is needed here; the sockets are the caller's.
+subscribers (pd-proxy); the sockets are the caller's.
 
-A publisher (vLLM's ``ZmqEventPublisher``) sends every batch on a ZMQ PUB socket as three frames::
-
-    [topic (utf-8, may be empty), seq (8 bytes, big-endian), payload (msgpack)]
-
-``seq`` counts batches from 0, one per engine step that changed the prefix cache. The payload is
-a :class:`KVEventBatch`: a msgpack array ``[ts, events, data_parallel_rank]`` (vLLM sets the
-rank, 0 without data parallelism); each event is a msgpack map tagged by its class name under
-``"type"``, with the fields in declaration order and the defaulted fields left out while they
-hold their default, e.g.
-``{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"}``. A block hash is ``bytes``
-(vLLM's default, the SHA-256 of the block's parent hash, tokens and extra keys) or a 64-bit ``int``
-(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
-
-Missed batches are asked for on the ROUTER replay socket: a DEALER sends ``[b"", start_seq (8
-bytes, big-endian)]`` and gets ``[b"", topic, seq, payload]`` for every buffered batch with
-``seq >= start_seq``, then ``[b"", b"", END_SEQ, b""]`` (``END_SEQ`` is -1 as 8 signed bytes).
-"""
+A PUB message is ``[topic, seq (8 bytes, big-endian), payload (msgpack KVEventBatch)]``, ``seq``
+counting batches from 0. A replay: a DEALER sends ``[b"", start_seq]`` to the ROUTER and gets
+``[b"", topic, seq, payload]`` per buffered batch from ``start_seq``, then ``[b"", b"", END_SEQ, b""]``."""
 
 from __future__ import annotations
 
@@ -147,12 +133,8 @@ def is_replay_end(frames: list[bytes]) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class KvEventsConfig:
-    """vLLM 0.32's ``--kv-events-config`` JSON (``vllm.config.KVEventsConfig``), same keys and defaults.
-
-    ``endpoint`` is bound when it holds ``*`` or ``::`` or is ``ipc://``/``inproc://``, and connected
-    to otherwise (vLLM's rule); ``tcp://[::ffff:127.0.0.1]:PORT`` binds the IPv4 loopback only.
-    ``replay_endpoint`` is always bound.
-    """
+    """vLLM 0.32's ``--kv-events-config`` JSON (``vllm.config.KVEventsConfig``), same keys and defaults;
+    ``replay_endpoint`` is always bound."""
 
     enable_kv_cache_events: bool = False
     publisher: Literal["null", "zmq"] | None = None

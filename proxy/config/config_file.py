@@ -1,20 +1,5 @@
-"""``pd-proxy --config FILE``: settings from a YAML file, and ``--help`` with every default.
-
-The file's keys are pd-proxy's long flag names without the dashes (``decode-timeout``, or
-``decode_timeout``), as with ``vllm serve --config``; values are what the flag takes::
-
-    prefill: [http://10.0.0.1:8100, http://10.0.0.2:8100]   # a list for flags that take several
-    decode: http://10.0.0.3:8200
-    decode-timeout: 900
-    prefill-policy: prefix
-    no-active-health: true                                  # a switch: true to set it
-    k8s-endpointslices: ["decode:serving:pd-proxy.io/pool=decode:http"]
-
-Flags on the command line win over the file, whole: ``--prefill A`` replaces the file's prefill
-list. Secrets never come from the file (it is often a ConfigMap, readable by whoever may read the
-namespace, and kept in version control): the keys are refused with the environment variable or key
-file to use instead (the settings declared ``secret``, ``proxy.config.table.secret_keys``).
-"""
+"""``pd-proxy --config FILE``: settings from a YAML file keyed by the long flag names, and ``--help``
+with every default. Command-line flags win over the file, whole; secrets are never read from it."""
 
 from __future__ import annotations
 
@@ -40,9 +25,7 @@ class ConfigFileError(ValueError):
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """argparse's help with each flag's default after its help line (``none`` / ``off`` where the
-    default is empty or a switch is unset); never the value of a secret read from the environment
-    (those flags default to None and are resolved after parsing)."""
+    """argparse's help with each flag's default; never a secret read from the environment."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -59,7 +42,6 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 def long_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Every long flag of the parser by its name without the dashes."""
     return {opt[2:]: action for action in parser._actions for opt in action.option_strings
             if opt.startswith("--")}
 
@@ -81,8 +63,7 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def _tokens(flag: str, action: argparse.Action, value: Any, path: Path) -> list[str]:
-    """The command-line tokens that give ``value`` to ``flag`` (``--flag=value`` form, so that a
-    value starting with a dash stays a value)."""
+    """``--flag=value`` tokens, so that a value starting with a dash stays a value."""
     if isinstance(action, SWITCHES):
         if not isinstance(value, bool):
             raise ConfigFileError(f"{path}: {flag[2:]} is a switch: true or false, got {value!r}")
@@ -101,8 +82,7 @@ def _tokens(flag: str, action: argparse.Action, value: Any, path: Path) -> list[
 
 def file_argv(parser: argparse.ArgumentParser, data: Mapping[str, Any], path: Path,
               given: set[str]) -> list[str]:
-    """Tokens for every setting of the file whose flag was not given on the command line
-    (``given``: the dests the command line set)."""
+    """Tokens for every setting of the file whose dest is not in ``given``."""
     flags = long_flags(parser)
     secrets = secret_keys()
     out: list[str] = []
@@ -139,8 +119,7 @@ def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
 
 
 def with_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
-    """``argv`` with the settings of its ``--config FILE`` (if any) in front: the command line's own
-    flags win. A bad file is a parser error (exit 2, the message on stderr)."""
+    """``argv`` with its ``--config FILE``'s settings in front; a bad file is a parser error."""
     argv = list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument(CONFIG_FLAG, type=Path, default=None)

@@ -1,9 +1,5 @@
-"""One access line per request (logger ``pd_proxy.access``, INFO), text or JSON.
-
-Only ids, worker URLs, timings, outcome and status go in: never prompt or output content,
-never keys. Callers check ``ACCESS_LOG.isEnabledFor(INFO)`` first, so a disabled log costs
-nothing on the hot path.
-"""
+"""One access line per request (logger ``pd_proxy.access``, INFO), text or JSON: never prompt or
+output content, never keys."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def text_value(value: object) -> str:
-    """A ``key=value`` text value that cannot break the line or forge another field: anything
-    but plain printable ASCII is written as a JSON string (quoted, control characters escaped)."""
+    """A ``key=value`` text value that cannot break the line or forge another field."""
     if value is None:
         return "-"
     text = str(value)
@@ -43,9 +38,7 @@ def format_access(fields: dict[str, Any], fmt: LogFormat) -> str:
 
 
 class EscapingFormatter(logging.Formatter):
-    """Escapes control characters (CR, LF, ...) in a record's message, so no text that reached a
-    log line from outside (an id, a worker's reason) can start a forged line. Tracebacks, which
-    the formatter appends after the message, keep their lines."""
+    """Escapes control characters in a message so outside text cannot forge a line."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         message = record.message
@@ -59,8 +52,7 @@ def log_access(fields: dict[str, Any], fmt: LogFormat) -> None:
 
 
 def configure_access_log(fmt: LogFormat, stream: IO[str] | None = None) -> logging.Handler | None:
-    """For ``json``: the access logger writes bare JSON lines (no level/time prefix) to
-    ``stream`` (stderr) instead of going through the root handler. Returns the handler."""
+    """For ``json``: bare JSON lines to ``stream`` (stderr), not through the root handler."""
     if fmt != "json":
         return None
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)

@@ -1,6 +1,4 @@
-"""``ProxySettings``: every knob of pd-proxy in one frozen dataclass. A field declared with
-``setting(...)`` is a flag of ``pd-proxy`` (and a key of its ``--config`` file), in this order in
-``--help``; ``proxy.config.table`` derives the parser and fills the settings from the fields."""
+"""``ProxySettings``: every knob of pd-proxy; a ``setting(...)`` field is a flag, in ``--help`` order."""
 
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ AUTO = "auto"
 
 
 def workers_arg(value: str) -> int | str:
-    """``--workers``: a whole number of processes, at least 1, or ``auto`` (``proxy.cli`` resolves it)."""
     if value.strip().lower() == AUTO:
         return AUTO
     try:
@@ -35,7 +32,6 @@ def workers_arg(value: str) -> int | str:
 
 
 def client_keys_from(a: argparse.Namespace, env: Mapping[str, str]) -> tuple[tuple[str | None, str], ...]:
-    """Every client key, from the flags, the key file and the environment (all of them count)."""
     keys: list[tuple[str | None, str]] = [(None, k) for k in a.api_keys]
     if a.api_key_file is not None:
         try:
@@ -66,17 +62,10 @@ class ProxySettings:
            "by a cgroup CPU quota). Admin changes reach every process; limits (in-flight, queues, per-worker "
            "caps, buffers) are PER PROCESS; see proxy/http/multiproc.py", metavar="N|auto",
         parse=workers_arg)
-    """Processes serving the port (``proxy.http.multiproc``: ``SO_REUSEPORT``, one request table each;
-    aborts reach other processes through the broadcast). 1: this process serves."""
     gc_threshold: int = setting(
         20_000, "each serving process freezes its start-up objects and sets the cyclic garbage collector's "
                 "first threshold to N (Python's is 700, which costs 6-9% of the CPU per request under "
                 "load); 0: Python's own settings", metavar="N")
-    """Each serving process, once started: its start-up objects frozen (``gc.freeze``) and the
-    cyclic collector's first threshold set to this (``gc.set_threshold``; Python's is 700). At 700
-    the objects of the requests in flight set off a young collection every few requests, and what
-    outlives it is scanned again in the older generations: 6-9% of the CPU per request at 64 at a
-    time (``proxy.http.server.settle_gc``). 0: Python's own collector settings."""
     # ---- keys
     api_key: str | None = None
     """Guards ``/inference/*`` (and ``/debug/*``, and by default the legacy abort path)."""
@@ -87,27 +76,20 @@ class ProxySettings:
         env=("PD_PROXY_API_KEY", "PD_PROXY_API_KEYS"), resolve=client_keys_from,
         key_file=("--api-key-file", "client keys, one per line: KEY or NAME KEY (NAME shows in the access "
                                     "log)"))
-    """More client keys, (name or None, key): each key is a tenant (``proxy.config.tenants``)."""
     upstream_api_key: str | None = setting(
         None, "API key sent to the workers (also PD_PROXY_UPSTREAM_API_KEY)", metavar="KEY", secret=True,
         env=("PD_PROXY_UPSTREAM_API_KEY",))
-    """Sent to the workers as ``Authorization: Bearer``."""
     # ---- what the workers accept, the walk's switches
     decode_tokens_only: bool = setting(
         False, "the decode pool runs --tokens-only (reject text mode and stop strings)")
-    """The decode pool runs ``--tokens-only``: text mode and stop strings are rejected up front."""
     prefill_tokens_only: bool = setting(
         False, "the prefill pool runs --tokens-only (stop strings are left out of its hop)")
-    """The prefill pool runs ``--tokens-only``: stop strings (which only shape generated text,
-    and the prefill hop's one token is discarded) are left out of the prefill hop."""
+    """Stop strings only shape generated text, and the prefill hop's one token is discarded."""
     max_num_seqs: int | None = setting(
         None, "the workers' --max-num-seqs: sampling_params.n above it is refused up front")
-    """When set, ``sampling_params.n`` above it is rejected up front (vLLM's message)."""
     prefill_failure_policy: PrefillFailurePolicy = setting(
         "fail", "when the prefill hop gives no usable KV: 502, or run on decode alone",
         flag="--prefill-failure")
-    """What to do when the prefill hop fails or returns no usable ``kv_transfer_params``:
-    ``fail`` with a 502 naming the worker, or run the request on a decode worker alone."""
     render_pool: Literal["decode", "prefill"] = setting(
         "decode", "OpenAI routes (/v1/chat/completions, /v1/completions, render, derender, /v1/models): "
                   "the pool whose workers tokenize (default: decode)")
@@ -119,25 +101,18 @@ class ProxySettings:
               "the decode worker's token 1 is checked and dropped. It moves the hand-off's wait to the "
               "second token: on real CPU workers TTFT p50 was 0.71x vllm-router's at 4 concurrent but the "
               "answer's end came 1.13x later (benchmarks/README.md, row L)")
-    """Streams: the client gets the prefill worker's token as its first chunk when the prefill hop
-    answers (TTFT without the hand-off); the decode worker's token 1 is checked against it and
-    left out of the relayed stream (``proxy.sse.first_token``)."""
+    """The decode worker's token 1 is checked against it and dropped (``proxy.sse.first_token``)."""
     rewrite_remote_host: bool = setting(
         True, "keep a loopback remote_host a prefill worker advertises, instead of the host the proxy "
               "reached it at", flag="--no-rewrite-remote-host")
-    """Replace a loopback/unspecified ``remote_host`` advertised by a prefill worker with the
-    host the proxy reached that worker at (when that host is not loopback itself)."""
+    """Only when the host the proxy reached the worker at is not loopback itself."""
     abort_unknown_broadcast: bool = setting(
         True, "do not send aborts for unknown ids to every worker", flag="--no-abort-broadcast")
-    """An abort naming an id this proxy does not know goes to every worker of both pools."""
     legacy_abort_mirror_vllm: bool = setting(
         False, "UNSAFE: serve /abort_requests without the API key, as vLLM does")
-    """Serve ``POST /abort_requests`` WITHOUT checking the API key, as vLLM's --tokens-only
-    server does. Unsafe: anyone who can reach the proxy can then abort any request by id
-    (ids are often predictable or logged), a denial of service on every tenant."""
+    """Unsafe: anyone who can reach the proxy can abort any request by id."""
     report_cached_tokens: bool = True
-    """Non-stream: put the prefill worker's cached prompt tokens into
-    ``usage.prompt_tokens_details`` when the decode worker reports none."""
+    """Non-stream: the prefill worker's cached tokens fill ``usage`` when decode reports none."""
     max_abort_ids: int = 1024
     """Distinct request ids one abort call may name (a 400 beyond)."""
     abort_broadcast_concurrency: int = 8
@@ -148,145 +123,91 @@ class ProxySettings:
     prefill_timeout: float = setting(
         300.0, "seconds the whole prefill hop may take; then the prefill worker is sent an abort and has "
                "2 s more to answer (a late answer's KV is taken, not stranded)")
-    """Whole prefill hop (a non-streaming call)."""
     decode_timeout: float = setting(600.0, "seconds a whole non-streaming decode hop may take")
-    """Whole non-streaming decode hop."""
     stream_idle_timeout: float = setting(120.0, "seconds a decode stream may stay silent")
-    """Longest gap between two reads of a decode stream."""
     connect_timeout: float = setting(5.0, "seconds to open a connection to a worker")
     upstream_keepalive_timeout: float = setting(
         4.0, "idle pooled connections to workers are dropped after this many seconds; keep it below the "
              "workers' keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)")
-    """How long an idle pooled connection to a worker is kept for reuse. Keep it below the workers'
-    own keep-alive (vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default). A pooled connection is
-    polled before reuse; one the worker closes just as a request goes out is sent again only after an
-    abort of its id (``proxy.upstream.client.Upstream.open``, ``pd_proxy_upstream_resends_total``)."""
+    """A pooled connection closed as a request goes out is resent only after an abort of its id."""
     upstream_max_connections_per_host: int = setting(
         512, "connections open to one worker at most, per process, for the generate hops and for the "
              "control calls each (0: no cap); a hop beyond it waits for a free one for up to "
              "--connect-timeout", metavar="N")
-    """Connections open to one worker at most, per process, for the generate hops and for the control
-    calls each (0: no cap). A generate hop beyond it waits for a free one for at most
-    ``connect_timeout``; a control call (abort, health probe) within its own timeout (aiohttp's
-    ``limit_per_host``)."""
     control_timeout: float = 5.0
     """Abort calls, KV releases and health probes."""
     abort_grace: float = 2.0
-    """After forwarding an abort to a decode worker, how long its stream may take to send
-    its final ``abort`` chunk before the proxy ends the client's stream itself; also the longest
-    wait between two repeats of an abort to a worker still running the hop."""
+    """How long an aborted decode stream may take to send its final ``abort`` chunk before the proxy
+    ends the client's stream itself; also the longest wait between two repeats of an abort."""
     abort_repeat_first: float = 0.05
-    """From an abort sent to a worker still running the hop to its first repeat (vLLM drops an
-    abort of a request it has not registered yet); each repeat after waits twice as long, up to
-    ``abort_grace`` (``Part.abort_until``)."""
+    """Wait before an abort's first repeat (vLLM drops an abort of a request it has not registered
+    yet); each repeat after waits twice as long, up to ``abort_grace``."""
     drain_timeout: float = setting(
         30.0, "on SIGTERM, seconds in-flight requests may take before they are ended")
-    """On shutdown, how long in-flight requests may take before they are ended."""
     local_prefill_interval: float = setting(
         15.0, "seconds between two scrapes of each decode worker's /metrics for the local-prefill alarm "
               "(hand-offs ignored, KV pulls failed); 0: off", metavar="S")
-    """Seconds between two scrapes of each decode worker's ``/metrics`` by the local-prefill alarm
-    (``proxy.observe.local_prefill``); 0 turns the alarm off (no scrape, nothing counted)."""
     lease_duration: float = setting(30.0, "the prefill workers' kv_lease_duration")
     """The prefill workers' ``kv_lease_duration`` (ledger expiry when nothing else closes it)."""
     ledger_recent: int = 512
     hold_between_hops: float = 0.0
-    """TEST ONLY: wait this long in the KV_HELD state (prefill done, decode not sent) so that
-    tests can open that window reliably. Never set it in production."""
+    """TEST ONLY: wait this long in KV_HELD (prefill done, decode not sent); never in production."""
     # ---- byte bounds, KV blocks, logs and tracing
     slow_reader_max_bytes: int = setting(
         1024 * 1024, "bytes held for one streaming client that does not read before its stream is ended "
                      "(and its decode worker aborted)")
-    """Bytes that may be held for one streaming client (queued, or in a write that has not
-    returned) before its stream is ended and its decode worker aborted."""
     slow_reader_total_bytes: int = setting(
         256 * 1024 * 1024, "bytes held for all streaming clients of a process together; past it the stream "
                            "holding the most is ended (0: no such budget)")
-    """Bytes that may be held for all streaming clients of the process together; past it the
-    stream holding the most is ended (as past its own cap). 0: no such budget."""
     max_upstream_body_bytes: int = setting(
         64 * 1024 * 1024, "largest body of a worker's non-stream 2xx answer; past it the hop fails at once "
                           "(502, the connection to the worker dropped)")
-    """Largest body of a worker's non-stream 2xx answer (a stream's events are bounded by
-    ``slow_reader_max_bytes`` each). 64 MiB holds a non-stream answer of about 48,000 tokens with
-    20 top logprobs each (vLLM writes about 1.3 KiB of JSON per such token); larger ones stream.
-    Past it the hop fails at once as the worker's protocol error (502, connection dropped)."""
+    """A stream's events are bounded by ``slow_reader_max_bytes`` each instead."""
     max_upstream_error_bytes: int = setting(
         1024 * 1024, "largest body of a worker's error (non-2xx) answer; past it the hop fails at once (502 "
                      "instead of the worker's answer)")
-    """Largest body of a worker's answer that is not 2xx: vLLM's error JSON is a few hundred
-    bytes. Past it the hop fails at once (502 instead of the worker's answer)."""
     max_upstream_header_bytes: int = setting(
         64 * 1024, "largest head of a worker's answer (status line, headers, trailer); past it the hop "
                    "fails at once (502)")
-    """Largest head of a worker's answer (status line and headers, interim answers and a chunked
-    body's trailer included). Past it the hop fails at once (502)."""
     kv_block_size: int | None = setting(
         None, "override the workers' KV block size for all of them (default: each worker's own, read from "
               "vllm:cache_config_info on its /metrics; 16 until known)", metavar="TOKENS")
-    """The workers' KV block size for every worker (vLLM GPU: 16, CPU: 128); None: each worker's
-    own, read from its ``/metrics`` (``proxy.pools.blocks``). It sets the short-prompt bypass, the
-    prefix key, the preflight's prompt, and which prompts count in
-    ``pd_proxy_suspect_no_transfer_total`` (at least one block, and no transfer seen)."""
     max_model_len: int | None = setting(
         None, "override the workers' model length for all of them (default: each worker's own, read from "
               "max_model_len on its GET /v1/models; unknown until read)", metavar="TOKENS")
-    """The workers' model length (prompt and output tokens) for every worker; None: each worker's
-    own, read from its ``GET /v1/models`` (``proxy.pools.blocks``). A stream whose prompt leaves
-    room for one token only ends at the prefill worker's token (``proxy.stream.first_stream``)."""
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
-    """The root logger's level, set by ``pd-proxy`` at start-up."""
     log_format: LogFormat = setting("text", "format of the one access line per request (logger "
                                             "pd_proxy.access)")
-    """The per-request access line (logger ``pd_proxy.access``): ``key=value`` text or JSON."""
     otel: bool = setting(False, "OpenTelemetry spans per hop, traceparent sent to the workers "
                                 "(pd-proxy[otel]; exporter from OTEL_TRACES_EXPORTER, "
                                 "OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
-    """OpenTelemetry spans per hop, ``traceparent`` sent to the workers (``proxy.observe.tracing``; needs
-    the ``otel`` extra; exporter and endpoint from the standard ``OTEL_*`` variables)."""
     # ---- what a client may take
     slow_reader_timeout: float = setting(
         30.0, "seconds a write to a streaming client may block (it stopped reading) before its connection "
               "is closed")
-    """A write to a streaming client that does not complete within this many seconds (it stopped
-    reading) closes its connection; the decode worker is aborted."""
     max_body_bytes: int = setting(16 * 1024 * 1024, "largest request body accepted (413 beyond it)")
-    """Largest request body accepted (413 in vLLM's shape beyond it; ``proxy.http.limits``)."""
     max_prompt_tokens: int = setting(1 << 20, "a longer token_ids is a 400 before any hop (0: no limit)",
                                      metavar="N")
-    """A longer ``token_ids`` is a 400 (param ``token_ids``) before any hop; 0: no limit. Bodies over
-    1 MiB are parsed in slices (``proxy.wire.large_body``), so the count is known early."""
     body_timeout: float = setting(30.0, "seconds a request body may take to arrive (408 beyond it)")
-    """A request body must arrive within this many seconds once its headers did (else 408)."""
     header_timeout: float = setting(
         30.0, "seconds a connection may take to send a request head (and idle keep-alive)")
-    """A connection must send a complete request head within this many seconds of opening (or of
-    its previous response), else it is closed: aiohttp's server keep-alive timer (``proxy.http.limits``)."""
     # ---- TLS
     tls_cert_file: str | None = setting(None, "serve HTTPS with this certificate (PEM)")
-    """Serve HTTPS with this certificate chain (PEM); ``tls_key_file`` its key (``proxy.http.tls``)."""
     tls_key_file: str | None = setting(None, "the key of --tls-cert-file (PEM)")
     upstream_ca_file: str | None = setting(
         None, "verify https:// workers against this CA bundle (default: the system's)")
-    """Verify ``https://`` workers against this CA bundle instead of the system's."""
     upstream_cert_file: str | None = setting(
         None, "client certificate for https:// workers behind mutual TLS (PEM)")
-    """Client certificate (PEM) presented to ``https://`` workers behind mutual TLS."""
     upstream_key_file: str | None = setting(None, "the key of --upstream-cert-file (PEM)")
     # ---- not flags
     extra_health_info: dict[str, str] = field(default_factory=dict)
     pools: PoolSettings = field(default_factory=PoolSettings)
-    """Routing policies, health, admission, retries, migration, bypass (``proxy.pools``)."""
 
     def longest_decode_hop(self) -> float:
-        """The longest a decode hop may run before it ends by its own limits (seconds): its
-        timeout or a stream's idle gap, and the abort's grace after it."""
         return max(self.decode_timeout, self.stream_idle_timeout) + self.abort_grace
 
     def longest_request(self) -> float:
-        """The longest a request may take under the proxy's timeouts (seconds): a queue wait, the
-        prefill hop and the decode hop (or a stream's idle gap), or the longest deadline. Streams
-        may run longer (only their gaps are bounded); the histograms' buckets cover this much."""
+        """The longest a request may take under the timeouts (seconds); a stream only bounds its gaps."""
         p = self.pools
         walk = p.queue_timeout + self.prefill_timeout + max(self.decode_timeout, self.stream_idle_timeout)
         deadlines = [ms / 1000.0 for ms in (p.deadline_default_ms, p.deadline_max_ms) if ms is not None]

@@ -1,8 +1,5 @@
-"""The settings' table: each field of ``ProxySettings`` and ``PoolSettings`` declared with
-``setting(...)`` (``proxy.pools.setting``) is one row. From the rows come the parser's flags (and so
-the keys of a ``--config`` file, the long flag names), the secrets a config file may not hold, the
-environment variables read, ``--help`` with each default, and the settings built from the parsed
-values (``settings_from_args``). Adding a setting is adding a field."""
+"""The settings' table: each ``setting(...)`` field of ``ProxySettings`` and ``PoolSettings`` is one
+row, from which come the flags, config keys, secrets, environment variables and the settings."""
 
 from __future__ import annotations
 
@@ -19,12 +16,10 @@ from proxy.pools.setting import Flag, flag_of
 
 Kind = Literal["switch", "off-switch", "on-off", "list", "value"]
 POOLS_GROUP = "pools"
-"""``--help``'s group of ``PoolSettings``' flags."""
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One setting: the dataclass holding it, its field's name, type and default, and its ``Flag``."""
 
     owner: type
     name: str
@@ -65,25 +60,21 @@ def rows(owner: type) -> tuple[Row, ...]:
 
 
 def table() -> tuple[Row, ...]:
-    """Every setting: ``ProxySettings``' then ``PoolSettings``'."""
     return (*rows(ProxySettings), *rows(PoolSettings))
 
 
 def _plain(hint: Any) -> Any:
-    """``X`` of ``X | None``."""
     if get_origin(hint) in (Union, types.UnionType):
         return next(t for t in get_args(hint) if t is not type(None))
     return hint
 
 
 def on_off(value: str) -> str:
-    """``on``/``off``; a config file's YAML reads a bare ``on`` as true (``config_file`` passes
-    ``true``), so true/false are taken as on/off."""
+    """A config file's YAML reads a bare ``on`` as true, so true/false are taken as on/off."""
     return {"true": "on", "false": "off"}.get(value.lower(), value.lower())
 
 
 def argument(row: Row) -> dict[str, Any]:
-    """``add_argument``'s keywords for a row (its flag aside)."""
     s = row.spec
     kw: dict[str, Any] = {"dest": row.name,
                           "help": s.help if s.help == argparse.SUPPRESS else s.help.replace("%", "%%")}
@@ -107,8 +98,7 @@ def argument(row: Row) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every setting's flag (and key file flag): ``ProxySettings``' first, then ``PoolSettings``' in
-    their own group."""
+    """Every setting's flag; ``PoolSettings``' in their own group."""
     pools = parser.add_argument_group(POOLS_GROUP)
     for row in table():
         target = pools if row.owner is PoolSettings else parser
@@ -119,7 +109,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def value(row: Row, a: argparse.Namespace, env: Mapping[str, str]) -> Any:
-    """The field's value from the parsed flags (``a``) and the environment."""
     s = row.spec
     if s.resolve is not None:
         return s.resolve(a, env)
@@ -135,20 +124,17 @@ def value(row: Row, a: argparse.Namespace, env: Mapping[str, str]) -> Any:
 
 
 def settings_from_args(a: argparse.Namespace, env: Mapping[str, str]) -> ProxySettings:
-    """The settings from the parsed flags and the environment. ``ValueError`` for a bad value
-    (what a setting's ``resolve`` or the dataclasses refuse)."""
+    """The settings from the parsed flags and the environment; ``ValueError`` for a bad value."""
     proxy = {row.name: value(row, a, env) for row in rows(ProxySettings)}
     pools = PoolSettings(**{row.name: value(row, a, env) for row in rows(PoolSettings)})
     return ProxySettings(**proxy, pools=pools)
 
 
 def secret_keys() -> dict[str, str]:
-    """The config file's keys that are secrets, each with where it comes from instead."""
     return {row.key: row.instead for row in table() if row.spec.secret}
 
 
 def secret_flags() -> tuple[tuple[str, str], ...]:
-    """Flags that take a secret on the command line (``ps`` shows it), each with where it belongs
-    instead; a hidden one is refused outright."""
+    """Flags that take a secret on the command line, each with where it belongs instead."""
     return tuple((row.option, row.instead) for row in table()
                  if row.spec.secret and row.spec.help != argparse.SUPPRESS)

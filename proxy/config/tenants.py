@@ -1,18 +1,5 @@
-"""Client keys and tenants.
-
-Each client API key is a tenant (``--api-key`` repeated, ``--api-key-file``, or the
-``PD_PROXY_API_KEY``/``PD_PROXY_API_KEYS`` variables, so keys stay out of ``ps``). A tenant only
-ever reaches its own requests: with two or more keys the workers know each request by
-``<tag>~<id>`` (``proxy.wire.ids``), so an abort by id, and the broadcast of an id this process does
-not know, act on the caller's requests only. One key (or none) keeps vLLM's behaviour exactly:
-ids go to the workers as the client sent them.
-
-A key is checked against every configured key in constant time: the SHA-256 digests of the
-presented and each configured key are compared with ``hmac.compare_digest``, every key each
-time, so neither the time nor the answer depends on how much of a key matched or on its length.
-The tag is derived from the key (a hash), the same in every process and replica that has the
-key, and never the key itself.
-"""
+"""Client keys and tenants: a tenant only reaches its own requests (``<tag>~<id>`` on the workers
+with two or more keys, ``proxy.wire.ids``); keys are checked in constant time."""
 
 from __future__ import annotations
 
@@ -66,7 +53,6 @@ class Tenants:
 
     @property
     def enabled(self) -> bool:
-        """At least one key: ``/inference/*`` needs one."""
         return bool(self._entries)
 
     @property
@@ -77,7 +63,6 @@ class Tenants:
         return len(self._entries)
 
     def identify(self, authorization: str | None) -> Tenant | None:
-        """The tenant whose key an ``Authorization: Bearer <key>`` header carries, else ``None``."""
         if not authorization:
             return None
         scheme, _, param = authorization.partition(" ")

@@ -1,20 +1,8 @@
-"""The prefill workers' KV-cache events (``--kv-events``), followed for the ``kv_events`` policy.
-
-One task per prefill worker subscribes (ZMQ SUB) to the worker's publisher (vLLM's
-``--kv-events-config``; wire: ``kv_transfer.kv_events``) and keeps a :class:`BlockIndex` of what
-the worker holds. The index is kept a subset of the worker's cache:
-
-* batches are applied in ``seq`` order; a batch after a gap asks the replay socket for the
-  missing ones, and when it cannot give all of them the index is dropped and built again from
-  that batch on (any contiguous run of batches applied to an empty index is a subset);
-* a ``seq`` lower than expected (not a replayed batch seen again) is a restarted worker, and so
-  is a lost connection (the socket's monitor) or a failed health probe: the index is dropped;
-* a worker given a prefill whose blocks it did not hold must announce them; when no batch has
-  come ``stale_after`` seconds after such a prefill was sent, the worker counts as unknown
-  (vLLM publishes only on change: a quiet worker that was sent nothing new is not stale).
-
-A worker nothing is known of (no endpoint, not connected, stale) is routed by the fallback.
-"""
+"""The prefill workers' KV-cache events (``--kv-events``), followed for the ``kv_events`` policy:
+one task per worker subscribes to its publisher and keeps a :class:`BlockIndex`, always a subset of
+the worker's cache. Batches apply in ``seq`` order; a gap the replay cannot fill, a lower ``seq``, a
+lost connection or a failed probe drops the index. A worker sent a prefill of new blocks that
+announces nothing within ``stale_after`` counts as unknown and is routed by the fallback."""
 
 from __future__ import annotations
 
@@ -44,7 +32,7 @@ __all__ = ["KvEventsHub", "KvSource", "kv_sources"]
 REPLAY_TIMEOUT: Final = 2.0
 """Seconds a replay may go without a message before it counts as failed."""
 MAX_REPLAY: Final = 100_000
-"""The most batches one replay reads (vLLM buffers 10 000 by default)."""
+"""The most batches one replay reads."""
 RETRY_DELAY: Final = 1.0
 
 
@@ -74,8 +62,7 @@ def _digest(payload: bytes) -> bytes:
 
 
 class KvEventsHub:
-    """Every prefill worker's feed (``sources`` by worker URL), the ``kv_events`` policy's
-    :class:`~proxy.pools.policies.KvKnowledge`."""
+    """Every prefill worker's feed, the ``kv_events`` policy's :class:`~proxy.pools.policies.KvKnowledge`."""
 
     def __init__(self, sources: Mapping[str, KvSource], *, max_blocks: int = 100_000,
                  stale_after: float = 30.0, metrics: KvEventsMetrics | None = None,
@@ -182,8 +169,7 @@ class KvEventsHub:
         return True
 
     async def sync(self, url: str) -> None:
-        """A new connection: whatever the worker held is unknown; learn what its replay buffer
-        still gives (from its first batch on, when it has them all)."""
+        """A new connection: what the worker held is unknown; learn what its replay buffer still gives."""
         feed = self.feeds[url]
         self._reset(url, feed, "connect")
         if feed.source.replay is None:
@@ -203,8 +189,7 @@ class KvEventsHub:
         return self._ctx
 
     async def replay(self, source: KvSource, start: int) -> list[tuple[int, bytes, KVEventBatch]] | None:
-        """Every buffered batch from ``start`` on, or None when the replay socket does not answer
-        in time or answers something else."""
+        """Every buffered batch from ``start`` on; None when the replay socket fails to answer in time."""
         assert source.replay is not None
         dealer = self.context().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)

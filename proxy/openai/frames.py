@@ -1,13 +1,5 @@
-"""OpenAI answers in the shapes of vLLM 0.32's aggregated server, built from generate answers.
-
-Pure. ``Framer`` turns a text-mode generate stream (``output_mode: "text"``) into the aggregated
-``/v1/chat/completions`` or ``/v1/completions`` stream, event by event: the role chunk first
-(chat), one chunk per generate chunk (chat: only those with text, logprobs or an end, as vLLM skips
-tokens that give no text yet), the finish chunk with ``stop_reason``, the usage chunk when asked
-for, ``[DONE]``; in-band errors and comments as they are. ``full_answer`` is the non-stream answer.
-The generate chunk's text is the aggregated server's own (one engine, one detokenizer, the stop
-strings held back by the same ``output_text_buffer_length``), so no token is decoded here.
-"""
+"""OpenAI answers in the shapes of vLLM's aggregated server, built from text-mode generate answers
+(pure). The generate text is the aggregated server's own, so no token is decoded here."""
 
 from __future__ import annotations
 
@@ -24,9 +16,7 @@ DONE_PAYLOAD = b"[DONE]"
 
 @dataclass(slots=True)
 class Answer:
-    """What the client's answer needs besides the generate answer: its id (render's), ``model``
-    (the client's, else the served model's), the request's ``n``, ``include_usage``,
-    ``return_token_ids``, and chat or completions."""
+    """What the client's answer needs besides the generate answer: id, model, ``n``, usage, chat or not."""
 
     rid: str
     model: str | None
@@ -63,12 +53,10 @@ class Framer:
         self._head = {"id": answer.rid, "object": obj, "created": answer.created, "model": answer.model}
 
     def feed(self, data: bytes, *, last: bool = False) -> bytes:
-        """The client's bytes for ``data`` (any split of the generate stream's bytes; ``last``:
-        the stream's end)."""
+        """The client's bytes for ``data`` (any split of the generate stream; ``last``: its end)."""
         return self.start() + b"".join(self.event(e) for e in self.split(data, last=last))
 
     def start(self) -> bytes:
-        """Once, before anything else: the role chunk (chat)."""
         if self._started:
             return b""
         self._started = True
@@ -109,16 +97,15 @@ class Framer:
                       "system_fingerprint": self.a.fingerprint})
 
     def choice_chunk(self, c: dict[str, Any]) -> bytes:
-        """One generate choice (text mode) as the client's chunk; nothing for a chat token that
-        gave no text, no logprobs and no end."""
+        """One generate choice as the client's chunk; nothing for a chat token that gave no text, no
+        logprobs and no end (as vLLM)."""
         return self.framed(int(c.get("index") or 0), c.get("text") or "", logprobs=c.get("logprobs"),
                            finish=c.get("finish_reason"), stop_reason=c.get("stop_reason"),
                            token_ids=c.get("token_ids"))
 
     def framed(self, index: int, text: str, *, logprobs: Any, finish: Any, stop_reason: Any,
                token_ids: Any, extra: dict[str, Any] | None = None) -> bytes:
-        """A choice's chunk as the aggregated server writes it (``extra``: more delta keys, such as
-        a tool call, from a derendered chunk)."""
+        """A choice's chunk as the aggregated server writes it (``extra``: more delta keys)."""
         choice: dict[str, Any]
         if self.a.chat:
             delta: dict[str, Any] = {"content": text} if text else {}

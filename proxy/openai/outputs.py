@@ -1,12 +1,5 @@
-"""The two ways a generate answer becomes the client's OpenAI answer.
-
-* Text (``TextStream``, ``frames.full_answer``): the hops ran with ``output_mode: "text"``; each
-  generate chunk is framed as the aggregated server frames it, no call to any worker.
-* Derender (``DerenderStream``, ``derender_full``): the hops ran in tokens mode; each generate
-  chunk (one call per chunk and choice, the ``stream_state`` carried per choice) or the whole
-  answer is derendered on the worker that rendered it, then framed the same way. For what only a
-  worker can decode: tool and reasoning parsers, completions' logprobs, pools without a tokenizer.
-"""
+"""The two ways a generate answer becomes OpenAI's: text-mode hops framed as they are
+(``TextStream``), or tokens-mode hops derendered on the worker that rendered them (``DerenderStream``)."""
 
 from __future__ import annotations
 
@@ -33,9 +26,8 @@ class TextStream(StreamOutput):
 
 
 class Derendering:
-    """What a derender call needs besides the generate answer: the worker that rendered the
-    request, the prompt's ids (``prompt_tokens`` is their count: derender counts 0 without it),
-    the client's body (a parser may need it)."""
+    """The rendering worker, the prompt's ids (derender counts 0 prompt tokens without them) and the
+    client's body."""
 
     def __init__(self, workers: TokenizerWorkers, worker: str, a: Answer, *, prompt: list[int],
                  client_body: dict[str, Any], sampling: dict[str, Any]) -> None:
@@ -56,9 +48,8 @@ class Derendering:
 
 
 def cut_at_stop(text: str, finish: Any, stop_reason: Any, include: bool) -> str:
-    """Derender decodes every output token, the one holding a matched stop string included; the
-    aggregated server's text ends before the stop string (unless ``include_stop_str_in_output``).
-    Generation ended at the string's first occurrence, so the text is cut there."""
+    """The aggregated server's text ends before a matched stop string (unless
+    ``include_stop_str_in_output``); derender decodes it, so the text is cut at its first occurrence."""
     if finish == "stop" and isinstance(stop_reason, str) and stop_reason and not include:
         at = text.find(stop_reason)
         if at >= 0:
@@ -67,8 +58,7 @@ def cut_at_stop(text: str, finish: Any, stop_reason: Any, include: bool) -> str:
 
 
 def _hold(sp: dict[str, Any]) -> int:
-    """Characters held back in a derendered stream: the longest stop string's length less one (the
-    engine's ``output_text_buffer_length``), so that no part of a matched stop string is sent."""
+    """Characters held back in a derendered stream so that no part of a matched stop string is sent."""
     stop = sp.get("stop") or []
     if sp.get("include_stop_str_in_output") or not isinstance(stop, list):
         return 0
@@ -98,8 +88,7 @@ async def derender_full(d: Derendering, gen: dict[str, Any]) -> dict[str, Any]:
 
 
 class DerenderStream(StreamOutput):
-    """A tokens-mode generate stream derendered chunk by chunk, framed as the aggregated server's.
-    A derender that fails ends the client's stream with an in-band error; what follows is dropped."""
+    """A tokens-mode generate stream derendered chunk by chunk; a failed derender ends it in-band."""
 
     def __init__(self, d: Derendering) -> None:
         self.d = d

@@ -1,12 +1,5 @@
-"""OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` through the P/D split.
-
-One request: the client's body is rendered on a tokenizer worker (``proxy.openai.workers``; its
-errors are the client's answer, as they are); the rendered GenerateRequest goes through the walk
-of ``/inference/v1/generate`` (the same prefill and decode hops, aborts, migration, leases and
-metrics), under render's id (``chatcmpl-...`` / ``cmpl-...``, which the abort endpoint takes); the
-generate answer becomes OpenAI's (``proxy.openai.outputs``). The render, derender and
-``/v1/models`` calls themselves are passed through to a tokenizer worker unchanged.
-"""
+"""OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` through the P/D split: rendered on a
+tokenizer worker, walked as ``/inference/v1/generate`` under render's id, answered in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -38,7 +31,6 @@ POST_PATHS = (CHAT_PATH, COMPLETIONS_PATH, *PASS_THROUGH)
 
 
 class Walk(Protocol):
-    """The generate walk (``proxy.http.serving.Serving.generate_body``)."""
 
     def __call__(self, request: web.Request, body: bytes | bytearray, content_type: str, t0: float, *,
                  tenant: Tenant = OPEN, client_id: str | None = None) -> Awaitable[web.StreamResponse]: ...
@@ -74,7 +66,6 @@ def _client_headers(request: web.Request) -> list[tuple[str, str]]:
 
 
 class OpenAIRoutes:
-    """The OpenAI routes' handlers; ``walk`` is the generate walk."""
 
     def __init__(self, core: Core, walk: Walk, clock: Callable[[], float] = time.monotonic) -> None:
         self.core, self.walk, self.clock = core, walk, clock

@@ -1,9 +1,5 @@
-"""The tokenizer workers of the OpenAI routes: render, derender, ``/v1/models``, pass-through calls.
-
-They are the workers of one pool (``--render-pool``, decode by default), taken in turn among those
-available; a worker that cannot be reached is skipped for the next (each tried once per call).
-Every call is bounded (``--prefill-timeout``: a render is a prompt's tokenization).
-"""
+"""The render pool's workers (render, derender, ``/v1/models``, pass-through), taken in turn; an
+unreachable one is skipped (each tried once per call), and every call is bounded."""
 
 from __future__ import annotations
 
@@ -46,7 +42,7 @@ class TokenizerWorkers:
         """A worker's served model name (its ``/v1/models``), for answers to requests without one."""
 
     def order(self) -> list[Worker]:
-        """The pool's available workers (all of them when none is), starting at the next in turn."""
+        """The pool's available workers (all when none is), starting at the next in turn."""
         workers = [w for w in self.pool if w.available] or list(self.pool)
         if not workers:
             return []
@@ -65,8 +61,8 @@ class TokenizerWorkers:
     async def call(self, method: str, path: str, body: bytes | None = None, *,
                    content_type: str | None = None, headers: Iterable[tuple[str, str]] = (),
                    worker: str | None = None) -> Reply:
-        """``method path`` on ``worker``, else on the pool's workers in turn until one answers.
-        Raises ``UpstreamUnavailable`` (502) when none does, ``UpstreamTimeout`` (504)."""
+        """``method path`` on ``worker``, else on the pool's workers in turn until one answers; 502 when
+        none does, 504 on timeout."""
         urls = [worker] if worker is not None else [w.url for w in self.order()]
         if not urls:
             raise UpstreamUnavailable("render", self.pool.name, "no worker in the pool")

@@ -1,16 +1,7 @@
-"""What one prefill worker holds in its prefix cache, from its own KV-cache events
-(``kv_transfer.kv_events``), keyed so that the proxy can look a prompt up.
-
-vLLM names a block by a hash that depends on the worker's hash seed (``PYTHONHASHSEED`` /
-``--prefix-caching-hash-algo``), so the proxy cannot compute it. Each stored block is keyed
-instead by its *chain key*: the hash of its parent's chain key, its token ids, its extra keys (the
-cache salt, multimodal hashes) and its LoRA, the same for every worker and every replica. The
-index keeps vLLM's hash -> chain key per worker so that ``BlockRemoved`` finds what it names.
-
-Applying any contiguous run of a worker's batches to an *empty* index gives a subset of what the
-worker holds (a block whose parent is unknown is left out; a removal of an unknown hash is
-ignored): a caller that missed batches drops the index and starts again from the next one.
-"""
+"""What one prefill worker holds in its prefix cache, from its KV-cache events. vLLM's block hash
+depends on the worker's hash seed, so each block is keyed by its *chain key* (parent's chain key,
+tokens, extra keys, LoRA), the same on every worker; vLLM's hash -> chain key is kept for removals.
+Any contiguous run of batches applied to an empty index gives a subset of what the worker holds."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """The streamed decode: D's stream read into a buffer by a producer task (retried before its first
-byte, migrated to another decode worker when it breaks later), and relayed to the client by the
-handler (``proxy.stream.client_relay``), bounded for slow readers. What D sends is handled in the
-loop turn it arrives in, from the hop connection (the producer waits once an attempt,
-``proxy.stream.read``), and the handler's relay writes what has queued.
-"""
+byte, migrated when it breaks later) and relayed to the client by the handler, bounded."""
 
 from __future__ import annotations
 
@@ -35,8 +31,7 @@ log = logging.getLogger("pd_proxy")
 
 
 class StreamDecode(Part):
-    """A streamed decode: the producer task (``produce``: attempts, retries, migration) and the
-    handler's part (``decode``), which relays to the client through ``ClientRelay``."""
+    """A streamed decode: the producer task (``produce``) and the handler's part (``decode``)."""
 
     def __init__(self, core: Core, engine: DecodeEngine, aborts: Aborts, cleanup: Cleanup,
                  prefill: Prefill) -> None:
@@ -50,8 +45,7 @@ class StreamDecode(Part):
 
     async def decode(self, request: web.Request, f: Flight, worker: Worker,
                      body: dict[str, Any], opened: web.StreamResponse | None = None) -> web.StreamResponse:
-        """``opened``: the client's stream, already open with P's token (``proxy.stream.first_stream``):
-        D's stream follows it; a failure before D's first event then ends in-band."""
+        """``opened``: the client's stream, already open with P's token; a failure then ends in-band."""
         loop = self.tracker.loop
         buffer = f.buffer = StreamBuffer(self.settings.slow_reader_max_bytes, self.core.stream_budget, loop)
         try:
@@ -71,42 +65,32 @@ class StreamDecode(Part):
                 self.cleanup.after_decode_error(f, e)
                 self.core.set_done(f)
                 raise
-            # D answered: the headers go at once (the client learns its request was taken)
             resp = event_stream(request, f.headers, headers_with_first_write=False)
             await resp.prepare(request)
             try:
                 await self.client.relay(request, f, resp, buffer)
             except ConnectionResetError:
-                # The client went away mid-stream: return quietly (aiohttp ignores the failed
-                # write_eof); the clean-up aborts D because the state is still DECODING.
+                # The client went away: the clean-up aborts D, as the state is still DECODING.
                 self.core.note_abort(f, "shutdown" if self.draining else "disconnect")
             return resp
         finally:
             buffer.discard()  # nothing more goes to this client: its bytes leave the budget
 
     def _crashed(self, f: Flight, buffer: StreamBuffer, exc: Exception) -> None:
-        """The producer raised ``exc`` (a bug: every failure it expects ends the client's answer
-        in ``produce``). Left so, the handler would wait forever, for D's answer
-        (``headers_ready``) or in the relay's ``take``, and the request stay in the table until
-        the client leaves. Its client is answered as after any unexpected error: a generic 500
-        when nothing was sent yet (the handler raises it: ``proxy.wire.errors.answer_error`` logs it),
-        else the proxy's in-band error event; when the handler already answered an abort and
-        left (``abandoned``), the clean-up logs it. The phase stays DECODING: the clean-up aborts
-        D and closes P's lease (``Cleanup.run``, which also retrieves the exception)."""
+        """The producer raised ``exc`` (a bug): its client is answered as after any unexpected error (else
+        the handler waits forever); the clean-up then aborts D and closes P's lease."""
         f.settled.set()  # nothing else will: the clean-up waits on it while it aborts D
         f.crash()
         ready = f.headers_ready
-        if f.first is None and ready is not None and not ready.done():  # no stream opened yet
+        if f.first is None and ready is not None and not ready.done():
             ready.set_exception(exc)  # the handler's, or the clean-up's when it left (``abandoned``)
             return
-        # The client's stream is open (D answered, or P's token went first): the error goes
-        # in-band, never quoting the exception (its message may quote the request).
+        # The stream is open: the error goes in-band, never quoting the exception.
         log_unexpected(exc, "reading a decode stream")
         if not buffer.closed:
             buffer.finish(done=False, error=ProxyError("Internal server error").sse_event())
 
     async def produce(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
-        """The producer task: ``attempts``, its client answered if it raises (``_crashed``)."""
         try:
             await self.attempts(f, worker, body, buffer)
         except Exception as e:
@@ -116,12 +100,8 @@ class StreamDecode(Part):
             f.settled.set()  # its last hop ended, however (the clean-up's repeated aborts stop)
 
     async def attempts(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer) -> None:
-        """Read D's stream into ``buffer`` (never blocks on the client).
-
-        Before D's first byte, a failed open goes to another decode worker (``DecodeAttempts``).
-        A stream that breaks later (the worker died, reset, or sent an error event) continues on
-        another decode worker as a continuation (``proxy.pools.migration``) when the request
-        allows it: the client's stream goes on with no visible seam."""
+        """Read D's stream into ``buffer`` (never blocks on the client); a failed open goes to another
+        decode worker, a stream that breaks later goes on elsewhere as a continuation."""
         assert f.headers_ready is not None
         follower = (StreamFollower(f.data, f.request.output_mode)
                     if self.pools.settings.migrate and migration_blocker(f.data) is None else None)
@@ -137,8 +117,7 @@ class StreamDecode(Part):
             if status is Status.CLOSED:
                 return
             if status is Status.MISMATCH:
-                # D's token 1 is not the one the client has from P: go on from prompt + P's
-                # token (a continuation), never relaying D's contradicting token.
+                # D's token 1 is not the client's from P: go on from prompt + P's token, never relaying D's.
                 assert f.first_filter is not None
                 f.first_filter.clear()
                 self.metrics.first_token_mismatch.inc()
@@ -148,23 +127,19 @@ class StreamDecode(Part):
                     return
                 continue
             if status is Status.KV_FAILED or (status is Status.OPEN_FAILED and not f.headers_ready.done()):
-                # Nothing reached the client yet: another decode worker may take the same body
-                # (P's KV while its lease holds), as before D's first byte; when those retries
-                # are spent on an ambiguous failure, one last attempt goes decode-only.
+                # Nothing reached the client yet: retried as before D's first byte.
                 assert exc is not None
                 if not await self._retry(f, tries, buffer, status=status, error=error, exc=exc):
                     return
             elif not await self._migrate(f, tries, buffer, follower, status=status, error=error):
                 if status is Status.OPEN_FAILED and exc is not None:
-                    # A continuation's hop that failed to open, not migrated again: the KV P
-                    # holds for it is released (the first hop's failures go through ``_retry``).
+                    # A continuation's hop failed to open: the KV P holds for it is released.
                     self.cleanup.after_decode_error(f, exc)
                 return
 
     async def _attempt(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer,
                        follower: StreamFollower | None) -> tuple[Status, bytes | None, UpstreamError | None]:
-        """One attempt (``once``) in its span; its worker released with the outcome it earned
-        (neutral when the attempt raised: it was cancelled, or the proxy has a bug)."""
+        """One attempt in its span; its worker released with the outcome it earned (neutral if it raised)."""
         w = tries.worker
         status, error, exc = Status.BROKEN, None, None
         raised = True
@@ -184,25 +159,23 @@ class StreamDecode(Part):
             elif status is Status.DONE:
                 tries.answered()
             else:
-                tries.suspect = None  # the retry ended otherwise: it tells nothing about the first
+                tries.suspect = None
             self.decode_pool.release(w, outcome, f.ctx.tokens)
         return status, error, exc
 
     async def _retry(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer, *, status: Status,
                      error: bytes | None, exc: UpstreamError) -> bool:
-        """The attempt failed before anything reached the client: True when another follows;
-        else the client gets the failure (an error answer, or an error event)."""
+        """A failure before anything reached the client: True when another attempt follows."""
         assert f.headers_ready is not None
         try:
             if await tries.next(exc):
                 return True
         except UpstreamError:
-            pass  # no worker left to take it
+            pass
         f.settled.set()
-        # P's KV is released here, whoever hears of the failure (the handler may have gone:
-        # a client that left, or one answered an abort, awaits nothing of this producer).
+        # P's KV is released here: the handler may have gone.
         self.cleanup.after_decode_error(f, exc)
-        if status is Status.OPEN_FAILED and f.first is None:  # no stream opened yet: the handler's answer
+        if status is Status.OPEN_FAILED and f.first is None:
             f.headers_ready.set_exception(exc)
         else:
             self.end_with_error(f, buffer, error, exc.message)
@@ -210,8 +183,7 @@ class StreamDecode(Part):
 
     async def _migrate(self, f: Flight, tries: DecodeAttempts, buffer: StreamBuffer,
                        follower: StreamFollower | None, *, status: Status, error: bytes | None) -> bool:
-        """The stream broke after D's first byte: True when it goes on elsewhere (a continuation
-        on another decode worker); else the client's stream ends, with the error when any."""
+        """The stream broke after D's first byte: True when it goes on as a continuation elsewhere."""
         record, rt, w = f.record, self.pools, tries.worker
         if status is not Status.PROTOCOL and follower is not None and not record.is_aborted \
                 and not buffer.closed and follower.migrations < rt.settings.max_migrations \
@@ -234,13 +206,11 @@ class StreamDecode(Part):
             except BaseException:  # cancelled (the client left): ``w`` was taken for nothing
                 self.decode_pool.release(w, Outcome.NEUTRAL, f.ctx.tokens)
                 raise
-            # The next worker must register the continuation before its connection may be
-            # closed (its KV is P's again): what settled the last one says nothing of it.
+            # The next worker must register the continuation before its connection may close.
             f.settled.clear()
-            self.core.decoding(f)  # the continuation's KV, when P holds some
+            self.core.decoding(f)
             if f.first_filter is not None:
-                # The continuation starts after the tokens the client has, P's token among them
-                # (D broke before its token 1 was checked): no token 1 to take out of it.
+                # The continuation starts after the tokens the client has: no token 1 to take out.
                 f.first_filter.clear()
             tries.move(w, body)
             rt.count_migration()
@@ -256,8 +226,7 @@ class StreamDecode(Part):
         return False
 
     def end_with_error(self, f: Flight, buffer: StreamBuffer, error: bytes | None, why: str) -> None:
-        """End the client's stream with D's error event (or the proxy's): logged, so that a
-        client-visible stream error can be followed (ids, workers and reasons only)."""
+        """End the client's stream with an error event, logged (ids, workers and reasons only)."""
         if not buffer.closed:
             log.warning("request %s: stream ended with an error: %s", f.record.engine_id, why)
         buffer.finish(done=False, error=error)

@@ -1,8 +1,5 @@
-"""The handler's relay of a decode stream to its client: the buffer's events written as they
-queue, bounded for slow readers, the stream's end (with the Server-Timing comment when asked),
-and what the client saw measured (TTFT, ITL, the stages after D's first token, TPOT). The
-producer that fills the buffer is ``proxy.stream.answer``'s.
-"""
+"""The handler's relay of a decode stream to its client: writes bounded for slow readers, the
+stream's end, and what the client saw measured (TTFT, ITL, TPOT)."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ from proxy.wire.errors import StreamOverflow
 
 
 class _Writes:
-    """A stream's writes to its client so far: the first and the last (P's token, when it went
-    first, is both at the start); the gaps between them go to the ITL histogram (``itl``)."""
+    """A stream's first and last writes; the gaps between them go to the ITL histogram."""
 
     __slots__ = ("first", "itl", "last")
 
@@ -30,32 +26,26 @@ class _Writes:
 
 
 class ClientRelay(Part):
-    """Relays one stream's buffer to its client (``relay``), every write bounded
-    (``write_client``)."""
+    """Relays one stream's buffer to its client, every write bounded."""
 
     def _wrote(self, f: Flight, w: _Writes, now: float) -> None:
-        """A write to the client at ``now``: the first one's TTFT, the gaps between the others."""
         if w.last is None:
             w.first = now
             self.metrics.ttft.observe(now - f.timing.received)
         else:
             w.itl.observe(now - w.last)
             if f.timing.second_write is None and f.timing.first_write is not None:
-                self._second_write(f, now)  # once per stream, only after P's token
+                self._second_write(f, now)
         w.last = now
 
     async def _pump(self, request: web.Request, f: Flight, resp: web.StreamResponse, buffer: StreamBuffer,
                     w: _Writes) -> bytes:
-        """The buffer's events to the client until D's stream ends; the events taken with the end
-        and not written: they go out with the stream's end (one write for the last events,
-        ``[DONE]`` and the chunked end), counted as written now."""
+        """The buffer's events to the client until D's stream ends; returns the last events, which go out
+        with the end in one write."""
         transport = request.transport
-        # A write that leaves the transport's buffer at or below its high-water mark cannot pause
-        # writing, so it cannot block: it needs no timer (profiled: the per-write timeout was the
-        # relay loop's largest cost of its own).
+        # A write that leaves the transport's buffer at or below its high-water mark cannot block: no timer.
         high = transport.get_write_buffer_limits()[1] if transport is not None else -1
         while True:
-            # The client lags when what we wrote before is still in the transport's buffer.
             queued = transport.get_write_buffer_size() if transport is not None else 0
             items, finished = await buffer.take(merge=queued > 0)
             data = b""
@@ -75,7 +65,7 @@ class ClientRelay(Part):
 
     async def relay(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                      buffer: StreamBuffer) -> None:
-        w = _Writes(f.timing.first_write, self.metrics.itl)  # P's token went first
+        w = _Writes(f.timing.first_write, self.metrics.itl)
         last = await self._pump(request, f, resp, buffer, w)
         if buffer.overflowed:
             self.metrics.child(self.metrics.slow_reader_ended, buffer.overflowed).inc()
@@ -96,16 +86,14 @@ class ClientRelay(Part):
             self.core.set_done(f)  # (a producer that raised left D and P's lease to the clean-up)
 
     def _second_write(self, f: Flight, now: float) -> None:
-        """The write after P's token (when P's token went first): the ``first_to_second`` stage."""
         first = f.timing.first_write
         if first is not None:
             f.timing.second_write = now
             self.metrics.stages["first_to_second"].observe(now - first)
 
     def _observe_stream(self, f: Flight, first_write: float | None, last_write: float | None) -> None:
-        """A stream relayed to its end: the decode stage after D's first token, and the time per
-        output token the client saw (when usage gives the count)."""
-        if f.timing.second_write is None:  # nothing but the stream's end followed P's token
+        """A stream relayed to its end: the decode stage after D's first token, and the TPOT."""
+        if f.timing.second_write is None:
             self._second_write(f, self.clock())
         if f.timing.first_token is not None:
             self.metrics.stages["decode_stream"].observe(
@@ -117,7 +105,6 @@ class ClientRelay(Part):
 
     async def write_client(self, request: web.Request, resp: web.StreamResponse, data: bytes, *,
                             eof: bool = False) -> None:
-        """Write to a streaming client, bounded by ``slow_reader_timeout`` (``write_bounded``)."""
         await write_bounded(request, resp, data, self.settings.slow_reader_timeout, eof=eof)
 
 

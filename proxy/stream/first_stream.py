@@ -1,14 +1,6 @@
-"""The prefill worker's first token streamed at once (``first_token_from_prefill``): the I/O part.
-
-For a stream the prefill hop samples token 1 as the client's request would
-(``kv_transfer.handoff.prefill_body(first_token=True)``); when it answers, the client's event
-stream is opened and P's chunk written (``proxy.sse.first_token.first_chunk``), before the hand-off.
-When P's token ends the request (its stop rules, or the model length: room for one token only on
-every decode worker, ``PoolRuntime.one_token_left``) the stream ends there (usage, ``[DONE]``)
-and P's KV is released as after any early end; otherwise the decode hop goes as before and
-token 1 is taken out of D's stream (``proxy.stream.read``, ``FirstTokenFilter``). Everything
-that goes wrong after P's chunk ends in-band: the client's headers are sent.
-"""
+"""The prefill worker's first token streamed at once (``first_token_from_prefill``): the client's
+stream opens with P's chunk before the hand-off, then D's stream without token 1, or the end when
+P's token ends the request. After P's chunk every failure ends in-band."""
 
 from __future__ import annotations
 
@@ -42,8 +34,7 @@ class FirstStream(Part):
         self.cleanup = cleanup
 
     def arm(self, f: Flight) -> None:
-        """Before the prefill hop: whether this request gets P's token first, and then one seed
-        for every hop of a random request without one (P and D then draw the same token 1)."""
+        """Whether this request gets P's token first; a random request gets one seed for every hop."""
         s, req = self.settings, f.request
         if not s.first_token_from_prefill or not req.is_stream:
             return
@@ -56,8 +47,7 @@ class FirstStream(Part):
             f.data["sampling_params"] = {**sp, "seed": seed}
 
     def build(self, f: Flight, reply: dict[str, Any]) -> None:
-        """P's accepted reply into the client's first chunk (``f.first``); left None when it
-        cannot be built exactly (D's stream is then relayed as it is, token 1 included)."""
+        """P's reply into the client's first chunk (``f.first``); None when it cannot be built exactly."""
         req = f.request
         sp = f.data["sampling_params"]
         rid = reply.get("request_id")
@@ -66,8 +56,7 @@ class FirstStream(Part):
         try:
             if not isinstance(rid, str):
                 raise NotBuildable("the prefill reply has no request_id")
-            # At the model length (room for one token only on every decode worker) the decode
-            # worker would end the stream at token 1 too: vLLM sends it with its end, one chunk.
+            # At the model length D would end the stream at token 1 too, in one chunk.
             final = ends_at_first_token(reply, sp) or self.pools.one_token_left(len(req.token_ids))
             events, shown = first_chunk(reply, request_id=rid, output_mode=req.output_mode,
                                         sampling_params=sp, final=final, continuous_usage=continuous)
@@ -76,8 +65,7 @@ class FirstStream(Part):
             return
         if not final and any(t.text == "" for t in shown) and self.pools.settings.migrate \
                 and migration_blocker(f.data) is None:
-            # No text for token 1 yet (a partial character, or held back): a continuation (after a
-            # mismatch or a migration) would rewind over it and regenerate it; D's stream as it is.
+            # No text for token 1 yet: a continuation would rewind over it; D's stream as it is.
             return
         usage = b""
         if final and req.include_usage:
@@ -94,9 +82,8 @@ class FirstStream(Part):
             f.first_filter = FirstTokenFilter(shown)
 
     async def start(self, request: web.Request, f: Flight) -> web.StreamResponse:
-        """Open the client's event stream and write P's chunk: the client's first token."""
         assert f.first is not None
-        resp = event_stream(request, f.headers, headers_with_first_write=True)  # headers go with P's chunk
+        resp = event_stream(request, f.headers, headers_with_first_write=True)
         await resp.prepare(request)
         data = f.first.events
         if f.first.final:
@@ -117,15 +104,13 @@ class FirstStream(Part):
 
     async def end_aborted(self, request: web.Request, f: Flight,
                           resp: web.StreamResponse) -> web.StreamResponse:
-        """The request was aborted after the client had P's token: done, and its stream ends as
-        vLLM ends an aborted stream."""
+        """Aborted after the client had P's token: its stream ends as vLLM ends an aborted one."""
         self.core.set_done(f)
         await end_stream(request, resp, f, self.clock(), abort_events(f))
         return resp
 
     async def end_with_error(self, request: web.Request, f: Flight, resp: web.StreamResponse,
                              e: ProxyError) -> web.StreamResponse:
-        """No decode could start after the client had P's token: the error goes in-band."""
         self.core.set_done(f)
         log.warning("request %s: stream ended with an error: %s", f.record.engine_id, e.message)
         await end_stream(request, resp, f, self.clock(), e.sse_event())

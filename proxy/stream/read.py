@@ -1,8 +1,5 @@
-"""The reading of one decode stream (one attempt): D's SSE events into the client's buffer, the
-plain ones as unparsed blocks (the hot path), the first event checked, and how the stream ended
-(``Status``). The producer that retries and migrates attempts, and the relay to the client, are
-``proxy.stream.answer``'s.
-"""
+"""Reading one decode stream (one attempt): D's events into the client's buffer (plain ones as
+unparsed blocks), the first event checked, and how it ended (``Status``)."""
 
 from __future__ import annotations
 
@@ -25,18 +22,14 @@ log = logging.getLogger("pd_proxy")
 
 
 class Status(enum.Enum):
-    """How one decode stream (one attempt) ended."""
 
     DONE = "done"
-    """[DONE] seen."""
     CLOSED = "closed"
     """The buffer was closed: the client went away, read too slowly, or the stream was ended."""
     OPEN_FAILED = "open_failed"
-    """No answer (the error says why)."""
     KV_FAILED = "kv_failed"
     """A server error event first, on a hop with P's KV: nothing was relayed."""
     PROTOCOL = "protocol"
-    """D answered something unusable."""
     BROKEN = "broken"
     """It ended mid-way (reset, error event, no [DONE])."""
     MISMATCH = "first_token_mismatch"
@@ -44,7 +37,6 @@ class Status(enum.Enum):
 
 
 class _Read:
-    """Where one decode stream's reading stands."""
 
     __slots__ = ("body", "buffer", "done", "error", "exc", "f", "first", "follower", "kv_failed", "last",
                  "mismatch", "protocol", "stop", "usage", "worker")
@@ -63,13 +55,10 @@ class _Read:
 
 
 class DecodeReader(Part):
-    """Reads one decode stream into the client's buffer (``once``); the producer in
-    ``proxy.stream.answer`` runs one attempt after another through it."""
 
     async def once(self, f: Flight, worker: Worker, body: dict[str, Any], buffer: StreamBuffer,
                    follower: StreamFollower | None) -> tuple[Status, bytes | None, UpstreamError | None]:
-        """One decode stream into ``buffer``; how it ended (``Status``), with D's error event (or
-        the proxy's) and the failure when there is one."""
+        """How the stream ended, with D's error event (or the proxy's) and the failure, if any."""
         assert f.headers_ready is not None
         series = self.metrics.calls(worker.pool, worker.url)
         series.inflight.inc()
@@ -87,9 +76,7 @@ class DecodeReader(Part):
             if not f.headers_ready.done():
                 f.headers_ready.set_result(None)
             if f.record.is_aborted:
-                # vLLM answers a stream's headers just before it registers the request: an abort
-                # sent before may have been dropped. Sent again now, not at the next repeat (D may
-                # run the whole request before that) nor at its first event (which may be its last).
+                # An abort sent before vLLM registered the request may have been dropped: sent again now.
                 self.tracker.spawn(self.send_abort(worker, f.record.engine_id))
             rd = _Read(f, worker, body, buffer, follower)
             try:
@@ -108,9 +95,7 @@ class DecodeReader(Part):
             series.inflight.dec()
 
     async def _read(self, rd: _Read, resp: HopResponse) -> None:
-        """D's events into the buffer until [DONE], an error, a closed buffer or the end. What D
-        sends is handled in the loop turn it arrives in, from the hop connection
-        (``Upstream.pipe``): the producer task waits only for the end."""
+        """D's events into the buffer, each handled in the loop turn it arrives in (``Upstream.pipe``)."""
         reader = SSEReader()
         cap = self.settings.slow_reader_max_bytes
         first_filter = rd.f.first_filter
@@ -118,8 +103,7 @@ class DecodeReader(Part):
         def on_read(chunk: bytes) -> bool:
             batch = reader.feed_batch(chunk)
             while first_filter is not None and first_filter.pending:
-                # Token 1 is taken out of D's first event (of each choice), read as one event;
-                # the rest of what this read completed can then go out as a block (``_fast``).
+                # Token 1 comes out of D's first event; the rest can then go out as a block.
                 parts = batch.split_first()
                 if parts is None:
                     break
@@ -140,9 +124,8 @@ class DecodeReader(Part):
         await self.upstream.pipe("decode", rd.worker.url, resp, on_read)
 
     def _fast(self, rd: _Read, batch: Batch) -> bool:
-        """The hot path: what a read completed goes out as one block, unparsed, when it is plain
-        vLLM events (no error, [DONE] last); only the stream's first event is parsed (its
-        output_mode is checked). False when the batch must be read event by event."""
+        """The hot path: plain vLLM events (no error, [DONE] last) go out as one unparsed block; only the
+        stream's first event is parsed. False: read event by event."""
         if not batch.plain or (rd.first and not batch.body):
             return False
         f, follower = rd.f, rd.follower
@@ -172,8 +155,7 @@ class DecodeReader(Part):
         return True
 
     def _slow(self, rd: _Read, batch: Batch) -> None:
-        """A batch read event by event: error events, the first event of a hop with P's KV,
-        a migrated stream's replayed tokens."""
+        """Error events, the first event of a hop with P's KV, a migrated stream's replayed tokens."""
         f, worker, buffer = rd.f, rd.worker, rd.buffer
         for ev in batch.events():
             if ev.data == DONE_DATA:
@@ -202,8 +184,7 @@ class DecodeReader(Part):
         rd.stop = rd.done or rd.error is not None or buffer.closed or rd.mismatch
 
     def _put(self, rd: _Read, data: bytes, raw: bytes) -> bool:
-        """One of D's chunks to the client's buffer: token 1 taken out while pending (False: D's
-        token 1 is not P's), a continuation's replayed tokens stripped by the follower."""
+        """One of D's chunks to the buffer; False when D's token 1 is not P's."""
         if rd.f.first_filter is not None and rd.f.first_filter.pending:
             data, raw = self._without_first(rd, data, raw)
             if not data:
@@ -219,8 +200,7 @@ class DecodeReader(Part):
         return True
 
     def _without_first(self, rd: _Read, data: bytes, raw: bytes) -> tuple[bytes, bytes]:
-        """D's event without token 1 (``FirstTokenFilter``): its payload and event, empty when
-        nothing is left to send; ``rd.mismatch`` when D's token 1 is not P's."""
+        """D's event without token 1, empty when nothing is left; ``rd.mismatch`` when it is not P's."""
         f = rd.f
         assert f.first_filter is not None
         out = f.first_filter.event(data)
@@ -255,9 +235,7 @@ class DecodeReader(Part):
         return (Status.PROTOCOL if rd.protocol else Status.BROKEN), rd.error, rd.exc
 
     def kv_hop_failed(self, worker: Worker, body: dict[str, Any], data: bytes) -> UpstreamStatusError | None:
-        """D's first event is a server error on a hop that carried P's KV params (vLLM sends
-        the headers first; a failed KV load then ends the stream this way): as ambiguous as a
-        5xx before the first byte (D broke, or its pull from P failed). Returns it as such."""
+        """A server error as D's first event on a hop with P's KV: as ambiguous as a 5xx before it."""
         if not data.startswith(b'{"error"') or "kv_transfer_params" not in body:
             return None
         try:
@@ -272,7 +250,6 @@ class DecodeReader(Part):
         return UpstreamStatusError("decode", worker.url, status, data, "application/json")
 
     def protocol_error(self, worker: Worker, reason: str) -> bytes:
-        """A decode stream broke the protocol mid-way: count it, return the in-band error event."""
         self.metrics.child(self.metrics.upstream_errors, worker.pool, worker.url, "protocol").inc()
         return UpstreamProtocolError("decode", worker.url, reason).sse_event()
 
@@ -296,8 +273,7 @@ class DecodeReader(Part):
         self.core.close_lease(f, "aborted" if f.record.is_aborted else "pulled")
         f.settled.set()
         if f.record.is_aborted:
-            # The abort may have reached D before D registered the request, where vLLM drops it;
-            # D certainly has it now: sent again at once, not at the next repeat (if any).
+            # vLLM drops an abort that came before the request, and D has it now: sent again at once.
             self.tracker.spawn(self.send_abort(worker, f.record.engine_id))
         return self.check_first_event(f, worker, data)
 

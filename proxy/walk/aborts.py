@@ -1,7 +1,5 @@
-"""Aborts: a client's abort call, a deadline, a disconnect, shutdown; each routed to whoever holds
-the request now. Unknown ids are broadcast to every worker (bounded); a request aborted before
-it produced anything gets vLLM's aborted answer (``respond_aborted``).
-"""
+"""Aborts (a client's call, a deadline, a disconnect, shutdown), each routed to whoever holds the
+request now; unknown ids are broadcast to every worker (bounded)."""
 
 from __future__ import annotations
 
@@ -29,10 +27,8 @@ log = logging.getLogger("pd_proxy")
 
 
 def abort_request_ids(body: bytes, *, limit: int) -> list[str]:
-    """The ids a ``POST /inference/v1/abort_requests`` body names, as vLLM reads them (a list, or
-    one bare string; other values in the list are skipped), deduplicated. Raises
-    ``HTTPBadRequest`` (vLLM's 400s) for a body that is not JSON or has no ``request_ids``, and
-    for more than ``limit`` distinct ids."""
+    """The ids an abort body names, as vLLM reads them, deduplicated; ``HTTPBadRequest`` (vLLM's 400s)
+    for a body that is not JSON, has no ``request_ids``, or names more than ``limit``."""
     try:
         obj = loads_bounded(body)  # deep nesting or huge ints are a 400, not a 500
     except JSONBodyError as e:
@@ -59,8 +55,7 @@ def abort_events(f: Flight) -> bytes:
 
 
 def stream_tail(request: web.Request, f: Flight, now: float, events: bytes) -> bytes:
-    """The last bytes of a client's stream: ``events``, the Server-Timing comment when asked
-    (``X-PD-Timing: 1``), ``[DONE]``."""
+    """The last bytes of a client's stream: ``events``, the Server-Timing comment if asked, ``[DONE]``."""
     tail = [events] if events else []
     if request.headers.get("X-PD-Timing") == "1":
         tail.append(comment_event("server-timing " + f.timing.header(now)))
@@ -70,7 +65,7 @@ def stream_tail(request: web.Request, f: Flight, now: float, events: bytes) -> b
 
 async def end_stream(request: web.Request, resp: web.StreamResponse, f: Flight, now: float,
                      events: bytes) -> None:
-    """End a client's stream after ``events`` (``stream_tail``), with its EOF in the same write."""
+    """End a client's stream after ``events``, with its EOF in the same write."""
     with contextlib.suppress(ConnectionResetError):  # the client is gone: nothing to tell
         await resp.write_eof(stream_tail(request, f, now, events))
 
@@ -82,7 +77,6 @@ class Aborts(Part):
         self._broadcasts_pending = 0
 
     def abort(self, f: Flight, source: str) -> None:
-        """An abort for a known request: route it to whoever holds it now."""
         record = f.record
         if not self.core.note_abort(f, source):
             return
@@ -123,11 +117,8 @@ class Aborts(Part):
             self.metrics.child(self.metrics.abort_fanout, w.pool, "ok" if ok else "error").inc()
 
     def abort_ids(self, tenant: Tenant, request_ids: list[str]) -> None:
-        """Abort the caller's own requests named by ``request_ids`` (vLLM's engine ids, as the
-        client knows them). Ids this process does not know are sent to every worker (other
-        processes' and replicas' requests), namespaced as the tenant's (``proxy.wire.ids``); only ids
-        that can be this proxy's generate ids are sent anywhere. Raises ``Overloaded`` when
-        ``abort_broadcast_queue`` fan-outs are already waiting."""
+        """Abort the caller's own requests by their client ids. Unknown ids, namespaced as the tenant's,
+        go to every worker; raises ``Overloaded`` when ``abort_broadcast_queue`` fan-outs wait already."""
         unknown: list[str] = []
         for rid in request_ids:
             client_id = abortable_id(rid)
@@ -153,11 +144,8 @@ class Aborts(Part):
         self._broadcasts_pending -= 1
 
     async def hop_or_abandon(self, f: Flight, fut: asyncio.Future[Any]) -> bool:
-        """Wait for a decode hop's answer (without cancelling it: it outlives the handler). False
-        when the request was aborted and the hop did not end within ``abort_grace`` after: a
-        worker that ignores the abort must not hold the client until the hop times out (the
-        clean-up keeps aborting it). Giving up marks the flight ``abandoned``: nothing awaits the
-        hop any more."""
+        """Wait for a decode hop without cancelling it. False (the flight ``abandoned``) when the request
+        was aborted and the hop did not end within ``abort_grace``: the clean-up keeps aborting it."""
         record = f.record
         if not fut.done() and not record.is_aborted:
             # Callbacks rather than a task waiting on ``record.aborted``: this runs per request.
@@ -183,8 +171,8 @@ class Aborts(Part):
 
     async def respond_aborted(self, request: web.Request, f: Flight, *,
                                done: bool = True) -> web.StreamResponse:
-        """What vLLM sends a client whose request was aborted before producing anything.
-        ``done=False``: a worker still holds the request (the clean-up frees it)."""
+        """What vLLM sends a client aborted before anything was produced. ``done=False``: a worker still
+        holds the request."""
         if done:
             self.core.set_done(f)
         req, rid = f.request, engine_request_id(f.client_id)
@@ -192,7 +180,6 @@ class Aborts(Part):
         if not req.is_stream:
             raw, headers = self.aborted_full(f)
             return web.Response(body=raw, content_type="application/json", headers=headers)
-        # the headers go with the chunk
         resp = event_stream(request, f.headers, headers_with_first_write=True)
         await resp.prepare(request)
         out = [abort_events(f)]
@@ -205,8 +192,7 @@ class Aborts(Part):
         return resp
 
     def aborted_full(self, f: Flight) -> tuple[bytes, dict[str, str]]:
-        """The body and headers of what vLLM answers a non-stream request aborted before it
-        produced anything."""
+        """What vLLM answers a non-stream request aborted before it produced anything."""
         req = f.request
         body = abort_full_response(engine_request_id(f.client_id), model=req.model, created=int(time.time()),
                                    prompt_tokens=len(req.token_ids), output_mode=req.output_mode,

@@ -1,6 +1,5 @@
 """Clean-up: free whatever a worker still holds for a request the walk did not finish, and release
-(through a one-token decode) the KV a prefill worker holds for a request that will not decode.
-"""
+(through a one-token decode) the KV a prefill worker holds for a request that will not decode."""
 
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ class Cleanup(Part):
         await asyncio.shield(self.releasing(f))
 
     def releasing(self, f: Flight) -> asyncio.Task[None]:
-        """The release of P's KV for ``f`` (``release``), started once."""
         task = f.release_task
         if task is None:
             task = self.tracker.spawn(self.release(f))
@@ -46,9 +44,7 @@ class Cleanup(Part):
         return task
 
     async def release(self, f: Flight) -> None:
-        """Free the KV that P holds for an aborted request: send D the decode request with P's
-        params, one token, and let it complete (D pulls, P frees; measured under 0.25 s on
-        vLLM 0.32 CPU, where aborting P after it finished does nothing)."""
+        """D decodes one token with P's params to free P's KV (aborting a finished P frees nothing)."""
         record = f.record
         params = record.kv_params
         if params is None or f.lease_ran_out(self.leases):
@@ -72,10 +68,7 @@ class Cleanup(Part):
                 if isinstance(e, UpstreamStatusError) and e.passthrough:
                     f.decode_refused(self.leases)  # D refused: the lease will expire on P
                     return
-                # A 5xx, transport failure or timeout (seen: NIXL's first handshake with P timing
-                # out on a loaded host) may pass on another try: while P still holds the blocks,
-                # try again (on another decode worker when there is one; a repeated pull of
-                # blocks already freed is harmless, the one token is thrown away).
+                # A transient failure may pass on another try while P holds the blocks.
                 if attempt + 1 >= attempts or not self.core.lease_valid(f) or record.kv_params is None:
                     break
                 await asyncio.sleep(rt.decode_retry.delay(attempt, rt.rng))
@@ -89,21 +82,15 @@ class Cleanup(Part):
         self.core.close_lease(f, "unknown")
 
     def after_decode_error(self, f: Flight, e: UpstreamError) -> None:
-        """The decode hop failed with ``e`` (no retry follows): release the KV P still holds.
-        Called where the failure is known (the handler, the stream's producer, the clean-up
-        when the client had gone), once or more: the first call decides."""
+        """No retry follows ``e``: release the KV P still holds (the first call decides)."""
         if f.release_task is not None:
             return  # a release runs already: it ends the lease
         if isinstance(e, UpstreamStatusError) and e.passthrough:
-            # D rejected the request up front: vLLM does not tell P, so the blocks would wait
-            # for the lease. Try the stripped-down release request (tokens mode, one token, no
-            # stop strings or logprobs), which D may well accept; if not, the lease expires.
+            # D rejected the request up front and vLLM does not tell P: try the stripped-down release.
             if f.record.kv_params is not None and f.release_task is None:
                 self.releasing(f)
             return
-        # A 5xx, a transport failure or a timeout before D answered: D may or may not have
-        # pulled. Release through another decode worker when there is one (a second pull of
-        # already-freed blocks is harmless on vLLM: P only logs a warning).
+        # D may or may not have pulled: release through another decode worker when there is one.
         if f.record.kv_params is not None and f.release_task is None:
             failed = f.record.decode_worker
             others = [w for w in self.decode_pool if w is not failed]
@@ -114,7 +101,6 @@ class Cleanup(Part):
         self.core.close_lease(f, "unknown")
 
     async def run(self, f: Flight) -> None:
-        """Free whatever a worker still holds for a request the walk did not finish."""
         record = f.record
         try:
             if record.phase is Phase.PREFILLING and f.prefill_task is not None:
@@ -126,11 +112,8 @@ class Cleanup(Part):
         finally:
             if f.force_end is not None:
                 f.force_end.cancel()
-            # A hop that failed after the handler left (the client aborted or went away) ended
-            # its task and the headers future with an error nobody awaits: it is known here,
-            # not worth asyncio's "exception was never retrieved" at collection. But a decode hop
-            # that crashed (a bug, not a worker's failure) after its client was answered an abort
-            # is seen nowhere else: logged (type and frames, never the message).
+            # A failed hop nobody awaits is known here; only a hop that crashed (a bug) after its client
+            # was answered an abort is logged (type and frames, never the message).
             task = f.decode_task
             if f.abandoned and task is not None and task.done() and not task.cancelled():
                 error = task.exception()
@@ -143,8 +126,7 @@ class Cleanup(Part):
             self.forget(f)
 
     async def _end_prefill(self, f: Flight, task: asyncio.Future[dict[str, Any]]) -> None:
-        """PREFILLING: abort P until its hop ends; a reply that still came with KV is accepted
-        (``KV_HELD``), so that the caller releases it."""
+        """PREFILLING: abort P until its hop ends; KV in a late reply is accepted, for the caller to free."""
         record = f.record
         await self.aborts.abort_until(record.prefill_worker, record.engine_id, task,
                                       self.settings.prefill_timeout)
@@ -155,9 +137,8 @@ class Cleanup(Part):
             self.prefill.accept_reply(f, record.prefill_worker, task.result())
 
     async def _end_decode(self, f: Flight, task: asyncio.Future[Any]) -> None:
-        """DECODING: abort D until it certainly had the request (first event, or its answer);
-        only then may its connection be closed (before that, closing could leave D never pulling
-        and P holding the KV until its lease ends)."""
+        """DECODING: abort D until it certainly had the request; only then may its connection close (else
+        D might never pull and P hold the KV until its lease ends)."""
         record = f.record
         settle: asyncio.Task[Any] = asyncio.ensure_future(f.settled.wait())
         try:
@@ -170,15 +151,13 @@ class Cleanup(Part):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if task.done() and not task.cancelled() and isinstance(error := task.exception(), UpstreamError):
-            # D failed the hop after the client left (a non-stream hop: its handler is gone): as
-            # with the client there, P's KV is released (``after_decode_error``).
+            # D failed a non-stream hop after the client left: P's KV is released.
             self.after_decode_error(f, error)
         if f.release_task is not None:
             await f.release_task  # it ends the lease (released through a decode worker, or not)
             return
         if record.lease is not None and record.lease.end is None and task.done():
-            # The walk that closes it is gone (client left a non-stream decode, or a stream
-            # before its first event): D answered, so it had the KV; else unknown.
+            # The walk that closes it is gone: D answered, so it had the KV; else unknown.
             answered = not task.cancelled() and task.exception() is None
             self.core.close_lease(f, "aborted" if answered else "unknown")
 

@@ -1,13 +1,5 @@
-"""What every part of the request walk shares, and the request's transitions that several parts
-make: counting a worker call, ending the KV lease, going decode-only, noting an abort, done (each
-a ``Flight`` method, which alone changes the request's lifecycle fields, with what ``Core`` counts).
-
-``Core`` holds the app's state for serving (settings, metrics, clock, pools, KV leases, the
-request table, background tasks, the upstream client); each part of the walk (``proxy.walk.prefill``,
-``proxy.walk.decode``, ``proxy.walk.full``, ``proxy.stream.answer``, ``proxy.stream.read``,
-``proxy.walk.aborts``,
-``proxy.walk.cleanup``) is a ``Part`` over it.
-"""
+"""What every part of the request walk shares (``Core``: the app's serving state) and the
+request's transitions several parts make, each a ``Flight`` method with what ``Core`` counts."""
 
 from __future__ import annotations
 
@@ -72,7 +64,6 @@ class Core:
         self.pools.pools.forget_workers_in(metrics)  # a removed worker's series go with it
         self.table: RequestTable[Flight] = RequestTable()
         self.stream_budget = ByteBudget(settings.slow_reader_total_bytes)
-        """Bytes buffered for streaming clients, all streams of this process (``relay.ByteBudget``)."""
         metrics.watch_stream_budget(self.stream_budget)
         self.tracker = TaskTracker()
         self.draining = False
@@ -93,8 +84,7 @@ class Core:
         return self._upstream
 
     async def call(self, worker: Worker, coro: Any, hop: Hop = NOOP_HOP) -> Any:
-        """Count one call to ``worker`` (its in-flight count is the pool's: ``Pool.acquire``);
-        ``hop`` is its span (``proxy.observe.tracing``), current while the call runs."""
+        """Count one call to ``worker``; ``hop`` is its span, current while the call runs."""
         series = self.metrics.calls(worker.pool, worker.url)
         series.inflight.inc()
         series.requests.inc()
@@ -108,8 +98,7 @@ class Core:
             series.inflight.dec()
 
     def queue_limit(self, f: Flight) -> float:
-        """How long a pick may wait for a worker with room: the queue timeout, or less when
-        the request's deadline comes first."""
+        """How long a pick may wait for a worker: the queue timeout, or less before the deadline."""
         limit = self.pools.settings.queue_timeout
         return limit if f.deadline is None else min(limit, max(0.0, f.deadline.remaining()))
 
@@ -117,18 +106,15 @@ class Core:
         return f.lease_valid(self.leases)
 
     def decoding(self, f: Flight) -> None:
-        """A decode hop with the request's KV goes out: its lease ends with what the hop tells
-        (``RequestLeases.decoding``), within the longest a decode hop may take."""
+        """A decode hop with the request's KV goes out: its lease ends with what the hop tells."""
         f.decoding(self.leases, self.settings.longest_decode_hop())
 
     def close_lease(self, f: Flight, reason: CloseReason) -> None:
         f.close_lease(self.leases, reason)
 
     def decode_only(self, f: Flight, reason: str) -> None:
-        """From here on the request runs on a decode worker alone: counted (once per request),
-        named in the ``X-PD-Decode-Only`` header, and a KV lease still open ends as ``unknown``
-        (no decode hop of this request will pull those blocks; P frees them at its own lease's
-        end), so a decode-only hop's first event never closes it as ``pulled``."""
+        """From here on the request runs on a decode worker alone (counted once, named in
+        ``X-PD-Decode-Only``); an open KV lease ends as ``unknown``, never ``pulled``."""
         if BYPASS_HEADER not in f.headers:
             self.metrics.child(self.metrics.decode_only, reason).inc()
             f.headers[BYPASS_HEADER] = reason
@@ -138,16 +124,14 @@ class Core:
         f.done()
 
     def note_abort(self, f: Flight, source: str) -> bool:
-        """The request is aborted (``Flight.abort``), counted by source and phase; False when it
-        was already."""
+        """The request is aborted, counted by source and phase; False when it was already."""
         if not f.abort(source):
             return False
         self.metrics.child(self.metrics.aborts, source, f.record.phase.value).inc()
         return True
 
     def note_gone(self, f: Flight) -> None:
-        """The client went away (or the shutdown ended its request): its abort, counted once
-        (the request counted as aborted)."""
+        """The client went away (or the shutdown ended its request): its abort, counted once."""
         if self.note_abort(f, "shutdown" if self.draining else "disconnect"):
             self.metrics.outcomes["aborted"].inc()
 
@@ -155,8 +139,7 @@ class Core:
         return self.leases.expire()
 
     def note_usage(self, f: Flight, usage: object) -> None:
-        """Keep D's completion token count; count a long prompt whose decode shows no KV
-        transfer (the prefill advertised no blocks, or D reports zero cached tokens)."""
+        """Keep D's completion tokens; count a long prompt whose decode shows no KV transfer."""
         if not isinstance(usage, dict):
             return
         completion = usage.get("completion_tokens")
@@ -199,19 +182,14 @@ class Part:
         return self.core.draining
 
     async def send_abort(self, worker: Worker, engine_id: str) -> bool:
-        """One abort of ``engine_id`` to ``worker`` (counted by pool and result)."""
         ok = await self.upstream.abort(worker.url, [engine_id], limit=self.settings.control_timeout)
         self.metrics.child(self.metrics.abort_fanout, worker.pool, "ok" if ok else "error").inc()
         return ok
 
     async def abort_until(self, worker: Worker | None, engine_id: str, task: asyncio.Future[Any],
                           limit: float) -> None:
-        """Send abort to ``worker`` and repeat it until ``task`` is done: an abort that reaches
-        vLLM before it registered the request is lost, and a worker may register it any moment
-        after (a decode hop sent just before the abort, a worker slow to take requests up). The
-        first repeats come soon, ``abort_repeat_first`` after the abort, then at twice the
-        interval each time up to ``abort_grace``: a worker that registers the request late and
-        runs it fast is aborted while it runs, not answered in full before the next repeat."""
+        """Send abort to ``worker`` and repeat it, at doubling intervals from ``abort_repeat_first`` up to
+        ``abort_grace``, until ``task`` is done: vLLM loses an abort that comes before the request."""
         deadline = self.clock() + limit
         interval = min(self.settings.abort_repeat_first, self.settings.abort_grace)
         while not task.done():

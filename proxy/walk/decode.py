@@ -1,8 +1,5 @@
-"""The decode attempts of one request: which decode worker next, whether a failure may be retried
-(with P's KV while its lease holds, else decode-only), the last decode-only rescue, and whose
-circuit breaker a failure counts on. Used by the non-stream (``proxy.walk.full``) and the streamed
-(``proxy.stream.answer``) decode alike.
-"""
+"""The decode attempts of one request: which worker next, whether a failure may be retried (with
+P's KV while its lease holds, else decode-only), the last rescue, whose breaker a failure hits."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ class DecodeEngine(Part):
         super().__init__(core)
 
     async def acquire(self, f: Flight, tried: list[Worker]) -> Worker:
-        """A decode worker for this request (counted on it): not one already tried, and, with
-        the preflight on and KV to hand off, one whose pair with the prefill worker passed."""
+        """Not one already tried; with the preflight on and KV to hand off, one whose pair with P passed."""
         rt, record = self.pools, f.record
         excluded = list(tried)
         prefill = record.prefill_worker
@@ -36,30 +32,24 @@ class DecodeEngine(Part):
             candidates = self.decode_pool.candidates(excluded)
             usable = await rt.preflight.usable_decoders(prefill, candidates, rt.settings.preflight_timeout)
             excluded += [w for w in candidates if all(w is not u for u in usable)]
-        # A first pick (or a retry's pick of any worker) waits for a circuit about to let
-        # requests in: the prefill is done (its KV may be held), and a decode hop has no other
-        # way. A retry's pick of an untried worker does not (the caller then picks among all).
-        # A prefill pick never waits: nothing is invested yet (bypass, or a quick 503).
+        # A decode pick waits for a circuit about to let requests in (the prefill is done); a prefill never.
         return await self.decode_pool.acquire(f.ctx, exclude=excluded, limit=self.core.queue_limit(f),
                                               wait_recovering=not tried)
 
     def limit(self, f: Flight) -> float:
-        """A non-stream decode hop's timeout: its cap, or the deadline plus the abort grace (at
-        the deadline the request is aborted and D answers with what it has)."""
+        """At the deadline the request is aborted and D answers with what it has, hence the grace."""
         cap = self.settings.decode_timeout
         if f.deadline is None:
             return cap
         return min(cap, max(0.0, f.deadline.remaining()) + self.settings.abort_grace)
 
     def may_retry(self, f: Flight, e: UpstreamError) -> bool:
-        """Before D's first byte a 5xx, connect error or timeout may go to another decode worker:
-        with P's KV while its lease is valid, else decode-only (D computes the prompt itself)."""
+        """Before D's first byte a 5xx, connect error or timeout may go to another decode worker."""
         return not f.record.is_aborted and is_transient(e) and (
             f.deadline is None or not f.deadline.expired)
 
     async def next_decode(self, f: Flight, body: dict[str, Any], tried: list[Worker], attempt: int,
                            error: UpstreamError) -> tuple[Worker, dict[str, Any]]:
-        """The worker and body of the next decode attempt (raises ``error`` if there is none)."""
         rt = self.pools
         await asyncio.sleep(rt.decode_retry.delay(attempt, rt.rng))
         try:
@@ -84,16 +74,13 @@ class DecodeEngine(Part):
             and "kv_transfer_params" in body
 
     def may_rescue(self, f: Flight, e: UpstreamError, body: dict[str, Any]) -> bool:
-        """The retries with P's KV are spent on an ambiguous failure: one more, decode-only
-        (only when decode retries are on at all: ``--decode-attempts 1`` means none)."""
+        """One more, decode-only, once the KV retries are spent on an ambiguous failure."""
         return self.pools.decode_retry.attempts > 1 and self.kv_ambiguous(e, body) \
             and self.may_retry(f, e)
 
     async def rescue(self, f: Flight, error: UpstreamError,
                      body: dict[str, Any]) -> tuple[Worker, dict[str, Any]]:
-        """The last decode attempt of a request whose KV no decode worker could use: ``body``
-        decode-only (D computes the prompt), on any decode worker; raises ``error`` if there is
-        none."""
+        """The last attempt, decode-only on any decode worker; raises ``error`` if there is none."""
         try:
             w = await self.acquire(f, [])
         except (NoWorkerAvailable, Overloaded):
@@ -108,18 +95,9 @@ class DecodeEngine(Part):
     def attribute_failure(self, f: Flight, w: Worker, body: dict[str, Any], e: UpstreamError, *,
                                   outcome: Outcome, suspect: Worker | None,
                                   retry_with_kv: bool) -> tuple[Outcome, Worker | None]:
-        """Whose breaker a decode failure before D's first byte counts on; returns D's outcome
-        and the decode worker still under suspicion.
-
-        A 5xx on a hop that carried P's KV params is ambiguous (D broke, or its pull from P
-        failed). The first such failure counts NEUTRAL on D when the retry (on another decode
-        worker, same KV) follows; that retry settles it: a success counts the FAILURE on the
-        first D (``_handoff_done``), an ambiguous failure too counts it on P, NEUTRAL on both
-        D. When no such retry can settle it (one decode worker, no attempt left, lease ended),
-        P takes the failure: opening decode circuits for a prefill worker's fault can stop all
-        traffic, while P's circuit moves requests to other prefill workers or decode-only, where
-        a fault of D's own shows unambiguously. Connect errors, timeouts and failures of
-        decode-only hops count on D as before."""
+        """Whose breaker a failure before D's first byte counts on, and the decode worker still suspect.
+        A 5xx on a hop with P's KV is ambiguous: NEUTRAL on D when a retry on the same KV can settle it,
+        else P's failure (opening decode circuits for P's fault could stop all traffic)."""
         if outcome is not Outcome.FAILURE or not self.kv_ambiguous(e, body) \
                 or f.record.prefill_worker is None:
             return outcome, None
@@ -133,8 +111,7 @@ class DecodeEngine(Part):
         return Outcome.NEUTRAL, None
 
     def handoff_done(self, f: Flight, body: dict[str, Any], suspect: Worker | None) -> None:
-        """A decode hop answered: with P's KV, the hand-off worked (P's success); a decode worker
-        whose failure on the same KV was ambiguous gets the blame now."""
+        """With P's KV the hand-off worked; a decode worker ambiguous on the same KV gets the blame now."""
         if "kv_transfer_params" not in body:
             return
         prefill = f.record.prefill_worker
@@ -152,15 +129,11 @@ class DecodeEngine(Part):
 
 
 def without_kv(body: dict[str, Any]) -> dict[str, Any]:
-    """A decode hop's ``body`` decode-only: D computes the prompt itself."""
     return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 
 class DecodeAttempts:
-    """One request's decode attempts, the same bookkeeping for the non-stream and the streamed
-    decode: the worker and body of the attempt running (``worker``, ``body``), the workers that
-    failed it (``tried``), the attempt's number, whether the last decode-only rescue is spent,
-    and the decode worker whose failure on P's KV is still ambiguous (``suspect``)."""
+    """One request's decode attempts, for the non-stream and the streamed decode alike."""
 
     __slots__ = ("attempt", "body", "engine", "f", "first_body", "rescued", "suspect", "tried", "worker")
 
@@ -173,8 +146,7 @@ class DecodeAttempts:
         self.suspect: Worker | None = None
 
     def failed(self, e: UpstreamError, outcome: Outcome) -> Outcome:
-        """The attempt failed before D's first byte: the outcome its worker's breaker gets, once
-        the failure is attributed (``DecodeEngine.attribute_failure``)."""
+        """The outcome the worker's breaker gets for a failure before D's first byte."""
         engine = self.engine
         retry = self.attempt + 1 < engine.pools.decode_retry.attempts and engine.may_retry(self.f, e)
         outcome, self.suspect = engine.attribute_failure(
@@ -183,17 +155,13 @@ class DecodeAttempts:
         return outcome
 
     def answered(self) -> None:
-        """The attempt's worker answered: with P's KV (the first body), the hand-off worked."""
         if self.body is self.first_body:
             self.engine.handoff_done(self.f, self.body, self.suspect)
         else:
             self.suspect = None
 
     async def next(self, e: UpstreamError) -> bool:
-        """After ``e`` (the worker released): on to a retry on another decode worker (with P's KV
-        while its lease holds, else decode-only), or the decode-only rescue when the retries are
-        spent on an ambiguous failure. False when neither may follow; raises ``e`` when no
-        worker is left to take the request."""
+        """On to a retry or the decode-only rescue; False when neither follows; raises ``e`` if no worker."""
         engine, f = self.engine, self.f
         if self.attempt + 1 < engine.pools.decode_retry.attempts and engine.may_retry(f, e):
             self.tried.append(self.worker)
@@ -208,9 +176,8 @@ class DecodeAttempts:
         return True
 
     def move(self, worker: Worker, body: dict[str, Any]) -> None:
-        """A stream migrated: the next attempt is ``body`` (the continuation) on ``worker``, and
-        the attempts start over from it: a retry or the rescue takes the continuation (with its
-        KV, or decode-only), never the request's first body, whose tokens the client has."""
+        """A stream migrated: the attempts start over from ``body`` on ``worker``, never the first body,
+        whose tokens the client has."""
         self.worker, self.body, self.first_body = worker, body, body
         self.attempt = 0
         self.rescued = False

@@ -1,6 +1,5 @@
-"""The non-stream decode: one decode hop (retried through ``proxy.walk.decode``), D's reply sent as its
-own bytes with what only P knows spliced in.
-"""
+"""The non-stream decode: one decode hop (retried through ``proxy.walk.decode``), D's reply sent as
+its own bytes with what only P knows spliced in."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class FullDecode(Part):
     async def decode(self, f: Flight, worker: Worker, body: dict[str, Any],
                      request: web.Request) -> web.StreamResponse:
         tries = DecodeAttempts(self.engine, f, worker, body)
-        # aiohttp's server cancels the handler when the client goes away: the hop in a task of
-        # its own, which outlives the handler.
+        # The hop runs in its own task, which outlives the handler aiohttp cancels.
         task = self.tracker.spawn(self._hops(f, tries))
         f.decode_started(task)
         if not await self.aborts.hop_or_abandon(f, task):
@@ -79,8 +77,7 @@ class FullDecode(Part):
             f.settled.set()
 
     def _reply(self, f: Flight, worker: Worker, reply: dict[str, Any], raw: bytes) -> web.StreamResponse:
-        """D answered: D's bytes go to the client with what only P knows spliced in, then the
-        lease ends (pulled) and the request is accounted."""
+        """D's bytes go to the client with what only P knows spliced in; then the lease ends (pulled)."""
         f.timing.first_token = self.clock()
         if reply.get("output_mode") != f.request.output_mode:
             self._answered(f)
@@ -106,7 +103,6 @@ class FullDecode(Part):
         return response
 
     def _answered(self, f: Flight) -> None:
-        """D answered (it pulled the KV): the lease ends, the request is done."""
         first_token = f.timing.first_token or 0.0
         self.core.close_lease(f, "aborted" if f.record.is_aborted else "pulled")
         self.core.set_done(f)
@@ -114,8 +110,7 @@ class FullDecode(Part):
             first_token - (f.timing.decode_start or 0))
 
     def merge_prefill_info(self, f: Flight, reply: dict[str, Any], raw: bytes) -> bytes:
-        """Put what only the prefill hop knows into D's reply (``reply``, parsed from ``raw``);
-        returns the bytes to send: D's own when nothing changed."""
+        """Put what only the prefill hop knows into D's reply; returns D's own bytes when nothing changed."""
         prefill_reply = f.prefill_task.result() if f.prefill_task is not None and \
             f.prefill_task.done() and not f.prefill_task.cancelled() and \
             f.prefill_task.exception() is None else None

@@ -1,7 +1,5 @@
-"""The prefill hop: pick a prefill worker, send the hop (retried on another worker after a
-transient failure), accept P's reply (the KV is then held under a lease); and the prefill of a
-migrated stream's continuation.
-"""
+"""The prefill hop: pick a prefill worker, send the hop (retried on another after a transient
+failure) and accept P's reply; and the prefill of a migrated stream's continuation."""
 
 from __future__ import annotations
 
@@ -41,11 +39,8 @@ class Prefill(Part):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
         self._well_formed: object = None
-        """The last ``kv_transfer_params`` found well formed: a reply's are asked three times (the
-        hop's outcome, the retry, the hand-off), checked once. Held here, so never another's id."""
 
     def _params_problem(self, params: object) -> str | None:
-        """``check_prefill_params``, once per reply's params."""
         if params is self._well_formed and params is not None:
             return None
         reason = check_prefill_params(params)
@@ -55,9 +50,7 @@ class Prefill(Part):
 
     async def with_retries(
             self, f: Flight) -> tuple[Worker | None, dict[str, Any], UpstreamError | None]:
-        """The prefill hop, retried on another prefill worker after a connect error, a 5xx or a
-        timeout (nothing is held then). Returns the worker, its reply and the last error; no
-        worker and no error when no prefill worker is available and the bypass may take it."""
+        """Retried on another prefill worker after a transient failure; no worker, no error: the bypass."""
         record, rt = f.record, self.pools
         note = PickNote()
         ctx = PickContext(token_ids=f.ctx.token_ids, session_id=f.ctx.session_id, note=note)
@@ -68,8 +61,7 @@ class Prefill(Part):
                 worker = await self._pick(f, ctx, tried)
             except NoWorkerAvailable:
                 if rt.settings.bypass_when_prefill_unavailable:
-                    # None left (their circuits opened, e.g. on the failure being retried): the
-                    # request holds nothing usable, so the decode worker computes the prompt.
+                    # None left: nothing usable is held, so the decode worker computes the prompt.
                     f.prefill_on(None)
                     return None, {}, None
                 if last is not None:
@@ -101,11 +93,8 @@ class Prefill(Part):
 
     def _unusable(self, f: Flight, worker: Worker, reply: dict[str, Any], tried: list[Worker], *,
                   last_attempt: bool) -> str | None:
-        """A 200 from P. None: the walk takes it (usable params, or nothing better to do). An
-        unusable 200 (no usable ``kv_transfer_params``) holds nothing the proxy can free (no params
-        to pull with; P frees the blocks at its lease's end), so another prefill worker may take
-        the request: why, or "" when none is left (the decode worker then computes the prompt,
-        as when none is available)."""
+        """A 200 from P. None: the walk takes it. An unusable 200 holds nothing the proxy can free, so
+        another prefill worker may take the request: why, or "" when none is left."""
         reason = self._params_problem(reply.get("kv_transfer_params"))
         if reason is None or f.record.is_aborted or self.note_worker_abort(f, reply) or last_attempt:
             return None  # the usual case: no pass over the pool for the untried workers
@@ -117,8 +106,7 @@ class Prefill(Part):
         return reason if untried else ""
 
     async def _backoff(self, f: Flight, attempt: int, last: UpstreamError) -> bool:
-        """Before the next prefill attempt: False when there is none (aborted, attempts spent, or
-        the deadline comes before the pause ends)."""
+        """False when there is no next attempt (aborted, attempts spent, or the deadline comes first)."""
         rt = self.pools
         if f.record.is_aborted or attempt + 1 >= rt.prefill_retry.attempts:
             return False
@@ -131,11 +119,7 @@ class Prefill(Part):
         return True
 
     async def _pick(self, f: Flight, ctx: PickContext, tried: list[Worker]) -> Worker | None:
-        """A prefill worker not tried yet (when every admitted one failed once, any of them again:
-        the failure may pass), never one whose pairs all failed the preflight or one whose KV
-        block the prompt does not fill (another block size). Raises ``NoWorkerAvailable``. None
-        when the request is aborted, before the pick or while it waited for a worker (given back:
-        nothing is prefilled for a request nobody will decode)."""
+        """An untried prefill worker (any once all failed) that can take the prompt; None when aborted."""
         if f.record.is_aborted:
             return None
         left_out = [*self.pairless(), *self.pools.prefill_too_short(len(ctx.token_ids))]
@@ -152,8 +136,6 @@ class Prefill(Part):
         return worker
 
     def _limit(self, f: Flight, worker: Worker) -> float:
-        """The prefill hop's time limit: its share of the request's deadline (``worker`` given
-        back when none is left)."""
         try:
             return hop_budget(f.deadline, "prefill", self.settings.prefill_timeout,
                               self.pools.settings.deadline_prefill_share)
@@ -162,17 +144,13 @@ class Prefill(Part):
             raise
 
     def _send(self, f: Flight, worker: Worker) -> asyncio.Task[dict[str, Any]]:
-        """The prefill hop to ``worker`` in a tracked task: aiohttp's server cancels the handler
-        when the client goes away, and the task outlives it."""
+        """A tracked task: it outlives the handler, which aiohttp cancels when the client goes away."""
         limit = self._limit(f, worker)
         task: asyncio.Task[dict[str, Any]] = self.tracker.spawn(self.hop(f, worker, limit))
         return task
 
     async def hop(self, f: Flight, worker: Worker, limit: float) -> dict[str, Any]:
-        """At ``limit`` P is sent an abort, not cut off: P then answers within ``abort_grace``,
-        either aborted (a timeout, as before) or finished with its KV, which the walk takes (a
-        cut connection would leave that KV held on P until its lease ends, with no params for
-        the proxy to release it with)."""
+        """At ``limit`` P is sent an abort, not cut off, so KV it finished with is taken, not left on P."""
         body = prefill_body(f.data, f.record.base_id, stream=f.request.is_stream,
                             keep_stop=not self.settings.prefill_tokens_only, first_token=f.first_token)
         outcome = Outcome.NEUTRAL
@@ -183,12 +161,9 @@ class Prefill(Part):
             reply: dict[str, Any] = (await self.core.call(worker, self.upstream.post_generate_raw(
                 "prefill", worker.url, body, request_id=f.record.base_id,
                 total=limit + self.settings.abort_grace), f.trace.hop("prefill", worker)))[0]
-            # A reply without usable KV params is P's failure; one with them is judged at the
-            # hand-off (``_handoff_done`` / ``_blame``): P may have prefilled and then refuse
-            # every pull, which only the decode hops see.
+            # Unusable KV params are P's failure; a refused pull is judged at the hand-off.
             if self._params_problem(reply.get("kv_transfer_params")) is not None:
-                # P's failure, unless the request's own abort or deadline cut it short: a
-                # client's abort, or a hop limit its deadline made shorter than P's own.
+                # P's failure, unless the request's own abort or deadline cut it short.
                 cut_short = f.record.is_aborted or (bool(aborted) and limit < self.settings.prefill_timeout)
                 outcome = Outcome.NEUTRAL if cut_short else Outcome.FAILURE
                 timed_out = bool(aborted) and not f.record.is_aborted
@@ -207,17 +182,14 @@ class Prefill(Part):
 
     def _abort_at(self, limit: float, f: Flight,
                   worker: Worker) -> tuple[asyncio.TimerHandle, list[asyncio.Task[bool]]]:
-        """In ``limit`` seconds ``worker`` is sent an abort for the request (P then answers at
-        once: aborted, or finished with its KV); the timer, to cancel when P answered in time,
-        and the abort's task once sent (empty before)."""
+        """At ``limit`` ``worker`` is sent an abort; returns the timer and the abort's task once sent."""
         aborted: list[asyncio.Task[bool]] = []
         late = self.tracker.loop.call_later(
             limit, lambda: aborted.append(self.tracker.spawn(self.send_abort(worker, f.record.engine_id))))
         return late, aborted
 
     def pairless(self) -> list[Worker]:
-        """With the preflight on: prefill workers whose every pair with the decode pool failed it
-        (their KV could reach no decode worker), left out of prefill picks."""
+        """Prefill workers whose every pair failed the preflight, left out of prefill picks."""
         preflight = self.pools.preflight
         if preflight.check is None:
             return []
@@ -226,8 +198,7 @@ class Prefill(Part):
 
     def accept_reply(self, f: Flight, prefill: Worker,
                               reply: dict[str, Any]) -> tuple[dict[str, Any] | None, UpstreamError | None]:
-        """Check a 200 prefill reply; on success the KV is held (state KV_HELD, lease open). No
-        params and no error: the lease ran out before P's answer came (closed as ``expired``)."""
+        """On success the KV is held under a lease. No params and no error: the lease ran out first."""
         record = f.record
         params = reply.get("kv_transfer_params")
         reason = self._params_problem(params)
@@ -241,10 +212,7 @@ class Prefill(Part):
         return record.kv_params, None
 
     def note_worker_abort(self, f: Flight, reply: dict[str, Any]) -> bool:
-        """P ended the request as aborted, and not at this proxy's call: the client's abort went
-        to the workers another way (it reached another ``--workers`` process, or this one
-        before the request, and was broadcast). The client asked for it, so the request is
-        aborted here too, and the client gets vLLM's aborted answer, not an error."""
+        """P aborted the request, not at this proxy's call: the client's abort came another way."""
         choices = reply.get("choices")
         finish = choices[0].get("finish_reason") if isinstance(choices, list) and choices and \
             isinstance(choices[0], dict) else None
@@ -254,9 +222,7 @@ class Prefill(Part):
         return True
 
     async def continuation(self, f: Flight, body: dict[str, Any]) -> dict[str, Any]:
-        """A long continuation's prompt goes through a prefill worker (its KV then handed to the
-        decode worker, under a lease); a short one, or one whose prefill fails, is computed by
-        the decode worker itself."""
+        """A long continuation is prefilled on a prefill worker; a short or failed one is computed by D."""
         rt, record = self.pools, f.record
         if len(body["token_ids"]) < rt.settings.migrate_prefill_tokens or record.is_aborted:
             return body
@@ -267,8 +233,7 @@ class Prefill(Part):
         limit = self.settings.prefill_timeout if f.deadline is None else \
             min(self.settings.prefill_timeout, max(0.0, f.deadline.remaining()))
         outcome = Outcome.FAILURE
-        # As the request's own prefill hop (``hop``): at ``limit`` P is sent an abort, not cut
-        # off, so KV it finished with is taken rather than left on P until its lease ends.
+        # As in ``hop``: at ``limit`` P is sent an abort, not cut off.
         late, aborted = self._abort_at(limit, f, p)
         sent = self.clock()  # P may start its KV lease once it has the request
         try:

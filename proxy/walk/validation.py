@@ -1,14 +1,5 @@
-"""A generate body parsed and checked: as vLLM would (``proxy.wire.protocol``), then by the proxy's
-own rules (the prompt's length, no client transfer params, the server-level checks for the pools'
-config). Every error is a ``ClientError`` in vLLM's shape; nothing is held when one is raised.
-
-A body in another encoding than UTF-8 (UTF-16/32, a BOM) is read as UTF-8 first, as vLLM's
-server decodes it (``protocol.utf8_json``): every check after it, byte-level or not, sees the
-body a UTF-8 client would have sent, and the hop bodies are UTF-8.
-
-A body that differs from one that passed only in its token ids and request id is known
-(``proxy.wire.known_bodies``): only the checks of its ids' number and the pools' config run again.
-"""
+"""A generate body parsed and checked as vLLM would (``proxy.wire.protocol``), then by the proxy's
+own rules; every error is a ``ClientError`` in vLLM's shape, and nothing is held when one is raised."""
 
 from __future__ import annotations
 
@@ -24,8 +15,7 @@ from proxy.wire.token_ids import TokenIds, ids_text
 from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError
 
 _WALK_DATA: Final = b"transfer_params"
-"""Given to ``client_transfer_params`` as the body: it then walks the parsed data (small: the
-packed token ids are not walked) instead of searching the raw bytes first."""
+"""Makes ``client_transfer_params`` walk the parsed data instead of searching the raw bytes."""
 
 
 class Validation:
@@ -36,9 +26,8 @@ class Validation:
         self.known = KnownBodies()
 
     def validate(self, body: bytes, content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
-        """``body`` parsed and checked as vLLM would, then by the proxy's own rules. A body that
-        differs from one that passed only in its token ids and request id is known
-        (``proxy.wire.known_bodies``): only the checks of its ids' number and the pools' config run."""
+        """Parsed and checked; a body known but for its token ids and request id only has its ids' number
+        and the pools' config checked again (``proxy.wire.known_bodies``)."""
         try:
             body = utf8_request_body(body, content_type)  # before any byte-level check
         except RequestValidationError as e:
@@ -63,9 +52,7 @@ class Validation:
 
     async def validate_large(self, body: bytes | bytearray,
                              content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
-        """``validate`` for a body over ``LARGE_BODY_BYTES``: the same answer, its token ids
-        parsed in slices with the loop given back between them where ``proxy.wire.large_body`` can
-        (else the body is parsed in one go, as ``validate`` parses it)."""
+        """``validate`` for a large body, with the same answer; its ids parsed in slices where it can."""
         try:
             body = utf8_request_body(body, content_type)  # before any byte-level check
             req, data = await parse_large_generate_body(body, content_type,
@@ -80,11 +67,9 @@ class Validation:
 
     def _checked(self, body: bytes | None, req: GenerateRequest, data: dict[str, Any],
                  ids: bytes | None = None) -> tuple[GenerateRequest, dict[str, Any]]:
-        """The proxy's own checks of a parsed body. ``body`` None: the ids are packed already
-        (``PackedTokenIds``, which carry their own text). ``ids``: their text, found already."""
+        """The proxy's own checks. ``body`` None: the ids are packed already; ``ids``: their text."""
         self._prompt_fits(req)
-        # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
-        # hop (kv_transfer.params). A top-level null names nothing and passes.
+        # Transfer params are set by the proxy only, per hop; a top-level null names nothing and passes.
         where = client_transfer_params(body if body is not None else _WALK_DATA, data)
         if where is not None:
             raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
