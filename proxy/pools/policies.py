@@ -223,7 +223,7 @@ class KvAware:
 
     def order(self, candidates: Sequence[Worker], token_ids: Sequence[int], shared: int) -> list[Worker]:
         """The candidates in the rendezvous order of the prompt's first full blocks after its first
-        ``shared`` tokens (those blocks' own order with no full block after them)."""
+        ``shared`` tokens (``prefix``'s order for the prompt when no full block follows them)."""
         key = self.fallback.prefix_key(token_ids[shared:], self.fallback.key_block_size(candidates))
         if key is None:
             return self.fallback.order(candidates, PickContext(token_ids)) or list(candidates)
