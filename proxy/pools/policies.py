@@ -28,12 +28,16 @@ class PickNote:
     prompt_tokens: int = 0
     rule: str = ""
     """``kv``: the cache-and-load score; ``hash``: the ``prefix`` fallback."""
+    shared: int = 0
+    """Prompt tokens at least two workers hold cached (not counted as a reason to pick one)."""
 
     def describe(self) -> str:
-        """E.g. ``kv p1:384/448`` (worker ``p1`` of its URL's host:port, 384 of 448 tokens)."""
+        """E.g. ``kv p1:384/448`` (worker ``p1`` of its URL's host:port, 384 of 448 tokens), and
+        ``kv p1:384/448 shared 256`` when 256 of them are held by several workers."""
         where = self.worker.rpartition("//")[2]
         cached = "?" if self.cached is None else str(self.cached)
-        return f"{self.rule} {where}:{cached}/{self.prompt_tokens}"
+        tail = f" shared {self.shared}" if self.shared else ""
+        return f"{self.rule} {where}:{cached}/{self.prompt_tokens}{tail}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,15 +177,20 @@ class PrefixAware:
 
 
 class KvAware:
-    """``kv_events``: each prompt goes to the worker that holds most of it cached, weighed against
-    load by one rule: among the workers within the ``prefix`` policy's imbalance cap, the highest
+    """``kv_events``: each prompt goes to the worker that holds most of it cached *beyond what is
+    widely cached*, weighed against load by one rule. ``shared`` is the most cached tokens that
+    at least two candidates hold (a common system prompt); among the workers within the ``prefix``
+    policy's imbalance cap, the highest
 
-        score = cached_tokens - alpha * prompt_tokens * load
+        score = max(cached_tokens - shared, 0) - alpha * prompt_tokens * load
 
     (a request in flight on a worker counts as ``alpha`` of this prompt's work; ``load`` is the
     pool's: requests in flight, plus the worker's scraped queue with ``--use-scraped-load``), ties
-    in the prompt's rendezvous order. When no candidate is known to hold any of the prompt (no
-    events, all stale, nothing cached) the choice is ``prefix``'s, exactly."""
+    in the rendezvous order of the prompt's first blocks after ``shared`` (the same for every turn
+    of a conversation). A prefix several workers hold is no reason to concentrate: new
+    conversations spread as with ``prefix`` keyed past it, later turns follow their own blocks.
+    When no candidate is known to hold any of the prompt (no events, all stale, nothing cached)
+    the choice is ``prefix``'s, exactly."""
 
     name = "kv_events"
 
@@ -194,22 +203,31 @@ class KvAware:
 
     def choose(self, candidates: Sequence[Worker], ctx: PickContext, load: LoadFn) -> Worker:
         known = {} if self.knowledge is None else self.knowledge.cached_tokens(candidates, ctx.token_ids)
+        shared = 0
         if max(known.values(), default=0) <= 0:
             worker, rule = self.fallback.choose(candidates, ctx, load), "hash"
         else:
+            shared = sorted(known.values())[-2] if len(known) > 1 else 0
             bound = self.fallback.bound(candidates, load)
-            ordered = self.fallback.order(candidates, ctx) or list(candidates)
             n = len(ctx.token_ids)
-            worker = max((w for w in ordered if load(w) <= bound),
-                         key=lambda w: known.get(w.url, 0) - self.alpha * n * load(w))
+            worker = max((w for w in self.order(candidates, ctx.token_ids, shared) if load(w) <= bound),
+                         key=lambda w: max(known.get(w.url, 0) - shared, 0) - self.alpha * n * load(w))
             rule = "kv"
         cached = known.get(worker.url)
         if self.knowledge is not None:
             self.knowledge.picked(worker, cached, ctx.token_ids)
         if ctx.note is not None:
             ctx.note.worker, ctx.note.cached, ctx.note.rule = worker.url, cached, rule
-            ctx.note.prompt_tokens = len(ctx.token_ids)
+            ctx.note.prompt_tokens, ctx.note.shared = len(ctx.token_ids), shared
         return worker
+
+    def order(self, candidates: Sequence[Worker], token_ids: Sequence[int], shared: int) -> list[Worker]:
+        """The candidates in the rendezvous order of the prompt's first full blocks after its first
+        ``shared`` tokens (``prefix``'s order for the prompt when no full block follows them)."""
+        key = self.fallback.prefix_key(token_ids[shared:], self.fallback.key_block_size(candidates))
+        if key is None:
+            return self.fallback.order(candidates, PickContext(token_ids)) or list(candidates)
+        return rendezvous_order(str(shared).encode() + b":" + key if shared else key, candidates)
 
 
 class SessionAffinity:

@@ -253,11 +253,35 @@ def test_ties_follow_the_prefix_order_so_replicas_agree() -> None:
     random.Random(1).shuffle(ws)
     prompt = list(range(32))
     both = Known({ws[0].url: 16, ws[3].url: 16})
-    prefix = PrefixAware(block_size=BS)
-    first = KvAware(both, prefix).choose(ws, PickContext(prompt), load)
-    order = prefix.order(ws, PickContext(prompt)) or []
-    assert first is next(w for w in order if w.url in both.cached)
-    assert KvAware(both, prefix).choose(list(reversed(ws)), PickContext(prompt), load) is first
+    policy = KvAware(both, PrefixAware(block_size=BS))
+    first = policy.choose(ws, PickContext(prompt), load)
+    assert first is policy.order(ws, prompt, 16)[0]  # held by two: shared, every score 0
+    assert policy.order(ws, prompt, 16) == policy.order(list(reversed(ws)), prompt, 16)
+    replica = KvAware(both, PrefixAware(block_size=BS))
+    assert replica.choose(list(reversed(ws)), PickContext(prompt), load) is first
+    assert policy.order(ws, prompt, 0) == PrefixAware(block_size=BS).order(ws, PickContext(prompt))
+
+
+def test_a_prefix_several_workers_hold_spreads_new_conversations_and_later_turns_stay() -> None:
+    """A system prompt cached on two workers is no reason to send every conversation there: new
+    conversations spread by what follows it, each the same for its later turns, and a later turn
+    goes to the worker holding its own blocks."""
+    ws = workers([0] * 8)
+    system = list(range(1000, 1064))  # 16 blocks
+    knowledge = Known({ws[0].url: 64, ws[1].url: 64})
+    policy = KvAware(knowledge, PrefixAware(block_size=BS), alpha=0.5)
+    firsts = [system + list(range(100 * c, 100 * c + 16)) for c in range(24)]
+    chosen = [policy.choose(ws, PickContext(p), load) for p in firsts]
+    assert len(set(chosen)) >= 5  # about 6.5 of 8 expected; before: only the two holders
+    for first, worker in zip(firsts, chosen, strict=True):
+        later = first + [7] * 20  # the answer and the next user turn: the same worker, all idle
+        assert policy.choose(ws, PickContext(later), load) is worker
+    later = firsts[0] + [7] * 20
+    own = next(w for w in ws if w is not chosen[0])
+    knowledge.cached[own.url] = 80  # its blocks are on another worker: they count
+    note = PickNote()
+    assert policy.choose(ws, PickContext(later, note=note), load) is own
+    assert note.describe().endswith(":80/100 shared 64")
 
 
 # --- the settings --------------------------------------------------------------------------------
