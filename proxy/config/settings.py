@@ -99,8 +99,8 @@ class ProxySettings:
     first_token_from_prefill: bool = setting(
         True, "streams: send the prefill worker's token as the first chunk at once, before the hand-off; "
               "the decode worker's token 1 is checked and dropped. It moves the hand-off's wait to the "
-              "second token: on real CPU workers TTFT p50 was 0.71x vllm-router's at 4 concurrent but the "
-              "answer's end came 1.13x later (benchmarks/README.md, row L)")
+              "second token; the workers get the same hops either way, the decode hop about 0.5 ms later "
+              "(benchmarks/README.md, row L)")
     """The decode worker's token 1 is checked against it and dropped (``proxy.sse.first_token``)."""
     rewrite_remote_host: bool = setting(
         True, "keep a loopback remote_host a prefill worker advertises, instead of the host the proxy "
