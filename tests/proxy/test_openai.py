@@ -63,7 +63,9 @@ def summary(raw: bytes, *, stream: bool, chat: bool) -> dict[str, Any]:
 CASES = [
     (CHAT, chat()),
     (CHAT, chat(stop=["e"], max_tokens=30)),
+    (CHAT, chat(stop=["im"], include_stop_str_in_output=True, max_tokens=30)),  # inside a token
     (CHAT, chat(stop=["a_", "xyz"], max_tokens=30)),  # across two tokens
+    (CHAT, chat(stop=["rag"], include_stop_str_in_output=True, max_tokens=30)),  # across two tokens
     (CHAT, chat(max_tokens=3)),
     (CHAT, chat(logprobs=True, top_logprobs=2, max_tokens=4)),
     (CMPL, cmpl()),
