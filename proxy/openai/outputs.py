@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from proxy.openai.frames import DATA, DONE_PAYLOAD, Answer, Framer, full_answer
@@ -99,10 +100,13 @@ async def derender_full(d: Derendering, gen: dict[str, Any]) -> dict[str, Any]:
 
 class DerenderStream(StreamOutput):
     """A tokens-mode generate stream derendered chunk by chunk, framed as the aggregated server's.
-    A derender that fails ends the client's stream with an in-band error; what follows is dropped."""
+    A derender that fails ends the client's stream with an in-band error, and ``on_failure`` aborts
+    the request (no worker may go on generating what no one can read); what follows is dropped but
+    the ``[DONE]``."""
 
-    def __init__(self, d: Derendering) -> None:
+    def __init__(self, d: Derendering, on_failure: Callable[[], None] = lambda: None) -> None:
         self.d = d
+        self.on_failure = on_failure
         self.framer = Framer(d.a)
         self.states: dict[int, Any] = {}
         self.held: dict[int, str] = {}
@@ -136,6 +140,7 @@ class DerenderStream(StreamOutput):
                     if isinstance(e, UpstreamError):
                         log.warning("request %s: derender failed: %s", self.d.a.rid, e.message)
                     out.append(e.sse_event())
+                    self.on_failure()
                     break
         return b"".join(out)
 
