@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from proxy.openai.frames import DATA, DONE_PAYLOAD, Answer, Framer, full_answer
@@ -47,22 +48,22 @@ class Derendering:
         return answer
 
 
-def cut_at_stop(text: str, finish: Any, stop_reason: Any, include: bool) -> str:
-    """The aggregated server's text ends before a matched stop string (unless
-    ``include_stop_str_in_output``); derender decodes it, so the text is cut at its first occurrence."""
-    if finish == "stop" and isinstance(stop_reason, str) and stop_reason and not include:
-        at = text.find(stop_reason)
-        if at >= 0:
-            return text[:at]
-    return text
+def cut_at_stop(text: str, finish: Any, stop_reason: Any, include: bool, new: int | None = None) -> str:
+    """The aggregated server's text ends before a matched stop string (after it with
+    ``include_stop_str_in_output``); derender keeps the whole last token. The string is searched
+    where the last ``new`` characters complete it (``new`` None: its first occurrence)."""
+    if finish != "stop" or not isinstance(stop_reason, str) or not stop_reason:
+        return text
+    start = 0 if new is None else max(0, len(text) - new - len(stop_reason) + 1)
+    at = text.find(stop_reason, start)
+    if at < 0:
+        return text
+    return text[:at + len(stop_reason)] if include else text[:at]
 
 
-def _hold(sp: dict[str, Any]) -> int:
-    """Characters held back in a derendered stream so that no part of a matched stop string is sent."""
+def _longest_stop(sp: dict[str, Any]) -> int:
     stop = sp.get("stop") or []
-    if sp.get("include_stop_str_in_output") or not isinstance(stop, list):
-        return 0
-    return max((len(x) - 1 for x in stop if isinstance(x, str)), default=0)
+    return max((len(x) for x in stop if isinstance(x, str)), default=0) if isinstance(stop, list) else 0
 
 
 async def derender_full(d: Derendering, gen: dict[str, Any]) -> dict[str, Any]:
@@ -88,16 +89,23 @@ async def derender_full(d: Derendering, gen: dict[str, Any]) -> dict[str, Any]:
 
 
 class DerenderStream(StreamOutput):
-    """A tokens-mode generate stream derendered chunk by chunk; a failed derender ends it in-band."""
+    """A tokens-mode generate stream derendered chunk by chunk; a failed derender ends it in-band and
+    ``on_failure`` aborts the request."""
 
-    def __init__(self, d: Derendering) -> None:
+    def __init__(self, d: Derendering, on_failure: Callable[[], None] = lambda: None) -> None:
         self.d = d
+        self.on_failure = on_failure
         self.framer = Framer(d.a)
         self.states: dict[int, Any] = {}
         self.held: dict[int, str] = {}
-        """Per choice: text not sent yet (``_hold``: it may start a stop string)."""
-        self.hold = _hold(d.sampling)
+        """Per choice: text not sent yet (``hold``: it may start a stop string)."""
+        self.sent: dict[int, str] = {}
+        """Per choice: the last ``context`` characters sent (where a stop string may have begun)."""
         self.include = bool(d.sampling.get("include_stop_str_in_output"))
+        self.context = max(_longest_stop(d.sampling) - 1, 0)
+        self.hold = 0 if self.include else self.context
+        """Characters held back: the engine's ``output_text_buffer_length``, so that no part of a
+        matched stop string is sent."""
         self.failed = False
 
     async def translate(self, data: bytes, *, last: bool) -> bytes:
@@ -120,6 +128,7 @@ class DerenderStream(StreamOutput):
                     if isinstance(e, UpstreamError):
                         log.warning("request %s: derender failed: %s", self.d.a.rid, e.message)
                     out.append(e.sse_event())
+                    self.on_failure()
                     break
         return b"".join(out)
 
@@ -144,11 +153,15 @@ class DerenderStream(StreamOutput):
         else:
             text = choice.get("text") or ""
         finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+        new = len(text)
         text = self.held.pop(index, "") + text
         if finish is not None:
-            text = cut_at_stop(text, finish, stop_reason, self.include)
+            sent = self.sent.pop(index, "")
+            text = cut_at_stop(sent + text, finish, stop_reason, self.include, new)[len(sent):]
         elif self.hold:
             text, self.held[index] = text[:-self.hold], text[-self.hold:]
+        if self.context and finish is None:
+            self.sent[index] = (self.sent.get(index, "") + text)[-self.context:]
         return self.framer.framed(index, text, logprobs=choice.get("logprobs"),
                                   finish=finish, stop_reason=stop_reason,
                                   token_ids=c.get("token_ids"), extra=extra)

@@ -16,10 +16,11 @@ from proxy.openai.frames import Answer, Framer, full_answer
 from proxy.openai.outputs import Derendering, DerenderStream, TextStream, derender_full
 from proxy.openai.workers import Reply, TokenizerWorkers
 from proxy.sse.relay import STREAM_OUTPUT
+from proxy.walk.aborts import Aborts
 from proxy.walk.core import Core
 from proxy.wire.errors import BadRequest
-from proxy.wire.ids import client_request_id
-from proxy.wire.protocol import compact_json
+from proxy.wire.ids import client_request_id, upstream_id
+from proxy.wire.protocol import compact_json, engine_request_id
 
 log = logging.getLogger("pd_proxy")
 
@@ -70,6 +71,8 @@ class OpenAIRoutes:
     def __init__(self, core: Core, walk: Walk, clock: Callable[[], float] = time.monotonic) -> None:
         self.core, self.walk, self.clock = core, walk, clock
         self.workers = TokenizerWorkers(core)
+        self.aborts = Aborts(core)
+        """The walk's aborts (``abort`` works on the core's and the flight's state alone)."""
 
     async def pass_through(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -113,13 +116,22 @@ class OpenAIRoutes:
             d = Derendering(self.workers, reply.worker, a, prompt=list(rendered.get("token_ids") or []),
                             client_body=client, sampling=rendered.get("sampling_params") or {})
         if rendered.get("stream"):
-            request[STREAM_OUTPUT] = TextStream(Framer(a)) if d is None else DerenderStream(d)
+            request[STREAM_OUTPUT] = TextStream(Framer(a)) if d is None else DerenderStream(
+                d, on_failure=lambda: self._abort(tenant, client_id, t0))
         resp = await self.walk(request, compact_json(rendered), "application/json", t0, tenant=tenant,
                                client_id=client_id)
         if isinstance(resp, web.Response) and resp.status == 200 and resp.body is not None:
             gen = json.loads(bytes(resp.body))  # type: ignore[arg-type]  # the walk's bytes
             resp.body = compact_json(full_answer(a, gen) if d is None else await derender_full(d, gen))
         return resp
+
+    def _abort(self, tenant: Tenant, client_id: str, t0: float) -> None:
+        """Abort this request as the walk aborts any (``Aborts.abort``: P or D told, P's KV
+        released by the walk or its clean-up). Its flight is the one received at ``t0``: other
+        requests under the same id go on."""
+        for f in self.core.table.entries(engine_request_id(upstream_id(tenant.tag, client_id))):
+            if f.timing.received == t0:
+                self.aborts.abort(f, "derender")
 
     async def _answer(self, worker: str, rendered: dict[str, Any], client: dict[str, Any], rid: str, *,
                       chat: bool) -> Answer:

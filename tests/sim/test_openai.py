@@ -184,6 +184,76 @@ async def test_chat_template_and_prompt_ids(sim: SimWorker) -> None:
     assert gs[0]["request_id"].endswith("-0") and gs[1]["request_id"].endswith("-1")
 
 
+# -- stop strings: the text ends before the matched stop string ---------------------------------
+
+
+async def generated_pieces(w: SimWorker, body: dict[str, Any]) -> list[str]:
+    """The text of each token the engine generates for ``body`` (chat, greedy, no stop string)."""
+    status, g = await post(w, CHAT + "/render", {**body, "stop": None, "stream": False})
+    assert status == 200
+    status, gen = await post(w, "/inference/v1/generate", g)
+    assert status == 200
+    ts = TokenStrings(ByteTokenizer())
+    state = seed_state(ts, g["token_ids"])
+    out = []
+    for tok in gen["choices"][0]["token_ids"]:
+        text, state = detokenize_delta(ts, [tok], state)
+        out.append(text)
+    return out
+
+
+async def chat_text(w: SimWorker, body: dict[str, Any], *, stream: bool) -> tuple[str, Any, Any]:
+    """The aggregated answer's content, finish reason and stop reason (a stream's, concatenated)."""
+    if not stream:
+        status, d = await post(w, CHAT, body)
+        assert status == 200, d
+        c = d["choices"][0]
+        return c["message"]["content"], c["finish_reason"], c["stop_reason"]
+    chunks = await sse(w, CHAT, {**body, "stream": True})
+    (end,) = finish_of(chunks)
+    return text_of(chunks, True), *end
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("include", [False, True])
+async def test_text_ends_at_the_stop_string_as_the_trace(
+    sim: SimWorker, stream: bool, include: bool
+) -> None:
+    """oai-chat-stop.txt: vLLM 0.32 answers " " for the token " e" with stop "e": the text ends
+    before the matched stop string, inside the token that completed it (after the string with
+    ``include_stop_str_in_output``, the rest of that token dropped)."""
+    trace = load_trace(TRACE_DIR / "openai" / "oai-chat-stop.txt")
+    body = trace.requests()[0].json()
+    assert body["stop"] == ["e"] and trace.response("main").json()["choices"][0]["message"]["content"] == " "
+    if include:
+        body["include_stop_str_in_output"] = True
+    full = "".join(await generated_pieces(sim, body))
+    at = full.find("e")
+    assert at > 0
+    want = full[: at + 1] if include else full[:at]
+    assert await chat_text(sim, body, stream=stream) == (want, "stop", "e")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_string_across_tokens_is_held_back(sim: SimWorker, stream: bool) -> None:
+    """A three-character stop string that starts in one token and ends in the next: a stream holds
+    back two characters (``output_text_buffer_length``), so none of it is ever sent."""
+    body = load_trace(TRACE_DIR / "openai" / "oai-chat-stop.txt").requests()[0].json()
+    pieces = await generated_pieces(sim, body)
+    full = "".join(pieces)
+    stop, at = "", -1
+    for j in range(len(pieces) - 1):
+        cand = pieces[j][-1:] + pieces[j + 1][:2]
+        start = len("".join(pieces[: j + 1])) - 1
+        if len(cand) == 3 and "\ufffd" not in cand and full.find(cand) == start:
+            stop, at = cand, start
+            break
+    assert stop, pieces
+    body = {**body, "stop": [stop]}
+    # A stream cannot take back what it sent: a part of the stop string sent early stays in its text.
+    assert await chat_text(sim, body, stream=stream) == (full[:at], "stop", stop)
+
+
 # -- render -> generate -> derender equals the aggregated answer ----------------------------------
 
 
@@ -243,6 +313,15 @@ def finish_of(chunks: list[dict[str, Any]]) -> list[Any]:
     ]
 
 
+def before_stop(text: str, finish: Any, stop_reason: Any) -> str:
+    """Derender decodes every output token, the one that completed a stop string included; the
+    aggregated text ends before the string (its first occurrence: the engine stopped there)."""
+    if finish == "stop" and isinstance(stop_reason, str):
+        assert stop_reason in text
+        return text[: text.find(stop_reason)]
+    return text
+
+
 CASES = [
     {"max_tokens": 12, "temperature": 0},
     {"max_tokens": 30, "temperature": 0.8, "seed": 5},
@@ -267,6 +346,9 @@ async def test_split_nonstream_equals_aggregated(sim: SimWorker, ep: str, case: 
     split = await split_full(sim, ep, req)
     for k in ("id", "created", "system_fingerprint"):
         agg.pop(k), split.pop(k)
+    c = split["choices"][0]
+    holder, key = (c["message"], "content") if ep == CHAT else (c, "text")
+    holder[key] = before_stop(holder[key], c["finish_reason"], c["stop_reason"])
     assert split == agg
 
 
@@ -286,8 +368,8 @@ async def test_split_stream_equals_aggregated(
         req["prompt"] = "Héllo 😀 there"
     agg = await sse(sim, ep, req)
     split = await split_stream(sim, ep, req)
-    assert text_of(split, chat) == text_of(agg, chat) != ""
     assert finish_of(split) == finish_of(agg) and len(finish_of(agg)) == 1
+    assert before_stop(text_of(split, chat), *finish_of(split)[0]) == text_of(agg, chat) != ""
     agg_usage = [c["usage"] for c in agg if c.get("usage")]
     split_usage = [c["usage"] for c in split if c.get("usage")]
     if usage:

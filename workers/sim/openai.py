@@ -844,14 +844,51 @@ async def _aggregated(request: web.Request, *, chat: bool) -> web.StreamResponse
         return resp
 
 
+class OutputText:
+    """One choice's text as vLLM's output processor makes it from the generated tokens: decoded
+    token by token, ended before a matched stop string (after it with ``include_stop_str_in_output``),
+    and in a stream held back by ``output_text_buffer_length`` characters until the end, so that no
+    part of a stop string is ever sent."""
+
+    def __init__(self, ts: TokenStrings, gen_req: dict[str, Any]) -> None:
+        sp = gen_req["sampling_params"]
+        self.ts = ts
+        self.state = seed_state(ts, gen_req["token_ids"])
+        self.include = bool(sp.get("include_stop_str_in_output"))
+        self.hold = int(sp.get("output_text_buffer_length") or 0)
+        self.text = ""
+        self.sent = 0
+
+    def add(self, ids: Sequence[int], finish: Any, stop_reason: Any) -> None:
+        """Decode ``ids``; on a stop string's match, end the text there. The engine finished on
+        the token that completed the string, so it is searched where that token's text could
+        complete it (vLLM's ``check_stop_strings``)."""
+        piece = ""
+        for tok in ids:
+            piece, self.state = detokenize_delta(self.ts, [tok], self.state)
+            self.text += piece
+        if finish == "stop" and isinstance(stop_reason, str) and stop_reason:
+            at = self.text.find(stop_reason, max(0, len(self.text) - len(piece) - len(stop_reason) + 1))
+            if at >= 0:
+                end = at + len(stop_reason) if self.include else at
+                self.text = self.text[: max(end, self.sent)]
+
+    def delta(self, finished: bool) -> str:
+        """The text not sent yet, less the hold-back while the choice runs."""
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+
 def _aggregate_full(
     ts: TokenStrings, gen: dict[str, Any], gen_req: dict[str, Any], rid: str, model: str, *, chat: bool
 ) -> dict[str, Any]:
-    prompt = gen_req["token_ids"]
     choices = []
     for c in gen["choices"]:
-        ids = c.get("token_ids") or []
-        text, _ = detokenize_delta(ts, ids, seed_state(ts, prompt), True)
+        out = OutputText(ts, gen_req)
+        out.add(c.get("token_ids") or [], c.get("finish_reason"), c.get("stop_reason"))
+        text = out.text
         lp = _chat_logprobs(ts, c.get("logprobs"))
         choices.append(
             _chat_choice(c, text, lp)
@@ -877,11 +914,13 @@ async def _aggregate_stream(
     chat: bool,
 ) -> None:
     """vLLM's aggregated stream: (chat) a role chunk, one chunk per token with text, the finish
-    chunk; the usage chunk when asked for; ``[DONE]``. Error events pass through."""
+    chunk; the usage chunk when asked for; ``[DONE]``. Error events pass through. The text is
+    ``OutputText``'s: held back by the longest stop string less one, never past a stop string."""
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool((gen_req.get("stream_options") or {}).get("include_usage"))
-    state = seed_state(ts, gen_req["token_ids"])
+    out_text = OutputText(ts, gen_req)
+    ctx: list[int] = []
 
     async def send(d: dict[str, Any]) -> None:
         await resp.write(b"data: " + DUMPS(d).encode() + b"\n\n")
@@ -933,11 +972,11 @@ async def _aggregate_stream(
                 continue
             c = d["choices"][0]
             ids = c.get("token_ids") or []
-            ctx = list(state["logprob_context_token_ids"])
-            text, state = detokenize_delta(ts, ids, state)
-            state["logprob_context_token_ids"] = (ctx + ids)[-4:]
-            lp = _chat_logprobs(ts, c.get("logprobs"), ctx)
             finish = c.get("finish_reason")
+            out_text.add(ids, finish, c.get("stop_reason"))
+            text = out_text.delta(finish is not None)
+            lp = _chat_logprobs(ts, c.get("logprobs"), ctx)
+            ctx = (ctx + ids)[-4:]
             if chat:
                 if not text and finish is None and lp is None:
                     continue
