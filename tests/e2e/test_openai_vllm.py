@@ -21,13 +21,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 MSGS = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello there, how are you? Tell me about the river."}]
+PROMPT = ("The quick brown fox jumps over the lazy dog by the river, while the old miller watches "
+          "from the door of his mill and counts the sacks of grain")
+"""Longer than two KV blocks: a prompt under one block skips the prefill hop (no KV to pull)."""
 BODIES = [
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 24, "temperature": 0}),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 24, "temperature": 0, "stop": ["e"]}),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, "temperature": 0, "logprobs": True,
                               "top_logprobs": 2}),
-    ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0}),
-    ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "stop": "r"}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": "r"}),
 ]
 
 
@@ -43,14 +46,17 @@ async def test_openai_through_the_split_is_the_decode_workers_answer(vllm_cluste
                                                                      derender: str) -> None:
     decode = vllm_cluster.decode_urls[0]
     async with run_proxy(vllm_cluster, openai_derender=derender) as (url, _app), aiohttp.ClientSession() as s:
-        for path, base in BODIES:
+        for n, (path, base) in enumerate(BODIES):
             for stream in (False, True):
                 usage = {"stream_options": {"include_usage": True}} if stream else {}
                 body = {**base, "stream": stream, **usage}
+                # A salt of each request's own: D's prefix cache (filled by the same prompt sent to D
+                # alone) must not spare the pull through the proxy.
+                salt = f"{derender}-{n}-{stream}"
                 before = metric_value(await asyncio.to_thread(scrape_metrics, decode), XFER_COUNT) or 0.0
-                got = await _post(s, url + path, body)
+                got = await _post(s, url + path, {**body, "cache_salt": "proxy-" + salt})
                 after = metric_value(await asyncio.to_thread(scrape_metrics, decode), XFER_COUNT) or 0.0
-                want = await _post(s, decode + path, body)
+                want = await _post(s, decode + path, {**body, "cache_salt": "alone-" + salt})
                 chat = path.endswith("chat/completions")
                 assert summary(got, stream=stream, chat=chat) == summary(want, stream=stream, chat=chat), \
                     (path, body)
