@@ -73,17 +73,6 @@ def _no_jiter() -> list[Patch]:
     return _swap_everywhere("loads_bounded", protocol.loads_bounded, protocol._loads_bounded_stdlib)
 
 
-def _no_transfer_search() -> list[Patch]:
-    from kv_transfer import params  # noqa: PLC0415
-
-    original = params.client_transfer_params
-
-    def walked(raw: bytes, data: dict[str, Any]) -> str | None:
-        return original(b"transfer_params", data)  # the mark "found": always walked
-
-    return _swap_everywhere("client_transfer_params", original, walked)
-
-
 VARIANTS: dict[str, tuple[Callable[[], list[Patch]], tuple[str, ...]]] = {
     "base": (list, ()),
     "no-known-bodies": (_no_known_bodies, ()),
@@ -91,7 +80,6 @@ VARIANTS: dict[str, tuple[Callable[[], list[Patch]], tuple[str, ...]]] = {
     "no-gc-threshold": (list, ("--gc-threshold", "0")),
     "no-ids-text": (_no_ids_text, ()),
     "no-jiter-first": (_no_jiter, ()),
-    "no-transfer-search": (_no_transfer_search, ()),
 }
 """Each variant: the patches that turn its mechanism off, and pd-proxy arguments it adds."""
 

@@ -12,7 +12,7 @@ A body that differs from one that passed only in its token ids and request id is
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 from kv_transfer.params import client_transfer_params
 from proxy.config.settings import ProxySettings
@@ -22,10 +22,6 @@ from proxy.wire.large_body import PackedTokenIds, parse_large_generate_body, pro
 from proxy.wire.protocol import GenerateRequest, parse_generate_body, utf8_request_body
 from proxy.wire.token_ids import TokenIds, ids_text
 from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError
-
-_WALK_DATA: Final = b"transfer_params"
-"""Given to ``client_transfer_params`` as the body: it then walks the parsed data (small: the
-packed token ids are not walked) instead of searching the raw bytes first."""
 
 
 class Validation:
@@ -85,7 +81,7 @@ class Validation:
         self._prompt_fits(req)
         # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
         # hop (kv_transfer.params). A top-level null names nothing and passes.
-        where = client_transfer_params(body if body is not None else _WALK_DATA, data)
+        where = client_transfer_params(data)
         if where is not None:
             raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
                              "remove it from the request.", param=where)
