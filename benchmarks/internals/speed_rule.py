@@ -43,12 +43,6 @@ def _swap_everywhere(name: str, old: object, new: object) -> list[Patch]:
             if mod_name.split(".")[0] in ("proxy", "kv_transfer") and getattr(mod, name, None) is old]
 
 
-def _no_known_bodies() -> list[Patch]:
-    from proxy.wire.known_bodies import KnownBodies  # noqa: PLC0415
-
-    return [(KnownBodies, "probe", lambda self, body, content_type: None)]
-
-
 def _no_lean_routes() -> list[Patch]:
     from aiohttp import web  # noqa: PLC0415
 
@@ -75,7 +69,6 @@ def _no_jiter() -> list[Patch]:
 
 VARIANTS: dict[str, tuple[Callable[[], list[Patch]], tuple[str, ...]]] = {
     "base": (list, ()),
-    "no-known-bodies": (_no_known_bodies, ()),
     "no-lean-routes": (_no_lean_routes, ()),
     "no-gc-threshold": (list, ("--gc-threshold", "0")),
     "no-ids-text": (_no_ids_text, ()),

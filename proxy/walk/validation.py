@@ -5,9 +5,6 @@ config). Every error is a ``ClientError`` in vLLM's shape; nothing is held when 
 A body in another encoding than UTF-8 (UTF-16/32, a BOM) is read as UTF-8 first, as vLLM's
 server decodes it (``protocol.utf8_json``): every check after it, byte-level or not, sees the
 body a UTF-8 client would have sent, and the hop bodies are UTF-8.
-
-A body that differs from one that passed only in its token ids and request id is known
-(``proxy.wire.known_bodies``): only the checks of its ids' number and the pools' config run again.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from typing import Any
 from kv_transfer.params import client_transfer_params
 from proxy.config.settings import ProxySettings
 from proxy.wire.errors import BadRequest, InvalidRequest
-from proxy.wire.known_bodies import KnownBodies
 from proxy.wire.large_body import PackedTokenIds, parse_large_generate_body, prompt_too_long
 from proxy.wire.protocol import GenerateRequest, parse_generate_body, utf8_request_body
 from proxy.wire.token_ids import TokenIds, ids_text
@@ -25,37 +21,24 @@ from proxy.wire.validation_errors import RequestValidationError, VLLMValidationE
 
 
 class Validation:
-    """The checks of one proxy's settings, and the bodies it validated before."""
+    """The checks of one proxy's settings."""
 
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
-        self.known = KnownBodies()
 
     def validate(self, body: bytes, content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
-        """``body`` parsed and checked as vLLM would, then by the proxy's own rules. A body that
-        differs from one that passed only in its token ids and request id is known
-        (``proxy.wire.known_bodies``): only the checks of its ids' number and the pools' config run."""
+        """``body`` parsed and checked as vLLM would, then by the proxy's own rules."""
         try:
             body = utf8_request_body(body, content_type)  # before any byte-level check
         except RequestValidationError as e:
             raise InvalidRequest.from_protocol(e) from None
-        probe = self.known.probe(body, content_type)
-        if probe is not None:
-            known = self.known.get(probe)
-            if known is not None:
-                req, data = known
-                self._prompt_fits(req)
-                return self._server_checks(req, data)
         try:
             req, data = parse_generate_body(body, content_type)
         except RequestValidationError as e:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
-        req, data = self._checked(body, req, data, None if probe is None else probe[1])
-        if probe is not None:
-            self.known.add(probe, req, data)
-        return req, data
+        return self._checked(body, req, data)
 
     async def validate_large(self, body: bytes | bytearray,
                              content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
@@ -74,10 +57,10 @@ class Validation:
             return self._checked(None, req, data)
         return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``)
 
-    def _checked(self, body: bytes | None, req: GenerateRequest, data: dict[str, Any],
-                 ids: bytes | None = None) -> tuple[GenerateRequest, dict[str, Any]]:
+    def _checked(self, body: bytes | None, req: GenerateRequest,
+                 data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
         """The proxy's own checks of a parsed body. ``body`` None: the ids are packed already
-        (``PackedTokenIds``, which carry their own text). ``ids``: their text, found already."""
+        (``PackedTokenIds``, which carry their own text)."""
         self._prompt_fits(req)
         # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
         # hop (kv_transfer.params). A top-level null names nothing and passes.
@@ -86,7 +69,7 @@ class Validation:
             raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
                              "remove it from the request.", param=where)
         if body is not None:  # not encoded again
-            data["token_ids"] = TokenIds(data["token_ids"], ids if ids is not None else ids_text(body))
+            data["token_ids"] = TokenIds(data["token_ids"], ids_text(body))
         return self._server_checks(req, data)
 
     def _prompt_fits(self, req: GenerateRequest) -> None:
