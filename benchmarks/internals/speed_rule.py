@@ -28,7 +28,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 _TREE = str(Path(__file__).resolve().parents[2])
 if _TREE not in sys.path:
@@ -51,16 +50,6 @@ def _no_lean_routes() -> list[Patch]:
     return [(LeanApplication, "_handle", web.Application._handle)]  # the router and the middlewares
 
 
-def _no_ids_text() -> list[Patch]:
-    from proxy.wire import token_ids  # noqa: PLC0415
-
-    def plain(ids: Any, text: bytes | None = None) -> Any:
-        return ids  # a plain list: the hop bodies encode it (``encode_body``'s plain path)
-
-    return [*_swap_everywhere("TokenIds", token_ids.TokenIds, plain),
-            *_swap_everywhere("ids_text", token_ids.ids_text, lambda body: None)]
-
-
 def _no_jiter() -> list[Patch]:
     from proxy.wire import protocol  # noqa: PLC0415
 
@@ -71,7 +60,6 @@ VARIANTS: dict[str, tuple[Callable[[], list[Patch]], tuple[str, ...]]] = {
     "base": (list, ()),
     "no-lean-routes": (_no_lean_routes, ()),
     "no-gc-threshold": (list, ("--gc-threshold", "0")),
-    "no-ids-text": (_no_ids_text, ()),
     "no-jiter-first": (_no_jiter, ()),
 }
 """Each variant: the patches that turn its mechanism off, and pd-proxy arguments it adds."""

@@ -14,9 +14,8 @@ from typing import Any
 from kv_transfer.params import client_transfer_params
 from proxy.config.settings import ProxySettings
 from proxy.wire.errors import BadRequest, InvalidRequest
-from proxy.wire.large_body import PackedTokenIds, parse_large_generate_body, prompt_too_long
+from proxy.wire.large_body import parse_large_generate_body, prompt_too_long
 from proxy.wire.protocol import GenerateRequest, parse_generate_body, utf8_request_body
-from proxy.wire.token_ids import TokenIds, ids_text
 from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError
 
 
@@ -38,7 +37,7 @@ class Validation:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
-        return self._checked(body, req, data)
+        return self._checked(req, data)
 
     async def validate_large(self, body: bytes | bytearray,
                              content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
@@ -53,14 +52,10 @@ class Validation:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
-        if type(data["token_ids"]) is PackedTokenIds:
-            return self._checked(None, req, data)
-        return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``)
+        return self._checked(req, data)
 
-    def _checked(self, body: bytes | None, req: GenerateRequest,
-                 data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
-        """The proxy's own checks of a parsed body. ``body`` None: the ids are packed already
-        (``PackedTokenIds``, which carry their own text)."""
+    def _checked(self, req: GenerateRequest, data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
+        """The proxy's own checks of a parsed body."""
         self._prompt_fits(req)
         # Transfer params name worker-side addresses and blocks: only the proxy sets them, per
         # hop (kv_transfer.params). A top-level null names nothing and passes.
@@ -68,8 +63,6 @@ class Validation:
         if where is not None:
             raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
                              "remove it from the request.", param=where)
-        if body is not None:  # not encoded again
-            data["token_ids"] = TokenIds(data["token_ids"], ids_text(body))
         return self._server_checks(req, data)
 
     def _prompt_fits(self, req: GenerateRequest) -> None:
