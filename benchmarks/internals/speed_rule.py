@@ -59,7 +59,6 @@ def _no_jiter() -> list[Patch]:
 VARIANTS: dict[str, tuple[Callable[[], list[Patch]], tuple[str, ...]]] = {
     "base": (list, ()),
     "no-lean-routes": (_no_lean_routes, ()),
-    "no-gc-threshold": (list, ("--gc-threshold", "0")),
     "no-jiter-first": (_no_jiter, ()),
 }
 """Each variant: the patches that turn its mechanism off, and pd-proxy arguments it adds."""

@@ -68,15 +68,6 @@ class ProxySettings:
         parse=workers_arg)
     """Processes serving the port (``proxy.http.multiproc``: ``SO_REUSEPORT``, one request table each;
     aborts reach other processes through the broadcast). 1: this process serves."""
-    gc_threshold: int = setting(
-        20_000, "each serving process freezes its start-up objects and sets the cyclic garbage collector's "
-                "first threshold to N (Python's is 700, which costs 6-9% of the CPU per request under "
-                "load); 0: Python's own settings", metavar="N")
-    """Each serving process, once started: its start-up objects frozen (``gc.freeze``) and the
-    cyclic collector's first threshold set to this (``gc.set_threshold``; Python's is 700). At 700
-    the objects of the requests in flight set off a young collection every few requests, and what
-    outlives it is scanned again in the older generations: 6-9% of the CPU per request at 64 at a
-    time (``proxy.http.server.settle_gc``). 0: Python's own collector settings."""
     # ---- keys
     api_key: str | None = None
     """Guards ``/inference/*`` (and ``/debug/*``, and by default the legacy abort path)."""
