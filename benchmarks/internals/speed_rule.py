@@ -42,14 +42,6 @@ def _swap_everywhere(name: str, old: object, new: object) -> list[Patch]:
             if mod_name.split(".")[0] in ("proxy", "kv_transfer") and getattr(mod, name, None) is old]
 
 
-def _no_lean_routes() -> list[Patch]:
-    from aiohttp import web  # noqa: PLC0415
-
-    from proxy.http.lean import LeanApplication  # noqa: PLC0415
-
-    return [(LeanApplication, "_handle", web.Application._handle)]  # the router and the middlewares
-
-
 def _no_jiter() -> list[Patch]:
     from proxy.wire import protocol  # noqa: PLC0415
 
@@ -58,7 +50,6 @@ def _no_jiter() -> list[Patch]:
 
 VARIANTS: dict[str, tuple[Callable[[], list[Patch]], tuple[str, ...]]] = {
     "base": (list, ()),
-    "no-lean-routes": (_no_lean_routes, ()),
     "no-jiter-first": (_no_jiter, ()),
 }
 """Each variant: the patches that turn its mechanism off, and pd-proxy arguments it adds."""
