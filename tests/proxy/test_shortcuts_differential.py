@@ -1,15 +1,14 @@
 """Every shortcut in front of a body check decides what the full check decides.
 
 The shortcuts: the encoding check (``protocol.utf8_json``: a body is searched as UTF-8 bytes only
-once it is), pydantic-core's parser before ``json.loads`` and the nesting/surrogate scan before the
-walk (``protocol.loads_bounded``), and the large-body slicer (``proxy.wire.large_body``). Each is
-compared with a reference that has none of them: ``json.loads`` of the body, the full walk for
-nesting and lone surrogates, pydantic's model, a walk for transfer keys at every depth, and the
-server checks. Generated bodies: valid generate requests and near misses, in UTF-8 (with or without
-a BOM), UTF-16 and UTF-32 (LE/BE, with or without a BOM), with ``\\u`` escapes in any key, repeated
-keys, any whitespace, transfer keys at every depth, numbers in every JSON form and lone surrogates.
-Same answer (status, message, param) or the same request (model, parse, and the hop body: strict
-UTF-8 carrying the same JSON).
+once it is), the nesting/surrogate scan before the walk (``protocol.loads_bounded``), and the large-
+body slicer (``proxy.wire.large_body``). Each is compared with a reference that has none of them:
+``json.loads`` of the body, the full walk for nesting and lone surrogates, pydantic's model, a walk
+for transfer keys at every depth, and the server checks. Generated bodies: valid generate requests
+and near misses, in UTF-8 (with or without a BOM), UTF-16 and UTF-32 (LE/BE, with or without a BOM),
+with ``\\u`` escapes in any key, repeated keys, any whitespace, transfer keys at every depth,
+numbers in every JSON form and lone surrogates. Same answer (status, message, param) or the same
+request (model, parse, and the hop body: strict UTF-8 carrying the same JSON).
 """
 
 from __future__ import annotations
