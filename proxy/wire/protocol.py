@@ -140,8 +140,6 @@ def _check_nesting_and_text(obj: Any) -> None:
 
 
 _JSON_DECODER = json.JSONDecoder()
-_NOT_PLAIN_FIRST = b"\x00\xef\xfe\xff"
-"""First bytes of a body ``json.detect_encoding`` may take for other than UTF-8 (a BOM or a NUL)."""
 
 
 @overload
@@ -151,8 +149,6 @@ def utf8_json(body: bytes | bytearray) -> bytes | bytearray: ...
 def utf8_json(body: bytes | bytearray) -> bytes | bytearray:
     """``body`` as UTF-8 bytes of the text ``json.loads`` reads in it, so every byte search of a
     body sees what it would in UTF-8; undecodable raises ``JSONBodyError``."""
-    if len(body) > 1 and body[1] and body[0] not in _NOT_PLAIN_FIRST:
-        return body
     encoding = json.detect_encoding(body)
     if encoding == "utf-8":
         return body
