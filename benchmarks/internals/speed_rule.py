@@ -42,15 +42,17 @@ def _swap_everywhere(name: str, old: object, new: object) -> list[Patch]:
             if mod_name.split(".")[0] in ("proxy", "kv_transfer") and getattr(mod, name, None) is old]
 
 
-def _no_jiter() -> list[Patch]:
+def _no_nesting_scan() -> list[Patch]:
+    import re  # noqa: PLC0415
+
     from proxy.wire import protocol  # noqa: PLC0415
 
-    return _swap_everywhere("loads_bounded", protocol.loads_bounded, protocol._loads_bounded_stdlib)
+    return [(protocol, "_SURROGATE_ESCAPE_RE", re.compile(b""))]  # found in every body: always walked
 
 
 VARIANTS: dict[str, tuple[Callable[[], list[Patch]], tuple[str, ...]]] = {
     "base": (list, ()),
-    "no-jiter-first": (_no_jiter, ()),
+    "no-nesting-scan": (_no_nesting_scan, ()),
 }
 """Each variant: the patches that turn its mechanism off, and pd-proxy arguments it adds."""
 
