@@ -4,6 +4,7 @@ names the parser's error class only."""
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from aiohttp import web
@@ -14,14 +15,18 @@ from proxy.wire.errors import malformed_http_response
 log = logging.getLogger("pd_proxy")
 
 
-class QuietApplication(web.Application):
-    """A ``web.Application`` whose server's connections get ``QuietRequestHandler``."""
+with warnings.catch_warnings():
+    # ``_make_handler`` is the one seam where the server's connections get their handler class.
+    warnings.simplefilter("ignore", DeprecationWarning)
 
-    def _make_handler(self, **kwargs: Any) -> web.Server:
-        server = super()._make_handler(**kwargs)
-        return QuietServer(server.request_handler, request_factory=server.request_factory,
-                           loop=self._loop, handler_cancellation=server.handler_cancellation,
-                           **server._kwargs)
+    class QuietApplication(web.Application):
+        """A ``web.Application`` whose server's connections get ``QuietRequestHandler``."""
+
+        def _make_handler(self, **kwargs: Any) -> web.Server:
+            server = super()._make_handler(**kwargs)
+            return QuietServer(server.request_handler, request_factory=server.request_factory,
+                               loop=self._loop, handler_cancellation=server.handler_cancellation,
+                               **server._kwargs)
 
 
 class QuietRequestHandler(web.RequestHandler):
