@@ -23,7 +23,7 @@ count before the load (the warm caches and the start-up work of the first reques
 leak of an object per request is not); pending tasks back to the pre-load baseline (+ a small
 slack); no upstream connection in use and at most two idle per worker (the health probes keep
 some); nothing in flight; no KV held on any worker. ``--proxy-arg`` passes an option to pd-proxy
-(``--proxy-arg=--gc-threshold=0``: the collector as Python starts it).
+(``--proxy-arg=--log-level=debug``).
 Writes the JSON record (``--out``) and prints a table.
 """
 
@@ -541,7 +541,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
     p.add_argument("--proxy-log", default=None, metavar="FILE",
                    help="append the proxy's log at WARNING (retries, blame, migrations) to FILE")
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
-                   help="an option for pd-proxy (repeatable; written with =: --proxy-arg=--gc-threshold=0)")
+                   help="an option for pd-proxy (repeatable; written with =: --proxy-arg=--log-level=debug)")
     a = p.parse_args(argv)
     cfg = SoakConfig(duration=a.duration, concurrency=a.concurrency, interval=a.interval,
                       fault_period=a.fault_period, warmup=a.warmup, prefill_workers=a.prefill_workers,

@@ -7,15 +7,10 @@ from __future__ import annotations
 from typing import Any, Final
 
 TRANSFER_KEYS: Final = ("kv_transfer_params", "ec_transfer_params")
-_MARK: Final = b"transfer_params"
-_ESCAPE: Final = b"\\u"
 
 
-def client_transfer_params(raw: bytes, data: dict[str, Any]) -> str | None:
-    """The dotted path of the first transfer key a client body carries, or ``None``. A key can
-    only be spelled with the mark's bytes or a ``\\u`` escape, so a body with neither is not walked."""
-    if _MARK not in raw and (b"\\" not in raw or _ESCAPE not in raw):
-        return None
+def client_transfer_params(data: dict[str, Any]) -> str | None:
+    """The dotted path of the first transfer key a client body's parse carries, or ``None``."""
     for key in TRANSFER_KEYS:
         if data.get(key) is not None:
             return key

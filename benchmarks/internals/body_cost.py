@@ -3,16 +3,14 @@ for the workers' replies (parse them).
 
     python -m benchmarks.internals.body_cost [--prompt-lens 128,2048,4096] [--calls 2000] [--rounds 3]
 
-The work pd-proxy does on every generate call before and between its hops that
-grows with the prompt: ``Validation.validate`` (JSON parse, vLLM's validation, the token ids kept
-for the hops) and ``encode_body`` of the prefill and the decode hop bodies. In this process, no
-network. ``client_text``: the body as compare_routers sends it (compact JSON, so the ids' text is
-forwarded as the client wrote it); ``escaped``: the same body with a ``\\u`` escape in a stop
-string, which makes the proxy encode the ids itself. ``reply_N``: ``Upstream``'s parse of a
-worker's non-stream reply with N generated tokens and their text, as vLLM writes it (N = 1 is
-the prefill worker's answer, with its ``kv_transfer_params``). Prints one JSON line:
-microseconds of CPU (``time.process_time``) per call, per prompt length, one figure per round.
-Bounded: ``--calls`` at most 100,000.
+The work pd-proxy does on every generate call before and between its hops that grows with the
+prompt: ``Validation.validate`` (JSON parse, vLLM's validation) and
+``encode_body`` of the prefill and the decode hop bodies. In this process, no network.
+``client_text``: the body as compare_routers sends it (compact JSON); ``escaped``: the same body
+with a ``\\u`` escape in a stop string. ``reply_N``: ``Upstream``'s parse of a non-stream reply with
+N generated tokens and their text, as vLLM writes it (N = 1 is the prefill worker's answer, with its
+``kv_transfer_params``). Prints one JSON line: microseconds of CPU (``time.process_time``) per call,
+per prompt length, one figure per round. Bounded: ``--calls`` at most 100,000.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ samples by the code that ran them (the CPython runtime, the kernel, pydantic-cor
 
 Serves pd-proxy in this process on loopback in front of two ``pd-sim --zero-latency`` workers,
 loaded from a client subprocess (``call_counts.loaded_proxy``: 64 at a time, 256 prompt tokens,
-32 output tokens), the cyclic collector set as ``--gc-threshold``'s default sets it (frozen,
-young collections every 20,000 allocations). ``PYTHONPATH=TREE`` measures another tree's proxy
+32 output tokens), the cyclic collector as Python sets it. ``PYTHONPATH=TREE`` measures another tree's proxy
 (a build of it, say); the workers are this tree's. After the warm-up, each round
 of ``--requests`` prints this process's user and system CPU per request (``os.times``: the
 workers and the client are other processes) and the requests per second.
@@ -33,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import os
 import shutil
 import signal
@@ -139,11 +137,6 @@ async def main(args: argparse.Namespace) -> None:
     async with loaded_proxy(args.requests, args.stream, _TREE, rounds=args.rounds) as one_round:
         if pinned is not None:
             os.sched_setaffinity(0, pinned[1])
-        # as pd-proxy's start-up settles it (proxy.http.server.settle_gc, --gc-threshold's default), done
-        # here so that any tree measured gets the same setting
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(20_000, *gc.get_threshold()[1:])
         print(f"pd-proxy of {measured_tree()}, "
               f"{'stream' if args.stream else 'non-stream'}, {args.requests} requests a round, "
               f"64 at a time{', pinned' if pinned else ''}", flush=True)

@@ -4,13 +4,13 @@
 
 MODE: ``default`` (Python's collector as it starts: thresholds 700/10/10), ``off``
 (``gc.disable()``), or ``t[_f]_A_B_C`` (``gc.set_threshold(A, B, C)``, ``_f``: ``gc.freeze()``
-first, as ``--gc-threshold`` does once the app started). Serves pd-proxy (this tree) in this
-process on loopback in front of two ``pd-sim --zero-latency`` workers, loaded from
-``call_counts``' client subprocess (``call_counts.loaded_proxy``: 64 at a time, 256 prompt
-tokens, 32 output tokens): after the warm-up, three rounds of 3,000 requests, each printing the
-process's CPU per request, the time spent in collections per request (``gc.callbacks``),
-collections per request and full collections in the round. The proxy here is built with
-``build_app`` (no ``--gc-threshold``: MODE is the collector's setting). Numbers in ``benchmarks/README.md``.
+first). Serves pd-proxy (this tree) in this process on loopback in front of two ``pd-sim --zero-
+latency`` workers, loaded from ``call_counts``' client subprocess (``call_counts.loaded_proxy``: 64
+at a time, 256 prompt tokens, 32 output tokens): after the warm-up, three rounds of 3,000 requests,
+each printing the process's CPU per request, the time spent in collections per request
+(``gc.callbacks``), collections per request and full collections in the round. The proxy here is
+built with ``build_app`` (pd-proxy leaves Python's collector as it is: MODE is the collector's
+setting). Numbers in ``benchmarks/README.md``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ in this process on uvloop and on loopback, in front of both:
 
 - ``pd-proxy``: the app (``proxy.http.app.build_app``, pd-proxy's default settings, ``--log-level
   warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it (every request on aiohttp's
-  server, the generate calls without its router: ``proxy.http.lean``);
+  server, through its router and middlewares);
 - ``aiohttp+flat+hops``: ``flat_proxy``'s walk with pd-proxy's hop client, behind aiohttp's server
   (``flat_proxy.aiohttp_app``: a ``web.Application``, the generate route alone, no middleware);
 - ``server+flat+hops``: the same behind aiohttp's low-level server (``web.Server``: no application,
@@ -40,13 +40,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import gc
 import os
 import pstats
 import statistics
 import sys
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AsyncExitStack, contextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 from aiohttp import web
@@ -112,7 +111,6 @@ async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...
     sims = [call_counts._start_sim(role, _TREE, itl_ms) for role in ("prefill", "decode")]
     try:
         async with AsyncExitStack() as stack:
-            stack.enter_context(_settled_gc())
             loads: dict[str, Round] = {}
             for variant in variants:
                 port = await _serve(stack, variant, sims[0][1], sims[1][1])
@@ -120,9 +118,6 @@ async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...
                     call_counts.load_client(port, count, stream, rounds=rounds + 2 * int(calls)))
             if pinned is not None:
                 os.sched_setaffinity(0, pinned[1])
-            gc.collect()  # as pd-proxy's start-up settles the collector (--gc-threshold's default)
-            gc.freeze()
-            gc.set_threshold(20_000, *gc.get_threshold()[1:])
             cpu: dict[str, list[float]] = {v: [] for v in variants}
             for r in range(rounds):
                 order = [*variants[r % len(variants):], *variants[:r % len(variants)]]
@@ -154,20 +149,6 @@ async def measure(count: int, rounds: int, calls: bool, variants: tuple[str, ...
             proc.terminate()
             proc.wait()
         os.sched_setaffinity(0, affinity)
-
-
-@contextmanager
-def _settled_gc() -> Iterator[None]:
-    """The collector's thresholds as they were once the measuring is done (it sets them as
-    pd-proxy's start-up does), and what it froze unfrozen when nothing was frozen before (``gc``
-    cannot unfreeze a part): ``measure`` may run inside another program, a test's."""
-    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
-    try:
-        yield
-    finally:
-        if not frozen:
-            gc.unfreeze()
-        gc.set_threshold(*thresholds)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,10 +62,6 @@ class ProxySettings:
            "by a cgroup CPU quota). Admin changes reach every process; limits (in-flight, queues, per-worker "
            "caps, buffers) are PER PROCESS; see proxy/http/multiproc.py", metavar="N|auto",
         parse=workers_arg)
-    gc_threshold: int = setting(
-        20_000, "each serving process freezes its start-up objects and sets the cyclic garbage collector's "
-                "first threshold to N (Python's is 700, which costs 6-9% of the CPU per request under "
-                "load); 0: Python's own settings", metavar="N")
     # ---- keys
     api_key: str | None = None
     """Guards ``/inference/*`` (and ``/debug/*``, and by default the legacy abort path)."""

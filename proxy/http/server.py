@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import socket
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -26,19 +24,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-def settle_gc(threshold: int) -> Callable[[web.Application], Awaitable[None]]:
-    """The last start-up hook: what start-up built is frozen out of the cyclic collector's scans,
-    and a young collection runs every ``threshold`` allocations (0: nothing changed), since the
-    requests' objects are nearly all freed by reference counting."""
-    async def settle(app: web.Application) -> None:
-        if threshold > 0:
-            gc.collect()
-            gc.freeze()
-            _, older, oldest = gc.get_threshold()
-            gc.set_threshold(threshold, older, oldest)
-    return settle
-
-
 def serve(settings: ProxySettings, sock: socket.socket | None = None) -> None:
     """Run one server process until SIGTERM/SIGINT, on ``sock`` when given (``--workers``)."""
     configure_access_log(settings.log_format)
@@ -49,7 +34,6 @@ def serve(settings: ProxySettings, sock: socket.socket | None = None) -> None:
     ssl_context = server_context(settings.tls_cert_file, settings.tls_key_file) \
         if settings.tls_cert_file else None
     app = build_app(settings)
-    app.on_startup.append(settle_gc(settings.gc_threshold))
     web.run_app(app, **where, ssl_context=ssl_context,
                 keepalive_timeout=settings.header_timeout,
                 shutdown_timeout=settings.drain_timeout, handler_cancellation=True,

@@ -32,7 +32,7 @@ from proxy.wire.errors import (
     UpstreamUnavailable,
 )
 from proxy.wire.protocol import engine_request_id, hop_json, parse_worker_json
-from proxy.wire.token_ids import TokenIds, encode_body
+from proxy.wire.token_ids import encode_body
 
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -210,4 +210,4 @@ class Upstream:
             return False
 
 
-__all__ = ["ABORT_PATH", "GENERATE_PATH", "TokenIds", "Upstream", "UpstreamError", "encode_body"]
+__all__ = ["ABORT_PATH", "GENERATE_PATH", "Upstream", "UpstreamError", "encode_body"]

@@ -3,52 +3,35 @@ own rules; every error is a ``ClientError`` in vLLM's shape, and nothing is held
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 from kv_transfer.params import client_transfer_params
 from proxy.config.settings import ProxySettings
 from proxy.wire.errors import BadRequest, InvalidRequest
-from proxy.wire.known_bodies import KnownBodies
-from proxy.wire.large_body import PackedTokenIds, parse_large_generate_body, prompt_too_long
+from proxy.wire.large_body import parse_large_generate_body, prompt_too_long
 from proxy.wire.protocol import GenerateRequest, parse_generate_body, utf8_request_body
-from proxy.wire.token_ids import TokenIds, ids_text
 from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError
-
-_WALK_DATA: Final = b"transfer_params"
-"""Makes ``client_transfer_params`` walk the parsed data instead of searching the raw bytes."""
 
 
 class Validation:
-    """The checks of one proxy's settings, and the bodies it validated before."""
+    """The checks of one proxy's settings."""
 
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
-        self.known = KnownBodies()
 
     def validate(self, body: bytes, content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
-        """Parsed and checked; a body known but for its token ids and request id only has its ids' number
-        and the pools' config checked again (``proxy.wire.known_bodies``)."""
+        """``body`` parsed and checked as vLLM would, then by the proxy's own rules."""
         try:
             body = utf8_request_body(body, content_type)  # before any byte-level check
         except RequestValidationError as e:
             raise InvalidRequest.from_protocol(e) from None
-        probe = self.known.probe(body, content_type)
-        if probe is not None:
-            known = self.known.get(probe)
-            if known is not None:
-                req, data = known
-                self._prompt_fits(req)
-                return self._server_checks(req, data)
         try:
             req, data = parse_generate_body(body, content_type)
         except RequestValidationError as e:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
-        req, data = self._checked(body, req, data, None if probe is None else probe[1])
-        if probe is not None:
-            self.known.add(probe, req, data)
-        return req, data
+        return self._checked(req, data)
 
     async def validate_large(self, body: bytes | bytearray,
                              content_type: str) -> tuple[GenerateRequest, dict[str, Any]]:
@@ -61,21 +44,16 @@ class Validation:
             raise InvalidRequest.from_protocol(e) from None
         except VLLMValidationError as e:
             raise BadRequest.from_protocol(e) from None
-        if type(data["token_ids"]) is PackedTokenIds:
-            return self._checked(None, req, data)
-        return self._checked(bytes(body), req, data)  # parsed in one go (``large_body``)
+        return self._checked(req, data)
 
-    def _checked(self, body: bytes | None, req: GenerateRequest, data: dict[str, Any],
-                 ids: bytes | None = None) -> tuple[GenerateRequest, dict[str, Any]]:
-        """The proxy's own checks. ``body`` None: the ids are packed already; ``ids``: their text."""
+    def _checked(self, req: GenerateRequest, data: dict[str, Any]) -> tuple[GenerateRequest, dict[str, Any]]:
+        """The proxy's own checks of a parsed body."""
         self._prompt_fits(req)
         # Transfer params are set by the proxy only, per hop; a top-level null names nothing and passes.
-        where = client_transfer_params(body if body is not None else _WALK_DATA, data)
+        where = client_transfer_params(data)
         if where is not None:
             raise BadRequest(f"{where} is set by the proxy for each hop and cannot come from a client: "
                              "remove it from the request.", param=where)
-        if body is not None:  # not encoded again
-            data["token_ids"] = TokenIds(data["token_ids"], ids if ids is not None else ids_text(body))
         return self._server_checks(req, data)
 
     def _prompt_fits(self, req: GenerateRequest) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from typing import Any, Literal, overload
 
 import pydantic_core
@@ -140,21 +139,7 @@ def _check_nesting_and_text(obj: Any) -> None:
         stack.extend((item, depth + 1) for item in items if isinstance(item, dict | list | str))
 
 
-def _jiter_int_digits() -> int:
-    """Most digits pydantic-core takes in an integer literal, whatever Python's limit says."""
-    try:
-        pydantic_core.from_json(b"9" * 4301)
-    except ValueError:
-        return 4300
-    return sys.maxsize
-
-
-_JITER_INT_DIGITS = _jiter_int_digits()
-
-
 _JSON_DECODER = json.JSONDecoder()
-_NOT_PLAIN_FIRST = b"\x00\xef\xfe\xff"
-"""First bytes of a body ``json.detect_encoding`` may take for other than UTF-8 (a BOM or a NUL)."""
 
 
 @overload
@@ -164,8 +149,6 @@ def utf8_json(body: bytes | bytearray) -> bytes | bytearray: ...
 def utf8_json(body: bytes | bytearray) -> bytes | bytearray:
     """``body`` as UTF-8 bytes of the text ``json.loads`` reads in it, so every byte search of a
     body sees what it would in UTF-8; undecodable raises ``JSONBodyError``."""
-    if len(body) > 1 and body[1] and body[0] not in _NOT_PLAIN_FIRST:
-        return body
     encoding = json.detect_encoding(body)
     if encoding == "utf-8":
         return body
@@ -185,21 +168,8 @@ def utf8_json(body: bytes | bytearray) -> bytes | bytearray:
 
 
 def loads_bounded(body: bytes) -> Any:
-    """``json.loads``'s value for an untrusted body, or ``JSONBodyError``. jiter is asked first only
-    where it takes what ``json.loads`` takes; anything else, and every error, is ``json.loads``'."""
-    body = utf8_json(body)
-    limit = sys.get_int_max_str_digits()
-    if (body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH
-            and (limit == 0 or limit >= _JITER_INT_DIGITS or len(body) <= limit)):
-        try:
-            return pydantic_core.from_json(body, allow_inf_nan=True, allow_partial=False)
-        except Exception:
-            return _loads_bounded_stdlib(body)
-    return _loads_bounded_stdlib(body)
-
-
-def _loads_bounded_stdlib(body: bytes) -> Any:
-    """``loads_bounded`` by ``json.loads`` alone: the reference, and every error's source."""
+    """``json.loads``'s value for an untrusted body, or ``JSONBodyError``: nested at most
+    ``MAX_JSON_DEPTH`` deep, every string one UTF-8 can carry."""
     body = utf8_json(body)
     try:
         data = json.loads(body)

@@ -17,8 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 async def test_a_short_soak_finds_no_leak(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cfg = SoakConfig(duration=3.0, concurrency=6, interval=1.0, fault_period=1.0, warmup=0.0,
-                     prefill_workers=1, decode_workers=1, settle_timeout=30.0, quiet=True, out=str(out),
-                     proxy_args=("--gc-threshold", "0"))
+                     prefill_workers=1, decode_workers=1, settle_timeout=30.0, quiet=True, out=str(out))
     report = await soak(cfg)
     assert report["ok"], report["checks"]
     assert json.loads(out.read_text())["summary"] == report["summary"]
@@ -34,8 +33,6 @@ async def test_a_short_soak_finds_no_leak(tmp_path: Path) -> None:
     assert all(w["objects"] and w["objects"] > 10_000 for w in windows)
     assert report["checks"]["objects_ok"] and s["object_growth"] <= cfg.max_object_growth
     assert s["objects_final"] == s["objects_baseline"] + s["object_growth"]
-    # --proxy-arg reached pd-proxy: at --gc-threshold 0 it froze nothing at start-up
-    assert report["baseline"]["gc"]["frozen"] == 0
 
 
 def test_cli_defaults_are_the_ten_minute_soak() -> None:
@@ -43,8 +40,8 @@ def test_cli_defaults_are_the_ten_minute_soak() -> None:
     assert (cfg.duration, cfg.concurrency) == (600.0, 128)
     assert (cfg.max_object_growth, cfg.proxy_args) == (50_000, ())
     assert parse_args(["--duration", "5", "--concurrency", "3"]).concurrency == 3
-    cfg = parse_args(["--proxy-arg=--gc-threshold=0", "--proxy-arg=--otel", "--max-object-growth", "9"])
-    assert (cfg.proxy_args, cfg.max_object_growth) == (("--gc-threshold=0", "--otel"), 9)
+    cfg = parse_args(["--proxy-arg=--log-level=debug", "--proxy-arg=--otel", "--max-object-growth", "9"])
+    assert (cfg.proxy_args, cfg.max_object_growth) == (("--log-level=debug", "--otel"), 9)
 
 
 def test_percentile() -> None:

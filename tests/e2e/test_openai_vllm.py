@@ -1,6 +1,7 @@
 """Real vLLM 0.32 (CPU, tiny model): greedy /v1/chat/completions and /v1/completions through
 pd-proxy's P/D split answer what the decode worker alone answers on the same paths (text, finish
-and stop reason, usage), stream and not, fast path and derender path, and the KV crossed."""
+and stop reason, usage), stream and not, fast path and derender path, and the KV crossed (D took
+the prompt's whole blocks from P)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from workers.launcher import Cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
-XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+PULLED = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+"""Prompt tokens D took from P's KV (whole 128-token blocks on the CPU build)."""
+STORY = " ".join(["The river ran past the old mill, and the miller counted his sacks of grain."] * 8)
+"""About 200 tokens: a prompt under one KV block (128 tokens here) skips the prefill hop."""
 MSGS = [{"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hello there, how are you? Tell me about the river."}]
-PROMPT = ("The quick brown fox jumps over the lazy dog by the river, while the old miller watches "
-          "from the door of his mill and counts the sacks of grain")
-"""Longer than two KV blocks: a prompt under one block skips the prefill hop (no KV to pull)."""
+        {"role": "user", "content": STORY + " Tell me about the river."}]
+PROMPT = STORY + " The quick brown fox"
 BODIES = [
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 24, "temperature": 0}),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 24, "temperature": 0, "stop": ["e"]}),
@@ -53,14 +55,14 @@ async def test_openai_through_the_split_is_the_decode_workers_answer(vllm_cluste
                 # A salt of each request's own: D's prefix cache (filled by the same prompt sent to D
                 # alone) must not spare the pull through the proxy.
                 salt = f"{derender}-{n}-{stream}"
-                before = metric_value(await asyncio.to_thread(scrape_metrics, decode), XFER_COUNT) or 0.0
+                before = metric_value(await asyncio.to_thread(scrape_metrics, decode), *PULLED) or 0.0
                 got = await _post(s, url + path, {**body, "cache_salt": "proxy-" + salt})
-                after = metric_value(await asyncio.to_thread(scrape_metrics, decode), XFER_COUNT) or 0.0
+                after = metric_value(await asyncio.to_thread(scrape_metrics, decode), *PULLED) or 0.0
                 want = await _post(s, decode + path, {**body, "cache_salt": "alone-" + salt})
                 chat = path.endswith("chat/completions")
                 assert summary(got, stream=stream, chat=chat) == summary(want, stream=stream, chat=chat), \
                     (path, body)
-                assert after > before  # the decode worker pulled P's KV
+                assert after - before >= 128, (path, stream, before, after)  # D pulled P's KV blocks
                 if not stream and "logprobs" in body:
                     got_lp, want_lp = (json.loads(x)["choices"][0]["logprobs"] for x in (got, want))
                     assert got_lp == want_lp

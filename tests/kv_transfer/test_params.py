@@ -16,7 +16,7 @@ KV = {"remote_host": "10.0.0.9", "remote_port": 5600, "remote_block_ids": [[1]]}
 
 def found(body: dict[str, Any], raw: bytes | None = None) -> str | None:
     text = json.dumps(body).encode() if raw is None else raw
-    return client_transfer_params(text, json.loads(text))
+    return client_transfer_params(json.loads(text))
 
 
 @pytest.mark.parametrize(("body", "path"), [
@@ -40,11 +40,6 @@ def test_a_key_spelled_with_an_escape_is_found() -> None:
     raw = b'{"token_ids":[1],"sampling_params":{"extra_args":{"kv_\\u0074ransfer_params":{"a":1}}}}'
     assert b"transfer_params" not in raw
     assert found({}, raw) == "sampling_params.extra_args.kv_transfer_params"
-
-
-def test_a_body_without_the_mark_is_not_walked() -> None:
-    """Nearly every body: neither the key's bytes nor an escape, so its parse is not looked at."""
-    assert client_transfer_params(b'{"token_ids":[1]}', {"kv_transfer_params": KV}) is None
 
 
 def test_values_that_merely_mention_the_name_are_not_keys() -> None:

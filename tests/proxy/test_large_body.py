@@ -13,7 +13,7 @@ import pytest
 
 from proxy.wire.large_body import PackedTokenIds, parse_large_generate_body
 from proxy.wire.protocol import parse_generate_body
-from proxy.wire.token_ids import TokenIds, encode_body, ids_text
+from proxy.wire.token_ids import encode_body
 from proxy.wire.validation_errors import RequestValidationError, VLLMValidationError
 
 SLICE = 16  # bytes of array text per slice: every body below is cut in many slices
@@ -90,15 +90,14 @@ async def test_valid_bodies_parse_as_in_one_go(raw: bytes) -> None:
     assert got[0] == "ok"
 
 
-async def test_packed_ids_give_the_same_hop_bytes() -> None:
+async def test_packed_ids_give_the_same_hop_json() -> None:
     raw = body(ids_json(IDS, ",\n  "), before='"request_id":"r1",')
     req, data = await parse_large_generate_body(raw, "application/json", slice_bytes=SLICE)
     assert type(data["token_ids"]) is PackedTokenIds and req.token_ids is data["token_ids"]  # type: ignore[comparison-overlap]
     _, normal = parse_generate_body(raw, "application/json")
-    normal["token_ids"] = TokenIds(normal["token_ids"], ids_text(raw))
     for d in (data, normal):
         d["request_id"] = "hop"
-    assert encode_body(data) == encode_body(normal)
+    assert json.loads(encode_body(data)) == json.loads(encode_body(normal))
     ids = data["token_ids"]
     assert len(ids) == len(IDS) and ids[:5] == IDS[:5] and ids[-1] == IDS[-1] and list(ids) == IDS
 
