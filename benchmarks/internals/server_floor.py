@@ -2,12 +2,13 @@
 pd-proxy's own could save on the generate call.
 
     python benchmarks/internals/server_floor.py [--requests N] [--reps R] [--concurrency C]
-                                                [--modes full,bare] [--server-cpus LIST]
+                                                [--modes full,lean,bare] [--server-cpus LIST]
 
 Each mode serves ``POST /inference/v1/generate`` in a server subprocess (uvloop, loopback) with
 the same fixed answer (a 32-token JSON reply, ``Content-Length``), and nothing else: no hop, no
 validation. ``full``: an aiohttp ``web.Application`` with the route (router, ``web.Request``,
-``web.Response``, as pd-proxy serves); ``bare``: an ``asyncio.Protocol`` that finds the
+``web.Response``); ``lean``: pd-proxy's front (``proxy.http.lean.LeanApplication`` with its
+``BodyLimit``, the body read under the limit); ``bare``: an ``asyncio.Protocol`` that finds the
 head's end and ``Content-Length`` and writes the answer (one write), the least an HTTP/1.1 server
 can do. A client subprocess (uvloop, ``--concurrency`` kept-alive connections, a 256-token
 generate body) sends ``--requests`` after a warm-up; the server's CPU per request is read from
@@ -35,7 +36,7 @@ from benchmarks.internals.bare_proxy import content_length  # noqa: E402
 from benchmarks.procstat import tree_cpu_seconds  # noqa: E402
 
 PATH = "/inference/v1/generate"
-MODES = ("full", "bare")
+MODES = ("full", "lean", "bare")
 BODY = json.dumps({"model": "m", "token_ids": list(range(1000, 1256)),
                    "sampling_params": {"max_tokens": 32, "temperature": 0}}).encode()
 REPLY = json.dumps({"request_id": "cmpl-0", "choices": [
@@ -44,16 +45,23 @@ _END = b"\r\n\r\n"
 
 
 def aiohttp_app(mode: str) -> Any:
-    """``full``: the aiohttp application."""
+    """``full`` or ``lean``: the aiohttp application of that mode."""
     from aiohttp import web  # noqa: PLC0415
 
     async def handler(request: web.Request) -> web.Response:
-        await request.read()
+        await request.read()  # lean: read by the body limit already (cached)
         return web.Response(body=REPLY, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_post(PATH, handler)
-    return app
+    if mode == "full":
+        app = web.Application()
+        app.router.add_post(PATH, handler)
+        return app
+    from proxy.http.lean import LeanApplication  # noqa: PLC0415
+    from proxy.http.limits import BodyLimit  # noqa: PLC0415
+
+    lean = LeanApplication(limit=BodyLimit(1 << 24, 30.0))
+    lean.add_lean_post(PATH, handler)
+    return lean
 
 
 class Bare(asyncio.Protocol):

@@ -11,7 +11,7 @@ in this process on uvloop and on loopback, in front of both:
 
 - ``pd-proxy``: the app (``proxy.http.app.build_app``, pd-proxy's default settings, ``--log-level
   warning``), as ``call_counts.py`` and ``cpu_split.py`` serve it (every request on aiohttp's
-  server, through its router and middlewares);
+  server, the generate calls without its router: ``proxy.http.lean``);
 - ``aiohttp+flat+hops``: ``flat_proxy``'s walk with pd-proxy's hop client, behind aiohttp's server
   (``flat_proxy.aiohttp_app``: a ``web.Application``, the generate route alone, no middleware);
 - ``server+flat+hops``: the same behind aiohttp's low-level server (``web.Server``: no application,

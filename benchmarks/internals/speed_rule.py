@@ -42,6 +42,14 @@ def _swap_everywhere(name: str, old: object, new: object) -> list[Patch]:
             if mod_name.split(".")[0] in ("proxy", "kv_transfer") and getattr(mod, name, None) is old]
 
 
+def _no_lean_routes() -> list[Patch]:
+    from aiohttp import web  # noqa: PLC0415
+
+    from proxy.http.lean import LeanApplication  # noqa: PLC0415
+
+    return [(LeanApplication, "_handle", web.Application._handle)]  # the router and the middlewares
+
+
 def _no_nesting_scan() -> list[Patch]:
     import re  # noqa: PLC0415
 
@@ -52,6 +60,7 @@ def _no_nesting_scan() -> list[Patch]:
 
 VARIANTS: dict[str, tuple[Callable[[], list[Patch]], tuple[str, ...]]] = {
     "base": (list, ()),
+    "no-lean-routes": (_no_lean_routes, ()),
     "no-nesting-scan": (_no_nesting_scan, ()),
 }
 """Each variant: the patches that turn its mechanism off, and pd-proxy arguments it adds."""

@@ -1,8 +1,9 @@
 """The aiohttp application: routes, typed app state, start-up and shutdown.
 
 ``/inference/*`` is behind the client keys when set (each key a tenant), ``/debug/*`` behind the
-admin key; ``/metrics``, ``/health``, ``/livez`` and ``/readyz`` are open. The OpenAI routes
-(``proxy.openai``) run the same walk after a render on a tokenizer worker."""
+admin key; ``/metrics``, ``/health``, ``/livez`` and ``/readyz`` are open. The generate and abort
+calls take the lean front (``proxy.http.lean``): the same checks as the middlewares. The OpenAI
+routes (``proxy.openai``) run the same walk after a render on a tokenizer worker."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from aiohttp.typedefs import Middleware
 from proxy.config.logs import ACCESS_LOG, log_access
 from proxy.config.settings import ProxySettings
 from proxy.config.tenants import OPEN, Tenant, Tenants
+from proxy.http.lean import LeanApplication
 from proxy.http.limits import BodyLimit, body_middleware
-from proxy.http.quiet import QuietApplication
 from proxy.http.serving import Serving
 from proxy.http.sockets import LISTEN_BACKLOG, reuseport_socket
 from proxy.http.tls import server_context, upstream_context
@@ -378,7 +379,9 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     limit = BodyLimit(settings.max_body_bytes, settings.body_timeout)
     middlewares = [error_middleware, *([_auth_middleware(gate)] if gate is not None else []),
                    body_middleware(limit, READ_BODY_PATHS + POST_PATHS, large_paths=LARGE_BODY_PATHS)]
-    app = QuietApplication(middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    app = LeanApplication(limit=limit, middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    if gate is not None:
+        app.set_guard(gate.admit)
     # a lease stays open at most P's lease, or a decode hop's bound while one holds it (Core.decoding)
     longest_lease = max(settings.lease_duration, settings.longest_decode_hop())
     metrics = ProxyMetrics(longest=settings.longest_request(), lease_duration=longest_lease)
@@ -392,7 +395,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app.cleanup_ctx.append(_lifecycle)
     app.on_shutdown.append(_on_shutdown)
     for path, handler in zip(READ_BODY_PATHS, (generate, abort_requests, abort_requests), strict=True):
-        app.router.add_post(path, handler)
+        app.add_lean_post(path, handler, large=path in LARGE_BODY_PATHS)
     app[OPENAI] = OpenAIRoutes(serving.core, serving.generate_body)
     app.router.add_post(CHAT_PATH, openai_chat)
     app.router.add_post(COMPLETIONS_PATH, openai_completions)

@@ -85,7 +85,7 @@ class BodyTimeout(ClientError):
 
     @classmethod
     def after(cls, timeout: float) -> BodyTimeout:
-        """The body did not arrive within ``timeout`` seconds (``proxy.http.limits``)."""
+        """The body did not arrive within ``timeout`` seconds (the lean front's and the front's)."""
         return cls(f"the request body did not arrive within {timeout:g} s")
 
 

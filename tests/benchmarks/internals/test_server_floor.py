@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from benchmarks.internals import server_floor
+from proxy.http.lean import LeanApplication
 
 
 class _Transport:
@@ -40,6 +41,11 @@ def test_the_bare_server_answers_pipelined_and_split_requests_once_each() -> Non
     assert proto.buf == b""
 
 
+def test_the_lean_mode_is_pd_proxys_front() -> None:
+    assert isinstance(server_floor.aiohttp_app("lean"), LeanApplication)
+    assert not isinstance(server_floor.aiohttp_app("full"), LeanApplication)
+
+
 @pytest.mark.parametrize("mode", server_floor.MODES)
 def test_each_mode_answers_every_request_of_a_load(mode: str) -> None:
     # ``measure`` raises when an answer is not a 200 with the reply
@@ -48,7 +54,7 @@ def test_each_mode_answers_every_request_of_a_load(mode: str) -> None:
     assert rate > 0
 
 
-@pytest.mark.parametrize(("argv", "said"), [(["--modes", "full,fast"], "unknown modes: fast"),
+@pytest.mark.parametrize(("argv", "said"), [(["--modes", "lean,fast"], "unknown modes: fast"),
                                             (["--requests", "0"], "--requests 1..1000000"),
                                             (["--concurrency", "5000"], "--concurrency 1..1024")])
 def test_bad_arguments_are_refused(argv: list[str], said: str, capsys: Any) -> None:

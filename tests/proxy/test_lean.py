@@ -1,5 +1,6 @@
-"""The generate and abort calls through aiohttp's router and the middlewares: keys before bodies,
-body limits, 404/405 and every error in vLLM's shape."""
+"""proxy.http.lean: the generate and abort calls skip the router and the middleware chain, and answer
+exactly as the full path does (keys before bodies, body limits, 404/405 and every error in vLLM's
+shape). Disconnects on the lean path: ``test_aborts.py`` (every test there goes through it)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Any
 import pytest
 
 from proxy.http.app import DRAINING, SERVING
+from proxy.http.lean import LeanApplication
 from tests.proxy.conftest import PDFactory, req
 
 LEAN = ("/inference/v1/generate", "/inference/v1/abort_requests", "/abort_requests")
-KEY = "sk-front-test"
+KEY = "sk-lean-test"
 SECRET = "secret " + "prompt text"  # built, so the traceback's source line does not hold it
 
 
@@ -33,6 +35,29 @@ async def _raw(port: int, head: str, body: bytes = b"", *,
         return int(status_line.split()[1]), headers, json.loads(data)
     finally:
         writer.close()
+
+
+async def test_the_hot_calls_skip_the_router(pd_factory: PDFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    pd = await pd_factory(api_key=KEY)
+    assert isinstance(pd.app, LeanApplication)
+    resolved: list[str] = []
+    resolve = pd.app.router.resolve
+
+    async def counting(request: Any) -> Any:
+        resolved.append(request.path)
+        return await resolve(request)
+
+    monkeypatch.setattr(pd.app.router, "resolve", counting)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, body, _ = await pd.gen(req(request_id="lean-1"), headers=auth)
+    assert status == 200 and body["request_id"] == "generate-tokens-lean-1"
+    for path in LEAN[1:]:
+        r = await pd.client.post(path, json={"request_ids": ["generate-tokens-x"]}, headers=auth)
+        assert r.status == 200
+    r = await pd.client.get("/livez")
+    assert r.status == 200
+    assert resolved == ["/livez"]
+    await pd.quiet()
 
 
 async def test_other_methods_and_near_paths_answer_as_the_router_does(pd_factory: PDFactory) -> None:
@@ -65,7 +90,7 @@ async def test_keys_are_checked_before_the_body_is_read(pd_factory: PDFactory) -
     assert 'pd_proxy_requests_total{outcome="client_error"} 2.0' in metrics  # the generate calls
 
 
-async def test_body_limits_hold_on_the_generate_and_abort_paths(pd_factory: PDFactory) -> None:
+async def test_body_limits_hold_on_the_lean_paths(pd_factory: PDFactory) -> None:
     pd = await pd_factory(max_body_bytes=2000, body_timeout=0.2)
     port = pd.client.port
     assert port is not None
