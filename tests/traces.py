@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.sse import events
+
 TRACE_DIR = Path(
     os.environ.get("PD_TRACE_DIR", Path(__file__).resolve().parent / "data" / "traces" / "vllm-0.32.0-cpu")
 )
@@ -57,13 +59,7 @@ class Block:
 
     def sse_events(self) -> list[str]:
         """The ``data:`` payloads of an SSE body, in order (``[DONE]`` included)."""
-        text = self.body.decode()
-        events = [e for e in text.split("\n\n") if e]
-        out: list[str] = []
-        for e in events:
-            assert e.startswith("data: "), e[:80]
-            out.append(e[len("data: ") :])
-        return out
+        return [e.decode() for e in events(self.body)]
 
     @property
     def closed_early(self) -> bool:

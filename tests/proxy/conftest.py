@@ -18,6 +18,7 @@ from proxy.http.serving import Serving
 from proxy.pools import PoolSettings
 from tests.fixtures_sim import SimWorker
 from tests.proxy.scripted import scripted_factory  # noqa: F401  (fixture)
+from tests.sse import datas
 
 
 @dataclass
@@ -52,12 +53,7 @@ class PD:
         """Returns status, the parsed data events ("[DONE]" kept as a string), raw bytes."""
         r = await self.client.post("/inference/v1/generate", json={**body, "stream": True}, **kw)
         raw = await r.read()
-        events: list[Any] = []
-        for block in raw.split(b"\n\n"):
-            if block.startswith(b"data: "):
-                d = block[6:]
-                events.append("[DONE]" if d == b"[DONE]" else json.loads(d))
-        return r.status, events, raw
+        return r.status, sse_datas(raw), raw
 
     async def quiet(self, limit: float = 3.0) -> None:
         """Wait until nothing is held or running anywhere (bounded), then assert it."""
@@ -121,9 +117,5 @@ def proxy_factory(aiohttp_client: Any) -> ProxyFactory:
 
 
 def sse_datas(raw: bytes) -> list[Any]:
-    out: list[Any] = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: "):
-            d = block[6:]
-            out.append("[DONE]" if d == b"[DONE]" else json.loads(d))
-    return out
+    """The data events of a proxy stream ("[DONE]" kept as a string); keep-alive comments dropped."""
+    return datas(raw, comments=True)

@@ -22,6 +22,7 @@ from proxy.walk.core import Core
 from proxy.walk.flight import Flight, Timing
 from proxy.wire.errors import UpstreamError
 from proxy.wire.protocol import engine_request_id, parse_generate_body
+from tests.sse import tokens
 
 BASE_ID = "r1"
 PROMPT = [260, 262, 264]
@@ -54,12 +55,7 @@ def error_event(code: int, message: str = "KV load failed") -> bytes:
 
 def tokens_of(raw: bytes) -> list[int]:
     """Every generated token id in a run of stream events."""
-    out: list[int] = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: {"):
-            for choice in json.loads(block[6:]).get("choices", []):
-                out.extend(choice.get("token_ids") or [])
-    return out
+    return tokens(raw, comments=True)
 
 
 # The ways the same events can arrive: one read (the fast path, one block), one byte per read

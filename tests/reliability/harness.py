@@ -30,6 +30,7 @@ from aiohttp import web
 from proxy.config.settings import ProxySettings
 from proxy.http.app import SERVING, build_app
 from proxy.http.serving import Serving
+from tests.sse import datas
 from workers.sim import Faults, SimSettings
 from workers.sim import build_app as build_sim_app
 
@@ -274,9 +275,4 @@ async def world(**kwargs: Any) -> Any:
 
 def sse_events(raw: bytes) -> list[Any]:
     """The data events of an SSE body ("[DONE]" kept as a string); comments dropped."""
-    out: list[Any] = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: "):
-            d = block[6:]
-            out.append("[DONE]" if d == b"[DONE]" else json.loads(d))
-    return out
+    return datas(raw, comments=True)

@@ -9,6 +9,8 @@ from typing import Any
 
 import aiohttp
 
+from tests.sse import datas
+
 GEN = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
 
@@ -35,15 +37,7 @@ async def stream_events(
     """All SSE data payloads (JSON-decoded; ``[DONE]`` kept as the string)."""
     async with session.post(url, json=payload, headers=headers) as r:
         assert r.status == 200, await r.text()
-        text = (await r.read()).decode()
-    out: list[Any] = []
-    for ev in text.split("\n\n"):
-        if not ev:
-            continue
-        assert ev.startswith("data: "), ev
-        data = ev[len("data: ") :]
-        out.append(data if data == "[DONE]" else json.loads(data))
-    return out
+        return datas(await r.read())
 
 
 def stream_tokens(events: list[Any], index: int = 0) -> list[int]:

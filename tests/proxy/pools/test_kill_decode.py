@@ -7,12 +7,12 @@ counts (sent / migrated / decode retries / failed) for the report."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from proxy.config.settings import ProxySettings
 from proxy.http.app import SERVING, build_app
 from proxy.pools import PoolSettings
+from tests.sse import datas
 
 N_REQUESTS = 48
 CONCURRENCY = 8
@@ -29,12 +29,7 @@ async def stream(client: Any, i: int) -> tuple[int, list[Any]]:
             "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS}}
     r = await client.post("/inference/v1/generate", json=body)
     raw = await r.read()
-    events: list[Any] = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: "):
-            d = block[6:]
-            events.append("[DONE]" if d == b"[DONE]" else json.loads(d))
-    return r.status, events
+    return r.status, datas(raw, comments=True)
 
 
 def tokens(events: list[Any]) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from proxy.http.app import build_app
 from proxy.pools import PoolSettings
 from proxy.pools.breaker import CircuitState
 from tests.proxy.conftest import PD
+from tests.sse import datas
 from workers.sim import SimSettings
 from workers.sim import build_app as sim_app
 
@@ -37,12 +37,7 @@ class Stack(PD):
     async def stream(self, body: dict[str, Any], **kw: Any) -> tuple[int, list[Any], Any]:
         r = await self.client.post("/inference/v1/generate", json={**body, "stream": True}, **kw)
         raw = await r.read()
-        events: list[Any] = []
-        for block in raw.split(b"\n\n"):
-            if block.startswith(b"data: "):
-                d = block[6:]
-                events.append("[DONE]" if d == b"[DONE]" else json.loads(d))
-        return r.status, events, r.headers
+        return r.status, datas(raw, comments=True), r.headers
 
     async def metric(self, name: str, **labels: str) -> float:
         text = (await (await self.client.get("/metrics")).read()).decode()
