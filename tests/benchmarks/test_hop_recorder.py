@@ -15,6 +15,7 @@ from aiohttp import web
 
 from benchmarks.hop_recorder import build_app, hop_pairs, read_records, side_calls
 from benchmarks.sim_stack import free_port
+from tests import sse
 
 GENERATE = "/inference/v1/generate"
 KEY = "sk-do-not-log-me"
@@ -107,8 +108,7 @@ async def test_a_streams_chunks_are_recorded_in_order(sim_factory: Any, recorder
     status, whole, _ = await post_raw(url, raw, {"Content-Type": "application/json"})
     direct = await post_raw(sim.url, raw, {"Content-Type": "application/json"})
     assert status == 200 and whole == direct[1]
-    events = [e for e in whole.split(b"\n\n") if e.startswith(b"data: {")]
-    assert len(events) == 8
+    assert len(sse.json_events(whole)) == 8
     (rec,) = await records_when(path, 1)
     assert rec["chunk_text"].encode() == whole
     assert sum(n for _, n in rec["chunks"]) == len(whole)

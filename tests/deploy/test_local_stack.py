@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests import sse
 from tests.deploy import dashboards as dash
 from tests.deploy import metric_catalog as cat
 from tests.fixtures_vllm import scrape_metrics
@@ -156,10 +157,9 @@ def generate_through_proxy(proxy: str) -> None:
     assert status == 200
     assert len(reply["choices"][0]["token_ids"]) == 4
     status, raw = post_json(f"{proxy}/inference/v1/generate", {**body, "stream": True})
-    events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
     assert status == 200
-    assert events[-1] == "data: [DONE]"
-    tokens = [t for e in events[:-1] for c in json.loads(e[6:])["choices"] for t in c["token_ids"]]
+    assert sse.done(raw, comments=True)
+    tokens = [t for e in sse.json_events(raw, comments=True) for c in e["choices"] for t in c["token_ids"]]
     assert tokens == reply["choices"][0]["token_ids"]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import time
 from typing import Any
@@ -17,6 +16,7 @@ import aiohttp
 import pytest
 
 from proxy.http.app import SERVING
+from tests import sse
 from tests.e2e.proxy_stack import run_proxy
 from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers.launcher import Cluster
@@ -155,7 +155,7 @@ async def test_abort_long_stream_ends_both_workers(vllm_cluster: Cluster) -> Non
                                  json={"request_ids": [f"generate-tokens-e2e-long-{attempt}"]})
                 assert a.status == 200
                 seen += await asyncio.wait_for(r.read(), 30)
-            events = [json.loads(b[6:]) for b in seen.split(b"\n\n") if b.startswith(b"data: {")]
+            events = sse.json_events(seen, comments=True)
             finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
             tokens = sum(len(c["token_ids"]) for e in events for c in e["choices"])
             if finishes != ["length"] or tokens < 360:

@@ -5,7 +5,6 @@ token-exact against the aggregated worker, the first token from the prefill work
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -13,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from proxy.http.app import SERVING
+from tests import sse
 from tests.e2e.proxy_stack import run_proxy
 from tests.e2e.test_aborts_vllm import prompt
 from tests.e2e.test_proxy_vllm import MAX_TOKENS, call, prompts
@@ -72,7 +72,7 @@ async def test_an_abort_right_after_the_prefill_workers_token_frees_its_kv(
                          json={"request_ids": ["generate-tokens-ft-abort"]})
         assert a.status == 200
         rest = await asyncio.wait_for(r.read(), 120)
-    events = [json.loads(b[6:]) for b in (first + rest).split(b"\n\n") if b.startswith(b"data: {")]
+    events = sse.json_events(first + rest, comments=True)
     assert len(events[0]["choices"][0]["token_ids"]) == 1  # P's token
     finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert finishes == ["abort"] and rest.rstrip().endswith(b"data: [DONE]")

@@ -22,6 +22,7 @@ from aiohttp import web
 from proxy.config.settings import ProxySettings
 from proxy.http.app import SERVING, build_app
 from proxy.pools import PoolSettings
+from tests import sse
 from tests.e2e.proxy_stack import E2E_CONNECT_TIMEOUT
 from tests.fixtures_vllm import vllm_connector
 from workers.launcher import Cluster
@@ -141,7 +142,7 @@ async def stream_call(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
     async with s.post(url + GENERATE, json=body) as r:
         raw = await r.read()
         assert r.status == 200, raw[:500]
-    events = [b[6:] for b in raw.split(b"\n\n") if b.startswith(b"data: ")]
+    events = sse.events(raw, comments=True)
     assert events[-1] == b"[DONE]"
     tokens: list[int] = []
     text: list[str] = []

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from proxy.http.app import SERVING
+from tests import sse
 from tests.e2e.proxy_stack import run_proxy
 from tests.fixtures_vllm import metric_value, scrape_metrics, vllm_connector
 from workers.launcher import Cluster
@@ -49,7 +50,7 @@ async def call(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tupl
         return choice["token_ids"], choice.get("text")
     tokens: list[int] = []
     text: list[str] = []
-    events = [b[6:] for b in raw.split(b"\n\n") if b.startswith(b"data: ")]
+    events = sse.events(raw, comments=True)
     assert events[-1] == b"[DONE]"
     for ev in events[:-1]:
         obj = json.loads(ev)

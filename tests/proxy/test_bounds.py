@@ -10,6 +10,7 @@ from proxy.cli import parse_args
 from proxy.config.settings import ProxySettings
 from proxy.pools import PoolSettings
 from proxy.wire.large_body import LARGE_BODY_BYTES
+from tests import sse
 from tests.proxy.conftest import PDFactory, req
 
 URLS = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
@@ -80,7 +81,7 @@ async def test_large_body_runs_the_walk_with_the_clients_token_ids(pd_factory: P
         body = await r.read()
         assert r.status == 200, body[:300]
         if stream:
-            events = [json.loads(b[6:]) for b in body.split(b"\n\n") if b.startswith(b"data: {")]
+            events = sse.json_events(body, comments=True)
             assert events[0]["prompt_token_ids"] == ids
             assert sum(len(e["choices"][0]["token_ids"]) for e in events) == 4
         else:

@@ -33,6 +33,7 @@ from proxy.sse.first_token import (
     visible_text,
 )
 from proxy.sse.first_token_filter import FirstTokenFilter
+from tests import sse
 from tests.traces import Block, Trace, load_trace, trace_files
 
 # -- the traces -----------------------------------------------------------------------------------
@@ -335,7 +336,7 @@ def test_each_choice_that_ends_at_its_first_token_carries_its_end() -> None:
     assert not ends_at_first_token(reply, sp)
     events, shown = first_chunk(reply, request_id="generate-tokens-x", output_mode="tokens",
                                 sampling_params=sp)
-    first, second = (json.loads(e[6:])["choices"][0] for e in events.split(b"\n\n")[:2])
+    first, second = (e["choices"][0] for e in sse.json_events(events)[:2])
     assert (first["finish_reason"], second["finish_reason"]) == ("stop", None)
     assert [t.final for t in shown] == [True, False]
 
@@ -378,7 +379,7 @@ def test_prompt_token_ids_go_on_the_first_event_only() -> None:
     reply["prompt_token_ids"] = [1, 2, 3, 4]
     events, _ = first_chunk(reply, request_id="r", output_mode="tokens",
                             sampling_params={"n": 2, "temperature": 1.0})
-    first, second = (json.loads(e[6:]) for e in events.split(b"\n\n")[:2])
+    first, second = sse.json_events(events)[:2]
     assert first["prompt_token_ids"] == [1, 2, 3, 4] and "prompt_token_ids" not in second
     assert list(first) == ["request_id", "usage", "prompt_token_ids", "output_mode", "choices"]
 

@@ -11,6 +11,7 @@ import pytest
 
 from proxy.cli import parse_args
 from proxy.config.logs import ACCESS_LOG, configure_access_log, log_access
+from tests import sse
 from tests.proxy.conftest import PDFactory, req
 from tests.proxy.test_aborts import SLOW_DECODE, _disconnect_when
 
@@ -43,14 +44,7 @@ async def test_json_access_line(pd_factory: PDFactory, caplog: pytest.LogCapture
     r = await pd.client.post("/inference/v1/generate", json=body, headers=auth)
     assert r.status == 200
     raw = await r.read()
-    outputs: list[int] = []
-    if stream:
-        for block in raw.split(b"\n\n"):
-            if block.startswith(b"data: {"):
-                for c in json.loads(block[6:]).get("choices") or []:
-                    outputs += c.get("token_ids") or []
-    else:
-        outputs = json.loads(raw)["choices"][0]["token_ids"]
+    outputs = sse.tokens(raw, comments=True) if stream else json.loads(raw)["choices"][0]["token_ids"]
     assert len(outputs) == 6
     lines = access_lines(caplog)
     assert len(lines) == 1

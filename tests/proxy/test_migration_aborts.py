@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy.http.app import SERVING
 from proxy.http.serving import Serving
 from proxy.pools import PoolSettings
+from tests import sse
 from tests.fixtures_sim import SimWorker
 from tests.proxy.conftest import PDFactory, ProxyFactory, req
 from tests.proxy.scripted import Scripted, ScriptedFactory, prefill_reply
@@ -189,11 +190,7 @@ async def test_a_continuation_d2_fails_after_the_client_left_is_released_and_the
 
 def token_ids(raw: bytes) -> list[int]:
     """The token ids of a client's stream, in order."""
-    out: list[int] = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: {"):
-            out += [t for c in json.loads(block[6:]).get("choices", []) for t in c.get("token_ids") or []]
-    return out
+    return sse.tokens(raw, comments=True)
 
 
 async def test_a_continuation_whose_kv_fails_is_retried_as_the_continuation_not_the_first_request(

@@ -21,6 +21,7 @@ import pytest
 
 from proxy.config.settings import ProxySettings
 from proxy.http.multiproc import Supervisor
+from tests import sse
 
 GEN = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
@@ -208,7 +209,7 @@ async def test_abort_reaches_the_request_whatever_process_holds_it(sim_factory: 
                 assert r.status == 200
             await asyncio.wait_for(task, 20)  # the stream ends: nothing left hanging
         raw = b"".join(events)
-        datas = [blk[6:] for blk in raw.split(b"\n\n") if blk.startswith(b"data: ")]
+        datas = sse.events(raw, comments=True)
         assert datas[-1] == b"[DONE]"
         finals = [json.loads(x)["choices"][0]["finish_reason"] for x in datas[:-1]
                   if json.loads(x).get("choices")]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import socket
 import sys
@@ -20,6 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import sse
 from tests.fixtures_sim import SimFactory, SimWorker
 
 GEN = "/inference/v1/generate"
@@ -105,13 +105,8 @@ async def quiet(workers: list[SimWorker], limit: float = 5.0) -> None:
 
 
 def finish_reasons(raw: bytes) -> list[str]:
-    out = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: {"):
-            for choice in json.loads(block[6:]).get("choices", []):
-                if choice.get("finish_reason"):
-                    out.append(choice["finish_reason"])
-    return out
+    return [c["finish_reason"] for e in sse.json_events(raw, comments=True)
+            for c in e.get("choices", []) if c.get("finish_reason")]
 
 
 def prompt(n: int, first: int = 0) -> list[int]:

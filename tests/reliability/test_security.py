@@ -22,6 +22,7 @@ from proxy.http.app import build_app
 from proxy.http.tls import server_context
 from proxy.pools import PoolSettings
 from proxy.upstream.client import Upstream
+from tests import sse
 from tests.reliability.harness import GENERATE, start_sim, start_world, world
 from tests.reliability.harness import serve as serve_app
 from workers.sim import SimSettings
@@ -406,8 +407,7 @@ async def test_a_tenant_aborts_only_its_own_requests() -> None:
         async def run(url: str, key: str) -> list[Any]:
             async with w.session.post(url + GENERATE, json=body, headers=bearer(key)) as r:
                 assert r.status == 200
-                return [json.loads(b[6:]) for b in (await r.read()).split(b"\n\n")
-                        if b.startswith(b"data: {")]
+                return list(sse.json_events(await r.read(), comments=True))
 
         a = asyncio.create_task(run(w.url, TENANT_A))
         b_same = asyncio.create_task(run(w.url, TENANT_B))

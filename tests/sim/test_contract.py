@@ -39,6 +39,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import sse
 from tests.fixtures_sim import SimFactory, SimWorker
 from tests.sim.rawhttp import RawConnection, RawResponse
 from tests.traces import Block, Trace, load_trace, trace_files
@@ -193,14 +194,7 @@ def _choice_index(event: str) -> int:
 
 
 def sse_events(body: bytes) -> list[str]:
-    text = body.decode()
-    assert text.endswith("\n\n") or not text, text[-50:]
-    out = []
-    for ev in text.split("\n\n"):
-        if ev:
-            assert ev.startswith("data: "), ev[:60]
-            out.append(ev[len("data: ") :])
-    return out
+    return [e.decode() for e in sse.events(body)]
 
 
 def compare_response(exp: Block, act: RawResponse, ctx: Ctx) -> list[str]:

@@ -7,6 +7,7 @@ import re
 
 import aiohttp
 
+from tests import sse
 from tests.fixtures_sim import SimFactory
 from tests.sim.helpers import ABORT, GEN, body, eventually, post_json, stream_events, stream_tokens
 
@@ -158,10 +159,10 @@ async def test_abort_in_flight_stream_and_nonstream(sim_factory: SimFactory) -> 
             assert b'"token_ids":[' in first
             st, _ = await post_json(s, w.url + ABORT, {"request_ids": ["generate-tokens-ab1"]})
             assert st == 200
-            rest = (await r.read()).decode()
-        events = [e for e in rest.split("\n\n") if e]
-        assert events[-1] == "data: [DONE]"
-        assert '"finish_reason":"abort"' in events[-2] and '"token_ids":[]' in events[-2]
+            rest = await r.read()
+        events = sse.events(rest)
+        assert events[-1] == sse.DONE
+        assert b'"finish_reason":"abort"' in events[-2] and b'"token_ids":[]' in events[-2]
 
         task = asyncio.ensure_future(post_json(s, w.url + GEN, body(max_tokens=400, request_id="ab2")))
 

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 
 from tests.fixtures_sim import SimFactory, SimWorker
+from tests.sse import done, json_events
 from tests.traces import TRACE_DIR, Trace, load_trace
 from workers.sim.openai import TokenStrings, detokenize_delta, seed_state
 from workers.sim.tokenizer import ByteTokenizer
@@ -95,10 +96,9 @@ async def sse(w: SimWorker, path: str, body: dict[str, Any]) -> list[Any]:
     async with w.session.post(f"{w.url}{path}", json=body) as r:
         assert r.status == 200, await r.text()
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        raw = (await r.read()).decode()
-    events = [e[len("data: ") :] for e in raw.split("\n\n") if e]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+        raw = await r.read()
+    assert done(raw)
+    return list(json_events(raw))
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ async def test_single_exchange_matches_the_trace(path: Path, sim: SimWorker) -> 
     ).startswith("text/event-stream"):  # type: ignore[union-attr]
         assert ctype.startswith("text/event-stream")
         exp_ev = [json.loads(e) for e in exp.sse_events() if e != "[DONE]"]
-        act_ev = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e and e != "data: [DONE]"]
+        act_ev = json_events(raw)
         assert raw.decode().endswith("data: [DONE]\n\n")
         # the token-dependent middle may differ in length; the first event and the last two must agree
         for e, a in [(exp_ev[0], act_ev[0]), *zip(exp_ev[-2:], act_ev[-2:], strict=True)]:
