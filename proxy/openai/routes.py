@@ -25,6 +25,8 @@ from proxy.wire.protocol import compact_json, engine_request_id
 log = logging.getLogger("pd_proxy")
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+RENDER_DEFAULT_MAX_TOKENS = 16
+"""vLLM's ``SamplingParams`` default ``max_tokens``, which render's answer leaves out."""
 PASS_THROUGH = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/chat/completions/derender",
                 "/v1/completions/derender", "/v1/messages/render", "/v1/responses/render")
 """Calls forwarded to a tokenizer worker as they are (body, content type, ``X-Request-Id``)."""
@@ -103,6 +105,11 @@ class OpenAIRoutes:
         client = json.loads(body)  # render took it: a JSON object
         if not isinstance(rendered, dict) or not isinstance(client, dict):
             raise BadRequest("the request could not be rendered")
+        sp = rendered.get("sampling_params")
+        if isinstance(sp, dict) and "max_tokens" not in sp:
+            # Render's sparse dump leaves out a max_tokens equal to SamplingParams' default (16);
+            # generate would read its absence as "up to the model's length".
+            sp["max_tokens"] = RENDER_DEFAULT_MAX_TOKENS
         rid = rendered.get("request_id")
         client_id = client_request_id(None, rid if isinstance(rid, str) else None)
         if client_id is None:

@@ -27,11 +27,11 @@ MSGS = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": STORY + " Tell me about the river."}]
 PROMPT = STORY + " The quick brown fox"
 BODIES = [
-    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 24, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 16, "temperature": 0}),  # 16: render omits it
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 24, "temperature": 0, "stop": ["e"]}),
     ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 4, "temperature": 0, "logprobs": True,
                               "top_logprobs": 2}),
-    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": "r"}),
 ]
 

@@ -69,6 +69,8 @@ CASES = [
     (CHAT, chat(stop=["a_", "xyz"], max_tokens=30)),  # across two tokens
     (CHAT, chat(stop=["rag"], include_stop_str_in_output=True, max_tokens=30)),  # across two tokens
     (CHAT, chat(max_tokens=3)),
+    (CHAT, chat(max_tokens=16)),  # render leaves out a max_tokens of 16, SamplingParams' default
+    (CMPL, cmpl(max_tokens=16)),
     (CHAT, chat(logprobs=True, top_logprobs=2, max_tokens=4)),
     (CMPL, cmpl()),
     (CMPL, cmpl(stop="r", max_tokens=30)),

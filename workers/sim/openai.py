@@ -766,14 +766,26 @@ async def _json_body(request: web.Request) -> Any:
     return await read_json(request)
 
 
+SAMPLING_DEFAULT_MAX_TOKENS = 16
+"""vLLM's ``SamplingParams`` default: render's sparse dump leaves out a ``max_tokens`` equal to it."""
+
+
+def sparse(rendered: dict[str, Any]) -> dict[str, Any]:
+    """The render answer as vLLM 0.32 dumps it: ``max_tokens`` left out when it is 16 (the default)."""
+    sp = rendered.get("sampling_params")
+    if isinstance(sp, dict) and sp.get("max_tokens") == SAMPLING_DEFAULT_MAX_TOKENS:
+        rendered = {**rendered, "sampling_params": {k: v for k, v in sp.items() if k != "max_tokens"}}
+    return rendered
+
+
 async def chat_render(request: web.Request) -> web.Response:
     st = request.app[SIM]
-    return json_response(render_chat(st, request, await _json_body(request)))
+    return json_response(sparse(render_chat(st, request, await _json_body(request))))
 
 
 async def completions_render(request: web.Request) -> web.Response:
     st = request.app[SIM]
-    return json_response(render_completion(st, request, await _json_body(request)))
+    return json_response([sparse(r) for r in render_completion(st, request, await _json_body(request))])
 
 
 async def chat_derender(request: web.Request) -> web.Response:
