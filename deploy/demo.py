@@ -87,6 +87,41 @@ def demo_prompt(n: int = PROMPT_TOKENS) -> list[int]:
     return [3 + (i * 37) % 512 for i in range(n)]
 
 
+CHAT_TEXT: Final = " ".join(
+    ["The river ran past the old mill, and the miller counted his sacks of grain."] * 5)
+"""About 140 tokens on the tiny model (470 on pd-sim's bytes): a prompt under one KV block would skip
+the prefill hop."""
+
+
+def chat(proxy_url: str) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": CHAT_TEXT + " Tell me about the river."}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+    req = urllib.request.Request(  # noqa: S310 (our own URL)
+        f"{proxy_url}/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:  # noqa: S310
+        answer: dict[str, Any] = json.loads(resp.read())
+        return answer
+
+
+def show_chat(stack: local.Stack, out: IO[str]) -> bool:
+    """One greedy chat request through the split: rendered on D, prefilled on P, answered as OpenAI's."""
+    decode = stack.info["decode"][0]
+    before = metric_sum(decode, XFER_COUNT)
+    answer = chat(stack.info["proxy"])
+    after = metric_sum(decode, XFER_COUNT)
+    choice, usage = answer["choices"][0], answer.get("usage") or {}
+    print(f"\none chat request through pd-proxy (/v1/chat/completions, greedy, {MAX_TOKENS} out):", file=out)
+    print(f"  id             {answer['id']}", file=out)
+    print(f"  content        {choice['message']['content']!r}", file=out)
+    print(f"  finish_reason  {choice['finish_reason']}  usage {usage.get('prompt_tokens')} prompt, "
+          f"{usage.get('completion_tokens')} completion tokens", file=out)
+    print(f"  KV crossed P->D over NIXL: {'yes' if after > before else 'NO'} "
+          f"(decode {XFER_COUNT} {before:g} -> {after:g})", file=out, flush=True)
+    return after > before
+
+
 def show_request(stack: local.Stack, out: IO[str]) -> bool:
     proxy = stack.info["proxy"]
     decode = stack.info["decode"][0]
@@ -268,7 +303,7 @@ def run(args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
                  "--local-prefill-interval", str(ALARM_INTERVAL)])
             print(f"demo: prefill {stack.info['prefill'][0]}  decode {stack.info['decode'][0]}  "
                   f"pd-proxy {stack.info['proxy']}", file=out, flush=True)  # fmt: skip
-            crossed = show_request(stack, out)
+            crossed = show_request(stack, out) and show_chat(stack, out)
             print(f"\na short pd-bench run through pd-proxy ({args.requests} requests):",
                   file=out, flush=True)  # fmt: skip
             result = run_benchmark(

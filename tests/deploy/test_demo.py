@@ -30,6 +30,7 @@ def test_demo_sends_one_request_benchmarks_and_stops_everything(tmp_path: Path) 
     assert demo.run(args, out) == 0
     text = out.getvalue()
     assert "KV crossed P->D over NIXL: yes" in text
+    assert "one chat request through pd-proxy" in text and text.count("KV crossed P->D over NIXL: yes") == 2
     assert "Successful requests:                      4" in text
     assert "Failed requests:                          0" in text
     # the summary puts the hand-off gap beside TTFT: the second token waits for the KV pull
