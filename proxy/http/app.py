@@ -396,7 +396,7 @@ def build_app(settings: ProxySettings, *, tracer_provider: TracerProvider | None
     app.on_shutdown.append(_on_shutdown)
     for path, handler in zip(READ_BODY_PATHS, (generate, abort_requests, abort_requests), strict=True):
         app.add_lean_post(path, handler, large=path in LARGE_BODY_PATHS)
-    app[OPENAI] = OpenAIRoutes(serving.core, serving.generate_body)
+    app[OPENAI] = OpenAIRoutes(serving.core, serving.generate_body, serving.abort)
     app.router.add_post(CHAT_PATH, openai_chat)
     app.router.add_post(COMPLETIONS_PATH, openai_completions)
     for path in PASS_THROUGH:

@@ -16,8 +16,8 @@ from proxy.openai.frames import Answer, Framer, full_answer
 from proxy.openai.outputs import Derendering, DerenderStream, TextStream, derender_full
 from proxy.openai.workers import Reply, TokenizerWorkers
 from proxy.sse.relay import STREAM_OUTPUT
-from proxy.walk.aborts import Aborts
 from proxy.walk.core import Core
+from proxy.walk.flight import Flight
 from proxy.wire.errors import BadRequest
 from proxy.wire.ids import client_request_id, upstream_id
 from proxy.wire.protocol import compact_json, engine_request_id
@@ -70,11 +70,10 @@ def _client_headers(request: web.Request) -> list[tuple[str, str]]:
 
 class OpenAIRoutes:
 
-    def __init__(self, core: Core, walk: Walk, clock: Callable[[], float] = time.monotonic) -> None:
-        self.core, self.walk, self.clock = core, walk, clock
+    def __init__(self, core: Core, walk: Walk, abort: Callable[[Flight, str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.core, self.walk, self.abort, self.clock = core, walk, abort, clock
         self.workers = TokenizerWorkers(core)
-        self.aborts = Aborts(core)
-        """The walk's aborts (``abort`` works on the core's and the flight's state alone)."""
 
     async def pass_through(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -138,7 +137,7 @@ class OpenAIRoutes:
         requests under the same id go on."""
         for f in self.core.table.entries(engine_request_id(upstream_id(tenant.tag, client_id))):
             if f.timing.received == t0:
-                self.aborts.abort(f, "derender")
+                self.abort(f, "derender")
 
     async def _answer(self, worker: str, rendered: dict[str, Any], client: dict[str, Any], rid: str, *,
                       chat: bool) -> Answer:
