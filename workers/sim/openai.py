@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from .errors import BadRequest, InternalError, NotFound, SimError
-from .protocol import unsupported_media_type, validation_error, vllm_error
+from .protocol import unsupported_media_type, usage_body, validation_error, vllm_error
 from .state import DUMPS, SIM, SimState, json_response, read_json
 from .tokenizer import NUM_SPECIAL, SPECIAL_TOKENS, ByteTokenizer, gpt2_byte_order, logprob_token_text
 
@@ -379,18 +379,6 @@ def render_completion(st: SimState, request: web.Request, body: Any) -> list[dic
 # -- derender ------------------------------------------------------------------------------------
 
 
-def _usage(prompt: int, completion: int, details: bool = True) -> dict[str, Any]:
-    u: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-    }
-    if details:
-        u["prompt_tokens_details"] = None
-        u["completion_tokens_details"] = None
-    return u
-
-
 def _chat_logprobs(ts: TokenStrings, lp: Any, context: Sequence[int] = ()) -> dict[str, Any] | None:
     """Generate's integer-id logprobs in the chat shape (token text and bytes filled in)."""
     if not isinstance(lp, dict):
@@ -482,7 +470,7 @@ def derender_chat(st: SimState, body: dict[str, Any]) -> dict[str, Any]:
         gen.get("request_id"),
         body.get("model") or st.settings.model_name,
         choices,
-        usage=_usage(prompt, completion),
+        usage=usage_body(prompt, completion),
         kv=gen.get("kv_transfer_params"),
         fingerprint=None,
     )
@@ -612,7 +600,7 @@ def derender_completion(st: SimState, body: dict[str, Any]) -> dict[str, Any]:
         gens[0].get("request_id"),
         body.get("model") or st.settings.model_name,
         choices,
-        usage=_usage(prompt, completion),
+        usage=usage_body(prompt, completion),
         kv=kv,
         fingerprint=None,
     )
@@ -649,7 +637,7 @@ def _stream_usage(chunk: dict[str, Any], prompt_tokens: Any) -> dict[str, Any] |
     if not isinstance(u, dict):
         return None
     pt = prompt_tokens if isinstance(prompt_tokens, int) else (u.get("prompt_tokens") or 0)
-    return _usage(pt, u.get("completion_tokens") or 0)
+    return usage_body(pt, u.get("completion_tokens") or 0)
 
 
 def derender_stream(st: SimState, body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
@@ -908,7 +896,7 @@ def _aggregate_full(
             else _completion_choice(c.get("index", 0), c, text, _completion_logprobs(lp))
         )
     u = gen["usage"]
-    usage = _usage(u["prompt_tokens"], u["completion_tokens"])
+    usage = usage_body(u["prompt_tokens"], u["completion_tokens"])
     build = _chat_response if chat else _completion_response
     return build(
         rid, model, choices, usage=usage, kv=gen.get("kv_transfer_params"), fingerprint=SYSTEM_FINGERPRINT
@@ -977,7 +965,8 @@ async def _aggregate_stream(
                         {
                             **head(),
                             "choices": [],
-                            "usage": _usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0), False),
+                            "usage": usage_body(u.get("prompt_tokens", 0),
+                                                u.get("completion_tokens", 0), False),
                             "system_fingerprint": SYSTEM_FINGERPRINT,
                         }
                     )

@@ -269,3 +269,13 @@ def parse_generate_request(body: Any) -> GenerateRequest:
         raise validation_error(errors) from None
     verify_sampling_params(req.sampling_params)
     return req
+
+
+def usage_body(prompt: int, completion: int, details: bool = True) -> dict[str, Any]:
+    """vLLM's ``usage`` object, its keys in vLLM's order (``details``: the two null detail keys too)."""
+    u: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                         "completion_tokens": completion}
+    if details:
+        u["prompt_tokens_details"] = None
+        u["completion_tokens_details"] = None
+    return u

@@ -31,6 +31,7 @@ from .protocol import (
     GenerateRequest,
     parse_generate_request,
     unsupported_media_type,
+    usage_body,
     vllm_error,
 )
 from .sequence import SeqConfig, Sequence, prompt_logprobs
@@ -574,16 +575,7 @@ class _Run:
         return json_response(body, headers=self._headers())
 
     def _usage(self, n_out: int, details: bool) -> dict[str, Any]:
-        n_prompt = len(self.prompt)
-        usage: dict[str, Any] = {
-            "prompt_tokens": n_prompt,
-            "total_tokens": n_prompt + n_out,
-            "completion_tokens": n_out,
-        }
-        if details:
-            usage["prompt_tokens_details"] = None
-            usage["completion_tokens_details"] = None
-        return usage
+        return usage_body(len(self.prompt), n_out, details)
 
     def _chunk(self, c: Sequence) -> bytes:
         """One SSE event for choice ``c``: its new tokens (and text/logprobs), final if it finished."""
